@@ -1,0 +1,192 @@
+"""Ids and records shared by every layer: frozen dataclasses and the one name check. No I/O.
+
+Records serialise to plain JSON-able dicts with ``to_dict``/``from_dict``; ids of chunks and
+manifests are 32-byte BLAKE3 digests, written as lowercase hex outside the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ksfs.errors import BadName
+
+NAME_MAX = 255
+
+EVENT_TYPES = frozenset(
+    {
+        "session.created",
+        "session.adopted",
+        "session.removed",
+        "checkpoint.begin",
+        "checkpoint.published",
+        "checkpoint.failed",
+        "checkpoint.deleted",
+        "restore.begin",
+        "restore.done",
+        "restore.failed",
+        "fork.created",
+        "lineage.forked",
+        "reconcile",
+        "pause",
+        "resume",
+        "gateway.call",
+        "gateway.replay",
+        "budget.refused",
+        "budget.set",
+        "recover",
+        "input.rejected",
+        "fs.unreadable",
+    }
+)
+
+
+def validate_name(name: str, what: str = "name") -> str:
+    """Return ``name`` if it can name a session, checkpoint or file; raise BadName otherwise.
+
+    This is the one place names are checked, so no name a user writes can climb out of the
+    store or the mount.
+    """
+    if not isinstance(name, str):
+        raise BadName(name=name, why=f"{what} must be text")
+    if name == "":
+        raise BadName(name=name, why=f"{what} is empty")
+    if name in (".", ".."):
+        raise BadName(name=name, why=f"{what} cannot be '.' or '..'")
+    if "/" in name:
+        raise BadName(name=name, why=f"{what} cannot contain '/'")
+    if "\0" in name:
+        raise BadName(name=name, why=f"{what} cannot contain NUL")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise BadName(name=name, why=f"{what} cannot contain control characters")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadName(name=name, why=f"{what} is not valid UTF-8") from None
+    if len(encoded) > NAME_MAX:
+        raise BadName(name=name[:20] + "...", why=f"{what} is longer than {NAME_MAX} bytes")
+    return name
+
+
+def checkpoint_name_for_seq(seq: int) -> str:
+    """The name of an unnamed checkpoint: ``c_`` and its begin event's seq, 4 digits at least."""
+    return f"c_{seq:04d}"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of a checkpoint: its manifest in the store and its sizes.
+
+    ``size`` is the true byte size; ``stored`` the compressed bytes of chunks this file was the
+    first to bring into the store (what deleting it alone could free, at most).
+    ``chunking`` is ``fixed`` (64 KiB, disk images) or ``cdc`` (FastCDC, everything else).
+    """
+
+    name: str
+    manifest: str  # hex BLAKE3 id of the manifest
+    size: int
+    stored: int = 0
+    chunking: str = "cdc"
+    digest: str = ""  # hex BLAKE3 of the whole file's bytes, for meta.json and cmp without reading
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FileRecord:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class ForkPoint:
+    """Where a lineage branched: the parent session, its checkpoint and the parent's seq then."""
+
+    session: str
+    checkpoint: str
+    seq: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> ForkPoint | None:
+        return None if d is None else cls(**d)
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A published checkpoint. It exists only once the transaction that wrote it committed."""
+
+    session: str
+    name: str
+    seq: int
+    created: float
+    files: tuple[FileRecord, ...]
+    parent: str | None = None  # the session's previous checkpoint this one was built on
+    domain_xml: str | None = None
+    transcript_seq: int | None = None  # last transcript seq seen in the guest disk, if read
+
+    def file(self, name: str) -> FileRecord | None:
+        for f in self.files:
+            if f.name == name:
+                return f
+        return None
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(f.stored for f in self.files)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["files"] = [f.to_dict() for f in self.files]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CheckpointRecord:
+        d = dict(d)
+        d["files"] = tuple(FileRecord.from_dict(f) for f in d["files"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """A session: one lineage of one machine. ``domain`` is None for an offline session."""
+
+    name: str
+    lineage: str  # hex id, unique for ever, so a reused session name never joins an old history
+    created: float
+    domain: str | None = None
+    parent: ForkPoint | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["parent"] = self.parent.to_dict() if self.parent else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SessionRecord:
+        d = dict(d)
+        d["parent"] = ForkPoint.from_dict(d.get("parent"))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of a lineage's host event log. Seqs start at 0 and have no gaps."""
+
+    seq: int
+    time: float
+    type: str
+    body: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Event:
+        return cls(**d)
