@@ -1,3 +1,0 @@
-"""Placeholder replaced below."""
-def main():
-    pass

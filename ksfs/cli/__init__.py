@@ -1,0 +1,110 @@
+"""The ksfs command line (click). Only this package imports click.
+
+Commands live one family per module (store, ledger, vm, mount, gateway); this module holds the
+root group, the global ``--store`` option and the one place that turns a KsfsError into one clear
+line on stderr and its class's exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ksfs.errors import KsfsError
+
+
+def default_store() -> str:
+    return os.environ.get("KSFS_STORE") or str(Path.home() / ".local/share/ksfs")
+
+
+class Context:
+    """What every command gets: the store path, and the store/ledger opened on first use."""
+
+    def __init__(self, store_path: str) -> None:
+        self.store_path = store_path
+        self._store = None
+        self._ledger = None
+
+    def store(self, create: bool = False):  # -> ChunkStore
+        from ksfs.cas import ChunkStore
+
+        if self._store is None:
+            self._store = ChunkStore.open(self.store_path, create=create)
+        return self._store
+
+    def ledger(self, create: bool = False):  # -> Ledger
+        from ksfs.ledger import Ledger
+
+        if self._ledger is None:
+            self._ledger = Ledger(self.store(create=create))
+        return self._ledger
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+            self._ledger = None
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+def emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, sort_keys=True))
+
+
+class KsfsGroup(click.Group):
+    """Turns every KsfsError into one line on stderr and the error's exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KsfsError as exc:
+            click.echo(f"ksfs: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        finally:
+            obj = ctx.find_object(Context)
+            if obj is not None:
+                obj.close()
+
+
+@click.group(cls=KsfsGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--store",
+    "store_path",
+    envvar="KSFS_STORE",
+    default=default_store,
+    show_default="$KSFS_STORE or ~/.local/share/ksfs",
+    help="The store directory.",
+)
+@click.version_option(package_name="ksfs")
+@click.pass_context
+def main(ctx: click.Context, store_path: str) -> None:
+    """KeepState FS: durable virtual machines as a filesystem of sessions, checkpoints and forks.
+
+    Exit codes: 0 ok, 1 other error, 2 bad input, 3 not found, 4 already exists, 5 not a store,
+    6 damaged data, 7 chunker unavailable, 8 busy, 9 no space, 10 virtual machine error,
+    11 gateway/budget, 12 read-only or not permitted, 13 daemon error.
+    """
+    ctx.obj = Context(store_path)
+
+
+def _register() -> None:
+    # Each command family registers itself on import; a missing module (work in progress) must not
+    # break the others.
+    import importlib
+
+    for mod in ("store_cmds", "ledger_cmds", "vm_cmds", "mount_cmds", "gateway_cmds"):
+        try:
+            importlib.import_module(f"ksfs.cli.{mod}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"ksfs.cli.{mod}":
+                raise
+
+
+_register()
