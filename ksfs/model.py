@@ -104,6 +104,7 @@ class ForkPoint:
     session: str
     checkpoint: str
     seq: int
+    lineage: str = ""  # the parent's lineage id, so the chain survives the parent's removal
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
