@@ -163,6 +163,8 @@ class SessionRecord:
     domain: str | None = None
     parent: ForkPoint | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    # Set (a time) when the session was removed but its checkpoints kept, read-only.
+    removed: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
