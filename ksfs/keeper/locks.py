@@ -1,0 +1,42 @@
+"""Per-session and store-wide verb locks that hold across threads and processes.
+
+Verbs on one session are serialised; verbs on different sessions may run at once. The lock is an
+flock on a file under ``STORE/locks/`` opened afresh for every acquisition, so it excludes other
+threads of this process (each has its own open file description) as well as other processes: the
+CLI working without a daemon and the daemon obey the same locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ksfs.errors import Busy
+
+
+@contextlib.contextmanager
+def session_lock(store_path: Path, session: str, timeout: float | None = None) -> Iterator[None]:
+    """Hold the verb lock of ``session`` (by name: a name is one machine at a time)."""
+    locks = Path(store_path) / "locks"
+    locks.mkdir(exist_ok=True)
+    # Hash the name so no name, however odd, can reach outside locks/.
+    path = locks / (hashlib.blake2s(session.encode()).hexdigest()[:32] + ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline else 0))
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise Busy(f"session {session!r} is busy with another verb") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,172 @@
+"""Verbs that need no virtual machine: import files as a checkpoint, delete, gc, check, stats."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from ksfs.errors import AlreadyExists, BadInput, NoSuchFile, NoSuchSession
+from ksfs.keeper.locks import session_lock
+from ksfs.model import CheckpointRecord, FileRecord, checkpoint_name_for_seq, validate_name
+
+Progress = Callable[[int, int], None]
+
+
+def is_disk_image(name: str) -> bool:
+    """Disk images chunk at fixed 64 KiB (the qcow2 cluster); everything else by content."""
+    return (name.startswith("disk") and name.endswith(".raw")) or name.endswith(".img")
+
+
+class OfflineVerbs:
+    def ensure_session(self, session: str) -> None:
+        """Create an offline session (no machine) when ``session`` does not exist yet."""
+        validate_name(session, "session name")
+        try:
+            self.ledger.session(session)
+        except NoSuchSession:
+            with self.store.env.begin(write=True) as txn:
+                try:
+                    self.ledger.create_session(txn, session)
+                except AlreadyExists:
+                    pass
+
+    def import_files(
+        self,
+        session: str,
+        checkpoint: str | None,
+        files: Iterable[str | os.PathLike],
+        disks: Iterable[str | os.PathLike] = (),
+        progress: Progress | None = None,
+    ) -> CheckpointRecord:
+        """Store ``files`` (each under its base name) as one offline checkpoint of ``session``."""
+        validate_name(session, "session name")
+        if checkpoint is not None:
+            validate_name(checkpoint, "checkpoint name")
+        disk_set = {Path(d) for d in disks}
+        paths = [Path(f) for f in files] + sorted(disk_set - {Path(f) for f in files})
+        if not paths:
+            raise BadInput("nothing to import: name at least one file")
+        names = [p.name for p in paths]
+        for p, n in zip(paths, names):
+            validate_name(n, "file name")
+            if not p.is_file():
+                raise NoSuchFile(what="file to import", name=str(p))
+        if len(set(names)) != len(names):
+            raise BadInput("two files to import share one base name")
+        self.ensure_session(session)
+        with session_lock(self.store_path, session):
+            if checkpoint is not None and checkpoint in set(self.ledger.checkpoint_names(session)):
+                raise AlreadyExists(what="checkpoint", name=checkpoint)
+            begin = self.ledger.record(
+                session, "checkpoint.begin", {"name": checkpoint, "source": "import"}
+            )
+            name = checkpoint or checkpoint_name_for_seq(begin.seq)
+            total = sum(p.stat().st_size for p in paths)
+            done = 0
+
+            def step(n: int, _total: int) -> None:
+                if progress:
+                    progress(done + n, total)
+
+            try:
+                with self.store.ingest() as ingest:
+                    records = []
+                    for p in paths:
+                        chunking = "fixed" if (p in disk_set or is_disk_image(p.name)) else "cdc"
+                        f = ingest.add_file(str(p), chunking=chunking, progress=step)
+                        done += f.size
+                        records.append(
+                            FileRecord(p.name, f.manifest, f.size, f.stored, f.chunking, f.digest)
+                        )
+                    ingest.seal()
+                    parent = self.ledger.latest_checkpoint(session)
+                    record = CheckpointRecord(
+                        session=session,
+                        name=name,
+                        seq=begin.seq,
+                        created=time.time(),
+                        files=tuple(records),
+                        parent=parent.name if parent else None,
+                    )
+                    with self.store.env.begin(write=True) as txn:
+                        ingest.commit(txn)
+                        self.ledger.put_checkpoint(txn, record)
+                        self.ledger.append(
+                            txn, session, "checkpoint.published", self._published_body(record)
+                        )
+            except BaseException as exc:
+                self._record_failure(session, name, exc)
+                raise
+            return record
+
+    def _published_body(self, record: CheckpointRecord) -> dict[str, Any]:
+        return {
+            "name": record.name,
+            "seq": record.seq,
+            "logical_bytes": record.logical_bytes,
+            "stored_bytes": record.stored_bytes,
+            "files": [f.name for f in record.files],
+        }
+
+    def _record_failure(self, session: str, name: str, exc: BaseException) -> None:
+        try:
+            self.ledger.record(
+                session, "checkpoint.failed", {"name": name, "reason": _reason(exc)}
+            )
+        except Exception:  # the store itself may be what failed; the raise above says why
+            pass
+
+    def delete_checkpoint(self, session: str, checkpoint: str) -> None:
+        validate_name(session, "session name")
+        validate_name(checkpoint, "checkpoint name")
+        with session_lock(self.store_path, session):
+            self.ledger.checkpoint(session, checkpoint)  # NoSuchCheckpoint first
+            with self.store.env.begin(write=True) as txn:
+                self.ledger.delete_checkpoint(txn, session, checkpoint)
+
+    def open_file(self, session: str, checkpoint: str, filename: str):
+        """A random-access reader of one stored file of a checkpoint (``.size``, ``.read``)."""
+        record = self.ledger.checkpoint(session, checkpoint)
+        f = record.file(filename)
+        if f is None:
+            raise NoSuchFile(what=f"file of checkpoint {session}/{checkpoint}", name=filename)
+        return self.store.open_file(f.manifest)
+
+    def references(self) -> dict[str, list[str]]:
+        """Every manifest in use, with the checkpoint files that use it (for check and gc)."""
+        refs: dict[str, list[str]] = {}
+        for s in self.ledger.sessions():
+            for c in self.ledger.checkpoints(s.name):
+                for f in c.files:
+                    refs.setdefault(f.manifest, []).append(f"{s.name}/{c.name}/{f.name}")
+        return refs
+
+    def check(self, read_data: bool = False):
+        return self.store.check(read_data=read_data, references=self.references())
+
+    def gc(self):
+        return self.store.gc(self.ledger.live_manifests())
+
+    def stats(self) -> dict[str, Any]:
+        figures = dict(self.store.stats())
+        logical = 0
+        count = 0
+        for s in self.ledger.sessions():
+            for c in self.ledger.checkpoints(s.name):
+                logical += c.logical_bytes
+                count += 1
+        figures["logical_bytes"] = logical
+        figures["checkpoints"] = count
+        figures["sessions"] = len(self.ledger.sessions())
+        stored = figures.get("stored_bytes") or 0
+        figures["dedup_ratio"] = round(logical / stored, 2) if stored else None
+        return figures
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return str(exc) or type(exc).__name__

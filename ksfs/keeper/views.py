@@ -1,0 +1,161 @@
+"""Read-only views the mount and the CLI show: status, events, meta.json, store figures, usage.
+
+Each returns bytes ready to serve as a file, built from the ledger on demand (cheap: no manifest is
+loaded to list or describe a checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ksfs.model import CheckpointRecord
+
+CHECKPOINT_VIRTUAL_FILES = ("domain.xml", "meta.json", "transcript")
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+class Views:
+    def session_names(self) -> list[str]:
+        return [s.name for s in self.ledger.sessions()]
+
+    def status(self, session: str) -> dict[str, Any]:
+        rec = self.ledger.session(session)
+        latest = self.ledger.latest_checkpoint(session)
+        state = "offline"
+        if rec.domain:
+            state = self.machine_state(session)
+        return {
+            "session": rec.name,
+            "lineage": rec.lineage,
+            "domain": rec.domain,
+            "state": state,
+            "seq": self.ledger.last_seq(session),
+            "last_checkpoint": latest.name if latest else None,
+            "parent": rec.parent.to_dict() if rec.parent else None,
+        }
+
+    def status_bytes(self, session: str) -> bytes:
+        return _json_bytes(self.status(session))
+
+    def events_bytes(self, session: str, since: int = 0) -> bytes:
+        return b"".join(
+            (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode()
+            for e in self.ledger.events(session, since)
+        )
+
+    def usage(self, session: str) -> dict[str, Any]:
+        self.ledger.session(session)
+        if self.gateway is not None:
+            return self.gateway.usage(session)
+        from ksfs.gateway.usage import read_usage  # reads the gateway's tables directly
+
+        return read_usage(self.store, self.ledger, session)
+
+    def usage_bytes(self, session: str) -> bytes:
+        return _json_bytes(self.usage(session))
+
+    def store_bytes(self) -> bytes:
+        return _json_bytes(self.stats())
+
+    def checkpoint_files(self, record: CheckpointRecord) -> list[str]:
+        names = [f.name for f in record.files]
+        extra = [n for n in CHECKPOINT_VIRTUAL_FILES if n not in names]
+        if not record.domain_xml:
+            extra.remove("domain.xml")
+        if not self._has_disk(record):
+            extra.remove("transcript")
+        return names + extra
+
+    def _has_disk(self, record: CheckpointRecord) -> bool:
+        return record.file("disk.raw") is not None
+
+    def meta(self, record: CheckpointRecord) -> dict[str, Any]:
+        return {
+            "session": record.session,
+            "name": record.name,
+            "seq": record.seq,
+            "parent": record.parent,
+            "created": record.created,
+            "transcript_seq": record.transcript_seq,
+            "logical_bytes": record.logical_bytes,
+            "stored_bytes": record.stored_bytes,
+            "files": {
+                f.name: {
+                    "size": f.size,
+                    "stored": f.stored,
+                    "chunking": f.chunking,
+                    "blake3": f.digest,
+                    "manifest": f.manifest,
+                }
+                for f in record.files
+            },
+        }
+
+    def meta_bytes(self, record: CheckpointRecord) -> bytes:
+        return _json_bytes(self.meta(record))
+
+    def checkpoint_virtual_file(self, record: CheckpointRecord, name: str) -> bytes:
+        """The bytes of a checkpoint file made from its record rather than stored as chunks."""
+        if name == "meta.json":
+            return self.meta_bytes(record)
+        if name == "domain.xml":
+            return (record.domain_xml or "").encode()
+        if name == "transcript":
+            return self.transcript_bytes(record)
+        raise KeyError(name)
+
+    def transcript_bytes(self, record: CheckpointRecord) -> bytes:
+        """The guest's transcript file as of the checkpoint, read out of its disk image."""
+        from ksfs.errors import KsfsError
+
+        try:
+            fs = self.guest_fs(record)
+            if fs is None:
+                return b""
+            path = self.transcript_path(record.session)
+            st = fs.stat(path)
+            return fs.read(path, 0, st.size)
+        except KsfsError:
+            return b""
+
+    def resume_result(self, session: str) -> bytes:
+        """What reading ``resume`` tells: the last restore's outcome, one line."""
+        self.ledger.session(session)
+        for ev in reversed(list(self.ledger.events(session))):
+            if ev.type in ("restore.done", "restore.failed"):
+                word = "ok" if ev.type == "restore.done" else "failed"
+                text = f"{word} {ev.body.get('checkpoint', '')} seq={ev.seq}"
+                if ev.type == "restore.failed":
+                    text += f": {ev.body.get('reason', '')}"
+                return (text + "\n").encode()
+            if ev.type == "input.rejected" and ev.body.get("file") == "resume":
+                return f"rejected: {ev.body.get('why', '')}\n".encode()
+        return b"none\n"
+
+    def reject(self, session: str | None, file: str, value: str, why: str) -> None:
+        """Record that input to ``file`` was refused, in the session's log when there is one."""
+        if session is None:
+            return
+        try:
+            self.ledger.record(
+                session, "input.rejected", {"file": file, "value": value[:200], "why": why}
+            )
+        except Exception:  # an unknown session has no log to record in
+            pass
+
+    def transcript_path(self, session: str) -> str:
+        rec = self.ledger.session(session)
+        return rec.config.get("transcript_path", "agent/transcript.jsonl")
+
+    def guest_fs(self, record: CheckpointRecord):
+        """The guest filesystem of a checkpoint's disk, or None when it has no disk."""
+        f = record.file("disk.raw")
+        if f is None:
+            return None
+        from ksfs.guestfs import GuestFS
+
+        return GuestFS.open(self.store.open_file(f.manifest))
