@@ -23,35 +23,41 @@ def default_store() -> str:
 
 
 class Context:
-    """What every command gets: the store path, and the store/ledger opened on first use."""
+    """What every command gets: the store path, and the keeper (store + ledger) opened once.
+
+    One process opens the LMDB environment once only (LMDB forbids opening it twice), so the store
+    and ledger are always the keeper's.
+    """
 
     def __init__(self, store_path: str) -> None:
         self.store_path = store_path
-        self._store = None
-        self._ledger = None
+        self.keeper = None
+
+    def open_keeper(self, create: bool = False):  # -> Keeper
+        from ksfs.keeper import Keeper
+
+        if self.keeper is None:
+            self.keeper = Keeper(self.store_path, create=create)
+        return self.keeper
 
     def store(self, create: bool = False):  # -> ChunkStore
-        from ksfs.cas import ChunkStore
-
-        if self._store is None:
-            self._store = ChunkStore.open(self.store_path, create=create)
-        return self._store
+        return self.open_keeper(create).store
 
     def ledger(self, create: bool = False):  # -> Ledger
-        from ksfs.ledger import Ledger
-
-        if self._ledger is None:
-            self._ledger = Ledger(self.store(create=create))
-        return self._ledger
+        return self.open_keeper(create).ledger
 
     def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-            self._ledger = None
+        if self.keeper is not None:
+            self.keeper.close()
+            self.keeper = None
 
 
 pass_ctx = click.make_pass_decorator(Context)
+
+
+def keeper_for(ctx: Context, create: bool = False):
+    """The keeper of the store (opened once per command)."""
+    return ctx.open_keeper(create)
 
 
 def emit_json(obj: Any) -> None:

@@ -1,0 +1,154 @@
+"""Store verbs: import, cat, stats, check, rm, gc."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ksfs.cli import emit_json, keeper_for, main, pass_ctx
+from ksfs.errors import IntegrityError
+
+
+def progress_bar(label: str):
+    """A callback(done, total) drawing a bar on a terminal; None when stderr is piped."""
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    state: dict = {}
+
+    def update(done: int, total: int) -> None:
+        bar = state.get("bar")
+        if bar is None:
+            bar = state["bar"] = click.progressbar(
+                length=max(total, 1), label=label, file=sys.stderr, show_pos=False
+            )
+            bar.__enter__()
+        bar.update(done - bar.pos)
+
+    def finish() -> None:
+        if "bar" in state:
+            state["bar"].__exit__(None, None, None)
+
+    return update, finish
+
+
+@main.command("import")
+@click.argument("session")
+@click.argument("checkpoint")
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--disk", "disks", multiple=True, type=click.Path(dir_okay=False),
+              help="A file to chunk as a disk image (fixed 64 KiB), whatever its name.")
+@click.option("--json", "as_json", is_flag=True, help="Print the checkpoint record as JSON.")
+@pass_ctx
+def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> None:
+    """Store FILES as checkpoint CHECKPOINT of SESSION (created offline when missing).
+
+    Each file is stored under its base name. disk*.raw, *.img and --disk files are chunked at
+    fixed 64 KiB boundaries, everything else by content (FastCDC).
+
+    Example: ksfs import demo c1 disk.raw memory
+    """
+    keeper = keeper_for(ctx, create=True)
+    update, finish = progress_bar(f"import {checkpoint}")
+    try:
+        record = keeper.import_files(session, checkpoint, files, disks=disks, progress=update)
+    finally:
+        finish()
+    if as_json:
+        emit_json(record.to_dict())
+    else:
+        click.echo(
+            f"{session}/{record.name}: {len(record.files)} files, "
+            f"{record.logical_bytes} bytes, {record.stored_bytes} new bytes stored"
+        )
+        click.echo(record.name)
+
+
+@main.command()
+@click.argument("session")
+@click.argument("checkpoint")
+@click.argument("file")
+@pass_ctx
+def cat(ctx, session: str, checkpoint: str, file: str) -> None:
+    """Write FILE of SESSION's CHECKPOINT to standard output.
+
+    Example: ksfs cat demo c1 disk.raw | sha256sum
+    """
+    keeper = keeper_for(ctx)
+    reader = keeper.open_file(session, checkpoint, file)
+    out = sys.stdout.buffer
+    step = 4 << 20
+    try:
+        for offset in range(0, reader.size, step):
+            out.write(reader.read(offset, min(step, reader.size - offset)))
+        out.flush()
+    except BrokenPipeError:
+        sys.stderr.close()  # the reader went away (head, cmp): not an error of ours
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
+@pass_ctx
+def stats(ctx, as_json: bool) -> None:
+    """Show the store figures: logical and stored bytes, chunks, packs, checkpoints, dedup ratio.
+
+    Example: ksfs stats --json | jq .dedup_ratio
+    """
+    figures = keeper_for(ctx).stats()
+    if as_json:
+        emit_json(figures)
+        return
+    for key in ("logical_bytes", "stored_bytes", "chunks", "packs", "checkpoints", "sessions",
+                "dedup_ratio"):
+        click.echo(f"{key:14} {figures.get(key)}")
+
+
+@main.command()
+@click.option("--read-data", is_flag=True, help="Also read, decompress and hash every chunk.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@pass_ctx
+def check(ctx, read_data: bool, as_json: bool) -> None:
+    """Check the store; exit 0 when clean, else name every damaged chunk, pack and file.
+
+    Example: ksfs check --read-data
+    """
+    report = keeper_for(ctx).check(read_data=read_data)
+    problems = list(report.problems()) if hasattr(report, "problems") else list(report)
+    if as_json:
+        emit_json({"ok": not problems, "problems": problems})
+    elif not problems:
+        click.echo("store: clean" + (" (all data read)" if read_data else ""))
+    else:
+        for line in problems:
+            click.echo(line)
+    if problems:
+        raise SystemExit(IntegrityError.exit_code)
+
+
+@main.command("rm")
+@click.argument("session")
+@click.argument("checkpoint")
+@pass_ctx
+def rm(ctx, session: str, checkpoint: str) -> None:
+    """Delete CHECKPOINT of SESSION (its chunks are freed by the next gc).
+
+    Example: ksfs rm demo c1 && ksfs gc
+    """
+    keeper_for(ctx).delete_checkpoint(session, checkpoint)
+    click.echo(f"deleted {session}/{checkpoint}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print what was freed as JSON.")
+@pass_ctx
+def gc(ctx, as_json: bool) -> None:
+    """Free chunks no checkpoint uses and repack sparse packs.
+
+    Example: ksfs gc --json
+    """
+    result = keeper_for(ctx).gc()
+    data = result if isinstance(result, dict) else getattr(result, "__dict__", {"result": result})
+    if as_json:
+        emit_json(data)
+    else:
+        click.echo(" ".join(f"{k}={v}" for k, v in data.items()))
