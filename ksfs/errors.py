@@ -110,6 +110,10 @@ class ManifestCorrupt(IntegrityError):
     """manifest {manifest} is damaged or missing ({why})"""
 
 
+class GuestFSUnreadable(IntegrityError):
+    """guest filesystem cannot be read: {why}"""
+
+
 class ChunkerUnavailable(KsfsError):
     """{message}"""
 

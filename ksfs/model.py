@@ -193,3 +193,20 @@ class Event:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Event:
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class TranscriptInfo:
+    """What a guest's transcript says: the seq and lineage of its last whole line (None when it
+    has none; lineage None when that line names none) and how many whole lines it has."""
+
+    last_seq: int | None
+    lineage: str | None
+    count: int = 0
+
+    @property
+    def lines(self) -> int:
+        return self.count
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
