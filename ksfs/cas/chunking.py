@@ -1,0 +1,155 @@
+"""Cutting a source file into chunks: fixed 64 KiB for disk images, FastCDC for the rest.
+
+Chunkers read the source and yield batches of ``(offset, bytes)``; they never hash, compress or
+write, and never decide what is a hole (the ingest does, on the worker threads). The CDC cutter
+is pyfastcdc's compiled module only: its pure-Python fallback is some 200x slower, so when only
+the fallback loads we refuse with ChunkerUnavailable rather than crawl.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+from ksfs.errors import BadInput, ChunkerUnavailable, translate
+
+FIXED_SIZE = 64 * 1024  # the qcow2 cluster: an incremental checkpoint replaces whole clusters
+CDC_MIN = 16 * 1024
+CDC_AVG = 64 * 1024
+CDC_MAX = 256 * 1024
+BATCH_BYTES = 8 * 1024 * 1024  # read this much per batch: big sequential reads, bounded memory
+
+Batch = list[tuple[int, bytes]]
+
+
+class Source(Protocol):
+    size: int
+
+    def pread(self, offset: int, n: int) -> bytes: ...
+
+
+class FileSource:
+    """A regular file opened for reading; ``size`` is taken once at open."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        with translate("open source file", path):
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self.size = os.fstat(self.fd).st_size
+        self.path = os.fspath(path)
+
+    def pread(self, offset: int, n: int) -> bytes:
+        with translate("read source file", self.path):
+            return os.pread(self.fd, n, offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def open_source(source: Any) -> tuple[Source, bool]:
+    """Return (source, opened_here): a path becomes a FileSource the caller must close."""
+    if isinstance(source, str | bytes | os.PathLike):
+        return FileSource(source), True
+    if not hasattr(source, "size") or not hasattr(source, "pread"):
+        raise BadInput("a source must be a path or have .size and .pread(offset, n)")
+    return source, False
+
+
+def read_exact(source: Source, offset: int, n: int) -> bytes:
+    """Read n bytes at offset, looping over short reads; a source that ends early is an error."""
+    data = source.pread(offset, n)
+    if len(data) == n:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        more = source.pread(offset + got, n - got)
+        if not more:
+            raise BadInput(f"source ended at byte {offset + got}, before its size {source.size}")
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def load_fastcdc() -> Any:
+    """The compiled FastCDC class, or ChunkerUnavailable."""
+    try:
+        from pyfastcdc.cy import FastCDC
+    except ImportError as exc:
+        raise ChunkerUnavailable(
+            "pyfastcdc's compiled chunker (pyfastcdc.cy) cannot be imported, and its pure-Python "
+            f"fallback is far too slow to use: reinstall pyfastcdc with its wheel ({exc})"
+        ) from exc
+    return FastCDC
+
+
+def iter_fixed(
+    source: Source, ranges: Iterable[tuple[int, int]] | None = None
+) -> Iterator[Batch]:
+    """Yield batches of 64 KiB chunks (the last one may be short), all of them or only those
+    overlapping ``ranges``."""
+    size = source.size
+    if ranges is None:
+        spans = [(0, size)]
+    else:
+        spans = changed_spans(ranges, size)
+    for start, end in spans:
+        pos = start
+        while pos < end:
+            n = min(BATCH_BYTES, end - pos)
+            data = read_exact(source, pos, n)
+            yield [(pos + i, data[i : i + FIXED_SIZE]) for i in range(0, n, FIXED_SIZE)]
+            pos += n
+
+
+def changed_spans(ranges: Iterable[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """Round ranges out to 64 KiB boundaries, clip to size, sort and merge them."""
+    spans = []
+    for off, length in ranges:
+        if off < 0 or length < 0:
+            raise BadInput(f"changed range ({off}, {length}) is negative")
+        if length == 0 or off >= size:
+            continue
+        start = off - off % FIXED_SIZE
+        end = min(size, -(-(off + length) // FIXED_SIZE) * FIXED_SIZE)
+        spans.append((start, end))
+    spans.sort()
+    merged: list[tuple[int, int]] = []
+    for s, e in spans:
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def iter_cdc(source: Source, min_size: int = CDC_MIN, avg_size: int = CDC_AVG,
+             max_size: int = CDC_MAX) -> Iterator[Batch]:
+    """Yield batches of content-defined chunks.
+
+    The source is read in big blocks; every cut but the last in a buffer is final (it was found
+    with the whole max_size window in view), the last one is carried into the next buffer, so
+    the cuts equal those of one pass over the whole file.
+    """
+    cutter = load_fastcdc()(avg_size, min_size=min_size, max_size=max_size)
+    size = source.size
+    pos = 0
+    carry = b""
+    carry_off = 0
+    while pos < size or carry:
+        n = min(BATCH_BYTES, size - pos)
+        block = read_exact(source, pos, n) if n else b""
+        pos += n
+        buf = carry + block if carry else block
+        base = carry_off
+        cuts = [(c.offset, c.length) for c in cutter.cut_buf(buf)]
+        if pos < size and cuts:
+            last_off, _ = cuts.pop()
+            carry = buf[last_off:]
+            carry_off = base + last_off
+        else:
+            carry = b""
+            carry_off = base + len(buf)
+        batch = [(base + off, buf[off : off + length]) for off, length in cuts]
+        if batch:
+            yield batch

@@ -1,0 +1,169 @@
+"""On-disk encodings of the chunk store: pack records, index values, pack stats and manifests.
+
+Pure functions over bytes: this module never touches a file or the LMDB environment, so every
+layout decision of the store is in one place and can be tested on its own.
+
+A pack record is a 52-byte header followed by the stored payload::
+
+    magic "KSC1" | chunk id (32) | plain len u32 | stored len u32 | codec u8 | pad 3 | crc32 u32
+
+The header's crc32 covers the 48 bytes before it, so a check can walk and judge a pack without
+the index. The payload is zstd (codec 1) or raw bytes (codec 0, when zstd does not shrink it).
+
+A manifest is ``"KSM1" | chunking u8 | pad 3 | size u64 | count u64`` then ``count`` 40-byte
+entries ``length u64 | id (32)``; the top bit of length marks a hole (id all zero). Adjacent
+holes are always merged, so equal content chunked the same way gives byte-equal manifests.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import blake3
+
+from ksfs.errors import ManifestCorrupt
+
+CHUNK_MAGIC = b"KSC1"
+RECORD_HEADER = struct.Struct("<4s32sIIB3xI")
+HEADER_SIZE = RECORD_HEADER.size  # 52
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+
+INDEX_VALUE = struct.Struct("<IQIIB")  # pack, record offset, stored len, plain len, codec
+PACK_VALUE = struct.Struct("<QQ")  # committed size of the pack file, live record bytes
+
+MANIFEST_MAGIC = b"KSM1"
+MANIFEST_HEADER = struct.Struct("<4sB3xQQ")
+MANIFEST_ENTRY = struct.Struct("<Q32s")
+HOLE_BIT = 1 << 63
+NO_ID = bytes(32)
+CHUNKINGS = {"fixed": 0, "cdc": 1}
+CHUNKING_NAMES = {v: k for k, v in CHUNKINGS.items()}
+
+
+def chunk_id(data: bytes | memoryview) -> bytes:
+    """The id of a chunk: BLAKE3 of its plain bytes (the GIL is released for large inputs)."""
+    return blake3.blake3(data).digest()
+
+
+def encode_record_header(cid: bytes, plain_len: int, stored_len: int, codec: int) -> bytes:
+    body = RECORD_HEADER.pack(CHUNK_MAGIC, cid, plain_len, stored_len, codec, 0)[:-4]
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode_record_header(raw: bytes) -> tuple[bytes, int, int, int] | str:
+    """Return (id, plain len, stored len, codec) or a sentence saying what is wrong."""
+    if len(raw) < HEADER_SIZE:
+        return "record header cut short"
+    magic, cid, plain_len, stored_len, codec, crc = RECORD_HEADER.unpack(raw[:HEADER_SIZE])
+    if magic != CHUNK_MAGIC:
+        return "bad record magic"
+    if zlib.crc32(raw[: HEADER_SIZE - 4]) != crc:
+        return "record header checksum mismatch"
+    if codec not in (CODEC_RAW, CODEC_ZSTD):
+        return f"unknown codec {codec}"
+    return cid, plain_len, stored_len, codec
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a chunk lives: its record starts at ``offset`` in pack ``pack``."""
+
+    pack: int
+    offset: int
+    stored_len: int
+    plain_len: int
+    codec: int
+
+    @property
+    def record_len(self) -> int:
+        return HEADER_SIZE + self.stored_len
+
+    def encode(self) -> bytes:
+        return INDEX_VALUE.pack(
+            self.pack, self.offset, self.stored_len, self.plain_len, self.codec
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Location:
+        return cls(*INDEX_VALUE.unpack(raw))
+
+
+def pack_key(no: int) -> bytes:
+    return struct.pack(">I", no)  # big-endian so LMDB iterates packs in number order
+
+
+def pack_name(no: int) -> str:
+    return f"{no:08d}.pack"
+
+
+Entry = tuple[bytes | None, int]  # (chunk id, or None for a hole; plain length)
+
+
+def normalize(entries: list[Entry]) -> list[Entry]:
+    """Merge adjacent holes and drop empty entries, the one canonical form of a manifest."""
+    out: list[Entry] = []
+    for cid, length in entries:
+        if length <= 0:
+            continue
+        if cid is None and out and out[-1][0] is None:
+            out[-1] = (None, out[-1][1] + length)
+        else:
+            out.append((cid, length))
+    return out
+
+
+def encode_manifest(entries: list[Entry], chunking: str) -> bytes:
+    entries = normalize(entries)
+    size = sum(length for _, length in entries)
+    parts = [MANIFEST_HEADER.pack(MANIFEST_MAGIC, CHUNKINGS[chunking], size, len(entries))]
+    pack = MANIFEST_ENTRY.pack
+    for cid, length in entries:
+        parts.append(pack(length | HOLE_BIT, NO_ID) if cid is None else pack(length, cid))
+    return b"".join(parts)
+
+
+def manifest_id(raw: bytes) -> bytes:
+    return blake3.blake3(raw).digest()
+
+
+def content_digest(raw_manifest: bytes) -> str:
+    """The file digest ksfs records: BLAKE3 (derive-key mode) over the manifest's entries.
+
+    It is fixed by the file's bytes and its chunking, costs nothing on an incremental ingest,
+    and is not the b3sum of the file.
+    """
+    h = blake3.blake3(derive_key_context="ksfs 2026 file content digest v1")
+    h.update(raw_manifest[MANIFEST_HEADER.size :])
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ManifestInfo:
+    chunking: str
+    size: int
+    entries: list[Entry]
+
+
+def decode_manifest(raw: bytes, name: str = "?") -> ManifestInfo:
+    if len(raw) < MANIFEST_HEADER.size:
+        raise ManifestCorrupt(manifest=name, why="shorter than its header")
+    magic, chunking, size, count = MANIFEST_HEADER.unpack_from(raw)
+    if magic != MANIFEST_MAGIC or chunking not in CHUNKING_NAMES:
+        raise ManifestCorrupt(manifest=name, why="bad header")
+    if len(raw) != MANIFEST_HEADER.size + count * MANIFEST_ENTRY.size:
+        raise ManifestCorrupt(manifest=name, why="length does not match its entry count")
+    entries: list[Entry] = []
+    total = 0
+    for length, cid in MANIFEST_ENTRY.iter_unpack(memoryview(raw)[MANIFEST_HEADER.size :]):
+        if length & HOLE_BIT:
+            length &= ~HOLE_BIT
+            entries.append((None, length))
+        else:
+            entries.append((cid, length))
+        total += length
+    if total != size:
+        raise ManifestCorrupt(manifest=name, why="entry lengths do not add up to its size")
+    return ManifestInfo(CHUNKING_NAMES[chunking], size, entries)

@@ -1,0 +1,309 @@
+"""Putting files into the store: ``Ingest``, one batch of files that becomes visible at once.
+
+An ingest holds the store lock shared (GC waits), cuts each file into chunks, hashes, skips holes
+and chunks the store or this ingest already has, compresses the rest on the worker threads and
+appends them to its own packs. ``seal`` fsyncs and re-reads every record; ``commit(txn)`` writes
+index entries, pack figures and manifests into the caller's LMDB write transaction, where the
+caller also writes its own records. Nothing an ingest does is visible before that transaction
+commits, and an abandoned ingest leaves only unindexed pack bytes, which GC reclaims.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+import zstandard
+
+from ksfs.cas import format as fmt
+from ksfs.cas.chunking import FIXED_SIZE, changed_spans, iter_cdc, iter_fixed, open_source
+from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter
+from ksfs.crashpoints import crash_point
+from ksfs.errors import BadInput, IntegrityError, KsfsError
+
+if TYPE_CHECKING:
+    from ksfs.cas.store import ChunkStore
+
+Progress = Callable[[int, int], None]
+_zeros: dict[int, bytes] = {}
+
+
+def _zero(n: int) -> bytes:
+    z = _zeros.get(n)
+    if z is None:
+        z = bytes(n)
+        if len(_zeros) < 256:
+            _zeros[n] = z
+    return z
+
+
+@dataclass(frozen=True)
+class IngestedFile:
+    """One ingested file. ``stored``: compressed record bytes it was first to bring. ``digest``:
+    ksfs content digest (see ``format.content_digest``), not the b3sum of the file."""
+
+    manifest: str
+    size: int
+    stored: int
+    digest: str
+    chunking: str
+
+
+class Ingest:
+    """Invariant: every location in ``new`` lies in a pack this ingest alone appends to."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self.level = store.level
+        self.new: dict[bytes, fmt.Location] = {}
+        self.manifests: dict[bytes, bytes] = {}
+        self.writers: list[PackWriter] = []
+        self.writer: PackWriter | None = None
+        self.sealed = True
+        self.committed = False
+        self._local = threading.local()
+        self._lock_fd = store.lock(exclusive=False)
+        self._mutex = threading.Lock()  # add_file from two threads would interleave packs
+
+    def __enter__(self) -> Ingest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of packs and the store lock; unsealed or uncommitted work stays invisible."""
+        for w in self.writers:
+            if w.created and not w.written:
+                try:
+                    os.unlink(w.path)
+                except OSError:
+                    pass
+            w.close()
+        self.writers = []
+        self.writer = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # --- adding files --------------------------------------------------------------------
+
+    def add_file(self, source: Any, chunking: str = "fixed", base: str | None = None,
+                 changed: list[tuple[int, int]] | None = None,
+                 progress: Progress | None = None) -> IngestedFile:
+        if chunking not in fmt.CHUNKINGS:
+            raise BadInput(f"chunking must be 'fixed' or 'cdc', not {chunking!r}")
+        if (base is None) != (changed is None):
+            raise BadInput("base and changed go together: give both or neither")
+        if base is not None and chunking != "fixed":
+            raise BadInput("an incremental ingest (base + changed) needs fixed chunking")
+        if self._lock_fd < 0:
+            raise KsfsError("this ingest is closed; start a new one")
+        src, opened = open_source(source)
+        try:
+            with self._mutex:
+                self.sealed = False
+                return self._add(src, chunking, base, changed, progress)
+        finally:
+            if opened:
+                src.close()
+
+    def _add(self, src: Any, chunking: str, base: str | None,
+             changed: list[tuple[int, int]] | None, progress: Progress | None) -> IngestedFile:
+        size = src.size
+        if base is None:
+            slots: list[fmt.Entry] | None = None
+            batches = iter_fixed(src) if chunking == "fixed" else iter_cdc(src)
+            total = size
+        else:
+            slots, ranges = self._slots_from_base(base, size, changed or [])
+            total = sum(e - s for s, e in changed_spans(ranges, size))
+            batches = iter_fixed(src, ranges)
+        entries: list[fmt.Entry] = []
+        stored = 0
+        done = 0
+        for results in self._pipeline(batches):
+            for off, cid, length, payload in results:
+                if payload is not None and cid not in self.new:
+                    codec, data = payload
+                    loc = self._append(cid, data, length, codec)
+                    stored += loc.record_len
+                if slots is None:
+                    entries.append((cid, length))
+                else:
+                    slots[off // FIXED_SIZE] = (cid, length)
+                done += length
+            if progress is not None:
+                progress(done, total)
+        if slots is not None:
+            entries = slots
+        raw = fmt.encode_manifest(entries, chunking)
+        info = fmt.decode_manifest(raw)
+        if info.size != size:
+            raise IntegrityError(f"ingest produced {info.size} bytes of manifest for a "
+                                 f"{size}-byte file")
+        mid = fmt.manifest_id(raw)
+        self.manifests[mid] = raw
+        return IngestedFile(mid.hex(), size, stored, fmt.content_digest(raw), chunking)
+
+    def _slots_from_base(self, base: str, size: int, changed: list[tuple[int, int]]
+                         ) -> tuple[list[fmt.Entry], list[tuple[int, int]]]:
+        """Base entries as one slot per 64 KiB chunk, and the ranges that must be re-read."""
+        info = self.store.load_manifest(base)
+        if info.chunking != "fixed":
+            raise BadInput(f"base manifest {base} was not chunked at fixed 64 KiB")
+        old: list[fmt.Entry] = []
+        pos = 0
+        for cid, length in info.entries:
+            if cid is None:
+                full, rest = divmod(length, FIXED_SIZE)
+                old.extend([(None, FIXED_SIZE)] * full)
+                if rest:
+                    old.append((None, rest))
+            else:
+                if pos % FIXED_SIZE or (length != FIXED_SIZE and pos + length != info.size):
+                    raise BadInput(f"base manifest {base} is not cut at 64 KiB boundaries")
+                old.append((cid, length))
+            pos += length
+        count = -(-size // FIXED_SIZE)
+        ranges = list(changed)
+        if size != info.size:
+            # the old last chunk may be short, and everything past the old end is new
+            tail = (min(size, info.size) // FIXED_SIZE) * FIXED_SIZE
+            ranges.append((tail, max(size, info.size) - tail))
+        slots = old[:count]
+        slots.extend([(None, 0)] * (count - len(slots)))
+        return slots, ranges
+
+    def _pipeline(self, batches: Iterator[list[tuple[int, bytes]]]
+                  ) -> Iterator[list[tuple[int, bytes | None, int, Any]]]:
+        """Hash and compress batch k on the workers while batch k+1 is read."""
+        pending: list[Any] | None = None
+        for batch in batches:
+            futs = self._submit(batch)
+            if pending is not None:
+                yield [r for f in pending for r in f.result()]
+            pending = futs
+        if pending is not None:
+            yield [r for f in pending for r in f.result()]
+
+    def _submit(self, batch: list[tuple[int, bytes]]) -> list[Any]:
+        pool = self.store.pool
+        if len(batch) < 2:
+            return [pool.submit(self._digest, batch)]
+        mid = len(batch) // 2
+        return [pool.submit(self._digest, batch[:mid]), pool.submit(self._digest, batch[mid:])]
+
+    def _digest(self, part: list[tuple[int, bytes]]) -> list[tuple[int, bytes | None, int, Any]]:
+        """On a worker: hole or id, and the compressed payload of chunks nobody has yet."""
+        cctx = getattr(self._local, "cctx", None)
+        if cctx is None:
+            cctx = self._local.cctx = zstandard.ZstdCompressor(level=self.level)
+        out = []
+        env, chunks_db = self.store.env, self.store.db["chunks"]
+        with env.begin(db=chunks_db) as txn:
+            for off, data in part:
+                n = len(data)
+                if data == _zero(n):
+                    out.append((off, None, n, None))
+                    continue
+                cid = fmt.chunk_id(data)
+                if cid in self.new or txn.get(cid) is not None:
+                    out.append((off, cid, n, None))
+                    continue
+                comp = cctx.compress(data)
+                payload = (fmt.CODEC_ZSTD, comp) if len(comp) < n else (fmt.CODEC_RAW, data)
+                out.append((off, cid, n, payload))
+        return out
+
+    def _append(self, cid: bytes, data: bytes, plain_len: int, codec: int) -> fmt.Location:
+        w = self.writer
+        if w is None or w.size >= TARGET_PACK_BYTES:
+            w = self.writer = self._new_writer()
+            self.writers.append(w)
+        loc = w.append(cid, data, plain_len, codec)
+        self.new[cid] = loc
+        return loc
+
+    def _new_writer(self) -> PackWriter:
+        """Append to the newest pack if it has room and nobody holds it, else start a pack."""
+        store = self.store
+        packs_db, meta_db = store.db["packs"], store.db["cas_meta"]
+        with store.env.begin() as txn:
+            cur = txn.cursor(db=packs_db)
+            newest = None
+            if cur.last():
+                newest = (int.from_bytes(cur.key(), "big"), fmt.PACK_VALUE.unpack(cur.value()))
+            raw_next = txn.get(b"next_pack", db=meta_db)
+        next_no = int(raw_next) if raw_next else 1
+        mine = {w.no for w in self.writers}
+        if newest is not None:
+            no, (size, _) = newest
+            next_no = max(next_no, no + 1)
+            if size < TARGET_PACK_BYTES * 0.9 and no not in mine:
+                w = PackWriter.try_reopen(store.packs_dir, no, lambda: self._committed_size(no))
+                if w is not None:
+                    return w
+        on_disk = [int(n[:-5]) for n in os.listdir(store.packs_dir)
+                   if n.endswith(".pack") and n[:-5].isdigit()]
+        next_no = max([next_no, *(n + 1 for n in on_disk)])
+        return PackWriter.create(store.packs_dir, next_no)
+
+    def _committed_size(self, no: int) -> int:
+        with self.store.env.begin(db=self.store.db["packs"]) as txn:
+            raw = txn.get(fmt.pack_key(no))
+        return fmt.PACK_VALUE.unpack(raw)[0] if raw else 0
+
+    # --- sealing and committing ----------------------------------------------------------
+
+    def seal(self) -> None:
+        """fsync every pack written, then re-read, decompress and re-hash every new chunk."""
+        with self._mutex:
+            for w in self.writers:
+                if w.written and not w.synced:
+                    w.sync()
+            for w in self.writers:
+                w.verify(self.store.dctx, self.store.run_split)
+            self.sealed = True
+
+    def commit(self, txn: lmdb.Transaction) -> None:
+        """Write index entries, pack figures and manifests into the caller's write txn.
+
+        Must run inside the ``with store.ingest()`` block: once the lock is released a GC may
+        take the unindexed pack bytes.
+        """
+        if self._lock_fd < 0:
+            raise KsfsError("commit must happen inside the 'with store.ingest()' block")
+        if not self.sealed:
+            self.seal()
+        db = self.store.db
+        added: dict[int, int] = {}
+        try:
+            for cid, loc in self.new.items():
+                if txn.put(cid, loc.encode(), db=db["chunks"], overwrite=False):
+                    added[loc.pack] = added.get(loc.pack, 0) + loc.record_len
+            top = 0
+            for w in self.writers:
+                top = max(top, w.no)
+                if not w.written:
+                    continue
+                key = fmt.pack_key(w.no)
+                raw = txn.get(key, db=db["packs"])
+                size, live = fmt.PACK_VALUE.unpack(raw) if raw else (0, 0)
+                txn.put(key, fmt.PACK_VALUE.pack(max(size, w.end), live + added.get(w.no, 0)),
+                        db=db["packs"])
+            raw_next = txn.get(b"next_pack", db=db["cas_meta"])
+            if top and top + 1 > (int(raw_next) if raw_next else 1):
+                txn.put(b"next_pack", str(top + 1).encode(), db=db["cas_meta"])
+            for mid, raw in self.manifests.items():
+                txn.put(mid, raw, db=db["manifests"])
+        except lmdb.Error as exc:
+            from ksfs.cas.store import _lmdb_error
+
+            raise _lmdb_error("commit the ingest", self.store.path, exc) from exc
+        crash_point("index.commit")
+        self.committed = True

@@ -1,0 +1,237 @@
+"""Pack files: append-only files of chunk records, and the shared read handles over them.
+
+A ``PackWriter`` owns one pack while an ingest or a repack appends to it: it holds the pack's
+flock so no other writer appends beside it, cuts the file back to its committed size before the
+first append (bytes past it belong to an ingest that never committed), fsyncs file and directory,
+and re-reads every record it wrote. It never touches the index: what it wrote becomes visible only
+when the caller commits the locations it returns.
+
+``PackHandles`` keeps read fds open, counted, so a pack that GC unlinks stays readable to a
+reader already inside it (Linux keeps the inode while an fd is open).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import zstandard
+
+from ksfs.crashpoints import crash_point
+from ksfs.errors import ChunkCorrupt, IntegrityError, translate
+from ksfs.cas import format as fmt
+
+TARGET_PACK_BYTES = 32 * 1024 * 1024
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def decode_payload(cid: bytes, payload: bytes, codec: int, plain_len: int,
+                   dctx: zstandard.ZstdDecompressor) -> bytes:
+    """Decompress a record's payload and check it against its id; ChunkCorrupt if it differs."""
+    if codec == fmt.CODEC_ZSTD:
+        try:
+            plain = dctx.decompress(payload, max_output_size=plain_len)
+        except zstandard.ZstdError as exc:
+            raise ChunkCorrupt(chunk=cid.hex(), why=f"zstd cannot decompress it: {exc}") from None
+    else:
+        plain = payload
+    if len(plain) != plain_len:
+        raise ChunkCorrupt(chunk=cid.hex(), why="its plain length differs from the index")
+    if fmt.chunk_id(plain) != cid:
+        raise ChunkCorrupt(chunk=cid.hex(), why="its bytes do not hash to its id")
+    return plain
+
+
+class PackWriter:
+    """Appends records to one pack. Invariant: bytes past ``start`` are this writer's alone."""
+
+    def __init__(self, packs_dir: str, no: int, fd: int, start: int, created: bool) -> None:
+        self.packs_dir = packs_dir
+        self.no = no
+        self.fd = fd
+        self.start = start
+        self.end = start
+        self.created = created
+        self.written: list[tuple[bytes, fmt.Location]] = []
+        self.synced = False
+
+    @classmethod
+    def create(cls, packs_dir: str, first_no: int) -> PackWriter:
+        """Make a new pack numbered first_no or above (O_EXCL, so racing writers never share)."""
+        no = first_no
+        while True:
+            path = os.path.join(packs_dir, fmt.pack_name(no))
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileExistsError:
+                no += 1
+                continue
+            except OSError:
+                with translate("create pack", path):
+                    raise
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return cls(packs_dir, no, fd, 0, True)
+
+    @classmethod
+    def try_reopen(cls, packs_dir: str, no: int, committed: Callable[[], int]) -> PackWriter | None:
+        """Take over an existing pack to append to it, or None if another writer holds it."""
+        path = os.path.join(packs_dir, fmt.pack_name(no))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
+        size = committed()  # read only now: the last holder committed before letting go
+        with translate("truncate pack", path):
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+        return cls(packs_dir, no, fd, size, False)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.packs_dir, fmt.pack_name(self.no))
+
+    def append(self, cid: bytes, stored: bytes, plain_len: int, codec: int) -> fmt.Location:
+        header = fmt.encode_record_header(cid, plain_len, len(stored), codec)
+        crash_point("pack.write")
+        with translate("write pack", self.path):
+            n = os.pwritev(self.fd, [header, stored], self.end)
+            if n != len(header) + len(stored):
+                raise OSError(errno.EIO, "short write to pack", self.path)
+        loc = fmt.Location(self.no, self.end, len(stored), plain_len, codec)
+        self.end += n
+        self.written.append((cid, loc))
+        self.synced = False
+        return loc
+
+    @property
+    def size(self) -> int:
+        return self.end
+
+    def sync(self) -> None:
+        crash_point("pack.fsync")
+        with translate("fsync pack", self.path):
+            os.fsync(self.fd)
+            if self.created:
+                fsync_dir(self.packs_dir)
+        self.synced = True
+
+    def verify(self, dctx: zstandard.ZstdDecompressor,
+               run: Callable[[Callable[[list], None], list], None] | None = None) -> None:
+        """Re-read every record this writer appended and check it decompresses to its id."""
+        if not self.written:
+            return
+        with translate("re-read pack", self.path):
+            raw = os.pread(self.fd, self.end - self.start, self.start)
+        if len(raw) != self.end - self.start:
+            raise IntegrityError(f"pack {self.path} is shorter than what was just written to it")
+        jobs = []
+        for cid, loc in self.written:
+            rec = raw[loc.offset - self.start : loc.offset - self.start + loc.record_len]
+            jobs.append((cid, loc, rec))
+
+        def check(part: list) -> None:
+            d = zstandard.ZstdDecompressor()
+            for cid, loc, rec in part:
+                head = fmt.decode_record_header(rec[: fmt.HEADER_SIZE])
+                if isinstance(head, str) or head[0] != cid:
+                    raise ChunkCorrupt(chunk=cid.hex(), why=f"re-read after write: {head!r:.60}")
+                decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, d)
+
+        if run is None:
+            check(jobs)
+        else:
+            run(check, jobs)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # also drops the flock
+            self.fd = -1
+
+
+class _Handle:
+    __slots__ = ("fd", "users", "dead")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.users = 0
+        self.dead = False
+
+
+class PackHandles:
+    """Counted read-only fds of packs, at most ``limit`` idle ones kept open."""
+
+    def __init__(self, packs_dir: str, limit: int = 64) -> None:
+        self.packs_dir = packs_dir
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open: OrderedDict[int, _Handle] = OrderedDict()
+
+    def pread(self, no: int, n: int, offset: int) -> bytes:
+        """Read from pack ``no``; FileNotFoundError if the pack is gone (GC moved its chunks)."""
+        h = self._acquire(no)
+        try:
+            return os.pread(h.fd, n, offset)
+        finally:
+            self._release(h)
+
+    def _acquire(self, no: int) -> _Handle:
+        with self._lock:
+            h = self._open.get(no)
+            if h is not None:
+                self._open.move_to_end(no)
+                h.users += 1
+                return h
+        fd = os.open(os.path.join(self.packs_dir, fmt.pack_name(no)), os.O_RDONLY | os.O_CLOEXEC)
+        with self._lock:
+            h = self._open.get(no)
+            if h is None:
+                h = _Handle(fd)
+                self._open[no] = h
+            else:
+                os.close(fd)
+            h.users += 1
+            while len(self._open) > self.limit:
+                old_no, old = next(iter(self._open.items()))
+                del self._open[old_no]
+                self._retire(old)
+            return h
+
+    def _release(self, h: _Handle) -> None:
+        with self._lock:
+            h.users -= 1
+            if h.dead and h.users == 0:
+                os.close(h.fd)
+
+    def _retire(self, h: _Handle) -> None:
+        h.dead = True
+        if h.users == 0:
+            os.close(h.fd)
+
+    def forget(self, no: int) -> None:
+        """Drop the fd of a pack GC deleted, so its space is freed once no reader is inside."""
+        with self._lock:
+            h = self._open.pop(no, None)
+            if h is not None:
+                self._retire(h)
+
+    def close(self) -> None:
+        with self._lock:
+            for h in self._open.values():
+                self._retire(h)
+            self._open.clear()

@@ -1,0 +1,336 @@
+"""The chunk store: a directory of pack files and one LMDB environment, opened as ``ChunkStore``.
+
+This module owns the store's layout, its marker, the shared LMDB environment (the ledger and the
+gateway open their own named databases in it), the store-wide flock and chunk lookup/read with
+verification. Ingest, check and GC live in their own modules and are reached through methods
+here. It never imports trio, pyfuse3, libvirt or click, and never returns bytes it has not
+checked against their id.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import lmdb
+import zstandard
+
+from ksfs.cas import format as fmt
+from ksfs.cas.packs import PackHandles, decode_payload, fsync_dir
+from ksfs.errors import (
+    Busy,
+    ChunkCorrupt,
+    ChunkMissing,
+    KsfsError,
+    ManifestCorrupt,
+    NoSpace,
+    NotAStore,
+    translate,
+)
+
+MARKER = "ksfs.json"
+FORMAT = "ksfs-store"
+VERSION = 1
+LAYOUT = ("index", "packs", "staging", "vm")
+MAP_SIZE = 1 << 40 if sys.maxsize > 2**32 else 1 << 30  # sparse: LMDB only maps, never fills
+MAX_DBS = 32
+CAS_DBS = ("chunks", "manifests", "packs", "cas_meta")
+
+_envs: dict[str, list[Any]] = {}  # realpath -> [env, users]: LMDB forbids opening one env twice
+_envs_lock = threading.Lock()
+
+
+def _open_env(path: str) -> lmdb.Environment:
+    with _envs_lock:
+        slot = _envs.get(path)
+        if slot is None:
+            try:
+                env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=MAX_DBS, subdir=True,
+                                max_readers=512, create=True)
+            except lmdb.Error as exc:
+                raise _lmdb_error("open the index", path, exc) from exc
+            slot = _envs[path] = [env, 0]
+        slot[1] += 1
+        return slot[0]
+
+
+def _close_env(path: str) -> None:
+    with _envs_lock:
+        slot = _envs.get(path)
+        if slot is None:
+            return
+        slot[1] -= 1
+        if slot[1] == 0:
+            slot[0].close()
+            del _envs[path]
+
+
+def _lmdb_error(what: str, path: str, exc: lmdb.Error) -> KsfsError:
+    if isinstance(exc, lmdb.MapFullError) or "No space" in str(exc):
+        return NoSpace(path=path, why=f"{what}: {exc}")
+    return KsfsError(f"{what} failed in the LMDB index at {path}: {exc}")
+
+
+class ChunkStore:
+    """An open store. Invariant: every index entry points at a fsynced, verified record."""
+
+    def __init__(self, path: str, marker: dict[str, Any], level: int) -> None:
+        self.path = path
+        self.marker = marker
+        self.level = level
+        self.index_path = os.path.realpath(os.path.join(path, "index"))
+        self.env = _open_env(self.index_path)
+        try:
+            self.db = {name: self.env.open_db(name.encode()) for name in CAS_DBS}
+        except lmdb.Error as exc:
+            _close_env(self.index_path)
+            raise _lmdb_error("open the store's databases", path, exc) from exc
+        self.packs_dir = os.path.join(path, "packs")
+        self.handles = PackHandles(self.packs_dir)
+        self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self.closed = False
+
+    # --- opening -------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], create: bool = False, level: int = 3) -> ChunkStore:
+        """Open the store at path (making it first if create); NotAStore when it is not one."""
+        path = os.path.abspath(os.fspath(path))
+        marker_path = os.path.join(path, MARKER)
+        if create and not os.path.exists(marker_path):
+            _create_layout(path)
+        if not os.path.isdir(path):
+            raise NotAStore(path=path, why="no such directory")
+        try:
+            with open(marker_path, encoding="utf-8") as f:
+                marker = json.load(f)
+        except FileNotFoundError:
+            raise NotAStore(path=path, why=f"it has no {MARKER} marker") from None
+        except (OSError, ValueError) as exc:
+            raise NotAStore(path=path, why=f"its {MARKER} marker is unreadable: {exc}") from None
+        if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+            raise NotAStore(path=path, why=f"its {MARKER} marker is not a ksfs-store marker")
+        if marker.get("version") != VERSION:
+            raise NotAStore(path=path, why=f"store format version {marker.get('version')!r} "
+                            f"is not {VERSION}")
+        if not os.path.isdir(os.path.join(path, "index")):
+            raise NotAStore(path=path, why="its index/ directory is missing")
+        return cls(path, marker, level)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.handles.close()
+        _close_env(self.index_path)
+
+    def __enter__(self) -> ChunkStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- shared machinery ----------------------------------------------------------------
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """Two workers: hashing and zstd release the GIL, so both cores work."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="ksfs-cas")
+            return self._pool
+
+    def run_split(self, fn: Callable[[list], Any], items: list) -> list:
+        """Run fn over two halves of items on the pool, return both results in order."""
+        if len(items) < 2:
+            return [fn(items)]
+        mid = len(items) // 2
+        futs = [self.pool.submit(fn, items[:mid]), self.pool.submit(fn, items[mid:])]
+        return [f.result() for f in futs]
+
+    @property
+    def dctx(self) -> zstandard.ZstdDecompressor:
+        d = getattr(self._local, "dctx", None)
+        if d is None:
+            d = self._local.dctx = zstandard.ZstdDecompressor()
+        return d
+
+    def lock(self, exclusive: bool, timeout: float | None = None) -> int:
+        """Take the store-wide flock; return its fd (closing the fd releases it)."""
+        lock_path = os.path.join(self.path, "lock")
+        with translate("open the store lock", lock_path):
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            if timeout is None:
+                fcntl.flock(fd, mode)
+                return fd
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                    return fd
+                except OSError as exc:
+                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                if time.monotonic() >= deadline:
+                    raise Busy(f"the store at {self.path} is busy (an ingest or a GC holds its "
+                               f"lock) and stayed so for {timeout:g} s")
+                time.sleep(0.05)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # --- chunks --------------------------------------------------------------------------
+
+    def lookup(self, cid: bytes) -> fmt.Location | None:
+        with self.env.begin(db=self.db["chunks"]) as txn:
+            raw = txn.get(cid)
+        return None if raw is None else fmt.Location.decode(raw)
+
+    def read_chunk(self, cid: bytes) -> bytes:
+        """The plain bytes of a chunk, checked against its id.
+
+        A chunk GC moved between our index lookup and our read is found again through the
+        index; only a failure at a location the index still names is reported.
+        """
+        loc = self.lookup(cid)
+        for attempt in range(3):
+            if loc is None:
+                raise ChunkMissing(chunk=cid.hex())
+            try:
+                return self._read_at(cid, loc)
+            except (ChunkCorrupt, ChunkMissing):
+                again = self.lookup(cid)
+                if again == loc or attempt == 2:
+                    raise
+                loc = again
+        raise AssertionError("unreachable")
+
+    def _read_at(self, cid: bytes, loc: fmt.Location) -> bytes:
+        try:
+            raw = self.handles.pread(loc.pack, loc.record_len, loc.offset)
+        except FileNotFoundError:
+            raise ChunkMissing(f"chunk {cid.hex()} is missing: its pack {loc.pack} is gone",
+                               chunk=cid.hex()) from None
+        except OSError as exc:
+            raise ChunkCorrupt(chunk=cid.hex(), why=f"reading pack {loc.pack}: {exc}") from None
+        if len(raw) != loc.record_len:
+            raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack} is cut short")
+        head = fmt.decode_record_header(raw[: fmt.HEADER_SIZE])
+        if isinstance(head, str):
+            raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack}: {head}")
+        if head != (cid, loc.plain_len, loc.stored_len, loc.codec):
+            raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack}: header disagrees with "
+                               "the index")
+        return decode_payload(cid, raw[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, self.dctx)
+
+    # --- manifests -----------------------------------------------------------------------
+
+    def load_manifest(self, manifest_hex: str, txn: lmdb.Transaction | None = None
+                      ) -> fmt.ManifestInfo:
+        try:
+            key = bytes.fromhex(manifest_hex)
+        except (ValueError, TypeError):
+            raise ManifestCorrupt(manifest=manifest_hex, why="not a hex manifest id") from None
+        if txn is None:
+            with self.env.begin(db=self.db["manifests"]) as t:
+                raw = t.get(key)
+        else:
+            raw = txn.get(key, db=self.db["manifests"])
+        if raw is None:
+            raise ManifestCorrupt(manifest=manifest_hex, why="not in the store")
+        if fmt.manifest_id(raw) != key:
+            raise ManifestCorrupt(manifest=manifest_hex, why="its bytes do not hash to its id")
+        return fmt.decode_manifest(raw, manifest_hex)
+
+    def manifest_size(self, manifest_hex: str) -> int:
+        return self.load_manifest(manifest_hex).size
+
+    def has_manifest(self, manifest_hex: str) -> bool:
+        with self.env.begin(db=self.db["manifests"]) as t:
+            return t.get(bytes.fromhex(manifest_hex)) is not None
+
+    def open_file(self, manifest_hex: str, cache_bytes: int = 32 * 1024 * 1024) -> Any:
+        from ksfs.cas.reader import FileReader
+
+        return FileReader(self, manifest_hex, cache_bytes)
+
+    # --- verbs in their own modules ------------------------------------------------------
+
+    def ingest(self) -> Any:
+        from ksfs.cas.ingest import Ingest
+
+        return Ingest(self)
+
+    def check(self, read_data: bool = False,
+              references: dict[str, list[str]] | None = None) -> Any:
+        from ksfs.cas.check import check_store
+
+        return check_store(self, read_data, references or {})
+
+    def gc(self, live_manifests: Iterable[str] | Callable[[], Iterable[str]],
+           threshold: float = 0.5, timeout: float | None = None) -> Any:
+        """Mark from live_manifests (a callable is called once the lock is held), sweep, repack."""
+        from ksfs.cas.gc import collect
+
+        return collect(self, live_manifests, threshold, timeout)
+
+    def stats(self) -> dict[str, int]:
+        live = 0
+        with self.env.begin() as txn:
+            chunks = txn.stat(self.db["chunks"])["entries"]
+            manifests = txn.stat(self.db["manifests"])["entries"]
+            packs = 0
+            for _, value in txn.cursor(db=self.db["packs"]):
+                packs += 1
+                live += fmt.PACK_VALUE.unpack(value)[1]
+        pack_bytes = 0
+        for name in os.listdir(self.packs_dir):
+            if name.endswith(".pack"):
+                try:
+                    pack_bytes += os.stat(os.path.join(self.packs_dir, name)).st_size
+                except FileNotFoundError:
+                    pass
+        return {"stored_bytes": live, "chunks": chunks, "packs": packs,
+                "pack_bytes": pack_bytes, "manifests": manifests}
+
+
+def _create_layout(path: str) -> None:
+    """Make a new store's directories; the marker comes last, so a half-made store is none."""
+    if os.path.isdir(path):
+        extra = set(os.listdir(path)) - set(LAYOUT) - {"lock", MARKER + ".tmp"}
+        if extra:
+            raise NotAStore(path=path, why="it is a non-empty directory without a ksfs marker")
+    with translate("create the store", path):
+        os.makedirs(path, exist_ok=True)
+        for sub in LAYOUT:
+            os.makedirs(os.path.join(path, sub), exist_ok=True)
+        open(os.path.join(path, "lock"), "a").close()
+        env = _open_env(os.path.realpath(os.path.join(path, "index")))
+        try:
+            for name in CAS_DBS:
+                env.open_db(name.encode())
+        finally:
+            _close_env(os.path.realpath(os.path.join(path, "index")))
+        marker = {"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex}
+        tmp = os.path.join(path, MARKER + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(path, MARKER))
+        fsync_dir(path)
