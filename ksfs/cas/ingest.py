@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import lmdb
 import zstandard
@@ -69,7 +69,7 @@ class Ingest:
         self._lock_fd = store.lock(exclusive=False)
         self._mutex = threading.Lock()  # add_file from two threads would interleave packs
 
-    def __enter__(self) -> Ingest:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import zstandard
 
+from ksfs.cas import format as fmt
 from ksfs.crashpoints import crash_point
 from ksfs.errors import ChunkCorrupt, IntegrityError, translate
-from ksfs.cas import format as fmt
 
 TARGET_PACK_BYTES = 32 * 1024 * 1024
 
@@ -165,7 +165,7 @@ class PackWriter:
 
 
 class _Handle:
-    __slots__ = ("fd", "users", "dead")
+    __slots__ = ("dead", "fd", "users")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Self
 
 import lmdb
 import zstandard
@@ -137,7 +137,7 @@ class ChunkStore:
         self.handles.close()
         _close_env(self.index_path)
 
-    def __enter__(self) -> ChunkStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
