@@ -1,0 +1,424 @@
+"""The host ledger: sessions, lineages, gapless event logs and checkpoint records in LMDB.
+
+It lives in the chunk store's LMDB environment (named dbs ``sessions``, ``events``,
+``checkpoints``, ``ledger_meta``), so a checkpoint record, its manifests and its events commit in
+one transaction that the caller owns. Writers take that ``txn``; readers open their own read
+transaction unless given one. This module must never commit or abort a caller's transaction,
+never import trio, pyfuse3, libvirt or click, and never write a seq it did not read inside the
+same write transaction (that is what keeps seqs gapless under concurrent writers and crashes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import lmdb
+
+from ksfs.crashpoints import crash_point
+from ksfs.errors import (
+    AlreadyExists,
+    BadInput,
+    IntegrityError,
+    NoSuchCheckpoint,
+    NoSuchSession,
+    NotAStore,
+    ReadOnly,
+)
+from ksfs.ledger import keys as K
+from ksfs.ledger.checkpoints import CheckpointMethods
+from ksfs.ledger.records import (
+    LineageInfo,
+    check_json,
+    decode_event,
+    delete_prefix,
+    encode_event,
+    lmdb_errors,
+)
+from ksfs.model import (
+    EVENT_TYPES,
+    CheckpointRecord,
+    Event,
+    ForkPoint,
+    SessionRecord,
+    validate_name,
+)
+
+_BATCH = 512
+_UNSET: Any = object()
+
+
+class Ledger(CheckpointMethods):
+    """Sessions, lineages, events and checkpoint records of one store.
+
+    Invariants: each lineage's events have seqs 0..n with no gap; event 0 is
+    ``session.created``, ``session.adopted`` or ``lineage.forked``; a lineage record outlives its
+    session, so a child's chain to its root never breaks; a checkpoint record's seq names a
+    ``checkpoint.begin``/``published`` event of its lineage and its manifests exist in the store.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.env: lmdb.Environment = store.env
+        self.path = getattr(store, "path", None)
+        readonly = bool(self.env.flags().get("readonly"))
+        with lmdb_errors(self.path):
+            try:
+                self._sessions = self.env.open_db(b"sessions", create=not readonly)
+                self._events = self.env.open_db(b"events", create=not readonly)
+                self._ckpts = self.env.open_db(b"checkpoints", create=not readonly)
+                self._meta = self.env.open_db(b"ledger_meta", create=not readonly)
+            except lmdb.NotFoundError:
+                raise NotAStore(path=self.path, why="it holds no ledger databases") from None
+            except lmdb.DbsFullError:
+                raise NotAStore(path=self.path, why="its LMDB env allows too few dbs") from None
+            if not readonly:
+                with self.env.begin(write=True) as txn:
+                    if txn.get(K.FORMAT_KEY, db=self._meta) is None:
+                        txn.put(K.FORMAT_KEY, K.dumps(K.FORMAT), db=self._meta)
+        self._manifests: Any = None
+
+    # --- plumbing -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _read(self, txn: lmdb.Transaction | None) -> Iterator[lmdb.Transaction]:
+        if txn is not None:
+            yield txn
+            return
+        with lmdb_errors(self.path), self.env.begin() as own:
+            yield own
+
+    def has_manifest(self, txn: lmdb.Transaction, manifest: str) -> bool:
+        """Whether the store holds ``manifest``, as seen inside ``txn``."""
+        if self._manifests is None:
+            # The chunk store's own handle when it has one; else open its db by name.
+            self._manifests = (getattr(self.store, "db", None) or {}).get("manifests")
+        if self._manifests is None:
+            try:
+                self._manifests = self.env.open_db(b"manifests", txn=txn, create=False)
+            except lmdb.NotFoundError:
+                return False
+        try:
+            key = bytes.fromhex(manifest)
+        except ValueError:
+            return False
+        return txn.get(key, db=self._manifests) is not None
+
+    def _session_rec(self, txn: lmdb.Transaction, name: str) -> SessionRecord | None:
+        raw = txn.get(name.encode("utf-8"), db=self._sessions)
+        return None if raw is None else SessionRecord.from_dict(K.loads(raw))
+
+    def _need(self, txn: lmdb.Transaction, name: str) -> SessionRecord:
+        rec = self._session_rec(txn, name)
+        if rec is None:
+            raise NoSuchSession(session=name)
+        return rec
+
+    def _live(self, txn: lmdb.Transaction, name: str) -> SessionRecord:
+        rec = self._need(txn, name)
+        if rec.removed is not None:
+            raise ReadOnly(what=f"removed session {name!r}")
+        return rec
+
+    def _put_session(self, txn: lmdb.Transaction, rec: SessionRecord) -> None:
+        txn.put(rec.name.encode("utf-8"), K.dumps(rec.to_dict()), db=self._sessions)
+
+    def _put_lineage(self, txn: lmdb.Transaction, info: LineageInfo) -> None:
+        key = K.lineage_meta_key(K.lineage_bytes(info.lineage))
+        txn.put(key, K.dumps(info.to_dict()), db=self._meta)
+
+    # --- sessions -----------------------------------------------------------------------------
+
+    def create_session(
+        self,
+        txn: lmdb.Transaction,
+        name: str,
+        domain: str | None = None,
+        parent: ForkPoint | None = None,
+        config: dict[str, Any] | None = None,
+        *,
+        adopted: bool = False,
+    ) -> SessionRecord:
+        """Make a session with a fresh lineage and its event 0.
+
+        Event 0 is ``session.created`` (``session.adopted`` with ``adopted=True``), or for a
+        fork (``parent`` given) ``lineage.forked``, and then ``fork.created`` is appended to the
+        parent's log in the same transaction. The parent's checkpoint must exist.
+        """
+        validate_name(name, "session name")
+        with lmdb_errors(self.path):
+            if self._session_rec(txn, name) is not None:
+                raise AlreadyExists(what="session", name=name)
+            config = dict(config or {})
+            check_json(config, "session config")
+            lineage = K.new_lineage()
+            fork: ForkPoint | None = None
+            if parent is not None:
+                if adopted:
+                    raise BadInput("a forked session cannot also be an adopted one")
+                prec = self._need(txn, parent.session)
+                if parent.lineage and parent.lineage != prec.lineage:
+                    raise BadInput(f"fork point names lineage {parent.lineage}, not the parent's")
+                cp = self._ckpt_raw(txn, K.lineage_bytes(prec.lineage), parent.checkpoint)
+                if cp is None:
+                    raise NoSuchCheckpoint(session=parent.session, checkpoint=parent.checkpoint)
+                fork = ForkPoint(parent.session, parent.checkpoint, parent.seq, prec.lineage)
+            rec = SessionRecord(name, lineage, time.time(), domain, fork, config)
+            self._put_session(txn, rec)
+            self._put_lineage(txn, LineageInfo(lineage, name, rec.created, fork))
+            if fork is not None:
+                body = {
+                    "session": name,
+                    "domain": domain,
+                    "parent_session": fork.session,
+                    "parent_lineage": fork.lineage,
+                    "checkpoint": fork.checkpoint,
+                    "parent_seq": fork.seq,
+                    "checkpoint_seq": cp.seq,
+                }
+                self._append(txn, lineage, "lineage.forked", body)
+                self._append(
+                    txn,
+                    fork.lineage,
+                    "fork.created",
+                    {"session": name, "lineage": lineage, "checkpoint": fork.checkpoint,
+                     "seq": fork.seq},
+                )
+            else:
+                kind = "session.adopted" if adopted else "session.created"
+                self._append(txn, lineage, kind, {"session": name, "domain": domain,
+                                                  "config": config})
+            return rec
+
+    def update_session(
+        self, txn: lmdb.Transaction, name: str, *, domain: Any = _UNSET,
+        config: dict[str, Any] | None = None,
+    ) -> SessionRecord:
+        """Set a live session's domain name and/or replace its config; returns the new record."""
+        with lmdb_errors(self.path):
+            rec = self._live(txn, name)
+            changes: dict[str, Any] = {}
+            if domain is not _UNSET:
+                changes["domain"] = domain
+            if config is not None:
+                check_json(config, "session config")
+                changes["config"] = dict(config)
+            rec = replace(rec, **changes)
+            self._put_session(txn, rec)
+            return rec
+
+    def session(self, name: str, txn: lmdb.Transaction | None = None) -> SessionRecord:
+        """The session named ``name`` (a removed one whose checkpoints were kept, too)."""
+        with self._read(txn) as t:
+            return self._need(t, name)
+
+    def sessions(
+        self, txn: lmdb.Transaction | None = None, include_removed: bool = False
+    ) -> list[SessionRecord]:
+        """Every session, by name; removed-but-kept ones only with ``include_removed``."""
+        with self._read(txn) as t:
+            out = [SessionRecord.from_dict(K.loads(v)) for _, v in t.cursor(db=self._sessions)]
+        return [s for s in out if include_removed or s.removed is None]
+
+    def remove_session(
+        self, txn: lmdb.Transaction, name: str, keep_checkpoints: bool = False
+    ) -> None:
+        """Remove a session.
+
+        With ``keep_checkpoints`` the session stays, read-only (``removed`` set): its events and
+        checkpoint records remain readable and its name stays taken. Otherwise its name is freed
+        and its events and checkpoint records are deleted (their manifests become garbage for
+        GC); only the lineage record stays, so forks of it still rebuild their chain.
+        """
+        with lmdb_errors(self.path):
+            rec = self._need(txn, name)
+            lin = K.lineage_bytes(rec.lineage)
+            now = time.time()
+            info = self.lineage_info(rec.lineage, txn)
+            if keep_checkpoints:
+                if rec.removed is not None:
+                    return
+                n = len(self._summaries(txn, lin))
+                self._append(txn, rec.lineage, "session.removed",
+                             {"session": name, "keep_checkpoints": True, "checkpoints": n})
+                self._put_session(txn, replace(rec, removed=now))
+                self._put_lineage(txn, replace(info, removed=now, kept=True))
+                return
+            delete_prefix(txn, self._ckpts, lin)
+            delete_prefix(txn, self._events, lin)
+            txn.delete(name.encode("utf-8"), db=self._sessions)
+            self._put_lineage(txn, replace(info, removed=now, kept=False))
+
+    def lineage_info(self, lineage: str, txn: lmdb.Transaction | None = None) -> LineageInfo:
+        """The record of a lineage, live or removed; IntegrityError when there is none."""
+        with self._read(txn) as t:
+            raw = t.get(K.lineage_meta_key(K.lineage_bytes(lineage)), db=self._meta)
+        if raw is None:
+            raise IntegrityError(f"the ledger has no record of lineage {lineage}")
+        return LineageInfo.from_dict(lineage, K.loads(raw))
+
+    def lineages(self, txn: lmdb.Transaction | None = None) -> list[LineageInfo]:
+        """Every lineage record, live and removed."""
+        out = []
+        with self._read(txn) as t:
+            cur = t.cursor(db=self._meta)
+            if cur.set_range(K.LINEAGE_PREFIX):
+                for k, v in cur:
+                    if not bytes(k).startswith(K.LINEAGE_PREFIX):
+                        break
+                    lin = bytes(k)[len(K.LINEAGE_PREFIX):].hex()
+                    out.append(LineageInfo.from_dict(lin, K.loads(v)))
+        return out
+
+    def lineage(self, session: str, txn: lmdb.Transaction | None = None) -> list[ForkPoint]:
+        """The fork points from ``session`` back to its root, nearest first ([] for a root).
+
+        Walks lineage records by id, so it works after a parent was removed or its branch
+        checkpoint deleted.
+        """
+        with self._read(txn) as t:
+            rec = self._need(t, session)
+            return self._chain(t, rec.lineage, rec.parent)
+
+    def _chain(
+        self, txn: lmdb.Transaction, lineage: str, parent: ForkPoint | None
+    ) -> list[ForkPoint]:
+        hops: list[ForkPoint] = []
+        seen = {lineage}
+        while parent is not None:
+            hops.append(parent)
+            if not parent.lineage:
+                raise IntegrityError(f"fork point {parent} does not name its parent's lineage")
+            if parent.lineage in seen:
+                raise IntegrityError(f"lineage chain of {lineage} loops at {parent.lineage}")
+            seen.add(parent.lineage)
+            parent = self.lineage_info(parent.lineage, txn).parent
+        return hops
+
+    # --- events -------------------------------------------------------------------------------
+
+    def append(
+        self, txn: lmdb.Transaction, session: str, type: str, body: dict[str, Any] | None = None
+    ) -> Event:
+        """Append an event to a live session's log; its seq is the last one + 1, read in txn."""
+        with lmdb_errors(self.path):
+            rec = self._live(txn, session)
+            return self._append(txn, rec.lineage, type, body)
+
+    def record(self, session: str, type: str, body: dict[str, Any] | None = None) -> Event:
+        """``append`` in a write transaction of its own, committed on return."""
+        with lmdb_errors(self.path), self.env.begin(write=True) as txn:
+            return self.append(txn, session, type, body)
+
+    def _append(
+        self, txn: lmdb.Transaction, lineage: str, type: str, body: dict[str, Any] | None
+    ) -> Event:
+        if type not in EVENT_TYPES:
+            raise BadInput(f"unknown event type {type!r}")
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            raise BadInput(f"event body must be a JSON object, not {body.__class__.__name__}")
+        lin = K.lineage_bytes(lineage)
+        seq = self._last_seq_raw(txn, lin) + 1
+        event = Event(seq, time.time(), type, body)
+        value = encode_event(event)
+        if not txn.put(K.event_key_raw(lin, seq), value, db=self._events, overwrite=False):
+            raise IntegrityError(f"event {seq} of lineage {lineage} already exists")
+        crash_point("event.append")
+        return event
+
+    def _last_seq_raw(self, txn: lmdb.Transaction, lin: bytes) -> int:
+        cur = txn.cursor(db=self._events)
+        end = K.prefix_end(lin)
+        moved = cur.prev() if end is not None and cur.set_range(end) else cur.last()
+        if not moved or bytes(cur.key())[: K.LINEAGE_BYTES] != lin:
+            return -1
+        return K.split_event_key(bytes(cur.key()))[1]
+
+    def last_seq(self, session: str, txn: lmdb.Transaction | None = None) -> int:
+        """The seq of the session's latest event (every session has event 0)."""
+        with self._read(txn) as t:
+            return self._last_seq_raw(t, K.lineage_bytes(self._need(t, session).lineage))
+
+    def event(self, session: str, seq: int, txn: lmdb.Transaction | None = None) -> Event | None:
+        """Event ``seq`` of the session's log, or None."""
+        with self._read(txn) as t:
+            lin = K.lineage_bytes(self._need(t, session).lineage)
+            return self._event_raw(t, lin, seq)
+
+    def _event_raw(self, txn: lmdb.Transaction, lin: bytes, seq: int) -> Event | None:
+        raw = txn.get(K.event_key_raw(lin, seq), db=self._events)
+        return None if raw is None else decode_event(seq, raw)
+
+    def events(self, session: str, since: int = 0) -> Iterator[Event]:
+        """The session's events with seq >= ``since``, in order, read in short transactions."""
+        if not isinstance(since, int) or since < 0:
+            raise BadInput(f"--since must be a seq >= 0, not {since!r}")
+        return self.lineage_events(self.session(session).lineage, since)
+
+    def events_in(self, txn: lmdb.Transaction, lineage: str, since: int = 0) -> Iterator[Event]:
+        """A lineage's events with seq >= ``since`` as ``txn`` sees them (its own writes too)."""
+        lin = K.lineage_bytes(lineage)
+        cur = txn.cursor(db=self._events)
+        if not cur.set_range(K.event_key_raw(lin, since)):
+            return
+        for k, v in cur:
+            klin, seq = K.split_event_key(bytes(k))
+            if klin != lin:
+                return
+            yield decode_event(seq, v)
+
+    def lineage_events(
+        self, lineage: str, since: int = 0, until: int | None = None
+    ) -> Iterator[Event]:
+        """Events of a lineage with since <= seq (<= until), in batches of short read txns."""
+        lin = K.lineage_bytes(lineage)
+        nxt = since
+        while until is None or nxt <= until:
+            batch: list[Event] = []
+            with self._read(None) as t:
+                cur = t.cursor(db=self._events)
+                if cur.set_range(K.event_key_raw(lin, nxt)):
+                    for k, v in cur:
+                        klin, seq = K.split_event_key(bytes(k))
+                        if klin != lin or (until is not None and seq > until):
+                            break
+                        batch.append(decode_event(seq, v))
+                        if len(batch) >= _BATCH:
+                            break
+            yield from batch
+            if len(batch) < _BATCH:
+                return
+            nxt = batch[-1].seq + 1
+
+    def stats(self, txn: lmdb.Transaction | None = None) -> dict[str, int]:
+        """Counts: sessions, lineages (removed ones too), events, checkpoints."""
+        with self._read(txn) as t:
+            lins = self.lineages(t)
+            return {
+                "sessions": t.stat(self._sessions)["entries"],
+                "lineages": len(lins),
+                "removed_lineages": sum(1 for i in lins if i.removed is not None),
+                "events": t.stat(self._events)["entries"],
+                "checkpoints": t.stat(self._ckpts)["entries"] // 2,
+            }
+
+    def verify(self, store: Any = None) -> list[str]:
+        """Every problem of the ledger, one sentence each; [] when clean. See verify.py."""
+        from ksfs.ledger.verify import verify_ledger
+
+        return verify_ledger(self, store if store is not None else self.store)
+
+    def reconcile(self, txn: lmdb.Transaction, session: str, checkpoint: CheckpointRecord,
+                  transcript: Any, error: str | None = None,
+                  current_transcript_seq: int | None = None) -> Event:
+        """Decide what a restore/fork to ``checkpoint`` means and append one ``reconcile``."""
+        from ksfs.ledger.reconcile import record_reconcile
+
+        return record_reconcile(self, txn, session, checkpoint, transcript, error,
+                                current_transcript_seq)
+
+

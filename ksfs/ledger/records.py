@@ -1,0 +1,121 @@
+"""The ledger's small records and codecs: listing summaries, lineage records, event values.
+
+Pure functions and frozen dataclasses shared by the ledger, its checkpoint methods and verify.
+Nothing here opens a transaction; ``lmdb_errors`` only translates lmdb's exceptions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+
+from ksfs.errors import BadInput, IntegrityError, KsfsError, NoSpace
+from ksfs.ledger import keys as K
+from ksfs.model import CheckpointRecord, Event, ForkPoint
+
+BODY_MAX = 64 * 1024
+CHECKPOINT_EVENTS = ("checkpoint.begin", "checkpoint.published")
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """What listing a checkpoint needs, read from the seq index without the record's files."""
+
+    name: str
+    seq: int
+    created: float
+    size: int
+    stored: int
+    files: int
+
+
+@dataclass(frozen=True)
+class LineageInfo:
+    """A lineage's own record: kept after its session is removed, so children still resolve."""
+
+    lineage: str
+    session: str
+    created: float
+    parent: ForkPoint | None
+    removed: float | None = None
+    kept: bool = False  # removed with keep_checkpoints: records readable, events kept
+
+    @classmethod
+    def from_dict(cls, lineage: str, d: dict[str, Any]) -> LineageInfo:
+        return cls(
+            lineage=lineage,
+            session=d["session"],
+            created=d["created"],
+            parent=ForkPoint.from_dict(d.get("parent")),
+            removed=d.get("removed"),
+            kept=bool(d.get("kept", False)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "created": self.created,
+            "parent": self.parent.to_dict() if self.parent else None,
+            "removed": self.removed,
+            "kept": self.kept,
+        }
+
+
+@contextlib.contextmanager
+def lmdb_errors(path: object) -> Iterator[None]:
+    """Re-raise lmdb's errors as ksfs errors naming the store."""
+    try:
+        yield
+    except KsfsError:
+        raise
+    except lmdb.MapFullError as exc:
+        raise NoSpace(path=path, why="the LMDB map of the ledger is full") from exc
+    except lmdb.Error as exc:
+        raise KsfsError(f"ledger database at {path} failed: {exc}") from exc
+
+
+def summary_of(record: CheckpointRecord) -> dict[str, Any]:
+    return {"name": record.name, "seq": record.seq, "created": record.created,
+            "size": record.logical_bytes, "stored": record.stored_bytes,
+            "files": len(record.files)}
+
+
+def check_json(obj: Any, what: str) -> bytes:
+    try:
+        raw = K.dumps(obj)
+    except (TypeError, ValueError) as exc:
+        raise BadInput(f"{what} is not plain JSON: {exc}") from None
+    if len(raw) > BODY_MAX:
+        raise BadInput(f"{what} is {len(raw)} bytes of JSON, over the {BODY_MAX} byte limit")
+    return raw
+
+
+def encode_event(event: Event) -> bytes:
+    check_json(event.body, f"body of {event.type} event")
+    return K.dumps({"time": event.time, "type": event.type, "body": event.body})
+
+
+def decode_event(seq: int, raw: bytes) -> Event:
+    """The Event stored under ``seq``; IntegrityError when the value does not decode."""
+    try:
+        d = K.loads(raw)
+        return Event(seq, float(d["time"]), str(d["type"]), dict(d["body"]))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"event {seq} does not decode: {exc}") from None
+
+
+def delete_prefix(txn: lmdb.Transaction, db: Any, prefix: bytes) -> int:
+    cur = txn.cursor(db=db)
+    n = 0
+    if not cur.set_range(prefix):
+        return 0
+    while bytes(cur.key()).startswith(prefix):
+        if not cur.delete():
+            break
+        n += 1
+        if not cur.key():
+            break
+    return n
