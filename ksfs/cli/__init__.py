@@ -60,6 +60,21 @@ def keeper_for(ctx: Context, create: bool = False):
     return ctx.open_keeper(create)
 
 
+def run_verb(ctx: Context, verb: str, **args: Any) -> Any:
+    """Run a keeper verb in the running daemon when there is one, else here under the same locks.
+
+    Either way the result comes back JSON-shaped, so commands print one kind of value.
+    """
+    from ksfs.daemon.client import call_daemon
+    from ksfs.daemon.protocol import VERBS, to_jsonable
+
+    result = call_daemon(ctx.store_path, verb, **args)
+    if result is not None:
+        return result
+    keeper = ctx.open_keeper(create=verb in ("session_new", "session_adopt", "import"))
+    return to_jsonable(getattr(keeper, VERBS[verb])(**args))
+
+
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, sort_keys=True))
 
