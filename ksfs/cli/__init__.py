@@ -65,11 +65,11 @@ def run_verb(ctx: Context, verb: str, **args: Any) -> Any:
 
     Either way the result comes back JSON-shaped, so commands print one kind of value.
     """
-    from ksfs.daemon.client import call_daemon
+    from ksfs.daemon.client import NO_DAEMON, call_daemon
     from ksfs.daemon.protocol import VERBS, to_jsonable
 
     result = call_daemon(ctx.store_path, verb, **args)
-    if result is not None:
+    if result is not NO_DAEMON:
         return result
     keeper = ctx.open_keeper(create=verb in ("session_new", "session_adopt", "import"))
     return to_jsonable(getattr(keeper, VERBS[verb])(**args))

@@ -1,6 +1,6 @@
 """Reach the running mount daemon through its control socket (plain sockets, no trio).
 
-``call_daemon`` returns None when no daemon listens, so the caller does the work itself under the
+``call_daemon`` returns ``NO_DAEMON`` when no daemon listens, so the caller does the work itself under the
 same locks; a daemon that answers with an error raises it as a KsfsError with the same exit code.
 """
 
@@ -15,23 +15,26 @@ from ksfs.daemon.protocol import SOCKET_NAME, RemoteError, check_verb, encode
 from ksfs.errors import DaemonError
 
 
+NO_DAEMON = object()
+
+
 def socket_path(store_path: str | Path) -> Path:
     return Path(store_path) / SOCKET_NAME
 
 
 def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0, **args: Any) -> Any:
-    """Run ``verb`` in the daemon of ``store_path``; None when there is no daemon."""
+    """Run ``verb`` in the daemon of ``store_path``; NO_DAEMON when there is none."""
     check_verb(verb)
     path = socket_path(store_path)
     if not path.exists():
-        return None
+        return NO_DAEMON
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         try:
             sock.connect(str(path))
         except (ConnectionRefusedError, FileNotFoundError):
-            return None  # a stale socket of a daemon that died: work locally
+            return NO_DAEMON  # a stale socket of a daemon that died: work locally
         sock.sendall(encode({"verb": verb, "args": args}))
         buf = b""
         while not buf.endswith(b"\n"):
