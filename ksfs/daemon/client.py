@@ -14,7 +14,6 @@ from typing import Any
 from ksfs.daemon.protocol import SOCKET_NAME, RemoteError, check_verb, encode
 from ksfs.errors import DaemonError
 
-
 NO_DAEMON = object()
 
 

@@ -5,8 +5,6 @@ Filled in once ksfs.vm lands; until then every machine verb says so plainly.
 
 from __future__ import annotations
 
-from ksfs.errors import NotPermitted
-
 
 class MachineVerbs:
     def machine_state(self, session: str) -> str:

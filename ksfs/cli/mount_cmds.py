@@ -1,0 +1,118 @@
+"""Mount verbs: mount (the daemon) and umount."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from ksfs.cli import main, pass_ctx
+from ksfs.errors import BadInput, DaemonError
+
+
+def _is_mounted(mountpoint: str) -> bool:
+    target = os.path.realpath(mountpoint)
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == target for line in f)
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground, logging to stderr.")
+@click.option("--allow-other", is_flag=True, help="Let other users see the mount.")
+@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the mount.")
+@pass_ctx
+def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, timeout: float) -> None:
+    """Run the daemon and mount the store at MOUNTPOINT.
+
+    Without --foreground it detaches once the mount is ready and says where it logs.
+
+    Example: ksfs mount /mnt/ksfs && ls /mnt/ksfs/sessions
+    """
+    if not os.path.isdir(mountpoint):
+        raise BadInput(f"mount point {mountpoint} is not a directory")
+    if _is_mounted(mountpoint):
+        raise BadInput(f"{mountpoint} is already a mount point")
+    store = Path(ctx.store_path)
+    store.mkdir(parents=True, exist_ok=True)
+    if foreground:
+        from ksfs.daemon.run import daemon_main
+        from ksfs.daemon.run import main as daemon_cli
+
+        del daemon_main
+        sys.exit(daemon_cli([str(store), mountpoint] + (["--allow-other"] if allow_other else [])))
+    log_path = store / "daemon.log"
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "ksfs.daemon.run", str(store), mountpoint, "--ready-fd",
+           str(write_fd)] + (["--allow-other"] if allow_other else [])
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                pass_fds=(write_fd,), start_new_session=True)
+    os.close(write_fd)
+    answer = _read_ready(read_fd, proc, timeout)
+    if answer.startswith("ready"):
+        click.echo(f"mounted {store} at {mountpoint} (pid {proc.pid}, log {log_path})")
+        return
+    if answer.startswith("error "):
+        _, code, message = answer.split(" ", 2)
+        click.echo(f"ksfs: error: {message.strip()}", err=True)
+        sys.exit(int(code))
+    raise DaemonError(f"the daemon did not mount {mountpoint}: {answer or 'it exited'}; "
+                      f"see {log_path}")
+
+
+def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
+    import select
+
+    deadline = time.monotonic() + timeout
+    buf = b""
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                part = os.read(fd, 4096)
+                if not part:
+                    break
+                buf += part
+                if buf.endswith(b"\n"):
+                    break
+        else:
+            proc.terminate()
+            return f"no answer within {timeout:.0f}s"
+    finally:
+        os.close(fd)
+    return buf.decode(errors="replace")
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the daemon.")
+@pass_ctx
+def umount(ctx, mountpoint: str, timeout: float) -> None:
+    """Unmount MOUNTPOINT and wait for its daemon to finish.
+
+    Example: ksfs umount /mnt/ksfs
+    """
+    if not _is_mounted(mountpoint):
+        raise BadInput(f"{mountpoint} is not mounted")
+    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise DaemonError(f"could not unmount {mountpoint}: {res.stderr.strip()}")
+    lock = Path(ctx.store_path) / "daemon.lock"
+    deadline = time.monotonic() + timeout
+    import fcntl
+
+    while lock.exists() and time.monotonic() < deadline:
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            time.sleep(0.1)
+        finally:
+            os.close(fd)
+    click.echo(f"unmounted {mountpoint}")

@@ -1,0 +1,102 @@
+"""The mount daemon process: one keeper, the FUSE mount, the control socket and the gateway.
+
+Run as ``python -m ksfs.daemon.run STORE MNT [--allow-other] [--ready-fd N]``; ``ksfs mount``
+starts it (detached unless --foreground). One daemon per store: a second one is refused while the
+first holds ``STORE/daemon.lock``. At start it runs the keeper's recovery, so a daemon that died
+mid-verb leaves nothing half done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import functools
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ksfs.errors import Busy, KsfsError
+
+log = logging.getLogger("ksfs.daemon")
+
+
+def acquire_daemon_lock(store_path: Path, mountpoint: str) -> int:
+    """Hold the store's daemon lock for the life of this process, or raise Busy."""
+    path = Path(store_path) / "daemon.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            holder = {}
+        os.close(fd)
+        raise Busy(
+            f"store {store_path} is already mounted at {holder.get('mountpoint', '?')} "
+            f"by pid {holder.get('pid', '?')}"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "mountpoint": mountpoint}).encode(), 0)
+    return fd
+
+
+def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
+                ready_fd: int | None = None) -> int:
+    from ksfs.daemon.server import serve_control
+    from ksfs.fuse.mount import run_mount
+    from ksfs.keeper import Keeper
+
+    store_path = Path(store)
+    store_path.mkdir(parents=True, exist_ok=True)
+    keeper = Keeper(store_path, create=True)
+    try:
+        acquire_daemon_lock(store_path, os.path.abspath(mountpoint))
+        recover = getattr(keeper, "recover", None)
+        if recover is not None:
+            try:
+                recover()
+            except KsfsError as exc:
+                log.error("recovery at start failed: %s", exc)
+        tasks = [functools.partial(serve_control, keeper, store_path / "daemon.sock")]
+        tasks += keeper.daemon_tasks() if hasattr(keeper, "daemon_tasks") else []
+
+        def ready() -> None:
+            log.info("mounted %s at %s", store_path, mountpoint)
+            if ready_fd is not None:
+                os.write(ready_fd, b"ready\n")
+                os.close(ready_fd)
+
+        run_mount(keeper, mountpoint, foreground=True, allow_other=allow_other, ready=ready,
+                  extra_tasks=tasks)
+    except KsfsError as exc:
+        log.error("%s", exc)
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, f"error {exc.exit_code} {exc}\n".encode())
+            except OSError:
+                pass
+        return exc.exit_code
+    finally:
+        keeper.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ksfs-daemon")
+    parser.add_argument("store")
+    parser.add_argument("mountpoint")
+    parser.add_argument("--allow-other", action="store_true")
+    parser.add_argument("--ready-fd", type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    return daemon_main(args.store, args.mountpoint, args.allow_other, args.ready_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
