@@ -1,7 +1,8 @@
 """Reach the running mount daemon through its control socket (plain sockets, no trio).
 
-``call_daemon`` returns ``NO_DAEMON`` when no daemon listens, so the caller does the work itself under the
-same locks; a daemon that answers with an error raises it as a KsfsError with the same exit code.
+``call_daemon`` returns ``NO_DAEMON`` when no daemon listens, so the caller does the work itself
+under the same locks; a daemon that answers with an error raises it as a KsfsError with the same
+exit code.
 """
 
 from __future__ import annotations

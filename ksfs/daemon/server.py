@@ -66,7 +66,9 @@ def _dispatch(keeper: Any, raw: bytes) -> dict[str, Any]:
             if not isinstance(args, dict):
                 raise TypeError
         except (ValueError, KeyError, TypeError):
-            raise BadInput("the control request is not valid JSON of the form {verb, args}")
+            raise BadInput(
+                "the control request is not valid JSON of the form {verb, args}"
+            ) from None
         method = getattr(keeper, check_verb(verb))
         return {"ok": True, "result": to_jsonable(method(**args))}
     except KsfsError as exc:

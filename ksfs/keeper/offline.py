@@ -50,8 +50,8 @@ class OfflineVerbs:
         if not paths:
             raise BadInput("nothing to import: name at least one file")
         names = [p.name for p in paths]
-        for p, n in zip(paths, names):
-            validate_name(n, "file name")
+        for p in paths:
+            validate_name(p.name, "file name")
             if not p.is_file():
                 raise NoSuchFile(what="file to import", name=str(p))
         if len(set(names)) != len(names):
