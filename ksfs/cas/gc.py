@@ -1,0 +1,203 @@
+"""Garbage collection: mark from the live manifests, sweep the rest, repack thin packs.
+
+GC holds the store lock exclusively, so it never runs beside an ingest (which could be about to
+commit chunks GC sees as unreferenced). Repacking copies live chunks to a new pack, fsyncs and
+verifies it, and only then points the index at the copies and unlinks the old pack. A reader
+that had looked a chunk up in an old pack finds it again through the index, or keeps reading the
+unlinked file through its open fd. GC never deletes a manifest it was told is live, and stops
+before deleting anything if a live manifest is missing or damaged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import zstandard
+
+from ksfs.cas import format as fmt
+from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, decode_payload, fsync_dir
+from ksfs.crashpoints import crash_point
+from ksfs.errors import IntegrityError, translate
+
+if TYPE_CHECKING:
+    from ksfs.cas.store import ChunkStore
+
+
+@dataclass
+class GCResult:
+    chunks_freed: int = 0
+    bytes_freed: int = 0  # stored record bytes no longer referenced
+    manifests_removed: int = 0
+    packs_removed: list[int] = field(default_factory=list)
+    packs_repacked: list[int] = field(default_factory=list)
+    packs_written: list[int] = field(default_factory=list)
+    disk_bytes_reclaimed: int = 0  # pack file bytes given back to the filesystem
+    skipped_packs: dict[int, str] = field(default_factory=dict)  # not repacked: damage found
+
+
+def collect(store: ChunkStore, live_manifests: Iterable[str] | Callable[[], Iterable[str]],
+            threshold: float, timeout: float | None) -> GCResult:
+    lock = store.lock(exclusive=True, timeout=timeout)
+    try:
+        live = live_manifests() if callable(live_manifests) else live_manifests
+        return _collect(store, {bytes.fromhex(m) for m in live}, threshold)
+    finally:
+        os.close(lock)
+
+
+def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
+    res = GCResult()
+    db = store.db
+    # mark: a live manifest that cannot be read stops GC before it deletes anything
+    marked: set[bytes] = set()
+    with store.env.begin() as txn:
+        for mid in live:
+            info = store.load_manifest(mid.hex(), txn)
+            marked.update(cid for cid, _ in info.entries if cid is not None)
+    # sweep, in one transaction
+    with store.env.begin(write=True) as txn:
+        dead_manifests = [bytes(k) for k in txn.cursor(db=db["manifests"]).iternext(values=False)
+                          if bytes(k) not in live]
+        for k in dead_manifests:
+            txn.delete(k, db=db["manifests"])
+        res.manifests_removed = len(dead_manifests)
+        freed: dict[int, int] = {}
+        dead_chunks = []
+        for k, v in txn.cursor(db=db["chunks"]):
+            if bytes(k) not in marked:
+                loc = fmt.Location.decode(v)
+                dead_chunks.append(bytes(k))
+                freed[loc.pack] = freed.get(loc.pack, 0) + loc.record_len
+        for k in dead_chunks:
+            txn.delete(k, db=db["chunks"])
+        for no, n in freed.items():
+            key = fmt.pack_key(no)
+            raw = txn.get(key, db=db["packs"])
+            if raw is not None:
+                size, live_bytes = fmt.PACK_VALUE.unpack(raw)
+                txn.put(key, fmt.PACK_VALUE.pack(size, max(0, live_bytes - n)), db=db["packs"])
+        res.chunks_freed = len(dead_chunks)
+        res.bytes_freed = sum(freed.values())
+        crash_point("gc.sweep")
+    _drop_orphans(store, res)
+    _repack(store, threshold, res)
+    return res
+
+
+def _drop_orphans(store: ChunkStore, res: GCResult) -> None:
+    """Remove packs no index lists and cut tails abandoned ingests left after committed bytes."""
+    with store.env.begin(db=store.db["packs"]) as txn:
+        packs = {int.from_bytes(k, "big"): fmt.PACK_VALUE.unpack(v) for k, v in txn.cursor()}
+    for name in os.listdir(store.packs_dir):
+        if not (name.endswith(".pack") and name[:-5].isdigit()):
+            continue
+        no, path = int(name[:-5]), os.path.join(store.packs_dir, name)
+        with translate("reclaim pack", path):
+            st_size = os.stat(path).st_size
+            if no not in packs:
+                os.unlink(path)
+                store.handles.forget(no)
+                res.packs_removed.append(no)
+                res.disk_bytes_reclaimed += st_size
+            elif st_size > packs[no][0]:
+                os.truncate(path, packs[no][0])
+                res.disk_bytes_reclaimed += st_size - packs[no][0]
+
+
+def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
+    db = store.db
+    with store.env.begin() as txn:
+        packs = {int.from_bytes(k, "big"): fmt.PACK_VALUE.unpack(v)
+                 for k, v in txn.cursor(db=db["packs"])}
+        thin = {no for no, (size, live) in packs.items() if size and live < threshold * size}
+        empty = {no for no, (size, live) in packs.items() if live == 0}
+        moving: dict[int, list[tuple[bytes, fmt.Location]]] = {}
+        if thin:
+            for k, v in txn.cursor(db=db["chunks"]):
+                loc = fmt.Location.decode(v)
+                if loc.pack in thin:
+                    moving.setdefault(loc.pack, []).append((bytes(k), loc))
+        raw_next = txn.get(b"next_pack", db=db["cas_meta"])
+    if not thin and not empty:
+        return
+    first_no = max([int(raw_next) if raw_next else 1, *(n + 1 for n in packs)])
+    writers: list[PackWriter] = []
+    moved: list[tuple[bytes, fmt.Location]] = []
+    done: list[int] = []
+    dctx = zstandard.ZstdDecompressor()
+    try:
+        for no in sorted(thin - empty):
+            items = sorted(moving.get(no, []), key=lambda it: it[1].offset)
+            copies = _copy_pack(store, no, items, writers, first_no, dctx, res)
+            if copies is None:
+                continue
+            if writers:
+                first_no = max(first_no, writers[-1].no + 1)
+            moved.extend(copies)
+            done.append(no)
+        for w in writers:
+            w.sync()
+            w.verify(dctx, store.run_split)
+        gone = sorted(set(done) | empty)
+        with store.env.begin(write=True) as txn:
+            for cid, loc in moved:
+                txn.put(cid, loc.encode(), db=db["chunks"])
+            for no in gone:
+                txn.delete(fmt.pack_key(no), db=db["packs"])
+            top = 0
+            for w in writers:
+                top = max(top, w.no)
+                if w.written:
+                    live = sum(loc.record_len for _, loc in w.written)
+                    txn.put(fmt.pack_key(w.no), fmt.PACK_VALUE.pack(w.end, live), db=db["packs"])
+            raw_next = txn.get(b"next_pack", db=db["cas_meta"])
+            if top + 1 > (int(raw_next) if raw_next else 1):
+                txn.put(b"next_pack", str(top + 1).encode(), db=db["cas_meta"])
+            crash_point("gc.repack")
+    finally:
+        for w in writers:
+            w.close()
+    for no in gone:
+        path = os.path.join(store.packs_dir, fmt.pack_name(no))
+        with translate("remove repacked pack", path):
+            try:
+                res.disk_bytes_reclaimed += os.stat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        store.handles.forget(no)
+    fsync_dir(store.packs_dir)
+    res.packs_repacked = done
+    res.packs_removed.extend(sorted(empty))
+    res.packs_written = [w.no for w in writers if w.written]
+
+
+def _copy_pack(store: ChunkStore, no: int, items: list[tuple[bytes, fmt.Location]],
+               writers: list[PackWriter], first_no: int, dctx: zstandard.ZstdDecompressor,
+               res: GCResult) -> list[tuple[bytes, fmt.Location]] | None:
+    """Copy the live records of pack no to the newest writer; None if one of them is damaged."""
+    path = os.path.join(store.packs_dir, fmt.pack_name(no))
+    records = []
+    with translate("read pack for repacking", path):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for cid, loc in items:
+                rec = os.pread(fd, loc.record_len, loc.offset)
+                try:
+                    decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, dctx)
+                except IntegrityError as exc:
+                    res.skipped_packs[no] = str(exc)
+                    return None
+                records.append((cid, loc, rec[fmt.HEADER_SIZE :]))
+        finally:
+            os.close(fd)
+    copies = []
+    for cid, loc, payload in records:
+        if not writers or writers[-1].size >= TARGET_PACK_BYTES:
+            start = max(first_no, *(w.no + 1 for w in writers)) if writers else first_no
+            writers.append(PackWriter.create(store.packs_dir, start))
+        copies.append((cid, writers[-1].append(cid, payload, loc.plain_len, loc.codec)))
+    return copies
