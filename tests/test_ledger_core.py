@@ -1,0 +1,335 @@
+"""The ledger on a real store: sessions, gapless events, checkpoint records, forks, verify."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from test_ledger_helpers import open_store, take_checkpoint
+
+from ksfs.errors import (
+    AlreadyExists,
+    BadInput,
+    BadName,
+    ManifestCorrupt,
+    NoSuchCheckpoint,
+    NoSuchSession,
+    ReadOnly,
+)
+from ksfs.ledger import BODY_MAX, Ledger
+from ksfs.ledger import keys as K
+from ksfs.model import CheckpointRecord, FileRecord, ForkPoint
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path / "store")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def ledger(store):
+    led = Ledger(store)
+    yield led
+    assert led.verify() == []  # every test ends with a clean ledger, as S3QL ends with fsck
+
+
+def new_session(ledger, name, **kw):
+    with ledger.env.begin(write=True) as txn:
+        return ledger.create_session(txn, name, **kw)
+
+
+def test_create_session_writes_event_zero(ledger):
+    rec = new_session(ledger, "s1", domain="dom1", config={"budget": 3})
+    assert rec.name == "s1" and rec.domain == "dom1" and rec.parent is None
+    assert len(rec.lineage) == 32
+    (ev,) = list(ledger.events("s1"))
+    assert (ev.seq, ev.type) == (0, "session.created")
+    assert ev.body == {"session": "s1", "domain": "dom1", "config": {"budget": 3}}
+    assert ledger.session("s1") == rec
+    assert ledger.last_seq("s1") == 0
+
+
+def test_adopted_session_and_duplicates_and_bad_names(ledger):
+    new_session(ledger, "adopt", domain="vm", adopted=True)
+    assert next(ledger.events("adopt")).type == "session.adopted"
+    with pytest.raises(AlreadyExists):
+        new_session(ledger, "adopt")
+    for bad in ("", "a/b", "..", "x\0y"):
+        with pytest.raises(BadName):
+            new_session(ledger, bad)
+    with pytest.raises(NoSuchSession):
+        ledger.session("nope")
+    assert [s.name for s in ledger.sessions()] == ["adopt"]
+
+
+def test_session_names_are_not_lineages(ledger):
+    a = new_session(ledger, "reused")
+    with ledger.env.begin(write=True) as txn:
+        ledger.remove_session(txn, "reused")
+    b = new_session(ledger, "reused")
+    assert a.lineage != b.lineage
+    assert [e.type for e in ledger.events("reused")] == ["session.created"]
+
+
+def test_append_rules(ledger):
+    new_session(ledger, "s")
+    with pytest.raises(BadInput, match="unknown event type"):
+        ledger.record("s", "made.up", {})
+    with pytest.raises(BadInput, match="JSON object"):
+        ledger.record("s", "pause", ["not", "a", "dict"])  # type: ignore[arg-type]
+    with pytest.raises(BadInput, match="limit"):
+        ledger.record("s", "pause", {"x": "y" * BODY_MAX})
+    with pytest.raises(BadInput, match="plain JSON"):
+        ledger.record("s", "pause", {"x": object()})
+    with pytest.raises(NoSuchSession):
+        ledger.record("ghost", "pause", {})
+    ev = ledger.record("s", "pause", {"reason": "user"})
+    assert (ev.seq, ev.type, ev.body) == (1, "pause", {"reason": "user"})
+    assert ledger.event("s", 1) == ev
+    assert ledger.last_seq("s") == 1
+
+
+def test_failed_transaction_leaves_no_seq_used(ledger):
+    new_session(ledger, "s")
+    with pytest.raises(RuntimeError), ledger.env.begin(write=True) as txn:
+        ledger.append(txn, "s", "pause", {})
+        ledger.append(txn, "s", "resume", {})
+        raise RuntimeError("caller failed before commit")
+    assert ledger.record("s", "pause", {}).seq == 1
+
+
+def test_events_since_and_batches(ledger):
+    new_session(ledger, "s")
+    with ledger.env.begin(write=True) as txn:
+        for i in range(1200):  # more than one read batch
+            ledger.append(txn, "s", "gateway.call", {"key": f"k{i}"})
+    seqs = [e.seq for e in ledger.events("s")]
+    assert seqs == list(range(1201))
+    assert [e.seq for e in ledger.events("s", since=1190)] == list(range(1190, 1201))
+    assert list(ledger.events("s", since=5000)) == []
+    with pytest.raises(BadInput):
+        list(ledger.events("s", since=-1))
+
+
+def test_gapless_under_eight_threads(ledger):
+    new_session(ledger, "busy")
+    seen: list[int] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(n):
+        try:
+            for i in range(60):
+                ev = ledger.record("busy", "gateway.call", {"key": f"t{n}-{i}"})
+                with lock:
+                    seen.append(ev.seq)
+        except BaseException as exc:  # surfaced below: a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(seen) == list(range(1, 481))
+    events = list(ledger.events("busy"))
+    assert [e.seq for e in events] == list(range(481))
+    assert len({e.body["key"] for e in events[1:]}) == 480
+
+
+def test_checkpoint_records(ledger, store, tmp_path):
+    new_session(ledger, "s")
+    a = take_checkpoint(ledger, store, "s", {"disk.raw": b"a" * 5000, "memory": b"m" * 300},
+                        name="first")
+    ledger.record("s", "gateway.call", {"key": "k"})
+    b = take_checkpoint(ledger, store, "s", {"disk.raw": b"b" * 7000})
+    assert b.name == f"c_{b.seq:04d}"
+    assert ledger.checkpoint_names("s") == ["first", b.name]
+    assert ledger.checkpoint("s", "first") == a
+    assert ledger.checkpoints("s") == [a, b]
+    assert ledger.latest_checkpoint("s") == b
+    (sa, sb) = ledger.checkpoint_summaries("s")
+    assert (sa.name, sa.seq, sa.size, sa.files) == ("first", a.seq, 5300, 2)
+    assert sa.stored == a.stored_bytes and sb.size == 7000
+    assert ledger.live_manifests() == {f.manifest for c in (a, b) for f in c.files}
+    with pytest.raises(NoSuchCheckpoint):
+        ledger.checkpoint("s", "missing")
+    with pytest.raises(AlreadyExists), ledger.env.begin(write=True) as txn:
+        ledger.put_checkpoint(txn, a)
+
+
+def test_put_checkpoint_refuses_bad_records(ledger, store):
+    new_session(ledger, "s")
+    good = take_checkpoint(ledger, store, "s", {"f": b"xyz" * 100}, name="good")
+    begin = ledger.record("s", "checkpoint.begin", {})
+    pause = ledger.record("s", "pause", {})
+    missing = FileRecord("f", "ab" * 32, 10)
+    cases = [
+        (CheckpointRecord("s", "x1", pause.seq, 0.0, good.files), BadInput),  # not a begin
+        (CheckpointRecord("s", "x2", 999, 0.0, good.files), BadInput),  # no such event
+        (CheckpointRecord("s", "x3", begin.seq, 0.0, (missing,)), ManifestCorrupt),
+        (CheckpointRecord("s", "x4", begin.seq, 0.0, good.files * 2), BadInput),
+        (CheckpointRecord("s", "a/b", begin.seq, 0.0, good.files), BadName),
+        (CheckpointRecord("nobody", "x5", begin.seq, 0.0, good.files), NoSuchSession),
+    ]
+    for record, exc in cases:
+        with pytest.raises(exc), ledger.env.begin(write=True) as txn:
+            ledger.put_checkpoint(txn, record)
+    assert ledger.checkpoint_names("s") == ["good"]
+
+
+def test_delete_checkpoint(ledger, store):
+    new_session(ledger, "s")
+    cp = take_checkpoint(ledger, store, "s", {"f": b"1" * 1000}, name="one")
+    with ledger.env.begin(write=True) as txn:
+        ev = ledger.delete_checkpoint(txn, "s", "one")
+    assert ev.type == "checkpoint.deleted"
+    assert ev.body["name"] == "one" and ev.body["seq"] == cp.seq
+    assert ledger.checkpoint_names("s") == [] and ledger.live_manifests() == set()
+    with pytest.raises(NoSuchCheckpoint), ledger.env.begin(write=True) as txn:
+        ledger.delete_checkpoint(txn, "s", "one")
+
+
+def _fork(ledger, parent, checkpoint, child):
+    cp = ledger.checkpoint(parent, checkpoint)
+    with ledger.env.begin(write=True) as txn:
+        return ledger.create_session(txn, child, parent=ForkPoint(parent, checkpoint, cp.seq))
+
+
+def test_fork_chain_four_levels_rebuilds_to_root(ledger, store):
+    new_session(ledger, "root")
+    names = ["root", "gen1", "gen2", "gen3", "gen4"]
+    expected = []
+    for parent, child in zip(names, names[1:], strict=False):
+        ledger.record(parent, "gateway.call", {"key": parent})
+        cp = take_checkpoint(ledger, store, parent, {"disk.raw": parent.encode() * 500})
+        rec = _fork(ledger, parent, cp.name, child)
+        prec = ledger.session(parent)
+        assert rec.parent == ForkPoint(parent, cp.name, cp.seq, prec.lineage)
+        expected.insert(0, rec.parent)
+        first = next(ledger.events(child))
+        assert first.type == "lineage.forked"
+        assert first.body["parent_session"] == parent
+        assert first.body["checkpoint"] == cp.name
+        assert first.body["parent_seq"] == cp.seq
+        assert first.body["parent_lineage"] == prec.lineage
+        fc = [e for e in ledger.events(parent) if e.type == "fork.created"]
+        assert fc[-1].body["session"] == child and fc[-1].body["lineage"] == rec.lineage
+    assert ledger.lineage("gen4") == expected
+    assert [fp.session for fp in ledger.lineage("gen4")] == ["gen3", "gen2", "gen1", "root"]
+    assert ledger.lineage("root") == []
+
+
+def test_fork_needs_the_checkpoint(ledger, store):
+    new_session(ledger, "p")
+    with pytest.raises(NoSuchCheckpoint), ledger.env.begin(write=True) as txn:
+        ledger.create_session(txn, "c", parent=ForkPoint("p", "nope", 0))
+    with pytest.raises(NoSuchSession), ledger.env.begin(write=True) as txn:
+        ledger.create_session(txn, "c", parent=ForkPoint("ghost", "nope", 0))
+    with pytest.raises(NoSuchSession):
+        ledger.session("c")
+
+
+def test_child_survives_parent_checkpoint_delete_and_parent_removal(ledger, store):
+    new_session(ledger, "a")
+    cpa = take_checkpoint(ledger, store, "a", {"disk.raw": b"A" * 4000}, name="base")
+    _fork(ledger, "a", "base", "b")
+    cpb = take_checkpoint(ledger, store, "b", {"disk.raw": b"B" * 4000}, name="mid")
+    _fork(ledger, "b", "mid", "c")
+    before = ledger.lineage("c")
+    with ledger.env.begin(write=True) as txn:
+        ledger.delete_checkpoint(txn, "b", "mid")
+    assert ledger.lineage("c") == before
+    assert ledger.verify() == []
+    with ledger.env.begin(write=True) as txn:
+        ledger.remove_session(txn, "b")
+        ledger.remove_session(txn, "a")
+    assert ledger.lineage("c") == before
+    assert [(fp.session, fp.checkpoint, fp.seq) for fp in before] == [
+        ("b", "mid", cpb.seq), ("a", "base", cpa.seq)]
+    infos = {i.session: i for i in ledger.lineages()}
+    assert infos["a"].removed is not None and infos["b"].removed is not None
+    assert next(ledger.events("c")).body["checkpoint"] == "mid"
+    assert [s.name for s in ledger.sessions()] == ["c"]
+    assert ledger.live_manifests() == set()
+    assert ledger.verify() == []
+
+
+def test_remove_session_keeping_checkpoints(ledger, store):
+    new_session(ledger, "k")
+    cp = take_checkpoint(ledger, store, "k", {"f": b"keep" * 100}, name="kept")
+    with ledger.env.begin(write=True) as txn:
+        ledger.remove_session(txn, "k", keep_checkpoints=True)
+    rec = ledger.session("k")
+    assert rec.removed is not None
+    assert ledger.checkpoint("k", "kept") == cp
+    assert list(ledger.events("k"))[-1].type == "session.removed"
+    assert ledger.sessions() == []
+    assert [s.name for s in ledger.sessions(include_removed=True)] == ["k"]
+    assert ledger.live_manifests() == {cp.files[0].manifest}
+    with pytest.raises(ReadOnly):
+        ledger.record("k", "pause", {})
+    with pytest.raises(AlreadyExists):
+        new_session(ledger, "k")
+    # a kept checkpoint can still be forked; the fork's record lands in the removed log
+    child = _fork(ledger, "k", "kept", "kid")
+    assert child.parent.lineage == rec.lineage
+    assert ledger.verify() == []
+    with ledger.env.begin(write=True) as txn:
+        ledger.remove_session(txn, "k")
+    with pytest.raises(NoSuchSession):
+        ledger.session("k")
+    assert ledger.lineage("kid")[0].session == "k"
+
+
+def test_update_session(ledger):
+    new_session(ledger, "u")
+    with ledger.env.begin(write=True) as txn:
+        rec = ledger.update_session(txn, "u", domain="ksfs-u", config={"budget_usd": 1.5})
+    assert ledger.session("u") == rec and rec.domain == "ksfs-u"
+    assert rec.config == {"budget_usd": 1.5}
+
+
+def test_verify_names_each_problem(ledger, store):
+    new_session(ledger, "p")
+    cp = take_checkpoint(ledger, store, "p", {"f": b"p" * 2000}, name="c")
+    _fork(ledger, "p", "c", "q")
+    for _ in range(3):
+        ledger.record("p", "pause", {})
+    assert ledger.verify() == []
+    p = ledger.session("p")
+    q = ledger.session("q")
+    lin = K.lineage_bytes(p.lineage)
+    with ledger.env.begin(write=True) as txn:
+        saved = txn.get(K.lineage_meta_key(lin), db=ledger._meta)
+        txn.delete(K.event_key_raw(lin, 4), db=ledger._events)  # a gap
+        txn.put(K.event_key_raw(lin, 5), b"{torn", db=ledger._events)  # an undecodable event
+        # the fork's parent lineage record vanishes
+        txn.delete(K.lineage_meta_key(lin), db=ledger._meta)
+        # the checkpoint's manifest vanishes from the store
+        txn.delete(bytes.fromhex(cp.files[0].manifest), db=store.db["manifests"])
+    problems = ledger.verify()
+    text = "\n".join(problems)
+    assert f"lineage {p.lineage}: seq 4 is missing" in text
+    assert f"lineage {p.lineage}: event 5 does not decode" in text
+    assert f"parent lineage {p.lineage} of 'p' has no record" in text
+    assert f"manifest {cp.files[0].manifest} of f is not in the store" in text
+    assert f"lineage {q.lineage}" in text
+    # put things back so the fixture's final verify is clean
+    with ledger.env.begin(write=True) as txn:
+        txn.put(K.lineage_meta_key(lin), saved, db=ledger._meta)
+        ledger.remove_session(txn, "q")
+        ledger.remove_session(txn, "p")
+    assert ledger.verify() == []
+
+
+def test_stats_count_everything(ledger, store):
+    new_session(ledger, "a")
+    new_session(ledger, "b")
+    take_checkpoint(ledger, store, "a", {"f": b"f" * 100})
+    st = ledger.stats()
+    assert st == {"sessions": 2, "lineages": 2, "removed_lineages": 0, "events": 4,
+                  "checkpoints": 1}
