@@ -112,15 +112,15 @@ def check(ctx, read_data: bool, as_json: bool) -> None:
 
     Example: ksfs check --read-data
     """
-    report = keeper_for(ctx).check(read_data=read_data)
-    problems = list(report.problems()) if hasattr(report, "problems") else list(report)
+    keeper = keeper_for(ctx)
+    report = keeper.check(read_data=read_data)
+    problems = report.lines()
     if as_json:
-        emit_json({"ok": not problems, "problems": problems})
-    elif not problems:
-        click.echo("store: clean" + (" (all data read)" if read_data else ""))
+        emit_json({"ok": report.ok, "problems": problems, "summary": report.summary()})
     else:
         for line in problems:
             click.echo(line)
+        click.echo(report.summary())
     if problems:
         raise SystemExit(IntegrityError.exit_code)
 

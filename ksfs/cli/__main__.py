@@ -1,0 +1,3 @@
+from ksfs.cli import main
+
+main()

@@ -1,0 +1,159 @@
+"""The store verbs through the real command line (a subprocess per call): round trips, figures,
+bad input with its exit code and an unchanged store, and kill -9 of imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+
+
+def ksfs(store: Path, *args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    res = subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, **kw)
+    if check and res.returncode != 0:
+        raise AssertionError(f"ksfs {args} failed {res.returncode}: {res.stderr.decode()}")
+    return res
+
+
+def make_image(path: Path, size: int, seed: int, holes: bool = True) -> bytes:
+    rnd = random.Random(seed)
+    data = bytearray(size)
+    for off in range(0, size, 65536):
+        if holes and rnd.random() < 0.3:
+            continue  # stays a hole
+        n = min(65536, size - off)
+        data[off:off + n] = rnd.randbytes(n // 2) + bytes(n - n // 2)
+    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
+def store_snapshot(store: Path) -> dict[str, int]:
+    """Every file of the store with its size: 'nothing changed' means this is equal."""
+    out = {}
+    for p in sorted(store.rglob("*")):
+        if p.is_file() and p.name not in ("lock",) and not p.name.endswith(".lock"):
+            out[str(p.relative_to(store))] = p.stat().st_size
+    return out
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+def test_import_cat_stats_round_trip(store: Path, tmp_path: Path) -> None:
+    disk = tmp_path / "disk.raw"
+    mem = tmp_path / "memory"
+    d = make_image(disk, 5 * 65536 + 1234, seed=1)
+    m = make_image(mem, 300_001, seed=2, holes=False)
+    res = ksfs(store, "import", "s1", "c1", str(disk), str(mem))
+    assert res.stdout.decode().strip().splitlines()[-1] == "c1"
+    assert ksfs(store, "cat", "s1", "c1", "disk.raw").stdout == d
+    assert ksfs(store, "cat", "s1", "c1", "memory").stdout == m
+    figures = json.loads(ksfs(store, "stats", "--json").stdout)
+    for key in ("logical_bytes", "stored_bytes", "chunks", "packs", "checkpoints"):
+        assert key in figures
+    assert figures["logical_bytes"] == len(d) + len(m)
+    assert figures["checkpoints"] == 1
+    assert 0 < figures["stored_bytes"] < figures["logical_bytes"]
+    # A second, slightly changed image dedups against the first.
+    d2 = bytearray(d)
+    d2[70000:70010] = b"X" * 10
+    disk.write_bytes(bytes(d2))
+    ksfs(store, "import", "s1", "c2", str(disk))
+    after = json.loads(ksfs(store, "stats", "--json").stdout)
+    assert after["checkpoints"] == 2
+    assert after["stored_bytes"] - figures["stored_bytes"] < 2 * 65536
+    assert ksfs(store, "cat", "s1", "c2", "disk.raw").stdout == bytes(d2)
+    assert ksfs(store, "check", "--read-data").returncode == 0
+    # rm + gc frees what only c1 held, and c2 still reads back.
+    ksfs(store, "rm", "s1", "c1")
+    ksfs(store, "gc")
+    assert ksfs(store, "cat", "s1", "c2", "disk.raw").stdout == bytes(d2)
+    assert ksfs(store, "check", "--read-data").returncode == 0
+    final = json.loads(ksfs(store, "stats", "--json").stdout)
+    assert final["checkpoints"] == 1
+    assert final["stored_bytes"] < after["stored_bytes"]
+
+
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (["import", "s1", "c9", "/nonexistent/file"], 3, "not found"),
+        (["cat", "nosuch", "c1", "disk.raw"], 3, "no session"),
+        (["cat", "s1", "nosuch", "disk.raw"], 3, "no checkpoint"),
+        (["cat", "s1", "c1", "nosuch"], 3, "not found"),
+        (["rm", "s1", "nosuch"], 3, "no checkpoint"),
+        (["import", "a/b", "c9", "FILE"], 2, "'/'"),
+        (["import", "s1", "..", "FILE"], 2, "'..'"),
+        (["import", "s1", "", "FILE"], 2, "empty"),
+        (["import", "s1", "x" * 256, "FILE"], 2, "255"),
+        (["import", "s1", "c1", "FILE"], 4, "already exists"),
+    ],
+)
+def test_bad_input_one_line_exit_code_nothing_changed(
+    store: Path, tmp_path: Path, args: list[str], code: int, words: str
+) -> None:
+    f = tmp_path / "memory"
+    f.write_bytes(b"hello" * 1000)
+    ksfs(store, "import", "s1", "c1", str(f))
+    before = store_snapshot(store)
+    args = [str(f) if a == "FILE" else a for a in args]
+    res = ksfs(store, *args, check=False)
+    err = res.stderr.decode()
+    assert res.returncode == code, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert words in err
+    assert store_snapshot(store) == before
+
+
+def test_not_a_store(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "somefile").write_text("mine")
+    res = ksfs(plain, "stats", check=False)
+    assert res.returncode == 5
+    assert "not a ksfs store" in res.stderr.decode()
+    assert sorted(p.name for p in plain.iterdir()) == ["somefile"]
+
+
+def test_kill_9_during_import_leaves_a_clean_store(store: Path, tmp_path: Path) -> None:
+    """kill -9 at random moments of `ksfs import`: earlier checkpoints read back, check is clean,
+    and no half-written checkpoint is visible."""
+    rnd = random.Random(7)
+    base = tmp_path / "disk.raw"
+    data = make_image(base, 40 * 65536, seed=3)
+    ksfs(store, "import", "s", "c0", str(base))
+    published = {"c0": data}
+    for trial in range(8):
+        img = bytearray(data)
+        for _ in range(20):
+            off = rnd.randrange(0, len(img) - 100)
+            img[off:off + 100] = rnd.randbytes(100)
+        path = tmp_path / f"disk{trial}.raw"
+        path.write_bytes(bytes(img))
+        proc = subprocess.Popen(
+            KSFS + ["--store", str(store), "import", "s", f"t{trial}", str(path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        time.sleep(rnd.uniform(0.05, 1.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        listed = json.loads(ksfs(store, "checkpoints", "s", "--json").stdout)
+        names = {c["name"] for c in listed}
+        if f"t{trial}" in names:
+            published[f"t{trial}"] = bytes(img)
+        assert set(published) == names
+        assert ksfs(store, "check", "--read-data").returncode == 0
+        for name, want in published.items():
+            assert ksfs(store, "cat", "s", name, "disk.raw").stdout == want
+    assert ksfs(store, "ledger", "verify").returncode == 0
