@@ -1,0 +1,31 @@
+"""The model-call gateway: OpenAI-style chat completions on loopback, bought once, replayed after
+a save, counted per session and held to a budget.
+
+Layer 5: imports ksfs.errors, ksfs.model, ksfs.cas, ksfs.ledger, trio and its HTTP stack
+(hypercorn, httpx); never pyfuse3, libvirt or click. See docs/gateway.md.
+
+    gw = Gateway(store, ledger, "http://127.0.0.1:8000", prices=None, api_key=None)
+    port = await nursery.start(gw.serve_session, "s1")     # one port per session
+    gw.usage("s1"); gw.set_budget("s1", tokens=10_000, usd=1.5)
+"""
+
+from ksfs.gateway.calls import Usage, canonical_body, derived_key, header_key
+from ksfs.gateway.prices import Price, PriceTable, load_prices, parse_prices
+from ksfs.gateway.service import API_KEY_ENV, Gateway, api_key_from_env
+from ksfs.gateway.store import GatewayStore, StoredResponse
+
+__all__ = [
+    "API_KEY_ENV",
+    "Gateway",
+    "GatewayStore",
+    "Price",
+    "PriceTable",
+    "StoredResponse",
+    "Usage",
+    "api_key_from_env",
+    "canonical_body",
+    "derived_key",
+    "header_key",
+    "load_prices",
+    "parse_prices",
+]

@@ -1,0 +1,121 @@
+"""What the gateway reads out of a chat-completion call: its idempotency key and its usage.
+
+Pure functions over bytes, no I/O. The key decides whether a call was already bought, so its
+derivation is fixed here in one place: a header key is used as given (hashed to a fixed width),
+a derived key is BLAKE3 of the lineage id and the canonical JSON of the request body. Nothing here
+may keep or return the request text itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+
+from ksfs.errors import BadInput
+
+KEY_BYTES = 32
+HEADER_KEY_MAX = 1024
+
+
+def canonical_body(body: bytes) -> tuple[bytes, dict[str, Any]]:
+    """(canonical JSON bytes, parsed object) of a request body; BadInput if it is no JSON object.
+
+    Canonical means sorted keys, no insignificant whitespace, UTF-8: two bodies that mean the same
+    request give the same bytes, whatever the client's serializer did.
+    """
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadInput(f"request body is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadInput("request body must be a JSON object")
+    canon = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return canon.encode("utf-8"), obj
+
+
+def header_key(value: str) -> bytes:
+    """The 32-byte store key of an ``Idempotency-Key`` header value."""
+    if not value or len(value) > HEADER_KEY_MAX:
+        raise BadInput(f"Idempotency-Key must be 1 to {HEADER_KEY_MAX} characters")
+    return blake3.blake3(b"ksfs-idempotency-header\0" + value.encode("utf-8")).digest()
+
+
+def derived_key(lineage: str, canon: bytes) -> bytes:
+    """The 32-byte key of a call without a header: BLAKE3(lineage id, canonical body)."""
+    return blake3.blake3(b"ksfs-idempotency-derived\0" + lineage.encode("ascii") + b"\0"
+                         + canon).digest()
+
+
+def request_digest(canon: bytes) -> str:
+    """Hex BLAKE3 of the canonical body: lets a replay check that a reused header key names the
+    same request, without storing the request."""
+    return blake3.blake3(canon).hexdigest()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one response; ``known`` False when the response carried no usage."""
+
+    model: str | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    known: bool = False
+
+
+def _usage_from(obj: Any, model: str | None) -> Usage | None:
+    if not isinstance(obj, dict):
+        return None
+    u = obj.get("usage")
+    if not isinstance(u, dict):
+        return None
+
+    def num(name: str) -> int:
+        v = u.get(name)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+    prompt, completion = num("prompt_tokens"), num("completion_tokens")
+    total = num("total_tokens") or prompt + completion
+    return Usage(model, prompt, completion, total, True)
+
+
+def usage_of_json(body: bytes, request_model: str | None) -> Usage:
+    """Usage of a JSON chat completion (the response's ``model`` wins over the request's)."""
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return Usage(request_model)
+    model = obj.get("model") if isinstance(obj, dict) else None
+    model = model if isinstance(model, str) and model else request_model
+    return _usage_from(obj, model) or Usage(model)
+
+
+def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
+    """Usage of a streamed completion: the last ``data:`` chunk that carries a usage object.
+
+    OpenAI-style providers send it in a final chunk when asked (``stream_options``); without it
+    the call counts 0 tokens and is marked unknown.
+    """
+    model = request_model
+    found: Usage | None = None
+    for line in body.decode("utf-8", "replace").splitlines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if not data or data == "[DONE]":
+            continue
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("model"), str) and obj["model"]:
+            model = obj["model"]
+        u = _usage_from(obj, model)
+        if u is not None:
+            found = u
+    if found is None:
+        return Usage(model)
+    return Usage(model, found.prompt_tokens, found.completion_tokens, found.total_tokens, True)

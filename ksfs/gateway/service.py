@@ -1,0 +1,348 @@
+"""The gateway service: one HTTP server per session, on its own loopback port, over one store.
+
+``Gateway.serve_session`` runs hypercorn (trio worker) with a small raw-ASGI app for one session;
+the daemon runs one per session in its nursery, the CLI one for a standalone gateway. A chat
+completion is looked up in the store first (a replay costs nothing), then checked against the
+budget, then bought from the provider exactly once per key: the upstream call runs as a task of
+the session's nursery, not of the request, so a guest that drops its connection (a save, a
+restore) does not lose a response it already paid for, and duplicates wait on it. This module
+must never hand a guest a completed response that is not yet committed to the store, and never
+let the API key reach the store, an event or a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+from ksfs.errors import BadInput, KsfsError, NotFound, ReadOnly
+from ksfs.gateway.calls import (
+    canonical_body,
+    derived_key,
+    header_key,
+    request_digest,
+    usage_of_json,
+    usage_of_sse,
+)
+from ksfs.gateway.prices import PriceTable, load_prices
+from ksfs.gateway.store import GatewayStore, StoredResponse, View
+from ksfs.gateway.upstream import (
+    NOT_STORED,
+    Fetched,
+    Headers,
+    Reply,
+    Upstream,
+    error_reply,
+    keep_headers,
+    send_reply,
+)
+from ksfs.ledger.keys import lineage_bytes
+
+log = logging.getLogger("ksfs.gateway")
+
+CHAT_PATH = "/v1/chat/completions"
+MAX_BODY = 16 * 1024 * 1024
+DEFAULT_TIMEOUT = 300.0
+API_KEY_ENV = ("KSFS_UPSTREAM_API_KEY", "OPENAI_API_KEY")
+
+
+def api_key_from_env() -> str | None:
+    for name in API_KEY_ENV:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
+@dataclass
+class _Call:
+    """One upstream purchase in flight; every request for its key waits on ``done``."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    stored: StoredResponse | None = None
+    error: Reply | None = None
+
+
+@dataclass
+class _Served:
+    """What one session's server holds while it runs."""
+
+    session: str
+    nursery: trio.Nursery
+    upstream: Upstream
+
+
+class Gateway:
+    """Model-call gateway over one store. Invariant: a completed response reaches a guest only
+    after it and its ``gateway.call`` event are committed, and a key is bought at most once
+    per lineage while its stored response exists."""
+
+    def __init__(self, store: Any, ledger: Any, upstream_url: str,
+                 prices: PriceTable | str | Path | None = None, api_key: str | None = None,
+                 *, timeout: float = DEFAULT_TIMEOUT, max_body: int = MAX_BODY) -> None:
+        if not upstream_url.startswith(("http://", "https://")):
+            raise BadInput(f"upstream URL {upstream_url!r} must start with http:// or https://")
+        if not timeout > 0:
+            raise BadInput(f"upstream timeout must be > 0 seconds, not {timeout!r}")
+        self.db = GatewayStore(store, ledger)
+        self.ledger = ledger
+        self.upstream_url = upstream_url
+        self.prices = prices if isinstance(prices, PriceTable) else load_prices(prices)
+        self._api_key = api_key or api_key_from_env()
+        self.timeout = timeout
+        self.max_body = max_body
+        self.ports: dict[str, int] = {}  # session -> bound port, while served
+        self._inflight: dict[bytes, _Call] = {}
+
+    def __repr__(self) -> str:  # never show the key
+        return f"Gateway({self.upstream_url!r}, sessions={sorted(self.ports)})"
+
+    # --- the synchronous face (keeper, mount, CLI) --------------------------------------------
+
+    def usage(self, session: str) -> dict[str, Any]:
+        """JSON-able usage of ``session``: paid calls, replays, tokens, cost, budget."""
+        return self.db.usage(session)
+
+    def budget(self, session: str) -> dict[str, Any] | None:
+        return self.db.budget(session)
+
+    def set_budget(self, session: str, tokens: int | None = None, usd: float | None = None):
+        """Replace the session's budget (None, None removes it); records ``budget.set``."""
+        return self.db.set_budget(session, tokens=tokens, usd=usd)
+
+    # --- serving ------------------------------------------------------------------------------
+
+    async def serve_session(self, session: str, port: int = 0, host: str = "127.0.0.1", *,
+                            task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+                            ) -> None:
+        """Serve ``session`` on host:port (0: any free port) until cancelled.
+
+        ``await nursery.start(gw.serve_session, "s1")`` returns the bound port; it is also in
+        ``gw.ports`` while the server runs.
+        """
+        self.db.view(session)  # NoSuchSession now, not on the first call
+        if session in self.ports:
+            raise BadInput(f"session {session!r} is already served on port {self.ports[session]}")
+        config = hypercorn.config.Config()
+        config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("ksfs.gateway.http")
+        config.include_server_header = False
+        config.graceful_timeout = 1.0
+        upstream = Upstream(self.upstream_url, self._api_key, self.timeout)
+        try:
+            async with trio.open_nursery() as nursery:
+                served = _Served(session, nursery, upstream)
+                app = partial(_asgi, self, served)
+                binds = await nursery.start(partial(hypercorn.trio.serve, app, config,
+                                                    mode="asgi"))
+                bound = int(binds[0].rsplit(":", 1)[1])
+                self.ports[session] = bound
+                log.info("gateway for session %s on %s", session, binds[0])
+                task_status.started(bound)
+        finally:
+            self.ports.pop(session, None)
+            with trio.CancelScope(shield=True):
+                await upstream.aclose()
+
+    # --- one chat completion ------------------------------------------------------------------
+
+    async def chat(self, served: _Served, headers: Headers, body: bytes) -> tuple[Reply, Headers]:
+        """The reply to one chat completion, and the ksfs headers that go with it."""
+        try:
+            canon, obj = canonical_body(body)
+            hval = _header(headers, "idempotency-key")
+            hkey = header_key(hval) if hval is not None else None
+        except BadInput as exc:
+            return error_reply(400, "invalid_request_error", str(exc)), []
+        view = self.db.view(served.session)
+        key = hkey if hkey is not None else derived_key(view.lineage, canon)
+        digest = request_digest(canon)
+        model = obj.get("model") if isinstance(obj.get("model"), str) else None
+        stream = obj.get("stream") is True
+        ikey = lineage_bytes(view.lineage) + key
+        mine = False
+        while True:
+            call = self._inflight.get(ikey)
+            if call is None:
+                # No await between this lookup and registering the call below: in trio that
+                # makes "look in the store, else become the one buyer" atomic per key.
+                stored = self.db.find(view, hkey, canon)
+                if stored is not None:
+                    return await self._replay(view, key, stored, digest)
+                over = self.db.over_budget(view.lineage)
+                if over is not None:
+                    return await self._refuse(view, key, model, *over), _ksfs(key, "refused")
+                call = self._inflight[ikey] = _Call()
+                mine = True
+                served.nursery.start_soon(self._buy, call, served, view, key, ikey, headers,
+                                          body, model, stream, digest)
+            await call.done.wait()
+            if call.error is not None:
+                return call.error, _ksfs(key, "error")
+            if mine and call.stored is not None:
+                return _reply_of(call.stored), _ksfs(key, "false")
+            # A duplicate: the buyer's response is committed now; loop to replay it.
+
+    async def _replay(self, view: View, key: bytes, stored: StoredResponse, digest: str
+                      ) -> tuple[Reply, Headers]:
+        if stored.request_digest != digest:
+            return error_reply(
+                422, "idempotency_key_reused",
+                "this Idempotency-Key was used before for a different request"), []
+        await trio.to_thread.run_sync(self.db.record_replay, view.session, view.lineage, key,
+                                      stored)
+        return _reply_of(stored), _ksfs(key, "true")
+
+    async def _refuse(self, view: View, key: bytes, model: str | None,
+                      budget: dict[str, Any], used: dict[str, Any]) -> Reply:
+        await trio.to_thread.run_sync(self.db.record_refusal, view.session, view.lineage, key,
+                                      model, budget, used)
+        return error_reply(
+            402, "budget_exceeded",
+            f"session {view.session!r} has used {used['tokens']} tokens and "
+            f"{used['usd']:.6f} USD of its budget of {_fmt_budget(budget)}; "
+            "nothing was sent upstream",
+            session=view.session, budget=budget, used=used)
+
+    async def _buy(self, call: _Call, served: _Served, view: View, key: bytes, ikey: bytes,
+                   headers: Headers, body: bytes, model: str | None, stream: bool,
+                   digest: str) -> None:
+        """Call upstream once, commit a completed response with its event, wake the waiters."""
+        try:
+            got = await served.upstream.fetch("POST", CHAT_PATH, headers, body)
+            if isinstance(got, Reply) or not 200 <= got.status < 300:
+                call.error = got if isinstance(got, Reply) else _passed_back(got)
+                why = _error_type(call.error)
+                await trio.to_thread.run_sync(self.db.record_upstream_error, view.session,
+                                              view.lineage, key, model, call.error.status, why)
+                return
+            call.stored = await trio.to_thread.run_sync(
+                self._commit, view, key, got, model, stream, digest)
+        except Exception as exc:  # a bug or a store failure must not take the server down
+            log.error("gateway call for session %s failed: %s", view.session, exc)
+            if call.error is None:
+                call.error = error_reply(
+                    500, "gateway_error",
+                    f"the gateway could not store the response, so it is not returned: {exc}")
+                call.stored = None
+        finally:
+            # Unregister before waking: a waiter that loops must find the committed response.
+            self._inflight.pop(ikey, None)
+            call.done.set()
+
+    def _commit(self, view: View, key: bytes, got: Fetched, model: str | None, stream: bool,
+                digest: str) -> StoredResponse:
+        ctype = _header(got.headers, "content-type") or ""
+        sse = stream or ctype.startswith("text/event-stream")
+        usage = (usage_of_sse if sse else usage_of_json)(got.body, model)
+        cost, priced = self.prices.cost(usage.model, usage.prompt_tokens,
+                                        usage.completion_tokens)
+        resp = StoredResponse(
+            lineage=view.lineage, session=view.session, key=key.hex(), seq=-1,
+            status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=got.body,
+            model=usage.model, stream=sse, request_digest=digest, created=_now())
+        return self.db.commit_call(view.session, view.lineage, key, resp, usage, cost, priced)
+
+
+# --- the ASGI app -----------------------------------------------------------------------------
+
+
+async def _asgi(gw: Gateway, served: _Served, scope: dict, receive, send) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    if scope["type"] != "http":
+        return
+    headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
+    body = await _read_body(receive, gw.max_body)
+    if body is None:
+        await send_reply(send, error_reply(413, "request_too_large",
+                                           f"request body over {gw.max_body} bytes"))
+        return
+    method, path = scope["method"], scope["path"]
+    if method == "POST" and path == CHAT_PATH:
+        try:
+            reply, extra = await gw.chat(served, headers, body)
+        except KsfsError as exc:
+            reply, extra = _ksfs_error_reply(exc), []
+        await send_reply(send, reply, extra)
+        return
+    await served.upstream.passthrough(method, path, scope.get("query_string", b""), headers,
+                                      body, send)
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    parts, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(parts)
+
+
+# --- small helpers ----------------------------------------------------------------------------
+
+
+def _header(headers: Headers, name: str) -> str | None:
+    for k, v in headers:
+        if k.lower() == name:
+            return v
+    return None
+
+
+def _ksfs(key: bytes, replay: str) -> Headers:
+    return [("x-ksfs-key", key.hex()), ("x-ksfs-replay", replay)]
+
+
+def _reply_of(stored: StoredResponse) -> Reply:
+    return Reply(stored.status, list(stored.headers), stored.body)
+
+
+def _passed_back(got: Fetched) -> Reply:
+    return Reply(got.status, keep_headers(got.headers, NOT_STORED), got.body)
+
+
+def _error_type(reply: Reply) -> str:
+    if reply.status in (502, 504) and b"upstream_" in reply.body:
+        return "upstream_timeout" if reply.status == 504 else "upstream_unreachable"
+    return f"upstream_status_{reply.status}"
+
+
+def _fmt_budget(budget: dict[str, Any]) -> str:
+    parts = []
+    if budget.get("tokens") is not None:
+        parts.append(f"{budget['tokens']} tokens")
+    if budget.get("usd") is not None:
+        parts.append(f"{budget['usd']} USD")
+    return " and ".join(parts) or "nothing"
+
+
+def _ksfs_error_reply(exc: KsfsError) -> Reply:
+    status = 404 if isinstance(exc, NotFound) else 400 if isinstance(exc, BadInput) \
+        else 403 if isinstance(exc, ReadOnly) else 500
+    return error_reply(status, "gateway_error", str(exc))
+
+
+def _now() -> float:
+    return time.time()

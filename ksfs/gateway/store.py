@@ -1,0 +1,311 @@
+"""The gateway's records in the store's LMDB environment: stored responses, usage, budgets.
+
+Named dbs ``gw_responses`` ((lineage id, key) -> one completed response and the seq of the
+``gateway.call`` event that stored it), ``gw_usage`` (lineage id -> running totals) and
+``gw_budgets`` (lineage id -> the budget). Every write here commits in one transaction with the
+ledger event that explains it, so the store and the event log never disagree. Synchronous: the
+service calls the writers through ``trio.to_thread``. It must never store or log an API key, a
+request's text, or a response it was not handed complete.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lmdb
+
+from ksfs.errors import BadInput, IntegrityError, KsfsError, NoSpace
+from ksfs.gateway.calls import Usage, derived_key
+from ksfs.ledger.keys import lineage_bytes
+from ksfs.model import Event
+
+DBS = (b"gw_responses", b"gw_usage", b"gw_budgets")
+_META_LEN = struct.Struct(">I")
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A completed upstream response, exactly as every caller of its key gets it."""
+
+    lineage: str
+    session: str
+    key: str  # hex
+    seq: int  # of the gateway.call event stored with it
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    model: str | None
+    stream: bool
+    request_digest: str
+    created: float
+
+    def encode(self) -> bytes:
+        meta = asdict(self)
+        del meta["body"]
+        raw = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode("utf-8")
+        return _META_LEN.pack(len(raw)) + raw + self.body
+
+    @classmethod
+    def decode(cls, raw: bytes) -> StoredResponse:
+        raw = bytes(raw)
+        try:
+            (n,) = _META_LEN.unpack_from(raw)
+            meta = json.loads(raw[4 : 4 + n].decode("utf-8"))
+            meta["headers"] = [(str(k), str(v)) for k, v in meta["headers"]]
+            return cls(body=raw[4 + n :], **meta)
+        except (struct.error, ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"a stored gateway response does not decode: {exc}") from None
+
+
+@dataclass(frozen=True)
+class View:
+    """What one session may read: its own lineage whole, each ancestor up to its fork seq."""
+
+    session: str
+    lineage: str
+    chain: tuple[tuple[str, int | None], ...]  # (lineage, highest visible seq or None = all)
+
+
+@dataclass
+class Totals:
+    """Running usage of one lineage (its session), kept in ``gw_usage``."""
+
+    paid_calls: int = 0
+    replays: int = 0
+    refused: int = 0
+    upstream_errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cost_usd: float = 0.0
+    unpriced_calls: int = 0
+    unknown_usage_calls: int = 0
+    by_model: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def from_raw(cls, raw: bytes | None) -> Totals:
+        if raw is None:
+            return cls()
+        try:
+            return cls(**json.loads(bytes(raw).decode("utf-8")))
+        except (ValueError, TypeError) as exc:
+            raise IntegrityError(f"gateway usage record does not decode: {exc}") from None
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode("utf-8")
+
+    def add_call(self, usage: Usage, cost: float, priced: bool) -> None:
+        self.paid_calls += 1
+        self.prompt_tokens += usage.prompt_tokens
+        self.completion_tokens += usage.completion_tokens
+        self.total_tokens += usage.total_tokens
+        self.cost_usd = round(self.cost_usd + cost, 12)
+        self.unpriced_calls += 0 if priced else 1
+        self.unknown_usage_calls += 0 if usage.known else 1
+        m = self.by_model.setdefault(usage.model or "?", {
+            "calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0,
+            "priced": priced})
+        m["calls"] += 1
+        m["prompt_tokens"] += usage.prompt_tokens
+        m["completion_tokens"] += usage.completion_tokens
+        m["cost_usd"] = round(m["cost_usd"] + cost, 12)
+
+
+def _budget_dict(tokens: int | None, usd: float | None) -> dict[str, Any]:
+    return {"tokens": tokens, "usd": usd}
+
+
+class GatewayStore:
+    """Synchronous access to the gateway's dbs; shared by the service, the keeper and the CLI."""
+
+    def __init__(self, store: Any, ledger: Any) -> None:
+        self.env: lmdb.Environment = store.env
+        self.ledger = ledger
+        self.path = getattr(store, "path", None)
+        try:
+            self._resp, self._usage, self._budgets = (
+                self.env.open_db(name, create=True) for name in DBS)
+        except lmdb.Error as exc:
+            raise KsfsError(f"cannot open the gateway's databases in {self.path}: {exc}") from exc
+
+    def _write(self):  # -> a write transaction, lmdb errors as ksfs errors
+        return _Txn(self.env, self.path)
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def view(self, session: str) -> View:
+        """The session's lineage and the ancestors it may read (NoSuchSession if none)."""
+        with self.env.begin() as txn:
+            rec = self.ledger.session(session, txn)
+            hops = self.ledger.lineage(session, txn)
+        chain = [(rec.lineage, None)] + [(fp.lineage, fp.seq) for fp in hops]
+        return View(session, rec.lineage, tuple(chain))
+
+    def find(self, view: View, hkey: bytes | None, canon: bytes) -> StoredResponse | None:
+        """The response this view sees for the call (header key, else derived per lineage)."""
+        with self.env.begin() as txn:
+            for lineage, limit in view.chain:
+                key = hkey if hkey is not None else derived_key(lineage, canon)
+                raw = txn.get(lineage_bytes(lineage) + key, db=self._resp)
+                if raw is None:
+                    continue
+                stored = StoredResponse.decode(raw)
+                if limit is None or stored.seq <= limit:
+                    return stored
+        return None
+
+    def totals(self, lineage: str) -> Totals:
+        with self.env.begin() as txn:
+            return Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
+
+    def budget_of(self, lineage: str) -> dict[str, Any] | None:
+        with self.env.begin() as txn:
+            raw = txn.get(lineage_bytes(lineage), db=self._budgets)
+        return None if raw is None else json.loads(bytes(raw).decode("utf-8"))
+
+    def budget(self, session: str) -> dict[str, Any] | None:
+        """The session's budget {"tokens": N|None, "usd": X|None}, or None when it has none."""
+        return self.budget_of(self.ledger.session(session).lineage)
+
+    def over_budget(self, lineage: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(budget, used) when the lineage has used up its budget, else None."""
+        budget = self.budget_of(lineage)
+        if budget is None:
+            return None
+        t = self.totals(lineage)
+        used = {"tokens": t.total_tokens, "usd": t.cost_usd}
+        if budget.get("tokens") is not None and t.total_tokens >= budget["tokens"]:
+            return budget, used
+        if budget.get("usd") is not None and t.cost_usd >= budget["usd"]:
+            return budget, used
+        return None
+
+    def usage(self, session: str) -> dict[str, Any]:
+        """The session's usage and budget as one JSON-able dict (sessions/S/usage, ksfs usage)."""
+        rec = self.ledger.session(session)
+        t = self.totals(rec.lineage)
+        budget = self.budget_of(rec.lineage)
+        out: dict[str, Any] = {"session": session, "lineage": rec.lineage, **asdict(t),
+                               "budget": budget, "remaining": None, "over_budget": False}
+        if budget is not None:
+            rem: dict[str, Any] = {"tokens": None, "usd": None}
+            if budget.get("tokens") is not None:
+                rem["tokens"] = max(0, budget["tokens"] - t.total_tokens)
+            if budget.get("usd") is not None:
+                rem["usd"] = round(max(0.0, budget["usd"] - t.cost_usd), 12)
+            out["remaining"] = rem
+            out["over_budget"] = self.over_budget(rec.lineage) is not None
+        return out
+
+    # --- writing (each with its event, in one transaction) ------------------------------------
+
+    def commit_call(self, session: str, lineage: str, key: bytes, response: StoredResponse,
+                    usage: Usage, cost: float, priced: bool) -> StoredResponse:
+        """Store a completed response under (lineage, key) with its ``gateway.call`` event.
+
+        If the key is already stored (a second process raced us) the first response is kept and
+        returned; the call is still counted, since it was paid.
+        """
+        body = {"key": key.hex(), "model": usage.model, "status": response.status,
+                "stream": response.stream, "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens, "total_tokens": usage.total_tokens,
+                "usage_known": usage.known, "cost_usd": cost, "priced": priced, "stored": True}
+        dbkey = lineage_bytes(lineage) + key
+        with self._write() as txn:
+            existing = txn.get(dbkey, db=self._resp)
+            if existing is not None:
+                body["stored"] = False
+            event = self.ledger.append(txn, session, "gateway.call", body)
+            totals = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
+            totals.add_call(usage, cost, priced)
+            txn.put(lineage_bytes(lineage), totals.encode(), db=self._usage)
+            if existing is not None:
+                return StoredResponse.decode(existing)
+            stored = StoredResponse(**{**asdict(response), "seq": event.seq})
+            txn.put(dbkey, stored.encode(), db=self._resp)
+            return stored
+
+    def record_replay(self, session: str, lineage: str, key: bytes,
+                      stored: StoredResponse) -> Event:
+        body = {"key": key.hex(), "model": stored.model, "status": stored.status,
+                "stream": stored.stream, "from_session": stored.session,
+                "from_lineage": stored.lineage, "from_seq": stored.seq, "cost_usd": 0.0}
+        with self._write() as txn:
+            event = self.ledger.append(txn, session, "gateway.replay", body)
+            self._bump(txn, lineage, "replays")
+            return event
+
+    def record_refusal(self, session: str, lineage: str, key: bytes, model: str | None,
+                       budget: dict[str, Any], used: dict[str, Any]) -> Event:
+        body = {"key": key.hex(), "model": model, "budget": budget, "used": used}
+        with self._write() as txn:
+            event = self.ledger.append(txn, session, "budget.refused", body)
+            self._bump(txn, lineage, "refused")
+            return event
+
+    def record_upstream_error(self, session: str, lineage: str, key: bytes, model: str | None,
+                              status: int, error: str) -> Event:
+        """A call that did not complete: counted, logged as ``gateway.call`` with stored=False."""
+        body = {"key": key.hex(), "model": model, "status": status, "error": error,
+                "stored": False, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                "cost_usd": 0.0}
+        with self._write() as txn:
+            event = self.ledger.append(txn, session, "gateway.call", body)
+            self._bump(txn, lineage, "upstream_errors")
+            return event
+
+    def set_budget(self, session: str, tokens: int | None = None,
+                   usd: float | None = None) -> Event:
+        """Replace the session's budget (both None: no budget) and record ``budget.set``."""
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
+                                   or tokens < 0):
+            raise BadInput(f"a token budget must be a whole number >= 0, not {tokens!r}")
+        if usd is not None:
+            try:
+                usd = float(usd)
+            except (TypeError, ValueError):
+                raise BadInput(f"a USD budget must be a number >= 0, not {usd!r}") from None
+            if not usd >= 0 or usd == float("inf"):
+                raise BadInput(f"a USD budget must be a number >= 0, not {usd!r}")
+        with self._write() as txn:
+            rec = self.ledger.session(session, txn)
+            lin = lineage_bytes(rec.lineage)
+            if tokens is None and usd is None:
+                txn.delete(lin, db=self._budgets)
+            else:
+                txn.put(lin, json.dumps(_budget_dict(tokens, usd)).encode(), db=self._budgets)
+            return self.ledger.append(txn, session, "budget.set", _budget_dict(tokens, usd))
+
+    def _bump(self, txn: lmdb.Transaction, lineage: str, counter: str) -> None:
+        totals = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
+        setattr(totals, counter, getattr(totals, counter) + 1)
+        txn.put(lineage_bytes(lineage), totals.encode(), db=self._usage)
+
+
+class _Txn:
+    """A write transaction whose lmdb errors come out as ksfs errors naming the store."""
+
+    def __init__(self, env: lmdb.Environment, path: object) -> None:
+        self.env, self.path = env, path
+
+    def __enter__(self) -> lmdb.Transaction:
+        try:
+            self.txn = self.env.begin(write=True)
+        except lmdb.Error as exc:
+            raise KsfsError(f"gateway write to the store at {self.path} failed: {exc}") from exc
+        return self.txn
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is not None:
+            self.txn.abort()
+            return False
+        try:
+            self.txn.commit()
+        except lmdb.MapFullError as e:
+            raise NoSpace(path=self.path, why="the LMDB map is full") from e
+        except lmdb.Error as e:
+            raise KsfsError(f"gateway commit to the store at {self.path} failed: {e}") from e
+        return False

@@ -1,0 +1,153 @@
+"""The gateway's client side: one httpx connection pool to the model provider, per session.
+
+It decides which headers cross to the provider (never the guest's Authorization: the gateway's
+own key replaces it) and turns transport failures into the answers the guest gets (502 for a
+provider that cannot be reached, 504 for one that does not answer in time). It must never log,
+store or return the API key, and never follow redirects (a redirect is passed back as it is).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import httpx
+import trio
+
+log = logging.getLogger("ksfs.gateway")
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and those the HTTP stack sets itself.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+# Never forwarded from the guest: the key is the gateway's to give, the idempotency key is ours.
+GUEST_ONLY = frozenset({"authorization", "idempotency-key", "cookie"})
+# Not kept with a stored response: they describe one delivery, not the response.
+NOT_STORED = HOP_BY_HOP | {"date", "server", "set-cookie", "content-encoding", "alt-svc",
+                           "x-ksfs-replay", "x-ksfs-key"}
+
+Headers = list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A whole upstream response, body read to its end."""
+
+    status: int
+    headers: Headers
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the gateway answers a guest with (a stored, replayed or error response)."""
+
+    status: int
+    headers: Headers
+    body: bytes
+
+
+def error_reply(status: int, type_: str, message: str, **extra: object) -> Reply:
+    """An OpenAI-style JSON error: {"error": {"type", "message", ...}}."""
+    body = json.dumps({"error": {"type": type_, "message": message, **extra}},
+                      sort_keys=True).encode("utf-8")
+    return Reply(status, [("content-type", "application/json")], body)
+
+
+def keep_headers(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> Headers:
+    return [(k.lower(), v) for k, v in headers if k.lower() not in drop]
+
+
+class Upstream:
+    """The provider at ``base_url`` (scheme://host[:port][/prefix]; guest paths are appended)."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        self.timeout = timeout
+        # trust_env=False: no proxy or netrc from the environment may redirect calls or add keys.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), trust_env=False,
+                                        follow_redirects=False)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    def __repr__(self) -> str:  # never show the key, even in a traceback's locals
+        return f"Upstream({self.base_url!r})"
+
+    def url(self, path: str, query: bytes = b"") -> str:
+        return self.base_url + path + (("?" + query.decode("latin-1")) if query else "")
+
+    def outgoing(self, guest: Iterable[tuple[str, str]], identity: bool = False) -> Headers:
+        """The headers sent upstream: the guest's, less hop-by-hop and secrets, plus our key."""
+        drop = HOP_BY_HOP | GUEST_ONLY | ({"accept-encoding"} if identity else frozenset())
+        out = keep_headers(guest, drop)
+        if identity:
+            # Stored bodies must be plain so usage can be read and replays need no decoding.
+            out.append(("accept-encoding", "identity"))
+        if self._api_key:
+            out.append(("authorization", f"Bearer {self._api_key}"))
+        return out
+
+    async def fetch(self, method: str, path: str, guest_headers: Headers, body: bytes
+                    ) -> Fetched | Reply:
+        """The whole response, or the error Reply (502/504) when none came in time."""
+        try:
+            with trio.fail_after(self.timeout):
+                async with self.client.stream(
+                    method, self.url(path), headers=self.outgoing(guest_headers, identity=True),
+                    content=body,
+                ) as resp:
+                    chunks = [c async for c in resp.aiter_raw()]
+                    return Fetched(resp.status_code, list(resp.headers.items()), b"".join(chunks))
+        except (trio.TooSlowError, httpx.TimeoutException):
+            return error_reply(504, "upstream_timeout",
+                               f"the model provider did not answer within {self.timeout:g} s")
+        except httpx.HTTPError as exc:
+            log.warning("upstream %s failed: %s", self.base_url, type(exc).__name__)
+            return error_reply(502, "upstream_unreachable",
+                               f"the model provider could not be reached ({type(exc).__name__})")
+
+    async def passthrough(self, method: str, path: str, query: bytes, guest_headers: Headers,
+                          body: bytes, send) -> None:
+        """Forward one request and stream the answer back to the ASGI ``send`` unchanged."""
+        req = self.client.build_request(method, self.url(path, query),
+                                        headers=self.outgoing(guest_headers), content=body)
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.TimeoutException:
+            return await send_reply(send, error_reply(
+                504, "upstream_timeout", "the model provider did not answer in time"))
+        except httpx.HTTPError as exc:
+            return await send_reply(send, error_reply(
+                502, "upstream_unreachable",
+                f"the model provider could not be reached ({type(exc).__name__})"))
+        try:
+            headers = keep_headers(resp.headers.items(), HOP_BY_HOP)
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": _encode(headers)})
+            try:
+                async for chunk in resp.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except httpx.HTTPError as exc:
+                # Headers are out: all we can do is end the body early and say so in the log.
+                log.warning("upstream %s broke off a passed-through response: %s",
+                            self.base_url, type(exc).__name__)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await resp.aclose()
+
+
+def _encode(headers: Headers) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+
+
+async def send_reply(send, reply: Reply, extra: Headers = ()) -> None:
+    headers = [(k, v) for k, v in reply.headers if k != "content-length"]
+    headers += list(extra) + [("content-length", str(len(reply.body)))]
+    await send({"type": "http.response.start", "status": reply.status,
+                "headers": _encode(headers)})
+    await send({"type": "http.response.body", "body": reply.body, "more_body": False})
