@@ -6,32 +6,22 @@ with the host's record at the checkpoint and lists what the restore rolls back a
 ``record_reconcile`` appends that as one ``reconcile`` event. The outcomes are documented in
 docs/ledger.md. This module must never read a disk (the vm layer brings a TranscriptInfo) and
 never refuse a restore: the host log is the truth whenever the transcript cannot be trusted.
+``TranscriptInfo`` (last_seq, lineage, count) lives in ksfs.model, shared with ksfs.guestfs.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import lmdb
 
-from ksfs.model import CheckpointRecord, Event
+from ksfs.model import CheckpointRecord, Event, TranscriptInfo  # noqa: F401 (re-exported)
 
 OUTCOMES = ("consistent", "behind", "ahead", "missing", "unreadable", "foreign", "unrecorded")
 KEYS_MAX = 200  # gateway keys listed in one reconcile body; the count is always exact
 KEY_CHARS = 128
-
-
-@dataclass(frozen=True)
-class TranscriptInfo:
-    """What the transcript in a disk says: its last seq (None when it has no entries), the
-    lineage the guest wrote in its lines (None or "" when it wrote none), and how many lines."""
-
-    last_seq: int | None
-    lineage: str | None
-    count: int = 0
 
 
 def transcript_fields(t: Any) -> tuple[int | None, str | None, int]:
@@ -70,7 +60,7 @@ def decide_reconcile(
     else:
         disk, lineage, count = transcript_fields(transcript)
         tx.update(disk_seq=disk, lineage=lineage, count=count)
-        known = {session_lineage, *ancestry} | ({checkpoint_lineage} if checkpoint_lineage else set())
+        known = {session_lineage, *ancestry, checkpoint_lineage} - {None}
         if lineage and lineage not in known:
             tx.update(outcome="foreign")
         elif host is None:
