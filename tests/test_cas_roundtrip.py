@@ -1,0 +1,283 @@
+"""Chunk store round trips: what goes in reads back byte-identical, at any offset and length.
+
+Covers both chunkings, holes, empty and tiny files, sizes off the 64 KiB grid, incremental
+ingests (base + changed) against full ones, dedup across similar images, the store marker and
+the refusal to run on pyfastcdc's pure-Python fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ksfs.cas import ChunkStore, changed_share
+from ksfs.errors import BadInput, ManifestCorrupt, NotAStore
+
+K64 = 64 * 1024
+
+
+class BytesSource:
+    """An in-memory source with .size and .pread, as the vm layer hands over frozen layers."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.size = len(data)
+
+    def pread(self, offset: int, n: int) -> bytes:
+        return self.data[offset : offset + n]
+
+
+def put(store, source, chunking="fixed", **kw):
+    with store.ingest() as ing:
+        f = ing.add_file(source, chunking=chunking, **kw)
+        ing.seal()
+        with store.env.begin(write=True) as txn:
+            ing.commit(txn)
+    return f
+
+
+def make_image(rng: random.Random, size: int) -> bytes:
+    """Disk-like bytes: random, text and zero runs in random proportions."""
+    parts, n = [], 0
+    words = [b"session", b"checkpoint", b"kernel", b"agent", b"memory", b"disk", b"\n"]
+    while n < size:
+        kind = rng.random()
+        length = min(size - n, rng.choice([4096, K64, 3 * K64 + 17, 200_000]))
+        if kind < 0.35:
+            parts.append(bytes(length))
+        elif kind < 0.7:
+            parts.append(rng.randbytes(length))
+        else:
+            text = b" ".join(rng.choice(words) for _ in range(length // 5 + 1))
+            parts.append(text[:length])
+        n += length
+    return b"".join(parts)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    s = ChunkStore.open(tmp_path_factory.mktemp("cas") / "store", create=True)
+    yield s
+    rep = s.check(read_data=True)
+    s.close()
+    assert rep.ok, rep.lines()
+
+
+segment = st.tuples(st.sampled_from(["zero", "random", "text"]),
+                    st.integers(min_value=0, max_value=300_000))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(segments=st.lists(segment, max_size=6), chunking=st.sampled_from(["fixed", "cdc"]),
+       seed=st.integers(0, 2**32), reads=st.lists(st.tuples(st.floats(0, 1.2),
+                                                             st.integers(0, 400_000)), max_size=8))
+def test_round_trip_at_random_offsets(store, segments, chunking, seed, reads):
+    rng = random.Random(seed)
+    parts = []
+    for kind, n in segments:
+        if kind == "zero":
+            parts.append(bytes(n))
+        elif kind == "random":
+            parts.append(rng.randbytes(n))
+        else:
+            parts.append((b"all work and no play %d\n" % seed * (n // 20 + 1))[:n])
+    data = b"".join(parts)
+    f = put(store, BytesSource(data), chunking)
+    assert f.size == len(data)
+    r = store.open_file(f.manifest, cache_bytes=200_000)
+    assert r.size == len(data)
+    assert r.read(0, len(data) + 10) == data
+    for frac, n in reads:
+        off = int(frac * len(data))
+        assert r.read(off, n) == data[off : off + n]
+    hole_bytes = sum(length for _, length in r.holes())
+    for off, length in r.holes():
+        assert data[off : off + length] == bytes(length)
+    stored_plain = sum(length for _, length, _ in r.stored_extents())
+    assert hole_bytes + stored_plain == len(data)
+
+
+@pytest.mark.parametrize("chunking", ["fixed", "cdc"])
+@pytest.mark.parametrize("size", [0, 1, 4095, K64 - 1, K64, K64 + 1, 5 * K64 + 123])
+def test_small_and_odd_sizes(store, tmp_path, chunking, size):
+    data = random.Random(size).randbytes(size)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    f = put(store, str(path), chunking)
+    r = store.open_file(f.manifest)
+    assert (f.size, r.size, f.chunking) == (size, size, chunking)
+    assert r.read(0, size) == data
+    assert r.read(size, 10) == b""
+    if size:
+        assert r.read(size - 1, 10) == data[-1:]
+
+
+def test_zero_runs_are_holes_not_chunks(store):
+    data = bytes(10 * K64) + b"x" * K64 + bytes(3 * K64 + 5)
+    before = store.stats()
+    f = put(store, BytesSource(data), "fixed")
+    r = store.open_file(f.manifest)
+    assert r.holes() == [(0, 10 * K64), (11 * K64, 3 * K64 + 5)]
+    assert [cid is None for cid in r.chunk_ids()] == [True, False, True]
+    assert store.stats()["chunks"] - before["chunks"] <= 1
+    big = put(store, BytesSource(bytes(3_000_000)), "cdc")
+    assert store.open_file(big.manifest).holes() == [(0, 3_000_000)]
+    assert big.stored == 0
+
+
+def test_identical_content_gives_identical_manifest_and_digest(store):
+    data = make_image(random.Random(7), 700_000)
+    a = put(store, BytesSource(data), "cdc")
+    b = put(store, BytesSource(data), "cdc")
+    assert (a.manifest, a.digest) == (b.manifest, b.digest)
+    assert b.stored == 0
+    c = put(store, BytesSource(data[:-1] + b"!"), "cdc")
+    assert c.digest != a.digest
+
+
+def test_incremental_equals_full_ingest(store):
+    rng = random.Random(11)
+    base_data = bytearray(make_image(rng, 40 * K64 + 999))
+    base = put(store, BytesSource(bytes(base_data)), "fixed")
+    for new_size in (len(base_data), len(base_data) + 3 * K64 + 5, 30 * K64 - 7, 30 * K64):
+        data = bytearray(base_data[:new_size]) + bytearray(
+            rng.randbytes(max(0, new_size - len(base_data))))
+        changed = []
+        for _ in range(5):
+            off = rng.randrange(0, new_size)
+            n = rng.randrange(1, 3000)
+            data[off : off + n] = rng.randbytes(len(data[off : off + n]))
+            changed.append((off, n))
+        data[K64 : 2 * K64] = bytes(K64)  # a cluster that became zero is a hole again
+        changed.append((K64, K64))
+        inc = put(store, BytesSource(bytes(data)), "fixed", base=base.manifest, changed=changed)
+        full = put(store, BytesSource(bytes(data)), "fixed")
+        assert inc.manifest == full.manifest
+        assert inc.digest == full.digest
+        assert full.stored == 0
+        assert store.open_file(inc.manifest).read(0, new_size + 1) == bytes(data)
+
+
+def test_incremental_needs_fixed_base_and_both_arguments(store):
+    cdc = put(store, BytesSource(b"abc" * 50_000), "cdc")
+    with pytest.raises(BadInput):
+        put(store, BytesSource(b"abc"), "fixed", base=cdc.manifest, changed=[(0, 1)])
+    with pytest.raises(BadInput):
+        put(store, BytesSource(b"abc"), "cdc", base=cdc.manifest, changed=[(0, 1)])
+    with pytest.raises(BadInput):
+        put(store, BytesSource(b"abc"), "fixed", base=cdc.manifest)
+    with pytest.raises(ManifestCorrupt):
+        put(store, BytesSource(b"abc"), "fixed", base="00" * 32, changed=[(0, 1)])
+
+
+def test_dedup_across_successive_disk_images(tmp_path):
+    rng = random.Random(3)
+    with ChunkStore.open(tmp_path / "s", create=True) as s:
+        image = bytearray(make_image(rng, 256 * K64))
+        first = put(s, BytesSource(bytes(image)), "fixed")
+        total = first.stored
+        for _ in range(3):
+            clusters = rng.sample(range(256), 8)  # about 3% of the clusters change
+            for c in clusters:
+                image[c * K64 : (c + 1) * K64] = rng.randbytes(K64)
+            f = put(s, BytesSource(bytes(image)), "fixed")
+            floor = len(zstandard.ZstdCompressor(level=3).compress(rng.randbytes(K64))) * 8
+            assert 0.95 * floor <= f.stored <= 1.05 * floor + 8 * 100
+            total += f.stored
+        assert s.stats()["stored_bytes"] == total
+        assert s.check(read_data=True).ok
+
+
+def test_dedup_of_memory_images_with_shifted_content(tmp_path):
+    rng = random.Random(5)
+    pages = [rng.randbytes(4096) if rng.random() < 0.5 else bytes(4096) for _ in range(3000)]
+
+    def stream(pages):
+        out = bytearray()
+        for i, p in enumerate(pages):
+            if p == bytes(4096):
+                out += (i * 4096 | 2).to_bytes(8, "big") + b"\0"  # zero page: header + one byte
+            else:
+                out += (i * 4096 | 8).to_bytes(8, "big") + p
+        return bytes(out)
+
+    with ChunkStore.open(tmp_path / "s", create=True) as s:
+        a = put(s, BytesSource(stream(pages)), "cdc")
+        start = rng.randrange(0, 2900)
+        for i in range(start, start + 40):  # a dirty region of 40 pages; what follows shifts
+            pages[i] = rng.randbytes(4096) if pages[i] == bytes(4096) else bytes(4096)
+        b = put(s, BytesSource(stream(pages)), "cdc")
+        assert b.stored < 0.25 * a.stored
+        share = changed_share(s.open_file(a.manifest), s.open_file(b.manifest))
+        assert 0 < share < 0.5
+
+
+def test_not_a_store(tmp_path):
+    with pytest.raises(NotAStore):
+        ChunkStore.open(tmp_path / "missing")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("mine")
+    with pytest.raises(NotAStore):
+        ChunkStore.open(tmp_path / "plain")
+    with pytest.raises(NotAStore):
+        ChunkStore.open(tmp_path / "plain", create=True)
+    assert os.listdir(tmp_path / "plain") == ["notes.txt"]
+    with ChunkStore.open(tmp_path / "s", create=True):
+        pass
+    marker = tmp_path / "s" / "ksfs.json"
+    for garbled in ("{not json", json.dumps({"format": "other"}), json.dumps([1])):
+        marker.write_text(garbled)
+        listing = sorted(os.listdir(tmp_path / "s"))
+        with pytest.raises(NotAStore):
+            ChunkStore.open(tmp_path / "s")
+        assert sorted(os.listdir(tmp_path / "s")) == listing
+        assert marker.read_text() == garbled
+
+
+def test_layout_and_shared_environment(tmp_path):
+    with ChunkStore.open(tmp_path / "s", create=True) as s:
+        assert {"ksfs.json", "index", "packs", "lock", "staging", "vm"} <= set(
+            os.listdir(s.path))
+        assert json.loads((tmp_path / "s" / "ksfs.json").read_text())["format"] == "ksfs-store"
+        db = s.env.open_db(b"sessions")  # the ledger opens its own databases beside ours
+        with s.env.begin(write=True) as txn:
+            txn.put(b"k", b"v", db=db)
+        with ChunkStore.open(tmp_path / "s") as again:  # one env per process, shared
+            assert again.env is s.env
+            assert again.stats()["chunks"] == 0
+
+
+CHUNKER_PROBE = """
+import sys
+sys.modules["pyfastcdc.cy"] = None  # only the pure-Python fallback can load now
+from ksfs.cas import ChunkStore
+from ksfs.errors import ChunkerUnavailable
+s = ChunkStore.open(sys.argv[1], create=True)
+with s.ingest() as ing:
+    fixed = ing.add_file(sys.argv[2], chunking="fixed")
+    try:
+        ing.add_file(sys.argv[2], chunking="cdc")
+    except ChunkerUnavailable as exc:
+        print("REFUSED", exc.exit_code, exc)
+    else:
+        print("RAN ON FALLBACK")
+"""
+
+
+def test_cdc_refuses_pure_python_fallback(tmp_path):
+    src = tmp_path / "f"
+    src.write_bytes(os.urandom(300_000))
+    out = subprocess.run([sys.executable, "-c", CHUNKER_PROBE, str(tmp_path / "s"), str(src)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("REFUSED 7 "), out.stdout
+    assert "pyfastcdc" in out.stdout
