@@ -1,0 +1,166 @@
+"""Differences between two guest filesystems, exactly as ``diff -rq --no-dereference`` sees them.
+
+A path only on one side is one change (a directory is not descended into); a path on both sides
+is changed when its type differs, when a regular file's bytes differ, when a symlink's target
+differs, or when a device's numbers differ. Modes, owners and times alone are not changes, as for
+``diff -r``. Content is compared cheaply where it can be proven equal without reading: both
+ranges are holes, or both lie at the same place of two store files whose chunk ids there are the
+same (BLAKE3 ids: equal ids mean equal bytes). Everything else is read and compared.
+"""
+
+from __future__ import annotations
+
+import bisect
+import stat as st
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ksfs.guestfs import layout
+from ksfs.guestfs.fs import ROOT_INO, GuestFS, GuestStat
+
+WINDOW = 256  # blocks compared at a time: bounded memory for any file size
+
+_KINDS = {
+    st.S_IFREG: "file", st.S_IFDIR: "dir", st.S_IFLNK: "symlink", st.S_IFCHR: "char",
+    st.S_IFBLK: "block", st.S_IFIFO: "fifo", st.S_IFSOCK: "socket",
+}
+
+
+@dataclass(frozen=True)
+class Change:
+    """One difference. ``path`` is relative to the root ("work/a.txt"); sizes are None for
+    directories and for the side a path is missing from."""
+
+    kind: str  # "added" | "removed" | "changed"
+    path: str
+    type_a: str | None
+    type_b: str | None
+    size_a: int | None
+    size_b: int | None
+
+    @property
+    def type(self) -> str:
+        return self.type_b or self.type_a or ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["type"] = self.type
+        return d
+
+
+def kind_of(s: GuestStat) -> str:
+    return _KINDS.get(st.S_IFMT(s.mode), "unknown")
+
+
+def _size(s: GuestStat | None) -> int | None:
+    return None if s is None or s.is_dir else s.size
+
+
+def diff_trees(fs_a: GuestFS, fs_b: GuestFS) -> list[Change]:
+    """Every difference between the two trees, sorted by path (as ``diff -rq`` orders them)."""
+    changes: list[Change] = []
+    _diff_dir(fs_a, ROOT_INO, fs_b, ROOT_INO, "", changes)
+    return changes
+
+
+def _diff_dir(fs_a: GuestFS, dir_a: int, fs_b: GuestFS, dir_b: int, prefix: str,
+              out: list[Change]) -> None:
+    a = {name: ino for name, ino, _ in fs_a.listdir_ino(dir_a)}
+    b = {name: ino for name, ino, _ in fs_b.listdir_ino(dir_b)}
+    # diff sorts names bytewise (LC_ALL=C): surrogateescape'd str would not, bytes do
+    for name in sorted(a.keys() | b.keys(), key=lambda n: n.encode("utf-8", "surrogateescape")):
+        path = prefix + name
+        sa = fs_a.stat_ino(a[name]) if name in a else None
+        sb = fs_b.stat_ino(b[name]) if name in b else None
+        if sa is None:
+            out.append(Change("added", path, None, kind_of(sb), None, _size(sb)))
+        elif sb is None:
+            out.append(Change("removed", path, kind_of(sa), None, _size(sa), None))
+        elif kind_of(sa) != kind_of(sb):
+            out.append(Change("changed", path, kind_of(sa), kind_of(sb), _size(sa), _size(sb)))
+        elif sa.is_dir:
+            _diff_dir(fs_a, sa.ino, fs_b, sb.ino, path + "/", out)
+        elif not _same(fs_a, sa, fs_b, sb):
+            out.append(Change("changed", path, kind_of(sa), kind_of(sb), sa.size, sb.size))
+
+
+def _same(fs_a: GuestFS, sa: GuestStat, fs_b: GuestFS, sb: GuestStat) -> bool:
+    if sa.is_symlink:
+        return fs_a.readlink_bytes(sa.ino) == fs_b.readlink_bytes(sb.ino)
+    if not sa.is_file:
+        return sa.rdev == sb.rdev  # devices by their numbers; fifos and sockets have no content
+    if sa.size != sb.size:
+        return False
+    return same_content(fs_a, sa.ino, fs_b, sb.ino, sa.size)
+
+
+def same_content(fs_a: GuestFS, ino_a: int, fs_b: GuestFS, ino_b: int, size: int) -> bool:
+    """Whether two regular files of ``size`` bytes hold the same bytes."""
+    va, vb = fs_a.volume, fs_b.volume
+    ia, ib = va.inode(ino_a), vb.inode(ino_b)
+    inline = (ia.flags | ib.flags) & layout.FL_INLINE_DATA
+    if inline or va.bs != vb.bs:
+        return _same_bytes(fs_a, ino_a, fs_b, ino_b, 0, size)
+    bs = va.bs
+    n_blocks = (size + bs - 1) // bs
+    for first in range(0, n_blocks, WINDOW):
+        end = min(n_blocks, first + WINDOW)
+        if not _window_proven(va, va.runs(ia, first, end), vb, vb.runs(ib, first, end)):
+            if not _same_bytes(fs_a, ino_a, fs_b, ino_b, first * bs, (end - first) * bs):
+                return False
+    return True
+
+
+def _same_bytes(fs_a: GuestFS, ino_a: int, fs_b: GuestFS, ino_b: int, offset: int,
+                n: int) -> bool:
+    return fs_a.read_ino(ino_a, offset, n) == fs_b.read_ino(ino_b, offset, n)
+
+
+def _window_proven(va: Any, runs_a: list, vb: Any, runs_b: list) -> bool:
+    """True when every block of the window is equal without reading: holes on both sides, or the
+    same store chunks at the same place of both images."""
+    i = j = 0
+    while i < len(runs_a) and j < len(runs_b):
+        la, ca, pa = runs_a[i]
+        lb, cb, pb = runs_b[j]
+        start = max(la, lb)
+        stop = min(la + ca, lb + cb)
+        if stop > start:
+            sa = None if pa is None else pa + (start - la)
+            sb = None if pb is None else pb + (start - lb)
+            if not _segment_proven(va, sa, vb, sb, stop - start):
+                return False
+        if la + ca <= lb + cb:
+            i += 1
+        else:
+            j += 1
+    return True
+
+
+def _segment_proven(va: Any, pa: int | None, vb: Any, pb: int | None, count: int) -> bool:
+    if pa is None or pb is None:
+        return pa is None and pb is None
+    if va.overlaps_overlay(pa, count) or vb.overlaps_overlay(pb, count):
+        return False
+    off_a = va.offset + pa * va.bs
+    off_b = vb.offset + pb * vb.bs
+    if off_a != off_b:
+        return False
+    ids_a = _chunk_ids(va.reader, off_a, count * va.bs)
+    return ids_a is not None and ids_a == _chunk_ids(vb.reader, off_b, count * vb.bs)
+
+
+def _chunk_ids(reader: Any, offset: int, n: int) -> list | None:
+    """(start, length, id) of the store chunks covering a byte range, or None when ``reader`` is
+    not a store file (duck-typed: ``entries`` of (id, length) and their ``starts``)."""
+    entries = getattr(reader, "entries", None)
+    starts = getattr(reader, "starts", None)
+    if entries is None or starts is None:
+        return None
+    i = bisect.bisect_right(starts, offset) - 1
+    out = []
+    while i < len(entries) and starts[i] < offset + n:
+        cid, length = entries[i]
+        out.append((starts[i], length, cid))
+        i += 1
+    return out

@@ -1,0 +1,231 @@
+"""GuestFS: a read-only view of a guest's ext2/3/4 filesystem straight out of a disk image.
+
+Paths and inode numbers are both accepted: the FUSE layer can use the guest's own inode numbers
+(``lookup``/``stat``/``read`` by ino) and tools can use paths. Names are ``str`` decoded from the
+guest's bytes as UTF-8 with surrogateescape, like ``os.listdir``, so any name round-trips.
+Nothing here writes, extracts a whole file or reads an inode it was not asked about; anything it
+cannot read exactly raises GuestFSUnreadable (or NoSuchFile for a name that is not there).
+"""
+
+from __future__ import annotations
+
+import os
+import stat as st
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ksfs.errors import BadInput, GuestFSUnreadable, NoSuchFile
+from ksfs.guestfs import layout
+from ksfs.guestfs.image import Reader, find_filesystem, read_exact
+from ksfs.guestfs.journal import journal_overlay
+from ksfs.guestfs.layout import Inode
+from ksfs.guestfs.volume import LRU, Volume
+
+ROOT_INO = 2
+FT_DIR = 2
+
+
+@dataclass(frozen=True)
+class GuestStat:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    mtime_ns: int
+    atime_ns: int
+    ctime_ns: int
+    nlink: int
+    blocks: int  # 512-byte units, as st_blocks
+    rdev: int = 0
+
+    @property
+    def is_dir(self) -> bool:
+        return st.S_ISDIR(self.mode)
+
+    @property
+    def is_file(self) -> bool:
+        return st.S_ISREG(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return st.S_ISLNK(self.mode)
+
+
+def _encode(name: str | bytes) -> bytes:
+    return name if isinstance(name, bytes) else name.encode("utf-8", "surrogateescape")
+
+
+def _decode(name: bytes) -> str:
+    return name.decode("utf-8", "surrogateescape")
+
+
+class GuestFS:
+    """A guest filesystem. Thread-safe: the reader is, and every cache takes its own lock."""
+
+    def __init__(self, volume: Volume, where: str) -> None:
+        self.volume = volume
+        self.where = where
+        self._names = LRU(64)  # dir ino -> {name bytes: ino}, for lookups in big directories
+
+    @classmethod
+    def open(cls, reader: Reader) -> GuestFS:
+        """Find the filesystem in ``reader`` (whole disk or first Linux partition) and open it,
+        replaying its journal in memory when the guest left committed transactions there."""
+        offset, length, where = find_filesystem(reader)
+        raw = read_exact(reader, offset + 1024, 1024, "superblock")
+        try:
+            sb = layout.parse_superblock(raw, length)
+        except GuestFSUnreadable as exc:
+            raise GuestFSUnreadable(why=f"{where}: {exc.fields.get('why', exc)}") from None
+        vol = Volume(reader, offset, length, sb)
+        if sb.compat & layout.COMPAT_HAS_JOURNAL and sb.journal_inum:
+            overlay = journal_overlay(vol)
+            if overlay:
+                sb_block, within = divmod(1024, sb.block_size)
+                raw = vol.read_blocks(sb_block, 1, "superblock")[within : within + 1024]
+                vol.set_overlay(overlay, layout.parse_superblock(raw, length))
+        elif sb.incompat & layout.INCOMPAT_RECOVER:
+            raise GuestFSUnreadable(why=f"{where}: needs recovery from an external journal")
+        fs = cls(vol, where)
+        if not st.S_ISDIR(vol.inode(ROOT_INO).mode):
+            raise GuestFSUnreadable(why=f"{where}: inode 2 is not a directory")
+        return fs
+
+    # --- inode-number based API (what a FUSE layer wants) -----------------------------------
+
+    def stat_ino(self, ino: int) -> GuestStat:
+        inode = self.volume.inode(ino)
+        if inode.mode == 0 or inode.links == 0 and ino != ROOT_INO:
+            raise NoSuchFile(what="guest inode", name=str(ino))
+        rdev = 0
+        if inode.kind in (layout.S_IFCHR, layout.S_IFBLK):
+            old, new = int.from_bytes(inode.block[:4], "little"), int.from_bytes(
+                inode.block[4:8], "little")
+            if old:
+                rdev = os.makedev((old >> 8) & 0xFF, old & 0xFF)
+            else:
+                rdev = os.makedev((new & 0xFFF00) >> 8, (new & 0xFF) | ((new >> 12) & 0xFFF00))
+        return GuestStat(
+            ino=ino, mode=inode.mode, uid=inode.uid, gid=inode.gid, size=inode.size,
+            mtime_ns=inode.mtime_ns, atime_ns=inode.atime_ns, ctime_ns=inode.ctime_ns,
+            nlink=inode.links, blocks=inode.blocks_512, rdev=rdev,
+        )
+
+    def lookup(self, dir_ino: int, name: str | bytes) -> int:
+        """The inode number of ``name`` in directory ``dir_ino``; NoSuchFile when absent."""
+        key = _encode(name)
+        if key == b".":
+            return dir_ino
+        names = self._names.get(dir_ino)
+        if names is None:
+            names = {n: ino for n, ino, _ in self._iter_entries(dir_ino)}
+            self._names.put(dir_ino, names)
+        ino = names.get(key)
+        if ino is None:
+            raise NoSuchFile(what="guest file", name=_decode(key))
+        return ino
+
+    def listdir_ino(self, dir_ino: int) -> Iterator[tuple[str, int, bool]]:
+        """(name, ino, is_dir) of each entry but . and .., yielded block by block as read."""
+        filetype = self.volume.sb.has_filetype
+        for name, ino, ftype in self._iter_entries(dir_ino):
+            if name in (b".", b".."):
+                continue
+            if filetype:
+                is_dir = ftype == FT_DIR
+            else:
+                is_dir = st.S_ISDIR(self.volume.inode(ino).mode)
+            yield _decode(name), ino, is_dir
+
+    def read_ino(self, ino: int, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes of a regular file at ``offset`` (fewer only at its end)."""
+        if offset < 0 or n < 0:
+            raise BadInput(f"cannot read {n} bytes at offset {offset}")
+        inode = self._inode(ino)
+        if inode.kind != layout.S_IFREG:
+            raise BadInput(f"guest inode {ino} is not a regular file")
+        return self.volume.read_data(inode, offset, n)
+
+    def readlink_ino(self, ino: int) -> str:
+        return _decode(self.readlink_bytes(ino))
+
+    def readlink_bytes(self, ino: int) -> bytes:
+        inode = self._inode(ino)
+        if inode.kind != layout.S_IFLNK:
+            raise BadInput(f"guest inode {ino} is not a symbolic link")
+        if inode.flags & layout.FL_INLINE_DATA or inode.flags & layout.FL_EXTENTS:
+            return self.volume.read_data(inode, 0, inode.size)
+        sb = self.volume.sb
+        ea_blocks = sb.cluster_size // 512 if inode.file_acl else 0
+        if inode.blocks_512 - ea_blocks == 0:  # a fast symlink: the target sits in i_block
+            if inode.size >= 60:
+                raise GuestFSUnreadable(why=f"fast symlink inode {ino} claims {inode.size} bytes")
+            return inode.block[: inode.size]
+        return self.volume.read_data(inode, 0, inode.size)
+
+    # --- path based API ----------------------------------------------------------------------
+
+    def resolve(self, path: str | bytes) -> int:
+        """The inode of ``path`` (absolute or relative to the root); symlinks are not followed."""
+        ino = ROOT_INO
+        parts = [p for p in _encode(path).split(b"/") if p and p != b"."]
+        for i, part in enumerate(parts):
+            if part == b"..":
+                ino = self.lookup(ino, b"..")
+                continue
+            if i and not st.S_ISDIR(self.volume.inode(ino).mode):
+                raise NoSuchFile(what="guest directory", name=_decode(b"/".join(parts[:i])))
+            ino = self.lookup(ino, part)
+        return ino
+
+    def _ino(self, where: int | str | bytes) -> int:
+        return where if isinstance(where, int) else self.resolve(where)
+
+    def stat(self, path: int | str | bytes) -> GuestStat:
+        return self.stat_ino(self._ino(path))
+
+    def listdir(self, path: int | str | bytes = "/") -> Iterator[tuple[str, int, bool]]:
+        return self.listdir_ino(self._ino(path))
+
+    def read(self, path: int | str | bytes, offset: int, n: int) -> bytes:
+        return self.read_ino(self._ino(path), offset, n)
+
+    def readlink(self, path: int | str | bytes) -> str:
+        return self.readlink_ino(self._ino(path))
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _inode(self, ino: int) -> Inode:
+        inode = self.volume.inode(ino)
+        if inode.flags & layout.FL_ENCRYPT:
+            raise GuestFSUnreadable(why=f"guest inode {ino} is encrypted")
+        if inode.flags & layout.FL_COMPR:
+            raise GuestFSUnreadable(why=f"guest inode {ino} is compressed")
+        return inode
+
+    def _iter_entries(self, dir_ino: int) -> Iterator[tuple[bytes, int, int]]:
+        inode = self._inode(dir_ino)
+        if inode.kind != layout.S_IFDIR:
+            raise NoSuchFile(what="guest directory", name=str(dir_ino))
+        vol = self.volume
+        filetype = vol.sb.has_filetype
+        where = f"directory inode {dir_ino}"
+        if inode.flags & layout.FL_INLINE_DATA:
+            parent = int.from_bytes(inode.block[:4], "little")
+            yield b"..", parent, FT_DIR
+            yield from layout.iter_dirents(inode.block[4:], filetype, where, vol.bs)
+            more = layout.in_inode_xattr(inode, layout.XATTR_INDEX_SYSTEM, b"data")
+            if more:
+                yield from layout.iter_dirents(more, filetype, where, vol.bs)
+            return
+        n_blocks = (inode.size + vol.bs - 1) // vol.bs
+        step = 16  # map a few blocks at a time so a huge directory is never mapped whole
+        for first in range(0, n_blocks, step):
+            for lblk, count, phys in vol.runs(inode, first, min(n_blocks, first + step)):
+                if phys is None:
+                    continue  # a hole in a directory holds no entries
+                for k in range(count):
+                    raw = vol.read_blocks(phys + k, 1, where)
+                    yield from layout.iter_dirents(raw, filetype, f"{where} block {lblk + k}",
+                                                   vol.bs)

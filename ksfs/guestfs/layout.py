@@ -1,0 +1,295 @@
+"""The on-disk records of ext2/3/4, decoded from bytes: superblock, inode, extent nodes, in-inode
+extended attributes and directory entries. Pure functions, no I/O.
+
+Every decoder checks what it relies on and raises GuestFSUnreadable with the reason; it never
+fills a gap with a guess, so the reader above cannot return wrong bytes from a damaged record.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from ksfs.errors import GuestFSUnreadable
+
+# incompat features (the ones a reader must understand)
+INCOMPAT_COMPRESSION = 0x1
+INCOMPAT_FILETYPE = 0x2
+INCOMPAT_RECOVER = 0x4
+INCOMPAT_JOURNAL_DEV = 0x8
+INCOMPAT_META_BG = 0x10
+INCOMPAT_EXTENTS = 0x40
+INCOMPAT_64BIT = 0x80
+INCOMPAT_MMP = 0x100
+INCOMPAT_FLEX_BG = 0x200
+INCOMPAT_EA_INODE = 0x400
+INCOMPAT_DIRDATA = 0x1000
+INCOMPAT_CSUM_SEED = 0x2000
+INCOMPAT_LARGEDIR = 0x4000
+INCOMPAT_INLINE_DATA = 0x8000
+INCOMPAT_ENCRYPT = 0x10000
+INCOMPAT_CASEFOLD = 0x20000
+SUPPORTED_INCOMPAT = (
+    INCOMPAT_FILETYPE | INCOMPAT_RECOVER | INCOMPAT_META_BG | INCOMPAT_EXTENTS | INCOMPAT_64BIT
+    | INCOMPAT_MMP | INCOMPAT_FLEX_BG | INCOMPAT_EA_INODE | INCOMPAT_CSUM_SEED
+    | INCOMPAT_LARGEDIR | INCOMPAT_INLINE_DATA | INCOMPAT_ENCRYPT | INCOMPAT_CASEFOLD
+)
+INCOMPAT_NAMES = {
+    INCOMPAT_COMPRESSION: "compression", INCOMPAT_JOURNAL_DEV: "journal_dev",
+    INCOMPAT_DIRDATA: "dirdata",
+}
+COMPAT_HAS_JOURNAL = 0x4
+RO_COMPAT_HUGE_FILE = 0x8
+
+# inode flags
+FL_COMPR = 0x4
+FL_ENCRYPT = 0x800
+FL_INDEX = 0x1000
+FL_HUGE_FILE = 0x40000
+FL_EXTENTS = 0x80000
+FL_EA_INODE = 0x200000
+FL_INLINE_DATA = 0x10000000
+
+S_IFMT = 0o170000
+S_IFDIR = 0o040000
+S_IFREG = 0o100000
+S_IFLNK = 0o120000
+S_IFCHR = 0o020000
+S_IFBLK = 0o060000
+
+EXTENT_MAGIC = 0xF30A
+XATTR_MAGIC = 0xEA020000
+XATTR_INDEX_SYSTEM = 7
+
+
+@dataclass(frozen=True)
+class Superblock:
+    """The fields of the ext superblock the reader uses; invariants checked in ``parse``."""
+
+    block_size: int
+    blocks_count: int
+    first_data_block: int
+    blocks_per_group: int
+    inodes_per_group: int
+    inodes_count: int
+    inode_size: int
+    desc_size: int
+    group_count: int
+    first_meta_bg: int
+    compat: int
+    incompat: int
+    ro_compat: int
+    journal_inum: int
+    cluster_size: int
+
+    @property
+    def has_filetype(self) -> bool:
+        return bool(self.incompat & INCOMPAT_FILETYPE)
+
+
+def parse_superblock(raw: bytes, fs_bytes: int) -> Superblock:
+    """Decode and check the 1024-byte superblock of a filesystem of ``fs_bytes`` bytes."""
+    magic = struct.unpack_from("<H", raw, 0x38)[0]
+    if magic != 0xEF53:
+        raise GuestFSUnreadable(why=f"bad superblock magic 0x{magic:04x} (want 0xef53)")
+    (inodes_count, blocks_lo, _, _, _, first_data, log_block, log_cluster, bpg, _, ipg) = (
+        struct.unpack_from("<11I", raw, 0)
+    )
+    rev_level = struct.unpack_from("<I", raw, 0x4C)[0]
+    inode_size = struct.unpack_from("<H", raw, 0x58)[0] if rev_level >= 1 else 128
+    compat, incompat, ro_compat = struct.unpack_from("<III", raw, 0x5C)
+    if rev_level == 0:
+        compat = incompat = ro_compat = 0
+    journal_inum = struct.unpack_from("<I", raw, 0xE0)[0]
+    desc_size = struct.unpack_from("<H", raw, 0xFE)[0]
+    first_meta_bg = struct.unpack_from("<I", raw, 0x104)[0]
+    blocks_hi = struct.unpack_from("<I", raw, 0x150)[0]
+    unknown = incompat & ~SUPPORTED_INCOMPAT
+    if unknown:
+        names = [INCOMPAT_NAMES.get(1 << b, hex(1 << b)) for b in range(32) if unknown >> b & 1]
+        raise GuestFSUnreadable(why=f"unsupported ext4 incompat feature(s): {', '.join(names)}")
+    if log_block > 6:
+        raise GuestFSUnreadable(why=f"block size 2^{10 + log_block} is not a valid ext block size")
+    block_size = 1024 << log_block
+    blocks = blocks_lo | ((blocks_hi << 32) if incompat & INCOMPAT_64BIT else 0)
+    if incompat & INCOMPAT_64BIT:
+        if desc_size < 64 or desc_size > 1024 or desc_size & (desc_size - 1):
+            raise GuestFSUnreadable(why=f"bad group descriptor size {desc_size}")
+    else:
+        desc_size = 32
+    if inode_size < 128 or inode_size > block_size or inode_size & (inode_size - 1):
+        raise GuestFSUnreadable(why=f"bad inode size {inode_size}")
+    if bpg == 0 or ipg == 0 or blocks == 0 or first_data >= blocks:
+        raise GuestFSUnreadable(why="superblock geometry is damaged (zero or inverted counts)")
+    if blocks * block_size > fs_bytes:
+        raise GuestFSUnreadable(
+            why=f"the filesystem claims {blocks * block_size} bytes but its disk or partition "
+            f"holds only {fs_bytes}"
+        )
+    groups = (blocks - first_data + bpg - 1) // bpg
+    if groups * ipg < inodes_count:
+        raise GuestFSUnreadable(why="superblock inode count exceeds its groups")
+    cluster = block_size << max(0, log_cluster - log_block) if ro_compat & 0x200 else block_size
+    return Superblock(
+        block_size=block_size, blocks_count=blocks, first_data_block=first_data,
+        blocks_per_group=bpg, inodes_per_group=ipg, inodes_count=inodes_count,
+        inode_size=inode_size, desc_size=desc_size, group_count=groups,
+        first_meta_bg=first_meta_bg, compat=compat, incompat=incompat, ro_compat=ro_compat,
+        journal_inum=journal_inum, cluster_size=cluster,
+    )
+
+
+@dataclass(frozen=True)
+class Inode:
+    """One decoded inode. ``block`` is the raw 60-byte i_block area; ``extra`` the bytes after
+    the 128-byte base (extended fields and in-inode extended attributes)."""
+
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    ctime_ns: int
+    mtime_ns: int
+    links: int
+    blocks_512: int
+    flags: int
+    block: bytes
+    file_acl: int
+    extra: bytes
+    extra_isize: int
+
+    @property
+    def kind(self) -> int:
+        return self.mode & S_IFMT
+
+
+def _time_ns(base: int, extra: int | None) -> int:
+    seconds = base - (1 << 32) if base >= 1 << 31 else base  # i_*time is signed
+    if extra is None:
+        return seconds * 1_000_000_000
+    seconds += (extra & 3) << 32
+    return seconds * 1_000_000_000 + (extra >> 2)
+
+
+def parse_inode(raw: bytes, ino: int, sb: Superblock) -> Inode:
+    (mode, uid_lo, size_lo, atime, ctime, mtime, _dtime, gid_lo, links, blocks_lo, flags) = (
+        struct.unpack_from("<HHIIIIIHHII", raw, 0)
+    )
+    block = raw[0x28:0x64]
+    acl_lo, size_hi = struct.unpack_from("<II", raw, 0x68)
+    blocks_hi, acl_hi, uid_hi, gid_hi = struct.unpack_from("<HHHH", raw, 0x74)
+    extra_isize = 0
+    extra = b""
+    if sb.inode_size > 128:
+        extra_isize = struct.unpack_from("<H", raw, 0x80)[0]
+        if extra_isize & 3 or 128 + extra_isize > sb.inode_size:
+            raise GuestFSUnreadable(why=f"inode {ino} has a bad extra size {extra_isize}")
+        extra = raw[128:]
+
+    def extra_field(off: int) -> int | None:
+        if extra_isize >= off - 128 + 4:
+            return struct.unpack_from("<I", raw, off)[0]
+        return None
+
+    blocks = blocks_lo
+    if sb.ro_compat & RO_COMPAT_HUGE_FILE:
+        blocks |= blocks_hi << 32
+        if flags & FL_HUGE_FILE:
+            blocks *= sb.block_size // 512
+    return Inode(
+        ino=ino, mode=mode, uid=uid_lo | (uid_hi << 16), gid=gid_lo | (gid_hi << 16),
+        size=size_lo | (size_hi << 32),
+        atime_ns=_time_ns(atime, extra_field(0x8C)), ctime_ns=_time_ns(ctime, extra_field(0x84)),
+        mtime_ns=_time_ns(mtime, extra_field(0x88)), links=links, blocks_512=blocks,
+        flags=flags, block=block, file_acl=acl_lo | (acl_hi << 32), extra=extra,
+        extra_isize=extra_isize,
+    )
+
+
+@dataclass(frozen=True)
+class ExtentNode:
+    depth: int
+    # leaves: (logical block, length, physical block, unwritten); indexes: (logical, 0, child, 0)
+    entries: tuple[tuple[int, int, int, bool], ...]
+
+
+def parse_extent_node(raw: bytes, where: str) -> ExtentNode:
+    if len(raw) < 12:
+        raise GuestFSUnreadable(why=f"extent node of {where} is truncated")
+    magic, count, maximum, depth = struct.unpack_from("<HHHH", raw, 0)
+    if magic != EXTENT_MAGIC:
+        raise GuestFSUnreadable(why=f"extent node of {where} has bad magic 0x{magic:04x}")
+    if count > maximum or 12 + 12 * count > len(raw) or depth > 5:
+        raise GuestFSUnreadable(why=f"extent node of {where} is damaged")
+    entries = []
+    for i in range(count):
+        off = 12 + 12 * i
+        if depth == 0:
+            lblk, length, start_hi, start_lo = struct.unpack_from("<IHHI", raw, off)
+            unwritten = length > 32768
+            if unwritten:
+                length -= 32768
+            entries.append((lblk, length, start_lo | (start_hi << 32), unwritten))
+        else:
+            lblk, leaf_lo, leaf_hi = struct.unpack_from("<IIH", raw, off)
+            entries.append((lblk, 0, leaf_lo | (leaf_hi << 32), False))
+    return ExtentNode(depth=depth, entries=tuple(entries))
+
+
+def in_inode_xattr(inode: Inode, index: int, name: bytes) -> bytes | None:
+    """The value of one extended attribute kept inside the inode, or None when there is none."""
+    area = inode.extra[inode.extra_isize :]
+    if len(area) < 4 or struct.unpack_from("<I", area, 0)[0] != XATTR_MAGIC:
+        return None
+    body = area[4:]
+    off = 0
+    while off + 16 <= len(body):
+        name_len, name_index, value_offs, value_inum, value_size = struct.unpack_from(
+            "<BBHII", body, off
+        )
+        if name_len == 0 and name_index == 0 and value_offs == 0 and value_inum == 0:
+            break  # the four zero bytes that end the list
+        entry_name = body[off + 16 : off + 16 + name_len]
+        if name_index == index and entry_name == name:
+            if value_inum:
+                raise GuestFSUnreadable(
+                    why=f"inode {inode.ino} keeps its inline data in an xattr inode"
+                )
+            if value_offs + value_size > len(body):
+                raise GuestFSUnreadable(why=f"inode {inode.ino} has a damaged xattr")
+            return body[value_offs : value_offs + value_size]
+        off += (16 + name_len + 3) & ~3
+    return None
+
+
+def inline_data(inode: Inode) -> bytes:
+    """All the bytes of an inline-data inode: i_block, then the system.data attribute."""
+    more = in_inode_xattr(inode, XATTR_INDEX_SYSTEM, b"data")
+    return inode.block + (more or b"")
+
+
+def iter_dirents(
+    raw: bytes, filetype: bool, where: str, block_size: int
+) -> list[tuple[bytes, int, int]]:
+    """(name, inode, file type) of each live entry in one directory block or inline area."""
+    out = []
+    off = 0
+    end = len(raw)
+    while off < end:
+        if off + 8 > end:
+            raise GuestFSUnreadable(why=f"directory entry of {where} at {off} is truncated")
+        ino, rec_len = struct.unpack_from("<IH", raw, off)
+        if filetype:
+            name_len, ftype = raw[off + 6], raw[off + 7]
+        else:
+            name_len, ftype = struct.unpack_from("<H", raw, off + 6)[0], 0
+        if rec_len in (0, 65535) and block_size == 65536:
+            rec_len = 65536
+        if rec_len < 8 or rec_len & 3 or off + rec_len > end or 8 + name_len > rec_len:
+            raise GuestFSUnreadable(why=f"directory entry of {where} at {off} is damaged")
+        if ino != 0:
+            out.append((raw[off + 8 : off + 8 + name_len], ino, ftype))
+        off += rec_len
+    return out

@@ -1,0 +1,279 @@
+"""One ext2/3/4 filesystem inside a reader: blocks, group descriptors, inodes and the mapping of
+a file's logical blocks to disk blocks (extent trees and the old indirect block maps).
+
+Blocks the journal still holds are read from the journal (an ``overlay`` computed by
+ksfs.guestfs.journal), as the kernel would see them after recovery. Every physical block number
+is checked against the filesystem's size before it is read; anything out of place raises
+GuestFSUnreadable. This module never writes and never returns bytes it could not account for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any
+
+from ksfs.errors import GuestFSUnreadable
+from ksfs.guestfs import layout
+from ksfs.guestfs.image import Reader, read_exact
+from ksfs.guestfs.layout import Inode, Superblock
+
+# A run of a file: (first logical block, block count, first physical block or None for a hole)
+Run = tuple[int, int, int | None]
+
+
+class LRU:
+    """A small thread-safe least-recently-used cache."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._d: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Any:
+        with self._lock:
+            value = self._d.get(key)
+            if value is not None:
+                self._d.move_to_end(key)
+            return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._lock:
+            self._d[key] = value
+            self._d.move_to_end(key)
+            while len(self._d) > self.capacity:
+                self._d.popitem(last=False)
+
+
+class Volume:
+    """Block-level access to one filesystem. Invariant: ``sb`` describes the filesystem as seen
+    through ``overlay`` (the superblock is re-read once the journal has been replayed)."""
+
+    def __init__(self, reader: Reader, offset: int, length: int, sb: Superblock) -> None:
+        self.reader = reader
+        self.offset = offset
+        self.length = length
+        self.sb = sb
+        self.bs = sb.block_size
+        # fs block -> (fs block in the journal holding its newest committed copy, escaped)
+        self.overlay: dict[int, tuple[int, bool]] = {}
+        self._overlay_keys: list[int] = []
+        self._inodes = LRU(4096)
+        self._descs = LRU(1024)
+        self._maps = LRU(512)
+        self._indirect = LRU(256)
+
+    def set_overlay(self, overlay: dict[int, tuple[int, bool]], sb: Superblock) -> None:
+        self.overlay = overlay
+        self._overlay_keys = sorted(overlay)
+        self.sb = sb
+        self.bs = sb.block_size
+        for cache in (self._inodes, self._descs, self._maps, self._indirect):
+            cache._d.clear()
+
+    # --- blocks ------------------------------------------------------------------------------
+
+    def read_blocks(self, block: int, count: int, what: str) -> bytes:
+        """``count`` whole blocks from ``block`` on, journal copies taking precedence."""
+        if block < 0 or count < 0 or block + count > self.sb.blocks_count:
+            raise GuestFSUnreadable(
+                why=f"{what} points at block {block}+{count}, outside the "
+                f"{self.sb.blocks_count}-block filesystem"
+            )
+        i = bisect.bisect_left(self._overlay_keys, block)
+        if i == len(self._overlay_keys) or self._overlay_keys[i] >= block + count:
+            return read_exact(self.reader, self.offset + block * self.bs, count * self.bs, what)
+        parts = []
+        for b in range(block, block + count):
+            if b in self.overlay:
+                jblock, escaped = self.overlay[b]
+                data = read_exact(self.reader, self.offset + jblock * self.bs, self.bs, what)
+                if escaped:  # jbd2 zeroes the magic of data blocks that would look like its own
+                    data = b"\xc0\x3b\x39\x98" + data[4:]
+                parts.append(data)
+            else:
+                parts.append(read_exact(self.reader, self.offset + b * self.bs, self.bs, what))
+        return b"".join(parts)
+
+    def overlaps_overlay(self, block: int, count: int) -> bool:
+        i = bisect.bisect_left(self._overlay_keys, block)
+        return i < len(self._overlay_keys) and self._overlay_keys[i] < block + count
+
+    # --- inodes ------------------------------------------------------------------------------
+
+    def _inode_table(self, group: int) -> int:
+        table = self._descs.get(group)
+        if table is not None:
+            return table
+        sb = self.sb
+        per_block = self.bs // sb.desc_size
+        gdt_index, slot = divmod(group, per_block)
+        if sb.incompat & layout.INCOMPAT_META_BG and gdt_index >= sb.first_meta_bg:
+            first = gdt_index * per_block
+            block = sb.first_data_block + first * sb.blocks_per_group
+            block += 1 if self._has_super(first) else 0
+        else:
+            block = sb.first_data_block + 1 + gdt_index
+        raw = self.read_blocks(block, 1, f"group descriptor {group}")
+        desc = raw[slot * sb.desc_size : (slot + 1) * sb.desc_size]
+        table = struct.unpack_from("<I", desc, 0x08)[0]
+        if sb.desc_size >= 64:
+            table |= struct.unpack_from("<I", desc, 0x28)[0] << 32
+        self._descs.put(group, table)
+        return table
+
+    def _has_super(self, group: int) -> bool:
+        if group <= 1 or not self.sb.ro_compat & 0x1:  # sparse_super
+            return True
+        for base in (3, 5, 7):
+            n = base
+            while n < group:
+                n *= base
+            if n == group:
+                return True
+        return False
+
+    def inode(self, ino: int) -> Inode:
+        cached = self._inodes.get(ino)
+        if cached is not None:
+            return cached
+        sb = self.sb
+        if ino < 1 or ino > sb.inodes_count:
+            raise GuestFSUnreadable(why=f"inode number {ino} is outside 1..{sb.inodes_count}")
+        group, index = divmod(ino - 1, sb.inodes_per_group)
+        byte = index * sb.inode_size
+        block = self._inode_table(group) + byte // self.bs
+        raw = self.read_blocks(block, 1, f"inode {ino}")
+        start = byte % self.bs
+        inode = layout.parse_inode(raw[start : start + sb.inode_size], ino, sb)
+        self._inodes.put(ino, inode)
+        return inode
+
+    # --- mapping logical blocks to disk blocks ----------------------------------------------
+
+    def runs(self, inode: Inode, first: int, end: int) -> list[Run]:
+        """Runs covering logical blocks [first, end) of ``inode``, holes included."""
+        if inode.flags & layout.FL_EXTENTS:
+            return self._extent_runs(inode, first, end)
+        return self._indirect_runs(inode, first, end)
+
+    def _extent_runs(self, inode: Inode, first: int, end: int) -> list[Run]:
+        extents = self._maps.get(inode.ino)
+        if extents is None:
+            extents = []
+            self._walk_extents(inode, inode.block, extents, 0)
+            self._maps.put(inode.ino, extents)
+        starts = [e[0] for e in extents]
+        out: list[Run] = []
+        pos = first
+        i = max(0, bisect.bisect_right(starts, first) - 1)
+        while pos < end:
+            if i < len(extents) and extents[i][0] + extents[i][1] <= pos:
+                i += 1
+                continue
+            if i >= len(extents) or extents[i][0] >= end:
+                out.append((pos, end - pos, None))
+                break
+            lblk, length, phys, unwritten = extents[i]
+            if lblk > pos:
+                out.append((pos, lblk - pos, None))
+                pos = lblk
+            stop = min(end, lblk + length)
+            out.append((pos, stop - pos, None if unwritten else phys + (pos - lblk)))
+            pos = stop
+            i += 1
+        return out
+
+    def _walk_extents(self, inode: Inode, raw: bytes, out: list, level: int) -> None:
+        node = layout.parse_extent_node(raw, f"inode {inode.ino}")
+        if level > 5:
+            raise GuestFSUnreadable(why=f"extent tree of inode {inode.ino} is too deep")
+        for lblk, length, phys, unwritten in node.entries:
+            if node.depth == 0:
+                if out and lblk < out[-1][0] + out[-1][1]:
+                    raise GuestFSUnreadable(
+                        why=f"extents of inode {inode.ino} overlap or are out of order"
+                    )
+                if length and phys + length > self.sb.blocks_count:
+                    raise GuestFSUnreadable(
+                        why=f"extent of inode {inode.ino} points past the filesystem"
+                    )
+                if length:
+                    out.append((lblk, length, phys, unwritten))
+            else:
+                child = self.read_blocks(phys, 1, f"extent node of inode {inode.ino}")
+                self._walk_extents(inode, child, out, level + 1)
+
+    def _indirect_runs(self, inode: Inode, first: int, end: int) -> list[Run]:
+        out: list[Run] = []
+        for lblk in range(first, end):
+            phys = self._bmap(inode, lblk)
+            last = out[-1] if out else None
+            if last and (
+                (phys is None and last[2] is None)
+                or (phys is not None and last[2] is not None and last[2] + last[1] == phys)
+            ):
+                out[-1] = (last[0], last[1] + 1, last[2])
+            else:
+                out.append((lblk, 1, phys))
+        return out
+
+    def _bmap(self, inode: Inode, lblk: int) -> int | None:
+        ptrs = struct.unpack("<15I", inode.block)
+        per = self.bs // 4
+        if lblk < 12:
+            return ptrs[lblk] or None
+        lblk -= 12
+        for level, slot in ((1, 12), (2, 13), (3, 14)):
+            span = per**level
+            if lblk < span:
+                block = ptrs[slot]
+                for depth in range(level - 1, -1, -1):
+                    if block == 0:
+                        return None
+                    table = self._indirect_table(block, inode.ino)
+                    block = table[(lblk // per**depth) % per]
+                if block and block >= self.sb.blocks_count:
+                    raise GuestFSUnreadable(
+                        why=f"block map of inode {inode.ino} points past the filesystem"
+                    )
+                return block or None
+            lblk -= span
+        raise GuestFSUnreadable(why=f"block {lblk} of inode {inode.ino} is beyond a block map")
+
+    def _indirect_table(self, block: int, ino: int) -> tuple[int, ...]:
+        table = self._indirect.get(block)
+        if table is None:
+            raw = self.read_blocks(block, 1, f"indirect block of inode {ino}")
+            table = struct.unpack(f"<{self.bs // 4}I", raw)
+            self._indirect.put(block, table)
+        return table
+
+    # --- file bytes --------------------------------------------------------------------------
+
+    def read_data(self, inode: Inode, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset+n) of a file, cut at its size; holes read as zeros."""
+        n = min(n, inode.size - offset)
+        if n <= 0:
+            return b""
+        if inode.flags & layout.FL_INLINE_DATA:
+            data = layout.inline_data(inode)
+            if len(data) < inode.size:
+                raise GuestFSUnreadable(
+                    why=f"inode {inode.ino} holds {len(data)} inline bytes but claims {inode.size}"
+                )
+            return data[offset : offset + n]
+        bs = self.bs
+        first, end = offset // bs, (offset + n + bs - 1) // bs
+        parts = []
+        for _lblk, count, phys in self.runs(inode, first, end):
+            if phys is None:
+                parts.append(bytes(count * bs))
+            else:
+                parts.append(self.read_blocks(phys, count, f"data of inode {inode.ino}"))
+        data = b"".join(parts)
+        skip = offset - first * bs
+        return data[skip : skip + n]
