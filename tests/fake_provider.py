@@ -1,0 +1,223 @@
+"""A small real model provider on 127.0.0.1 for tests: OpenAI-style chat completions (JSON and
+server-sent events, with usage), a models list, a configurable delay and error mode, and counters
+of what it was asked.
+
+It is deliberately built on the standard library's http.server (a thread per connection), not on
+the gateway's own stack, so a test of the gateway never checks that stack against itself. It never
+listens anywhere but loopback. Use it as a context manager:
+
+    with FakeProvider(delay=0.2) as up:
+        up.url                     # http://127.0.0.1:PORT  (the gateway's --upstream)
+        up.count("/v1/chat/completions")
+        up.requests[-1].headers    # what the last request carried (e.g. Authorization)
+        up.error = 500             # next calls answer 500; "hang" never answers; "close" drops
+        up.reset()
+
+or standalone (for an end-to-end test with a guest): ``python tests/fake_provider.py --port 0
+[--delay S]`` prints ``listening on http://127.0.0.1:PORT`` and serves until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+COMPLETION_WORDS = ["this", "is", "the", "fake", "provider", "answering", "you"]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One request the provider received."""
+
+    method: str
+    path: str
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+
+class FakeProvider:
+    """The server; attributes may be changed between calls (they are read per request)."""
+
+    def __init__(self, delay: float = 0.0, error: int | str | None = None,
+                 stream_usage: bool = True, chunk_delay: float = 0.0) -> None:
+        self.delay = delay
+        self.error = error
+        self.stream_usage = stream_usage
+        self.chunk_delay = chunk_delay
+        self.requests: list[Seen] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._serial = 0
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self, port: int = 0) -> FakeProvider:
+        provider = self
+
+        class Handler(_Handler):
+            fake = provider
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()  # wakes handlers sleeping in a delay or a hang
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(10)
+            self._server = None
+
+    def __enter__(self) -> FakeProvider:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # --- what it was asked ------------------------------------------------------------------
+
+    def count(self, path: str = "/v1/chat/completions") -> int:
+        with self._lock:
+            return sum(1 for r in self.requests if r.path.split("?")[0] == path)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests.clear()
+        self.delay, self.error, self.stream_usage, self.chunk_delay = 0.0, None, True, 0.0
+
+    def _note(self, seen: Seen) -> int:
+        with self._lock:
+            self.requests.append(seen)
+            self._serial += 1
+            return self._serial
+
+    def sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    fake: FakeProvider
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:  # quiet in test output
+        pass
+
+    def _read(self) -> bytes:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _json(self, status: int, obj: object) -> None:
+        raw = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.send_header("X-Request-Id", f"req-{time.monotonic_ns()}")
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _seen(self, body: bytes) -> int:
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        return self.fake._note(Seen(self.command, self.path, headers, body))
+
+    def do_GET(self) -> None:
+        self._seen(b"")
+        if self.path.split("?")[0] == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "gpt-4o-mini", "object": "model"}],
+                             "query": self.path.partition("?")[2]})
+        else:
+            self._json(404, {"error": {"type": "not_found", "message": self.path}})
+
+    def do_POST(self) -> None:
+        body = self._read()
+        serial = self._seen(body)
+        fake = self.fake
+        if self.path != "/v1/chat/completions":
+            self._json(404, {"error": {"type": "not_found", "message": self.path}})
+            return
+        if fake.delay:
+            fake.sleep(fake.delay)
+        if fake.error == "hang":
+            fake.sleep(60)
+            self.close_connection = True
+            return
+        if fake.error == "close":
+            self.close_connection = True
+            return
+        if isinstance(fake.error, int):
+            self._json(fake.error, {"error": {"type": "server_error",
+                                              "message": f"fake failure {serial}"}})
+            return
+        req = json.loads(body)
+        model = req.get("model", "unknown")
+        words = sum(len(str(m.get("content", "")).split()) for m in req.get("messages", []))
+        usage = {"prompt_tokens": words, "completion_tokens": len(COMPLETION_WORDS),
+                 "total_tokens": words + len(COMPLETION_WORDS)}
+        cid = f"chatcmpl-{serial}-{time.monotonic_ns()}"  # differs on every real call
+        if req.get("stream"):
+            self._stream(cid, model, usage)
+            return
+        self._json(200, {
+            "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant",
+                                     "content": " ".join(COMPLETION_WORDS)}}],
+            "usage": usage,
+        })
+
+    def _stream(self, cid: str, model: str, usage: dict) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": model}
+        events = [dict(base, choices=[{"index": 0, "delta": {"content": w + " "}}])
+                  for w in COMPLETION_WORDS]
+        events.append(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]))
+        if self.fake.stream_usage:
+            events.append(dict(base, choices=[], usage=usage))
+        for ev in events:
+            self._chunk(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            if self.fake.chunk_delay:
+                self.fake.sleep(self.fake.chunk_delay)
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="fake OpenAI-style provider on 127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--delay", type=float, default=0.0)
+    args = ap.parse_args()
+    fake = FakeProvider(delay=args.delay).start(args.port)
+    print(f"listening on {fake.url}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        fake.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Shared helpers of the gateway tests: a real store and ledger in a tmp dir, sessions, a
+checkpoint record to fork from, and a client that talks to a served session. No test here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import httpx
+
+from ksfs.cas import ChunkStore
+from ksfs.ledger import Ledger
+from ksfs.model import CheckpointRecord, ForkPoint
+
+CHAT = "/v1/chat/completions"
+MARKER_KEY = "sk-ksfs-test-MARKER-7f3a9c1e5b"  # the API key the secrecy test looks for
+
+
+def open_store(path: str | os.PathLike[str]) -> ChunkStore:
+    return ChunkStore.open(path, create=True)
+
+
+def add_sessions(ledger: Ledger, *names: str) -> None:
+    with ledger.env.begin(write=True) as txn:
+        for name in names:
+            ledger.create_session(txn, name)
+
+
+def take_checkpoint(ledger: Ledger, session: str, name: str) -> int:
+    """A checkpoint record with no files (the gateway needs only its seq); returns the seq."""
+    with ledger.env.begin(write=True) as txn:
+        ev = ledger.append(txn, session, "checkpoint.begin", {"name": name})
+        ledger.put_checkpoint(txn, CheckpointRecord(session, name, ev.seq, time.time(), ()))
+    return ev.seq
+
+
+def fork(ledger: Ledger, parent: str, checkpoint: str, new: str) -> None:
+    seq = ledger.checkpoint(parent, checkpoint).seq
+    fp = ForkPoint(parent, checkpoint, seq, ledger.session(parent).lineage)
+    with ledger.env.begin(write=True) as txn:
+        ledger.create_session(txn, new, parent=fp)
+
+
+def events(ledger: Ledger, session: str, type_: str) -> list[Any]:
+    return [e for e in ledger.events(session) if e.type == type_]
+
+
+def chat_body(text: str = "hello there gateway", model: str = "gpt-4o-mini",
+              stream: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": text}]}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def client(port: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30)
+
+
+async def call(port: int, body: dict[str, Any], key: str | None = None,
+               raw: bytes | None = None, headers: dict[str, str] | None = None) -> httpx.Response:
+    """One chat completion through the gateway; the whole body read."""
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    if key is not None:
+        hdrs["idempotency-key"] = key
+    async with client(port) as c:
+        return await c.post(CHAT, content=raw if raw is not None else json.dumps(body),
+                            headers=hdrs)
+
+
+def check_clean(store: ChunkStore, ledger: Ledger) -> None:
+    """Every test that touched the store ends here: the ledger and the store verify clean."""
+    assert ledger.verify() == []
+    report = store.check()
+    assert report.ok, report

@@ -1,0 +1,210 @@
+"""The gateway's replay store over real sockets: a call is bought once per key, duplicates and
+retries get identical bytes, sessions cannot see each other's calls, forks see their parent's
+calls up to the branch point only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+from fake_provider import FakeProvider
+from test_gateway_helpers import (
+    MARKER_KEY,
+    add_sessions,
+    call,
+    chat_body,
+    check_clean,
+    client,
+    events,
+    fork,
+    open_store,
+    take_checkpoint,
+)
+
+from ksfs.errors import NoSuchSession
+from ksfs.gateway import Gateway
+from ksfs.ledger import Ledger
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    with FakeProvider() as up:
+        yield up
+
+
+@pytest.fixture
+def provider(upstream):
+    upstream.reset()
+    yield upstream
+    upstream.reset()
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path / "store")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def ledger(store):
+    led = Ledger(store)
+    add_sessions(led, "s1", "s2")
+    yield led
+    check_clean(store, led)
+
+
+@pytest.fixture
+def gw(store, ledger, provider):
+    return Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_same_key_sequential_is_bought_once(gw, ledger, provider, nursery, stream):
+    port = await nursery.start(gw.serve_session, "s1")
+    assert gw.ports == {"s1": port}
+    first = await call(port, chat_body(stream=stream), key="k-1")
+    second = await call(port, chat_body(stream=stream), key="k-1")
+    assert first.status_code == second.status_code == 200
+    assert provider.count() == 1
+    assert first.content == second.content
+    assert first.headers["x-ksfs-replay"] == "false"
+    assert second.headers["x-ksfs-replay"] == "true"
+    ctype = "text/event-stream" if stream else "application/json"
+    assert first.headers["content-type"].startswith(ctype)
+    assert second.headers["content-type"] == first.headers["content-type"]
+    if stream:
+        assert first.content.endswith(b"data: [DONE]\n\n")
+        assert b'"usage"' in first.content
+    else:
+        assert json.loads(first.content)["usage"]["completion_tokens"] == 7
+    (paid,) = events(ledger, "s1", "gateway.call")
+    (replay,) = events(ledger, "s1", "gateway.replay")
+    assert paid.body["key"] == replay.body["key"] == first.headers["x-ksfs-key"]
+    assert paid.body["stored"] is True and paid.body["stream"] is stream
+    assert replay.body["from_seq"] == paid.seq and replay.body["cost_usd"] == 0
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["replays"]) == (1, 1)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_same_key_concurrent_waits_for_the_first(gw, ledger, provider, nursery, stream):
+    provider.delay = 0.5  # all duplicates arrive while the first is in flight
+    port = await nursery.start(gw.serve_session, "s1")
+    results: list = []
+
+    async def one() -> None:
+        results.append(await call(port, chat_body(stream=stream), key="same"))
+
+    async with trio.open_nursery() as n:
+        for _ in range(4):
+            n.start_soon(one)
+    assert provider.count() == 1
+    assert len({r.content for r in results}) == 1
+    assert all(r.status_code == 200 for r in results)
+    assert sorted(r.headers["x-ksfs-replay"] for r in results) == ["false"] + ["true"] * 3
+    assert len(events(ledger, "s1", "gateway.call")) == 1
+    assert len(events(ledger, "s1", "gateway.replay")) == 3
+
+
+async def test_derived_key_without_header(gw, ledger, provider, nursery):
+    port = await nursery.start(gw.serve_session, "s1")
+    body = chat_body("derive me a key")
+    a = await call(port, body)
+    # The same request written differently (key order, spacing) is the same call.
+    b = await call(port, body, raw=json.dumps(body, indent=2, sort_keys=True).encode())
+    c = await call(port, chat_body("a different request"))
+    assert provider.count() == 2
+    assert a.content == b.content != c.content
+    assert a.headers["x-ksfs-key"] == b.headers["x-ksfs-key"] != c.headers["x-ksfs-key"]
+    assert b.headers["x-ksfs-replay"] == "true"
+    stream = chat_body("derive me a key", stream=True)
+    s1, s2 = await call(port, stream), await call(port, stream)
+    assert provider.count() == 3 and s1.content == s2.content
+
+
+async def test_reused_header_key_with_other_request_is_refused(gw, provider, nursery):
+    port = await nursery.start(gw.serve_session, "s1")
+    assert (await call(port, chat_body("one"), key="k")).status_code == 200
+    r = await call(port, chat_body("two"), key="k")
+    assert r.status_code == 422
+    assert r.json()["error"]["type"] == "idempotency_key_reused"
+    assert provider.count() == 1
+
+
+async def test_sessions_do_not_see_each_other(gw, ledger, provider, nursery):
+    p1 = await nursery.start(gw.serve_session, "s1")
+    p2 = await nursery.start(gw.serve_session, "s2")
+    assert p1 != p2
+    for key in ("shared-key", None):  # header keys and derived keys alike
+        a = await call(p1, chat_body("private"), key=key)
+        b = await call(p2, chat_body("private"), key=key)
+        assert a.content != b.content
+        assert a.headers["x-ksfs-replay"] == b.headers["x-ksfs-replay"] == "false"
+    assert provider.count() == 4
+    assert events(ledger, "s2", "gateway.replay") == []
+    assert gw.usage("s2")["paid_calls"] == 2
+
+
+async def test_fork_sees_parent_calls_up_to_branch_only(gw, ledger, provider, nursery):
+    port = await nursery.start(gw.serve_session, "s1")
+    before = await call(port, chat_body("before the checkpoint"))
+    before_key = await call(port, chat_body("keyed before"), key="kb")
+    take_checkpoint(ledger, "s1", "c1")
+    after = await call(port, chat_body("after the checkpoint"))
+    fork(ledger, "s1", "c1", "f1")
+    take_checkpoint(ledger, "f1", "fc1")
+    fork(ledger, "f1", "fc1", "g1")  # a grandchild sees through both hops
+    asked = provider.count()
+    for child in ("f1", "g1"):
+        fport = await nursery.start(gw.serve_session, child)
+        r1 = await call(fport, chat_body("before the checkpoint"))
+        r2 = await call(fport, chat_body("keyed before"), key="kb")
+        assert (r1.content, r2.content) == (before.content, before_key.content)
+        assert r1.headers["x-ksfs-replay"] == r2.headers["x-ksfs-replay"] == "true"
+        assert provider.count() == asked
+        r3 = await call(fport, chat_body("after the checkpoint"))
+        assert r3.headers["x-ksfs-replay"] == "false" and r3.content != after.content
+        assert provider.count() == asked + 1
+        asked += 1
+        (replay, _) = events(ledger, child, "gateway.replay")
+        assert replay.body["from_session"] == "s1"
+    # The fork's own purchase is its own: the parent still gets its own stored answer.
+    again = await call(port, chat_body("after the checkpoint"))
+    assert again.content == after.content and provider.count() == asked
+
+
+async def test_restored_session_sees_all_its_own_calls(gw, ledger, provider, nursery):
+    # A restore keeps the session's lineage, so a call made after the checkpoint is still a
+    # replay when the guest repeats it from the restored state.
+    port = await nursery.start(gw.serve_session, "s1")
+    take_checkpoint(ledger, "s1", "c1")
+    a = await call(port, chat_body("made after c1"))
+    ledger.record("s1", "restore.done", {"checkpoint": "c1"})
+    b = await call(port, chat_body("made after c1"))
+    assert a.content == b.content and provider.count() == 1
+
+
+async def test_other_paths_pass_through_unstored(gw, ledger, provider, nursery):
+    port = await nursery.start(gw.serve_session, "s1")
+    async with client(port) as c:
+        r1 = await c.get("/v1/models?limit=5", headers={"authorization": "Bearer guest"})
+        r2 = await c.get("/v1/models?limit=5")
+        missing = await c.get("/v1/nothing")
+    assert r1.status_code == r2.status_code == 200
+    assert r1.json()["data"][0]["id"] == "gpt-4o-mini" and r1.json()["query"] == "limit=5"
+    assert missing.status_code == 404
+    assert provider.count("/v1/models") == 2
+    assert "x-ksfs-replay" not in r1.headers
+    assert provider.requests[0].headers["authorization"] == f"Bearer {MARKER_KEY}"
+    assert [e.type for e in ledger.events("s1")] == ["session.created"]
+
+
+async def test_bad_requests_and_unknown_session(gw, provider, nursery):
+    with pytest.raises(NoSuchSession):
+        await nursery.start(gw.serve_session, "nobody")
+    port = await nursery.start(gw.serve_session, "s1")
+    r = await call(port, {}, raw=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert provider.count() == 0
