@@ -1,0 +1,159 @@
+"""Mount a keeper's tree with pyfuse3 and serve it in one trio run until unmounted.
+
+``run_mount`` is what the CLI's ``ksfs mount`` calls; ``python -m ksfs.fuse.mount STORE MNT`` runs
+it on a store directly (tests and the benchmark use that). This module never imports click or
+libvirt, and never detaches: a caller that daemonizes must fork before opening the keeper (an
+LMDB environment must not cross a fork) and use ``ready`` to tell its waiting parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from ksfs.fuse import faults
+from ksfs.fuse.ops import Operations
+from ksfs.fuse.tree import CheckpointTree
+
+log = logging.getLogger(__name__)
+
+# The largest request the kernel takes (FUSE_MAX_MAX_PAGES = 256 pages); libfuse 3.14 negotiates
+# max_pages from it. Readahead is raised on the mount's bdi to keep several such reads in flight.
+MAX_READ = 1024 * 1024
+READ_AHEAD_KB = 4096
+
+
+def mount_options(allow_other: bool = False, debug: bool = False) -> set[str]:
+    opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks mode bits
+    # No max_read option: the kernel default is unlimited, and libfuse refuses one it did not
+    # negotiate itself; requests are then bounded by max_pages (MAX_READ).
+    opts |= {"fsname=ksfs", "subtype=ksfs"}
+    if allow_other:
+        opts.add("allow_other")
+    if debug:
+        opts.add("debug")
+    return opts
+
+
+def _mount_device(mountpoint: str) -> str | None:
+    """The ``major:minor`` of our mount, from mountinfo (a stat would wait on our own server)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == mountpoint:
+            return fields[2]
+    return None
+
+
+def raise_readahead(mountpoint: str, kb: int = READ_AHEAD_KB) -> bool:
+    """Raise the kernel readahead of the mount (root only; harmless to fail): large sequential
+    reads of disk images then keep several requests in flight, decompressed on several threads."""
+    dev = _mount_device(mountpoint)
+    if dev is None:
+        return False
+    try:
+        Path(f"/sys/class/bdi/{dev}/read_ahead_kb").write_text(str(kb))
+        return True
+    except OSError as exc:
+        log.info("readahead left at the kernel default: %s", exc)
+        return False
+
+
+async def _stop_on_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            pyfuse3.terminate()
+            return
+
+
+async def _serve(
+    mountpoint: str,
+    ready: Callable[[], Any] | None,
+    extra_tasks: Iterable[Callable[[], Awaitable[Any]]],
+) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_on_signals, name="signals")
+        for task in extra_tasks:
+            nursery.start_soon(task, name=getattr(task, "__name__", repr(task)))
+        # When the FUSE loop ends (unmounted, or terminate() on a signal) the other tasks stop.
+        async def fuse_main() -> None:
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(fuse_main, name="fuse")
+        raise_readahead(mountpoint)
+        if ready is not None:
+            ready()
+
+
+def run_mount(
+    keeper: Any,
+    mountpoint: str | os.PathLike,
+    foreground: bool = True,
+    allow_other: bool = False,
+    debug: bool = False,
+    ready: Callable[[], Any] | None = None,
+    extra_tasks: Iterable[Callable[[], Awaitable[Any]]] = (),
+    tree: CheckpointTree | None = None,
+) -> None:
+    """Mount ``keeper``'s tree on ``mountpoint`` and serve it until unmounted or signalled.
+
+    ``ready`` is called once, when the mount is in place; ``extra_tasks`` run in the same trio
+    nursery and are cancelled when the mount ends. ``foreground`` is the caller's business (see
+    the module docstring); it is accepted so the CLI can pass its flag through.
+    """
+    faulthandler.enable()
+    mnt = os.path.abspath(os.fspath(mountpoint))
+    tree = tree or CheckpointTree(keeper, open_reader=faults.reader_from_env())
+    ops = Operations(tree)
+    pyfuse3.init(ops, mnt, mount_options(allow_other, debug))
+    try:
+        trio.run(_serve, mnt, ready, list(extra_tasks))
+    except BaseException:
+        pyfuse3.close(unmount=False)
+        raise
+    pyfuse3.close(unmount=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ksfs.fuse.mount")
+    parser.add_argument("store")
+    parser.add_argument("mountpoint")
+    parser.add_argument("--debug", action="store_true", help="log every FUSE request")
+    parser.add_argument("--allow-other", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from ksfs.keeper import Keeper
+
+    with Keeper(args.store) as keeper:
+        run_mount(
+            keeper,
+            args.mountpoint,
+            allow_other=args.allow_other,
+            debug=args.debug,
+            ready=lambda: print(f"mounted {args.store} on {args.mountpoint}", flush=True),
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The pyfuse3 Operations of the mount: resolve through the tree, call it, convert. Nothing more.
+
+Handlers are short on purpose: every rule lives in ``ksfs.fuse.tree`` (testable without a
+kernel). Blocking work runs in worker threads (``trio.to_thread.run_sync``); answers that come
+from memory do not. Errors are turned into errnos in one place, ``_answer``: a KsfsError gives its
+own ``errno``; anything else is a bug, logged with its traceback and answered EIO, and the mount
+stays up. This module never imports click or libvirt, and never touches the store directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+
+from ksfs.errors import KsfsError
+from ksfs.fuse.nodes import Attr
+from ksfs.fuse.tree import CheckpointTree, Entry
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+BLOCK = 512
+MAX_THREADS = 16  # worker threads for blocking handlers (reads decompress and hash in them)
+
+
+def entry_attributes(ino: int, attr: Attr, uid: int, gid: int) -> pyfuse3.EntryAttributes:
+    """The one place an EntryAttributes is filled."""
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = ino
+    e.generation = 0
+    e.entry_timeout = attr.entry_timeout
+    e.attr_timeout = attr.attr_timeout
+    e.st_mode = (stat.S_IFDIR if attr.is_dir else stat.S_IFREG) | attr.mode
+    e.st_nlink = 2 if attr.is_dir else 1
+    e.st_uid = uid
+    e.st_gid = gid
+    e.st_rdev = 0
+    e.st_size = attr.size
+    e.st_blksize = 128 * 1024
+    e.st_blocks = attr.blocks
+    ns = int(attr.mtime * 1e9)
+    e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = ns
+    return e
+
+
+@contextlib.asynccontextmanager
+async def _answer(what: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except pyfuse3.FUSEError:
+        raise
+    except KsfsError as exc:
+        log.debug("%s: %s", what, exc)
+        raise pyfuse3.FUSEError(exc.errno) from None
+    except Exception:
+        log.exception("%s failed; answering EIO", what)
+        raise pyfuse3.FUSEError(errno.EIO) from None
+
+
+def handler(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    async def wrapped(self: Operations, *args: Any) -> Any:
+        async with _answer(f"{fn.__name__}{args[:2]!r}"):
+            return await fn(self, *args)
+
+    return wrapped
+
+
+def _name(raw: bytes) -> str:
+    # Non-UTF-8 names survive as surrogates; validate_name refuses them where they would be kept.
+    return os.fsdecode(raw)
+
+
+class Operations(pyfuse3.Operations):
+    """Thin handlers over a ``CheckpointTree``; see the module docstring."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, tree: CheckpointTree) -> None:
+        super().__init__()
+        self.tree = tree
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+        self._limiter = trio.CapacityLimiter(MAX_THREADS)
+        self._dirs: dict[int, list[Entry]] = {}
+        self._next_dir = 1
+
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    def _entry(self, e: Entry) -> pyfuse3.EntryAttributes:
+        return entry_attributes(e.ino, e.attr, self.uid, self.gid)
+
+    @handler
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> Any:
+        return self._entry(await self._io(self.tree.lookup, parent_inode, _name(name)))
+
+    @handler
+    async def getattr(self, inode: int, ctx: Any = None) -> Any:
+        node = self.tree.node(inode)
+        attr = await self._io(node.attr) if node.needs_io else node.attr()
+        return entry_attributes(inode, attr, self.uid, self.gid)
+
+    @handler
+    async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> Any:
+        only_size = fields.update_size and attr.st_size == 0 and not (
+            fields.update_mode or fields.update_uid or fields.update_gid
+        )
+        a = await self._io(self.tree.refuse_setattr, inode, only_size)
+        return entry_attributes(inode, a, self.uid, self.gid)
+
+    @handler
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        entries = await self._io(self.tree.listdir, inode)
+        fh = self._next_dir
+        self._next_dir += 1
+        self._dirs[fh] = entries
+        return fh
+
+    @handler
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        # Offsets index the snapshot taken at opendir, so a resumed listing neither repeats
+        # nor skips an entry.
+        entries = self._dirs.get(fh, [])
+        for i in range(start_id, len(entries)):
+            e = entries[i]
+            if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self._entry(e), i + 1):
+                break
+
+    @handler
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    @handler
+    async def open(self, inode: int, flags: int, ctx: Any) -> Any:
+        fh, h = await self._io(self.tree.open, inode, flags)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=h.keep_cache, direct_io=h.direct_io)
+
+    @handler
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        h = self.tree.handle(fh)
+        return await self._io(h.read, off, size) if h.needs_io else h.read(off, size)
+
+    @handler
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self._io(self.tree.write, fh, off, buf)
+
+    @handler
+    async def flush(self, fh: int) -> None:
+        pass
+
+    @handler
+    async def release(self, fh: int) -> None:
+        self.tree.release(fh)
+
+    @handler
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> Any:
+        return self._entry(await self._io(self.tree.mkdir, parent_inode, _name(name)))
+
+    @handler
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        await self._io(self.tree.rmdir, parent_inode, _name(name))
+
+    async def _refuse(self, parent_inode: int, name: bytes, verb: str) -> None:
+        async with _answer(verb):
+            await self._io(self.tree.refuse, parent_inode, _name(name), verb)
+
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: Any) -> Any:
+        await self._refuse(parent_inode, name, "create")
+
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: Any) -> Any:
+        await self._refuse(parent_inode, name, "mknod")
+
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> Any:
+        await self._refuse(parent_inode, name, "symlink")
+
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> Any:
+        await self._refuse(new_parent_inode, new_name, "link")
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        await self._refuse(parent_inode, name, "unlink")
+
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: Any) -> None:
+        await self._refuse(parent_inode_old, name_old, "rename")
+
+    async def forget(self, inode_list: Any) -> None:
+        # Inode numbers are never freed (see ksfs.fuse.tree), so lookup counts need no keeping.
+        pass
+
+    @handler
+    async def statfs(self, ctx: Any) -> Any:
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = BLOCK
+        s.f_namemax = 255
+        return s

@@ -1,0 +1,353 @@
+"""The mount's tree without a kernel: inode numbers, open handles and every verb, over the nodes.
+
+``CheckpointTree`` turns the path templates of ``ksfs.fuse.nodes`` into what a FUSE layer needs:
+stable inode numbers, directory snapshots with stable offsets, open-file handles that hold a
+reader, and the bad-input rules of the mount (each refusal recorded as an ``input.rejected``
+event in the session it names). Every method may block (LMDB, the chunk store) and is safe to
+call from several threads at once. It never imports pyfuse3 or trio, and never answers with an
+errno: it raises ksfs.errors classes, which the FUSE layer translates in one place.
+
+Inodes: the identity key of a node (see nodes.py: lineage ids and checkpoint seqs, never bare
+names) maps to a number handed out by a counter, and numbers are never freed nor reused, so
+``forget`` has nothing to do. The table grows by one small entry per distinct object ever
+looked up; a checkpoint deleted and taken again under its old name gets a new inode, so no page
+the kernel cached for the old one is ever served for the new one.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ksfs.errors import (
+    AlreadyExists,
+    BadInput,
+    KsfsError,
+    NoSuchFile,
+    NotFound,
+    NotPermitted,
+    ReadOnly,
+)
+from ksfs.fuse.nodes import (
+    Attr,
+    CheckpointDir,
+    Dir,
+    DynamicFile,
+    Node,
+    RecordFile,
+    ResumeFile,
+    Root,
+    SessionsDir,
+    StoredFile,
+)
+
+log = logging.getLogger(__name__)
+
+UNKNOWN = Attr(False, 0o444, 0, 0, 0.0, 0.0, 0.0)
+
+ROOT_INODE = 1
+READERS_KEPT = 16  # open readers of stored files kept for re-opens (each holds a chunk LRU)
+
+# The refusals that are the user's bad input, worth an input.rejected event in the session.
+_REJECTIONS = (BadInput, NotFound, AlreadyExists, NotPermitted, ReadOnly)
+
+
+@dataclass
+class Entry:
+    """A directory entry as listed: name, inode and attributes."""
+
+    name: str
+    ino: int
+    attr: Attr
+
+
+class Handle:
+    """An open file. ``needs_io``: reads may block; ``keep_cache``/``direct_io``: kernel caching."""
+
+    needs_io = True
+    keep_cache = True
+    direct_io = False
+
+    def read(self, offset: int, size: int) -> bytes:
+        raise NotImplementedError
+
+    def write(self, offset: int, data: bytes) -> int:
+        raise ReadOnly(what="this file")
+
+
+class ReaderHandle(Handle):
+    """A stored checkpoint file: reads go to the store's thread-safe random-access reader."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+
+    def read(self, offset: int, size: int) -> bytes:
+        end = min(offset + size, self.reader.size)
+        if offset >= end:
+            return b""
+        return self.reader.read(offset, end - offset)
+
+
+class BytesHandle(Handle):
+    """A checkpoint file built from its record: fixed bytes, answered from memory."""
+
+    needs_io = False
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def read(self, offset: int, size: int) -> bytes:
+        return self.data[offset : offset + size]
+
+
+class DynamicHandle(Handle):
+    """A file that grows (events, status, ...): a snapshot taken at open, refreshed when a read
+    reaches its end, so ``cat`` sees one consistent copy and ``tail -f`` sees growth."""
+
+    keep_cache = False
+    direct_io = True
+
+    def __init__(self, node: DynamicFile) -> None:
+        self.node = node
+        self.data = node.content()
+
+    def read(self, offset: int, size: int) -> bytes:
+        if offset >= len(self.data):
+            self.data = self.node.content()
+        return self.data[offset : offset + size]
+
+
+class ResumeHandle(DynamicHandle):
+    def __init__(self, node: ResumeFile, writable: bool, readable: bool) -> None:
+        self.node = node
+        self.data = node.content() if readable else b""
+
+    def write(self, offset: int, data: bytes) -> int:
+        self.node.restore(data)
+        return len(data)
+
+
+class CheckpointTree:
+    """Inode and handle tables over the nodes of one keeper; see the module docstring."""
+
+    def __init__(self, keeper: Any, open_reader: Callable[[StoredFile], Any] | None = None) -> None:
+        self.keeper = keeper
+        # How a stored file is opened; tests put a failing reader here (ksfs.fuse.faults).
+        self.open_reader = open_reader or (lambda node: node.open_reader())
+        self._lock = threading.Lock()
+        self._ino_of: dict[tuple, int] = {}
+        self._nodes: dict[int, Node] = {}
+        self._paths: dict[int, tuple[str, ...]] = {}
+        self._next_ino = ROOT_INODE
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._readers: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self._intern(Root(keeper), ())
+
+    # --- inodes -------------------------------------------------------------------------------
+
+    def _intern(self, node: Node, path: tuple[str, ...]) -> int:
+        with self._lock:
+            ino = self._ino_of.get(node.key)
+            if ino is None:
+                ino = self._next_ino
+                self._next_ino += 1
+                self._ino_of[node.key] = ino
+                self._nodes[ino] = node
+                self._paths[ino] = path
+            else:
+                old = self._nodes[ino]
+                # Keep the node already known (it holds what was loaded for it), adding a record
+                # the newer one may carry.
+                if isinstance(old, CheckpointDir) and old.record is None:
+                    old.record = getattr(node, "record", None)
+            return ino
+
+    def node(self, ino: int) -> Node:
+        try:
+            return self._nodes[ino]
+        except KeyError:
+            raise NoSuchFile(what="inode", name=str(ino)) from None
+
+    def path(self, ino: int) -> str:
+        return "/".join(self._paths.get(ino, ()))
+
+    def _dir(self, ino: int) -> Dir:
+        node = self.node(ino)
+        if not isinstance(node, Dir):
+            raise NotPermitted(f"{self.path(ino)} is not a directory")
+        return node
+
+    def attr(self, ino: int) -> Attr:
+        return self.node(ino).attr()
+
+    def lookup(self, parent: int, name: str) -> Entry:
+        if name == ".":
+            return Entry(name, parent, self.attr(parent))
+        if name == "..":
+            ppath = self._paths.get(parent, ())[:-1]
+            return self._walk(ppath, name)
+        node = self._dir(parent).lookup(name)
+        ino = self._intern(node, self._paths[parent] + (name,))
+        return Entry(name, ino, self._nodes[ino].attr())
+
+    def _walk(self, path: tuple[str, ...], name: str) -> Entry:
+        ino = ROOT_INODE
+        for part in path:
+            ino = self.lookup(ino, part).ino
+        return Entry(name, ino, self.attr(ino))
+
+    def listdir(self, ino: int) -> list[Entry]:
+        """A snapshot of a directory, in a stable order; offsets into it stay valid."""
+        parent = self._dir(ino)
+        base = self._paths[ino]
+        out = []
+        for name, node in parent.children():
+            child = self._intern(node, base + (name,))
+            try:
+                attr = self._nodes[child].attr()
+            except Exception:
+                # One entry that cannot be described (a view whose source is damaged or
+                # missing) must not hide the rest of the directory: list it with a placeholder
+                # the kernel may not keep, so a stat of it asks again and answers its own error.
+                log.exception("cannot describe %s/%s while listing", self.path(ino), name)
+                attr = UNKNOWN
+            out.append(Entry(name, child, attr))
+        return out
+
+    # --- verbs --------------------------------------------------------------------------------
+
+    def _session_file(self, parent: int, name: str) -> tuple[str | None, str]:
+        """The session a path names and the path below it, for input.rejected events."""
+        parts = self._paths.get(parent, ()) + (name,)
+        if len(parts) >= 2 and parts[0] == "sessions":
+            return parts[1], "/".join(parts[2:]) or parts[1]
+        return None, "/".join(parts)
+
+    def _rejecting(self, session: str | None, file: str, value: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except _REJECTIONS as exc:
+            self.keeper.reject(session, file, value, str(exc))
+            raise
+
+    def mkdir(self, parent: int, name: str) -> Entry:
+        pdir = self._dir(parent)
+        session, file = self._session_file(parent, name)
+        if isinstance(pdir, SessionsDir) and name in self._safe_session_names():
+            session = name  # mkdir of an existing session names that session
+        node = self._rejecting(session, file, name, lambda: pdir.mkdir(name))
+        ino = self._intern(node, self._paths[parent] + (name,))
+        return Entry(name, ino, self._nodes[ino].attr())
+
+    def _safe_session_names(self) -> list[str]:
+        try:
+            return self.keeper.session_names()
+        except KsfsError:
+            return []
+
+    def rmdir(self, parent: int, name: str) -> None:
+        pdir = self._dir(parent)
+        session, file = self._session_file(parent, name)
+        self._rejecting(session, file, name, lambda: pdir.rmdir(name))
+
+    def refuse(self, parent: int, name: str, verb: str) -> None:
+        """Refuse a verb the tree never allows (create, mknod, unlink, rename...) with EPERM."""
+        self.node(parent)
+        session, file = self._session_file(parent, name)
+
+        def no() -> None:
+            raise NotPermitted(f"{verb} is not allowed here: {file}")
+
+        self._rejecting(session, file, name, no)
+
+    def refuse_setattr(self, ino: int, truncate_only: bool) -> Attr:
+        """Truncating ``resume`` is part of ``echo C > resume``; every other change is refused."""
+        node = self.node(ino)
+        if isinstance(node, ResumeFile) and truncate_only:
+            return node.attr()
+        parts = self._paths.get(ino, ())
+        session, file = self._session_file(ino, "")[0], "/".join(parts[2:])
+
+        def no() -> None:
+            raise ReadOnly(what="/".join(parts) or "the mount's root")
+
+        return self._rejecting(session, file, "", no)
+
+    # --- open files ---------------------------------------------------------------------------
+
+    def open(self, ino: int, flags: int) -> tuple[int, Handle]:
+        node = self.node(ino)
+        writing = (flags & os.O_ACCMODE) != os.O_RDONLY or bool(flags & os.O_TRUNC)
+        if isinstance(node, Dir):
+            raise NotPermitted(f"{self.path(ino)} is a directory")
+        if isinstance(node, ResumeFile):
+            handle: Handle = ResumeHandle(
+                node, writing, (flags & os.O_ACCMODE) != os.O_WRONLY
+            )
+        elif writing:
+            parts = self._paths.get(ino, ())
+            session = parts[1] if len(parts) >= 2 and parts[0] == "sessions" else None
+
+            def no() -> None:
+                raise ReadOnly(what="/".join(parts))
+
+            self._rejecting(session, "/".join(parts[2:]) or "/".join(parts), "", no)
+            raise AssertionError("unreachable")
+        elif isinstance(node, StoredFile):
+            handle = ReaderHandle(self._reader(node))
+        elif isinstance(node, RecordFile):
+            handle = BytesHandle(node.data())
+        elif isinstance(node, DynamicFile):
+            handle = DynamicHandle(node)
+        else:
+            raise NotPermitted(f"{self.path(ino)} cannot be opened")
+        with self._lock:
+            fh = self._next_fh
+            self._next_fh += 1
+            self._handles[fh] = handle
+        return fh, handle
+
+    def _reader(self, node: StoredFile) -> Any:
+        # Readers are thread-safe and their files immutable: share one per file across opens.
+        with self._lock:
+            reader = self._readers.get(node.key)
+            if reader is not None:
+                self._readers.move_to_end(node.key)
+                return reader
+        reader = self.open_reader(node)
+        with self._lock:
+            self._readers[node.key] = reader
+            while len(self._readers) > READERS_KEPT:
+                self._readers.popitem(last=False)
+        return reader
+
+    def handle(self, fh: int) -> Handle:
+        try:
+            return self._handles[fh]
+        except KeyError:
+            raise NoSuchFile(what="open file", name=str(fh)) from None
+
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        return self.handle(fh).read(offset, size)
+
+    def write(self, fh: int, offset: int, data: bytes) -> int:
+        handle = self.handle(fh)
+        if isinstance(handle, ResumeHandle):
+            node = handle.node
+            value = data.decode("utf-8", "replace").rstrip("\n")
+            return self._rejecting(node.session, "resume", value,
+                                   lambda: handle.write(offset, data))
+        return handle.write(offset, data)
+
+    def release(self, fh: int) -> None:
+        with self._lock:
+            self._handles.pop(fh, None)
+
+    def open_handles(self) -> int:
+        return len(self._handles)
