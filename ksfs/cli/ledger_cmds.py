@@ -1,0 +1,149 @@
+"""Ledger verbs: events, checkpoints, lineage, ledger verify. Read-only; they open the store here.
+
+Each prints a human form by default and JSON with ``--json`` (the shapes are in docs/ledger.md).
+They never write to the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from ksfs.cli import emit_json, main, pass_ctx
+from ksfs.errors import BadInput, IntegrityError
+
+
+def iso(t: float) -> str:
+    """A UTC time to the millisecond, as in 2026-12-02T11:41:21.123Z."""
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def parse_seq(text: str) -> int:
+    try:
+        seq = int(text, 10)
+    except ValueError:
+        raise BadInput(f"--since takes a seq (a whole number >= 0), not {text!r}") from None
+    if seq < 0:
+        raise BadInput(f"--since takes a seq >= 0, not {seq}")
+    return seq
+
+
+@main.command()
+@click.argument("session")
+@click.option("--since", "since", default="0", metavar="SEQ",
+              help="Show events with seq >= SEQ (default 0: all).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@pass_ctx
+def events(ctx, session: str, since: str, as_json: bool) -> None:
+    """The host event log of SESSION: one line per event (seq, UTC time, type, body).
+
+    Example: ksfs events demo --since 40 --json
+    """
+    seq = parse_seq(since)
+    for ev in ctx.ledger().events(session, seq):
+        if as_json:
+            emit_json(ev.to_dict())
+        else:
+            body = json.dumps(ev.body, sort_keys=True, separators=(",", ":"))
+            click.echo(f"{ev.seq:>6}  {iso(ev.time)}  {ev.type:<20}  {body}")
+
+
+@main.command()
+@click.argument("session")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON array of {name, seq, created, size, stored, files}.")
+@pass_ctx
+def checkpoints(ctx, session: str, as_json: bool) -> None:
+    """The checkpoints of SESSION in seq order: name, seq, time, logical size, stored size.
+
+    Logical size is the files' true byte size; stored size the compressed bytes each checkpoint
+    was the first to bring into the store.
+
+    Example: ksfs checkpoints demo --json
+    """
+    rows = ctx.ledger().checkpoint_summaries(session)
+    if as_json:
+        emit_json([
+            {"name": r.name, "seq": r.seq, "created": r.created, "size": r.size,
+             "stored": r.stored, "files": r.files}
+            for r in rows
+        ])
+        return
+    width = max([len(r.name) for r in rows] + [4])
+    click.echo(f"{'NAME':<{width}}  {'SEQ':>6}  {'CREATED':<24}  {'SIZE':>10}  {'STORED':>10}")
+    for r in rows:
+        click.echo(f"{r.name:<{width}}  {r.seq:>6}  {iso(r.created):<24}  "
+                   f"{human_bytes(r.size):>10}  {human_bytes(r.stored):>10}")
+
+
+@main.command()
+@click.argument("session")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: {session, lineage, chain: [{session, checkpoint, seq, "
+                   "lineage, removed}]}.")
+@pass_ctx
+def lineage(ctx, session: str, as_json: bool) -> None:
+    """The chain from SESSION back to its root: each parent session, branch checkpoint and seq.
+
+    A parent that was removed, or whose branch checkpoint was deleted, still shows: the branch
+    point is kept in the child's own records.
+
+    Example: ksfs lineage demo-fork
+    """
+    led = ctx.ledger()
+    rec = led.session(session)
+    chain: list[dict[str, Any]] = []
+    for fp in led.lineage(session):
+        info = led.lineage_info(fp.lineage)
+        chain.append({"session": fp.session, "checkpoint": fp.checkpoint, "seq": fp.seq,
+                      "lineage": fp.lineage, "removed": info.removed is not None})
+    if as_json:
+        emit_json({"session": rec.name, "lineage": rec.lineage, "chain": chain})
+        return
+    click.echo(f"{rec.name}  lineage {rec.lineage}")
+    for hop in chain:
+        gone = "  (removed)" if hop["removed"] else ""
+        click.echo(f"  <- {hop['session']} at {hop['checkpoint']} (seq {hop['seq']})  "
+                   f"lineage {hop['lineage']}{gone}")
+    if not chain:
+        click.echo("  (root)")
+
+
+@main.group("ledger")
+def ledger_group() -> None:
+    """The host ledger of the store: sessions, lineages, event logs, checkpoint records."""
+
+
+@ledger_group.command()
+@pass_ctx
+def verify(ctx) -> None:
+    """Check the ledger: rebuild every lineage from its own chain, gapless seqs from 0, every
+    event decodes, every checkpoint's manifests in the store, every fork's parent recorded.
+
+    Exit 0 and "ledger: clean" with counts when clean; else one line per problem and exit 6.
+
+    Example: ksfs ledger verify
+    """
+    led = ctx.ledger()
+    problems = led.verify(ctx.store())
+    if not problems:
+        st = led.stats()
+        click.echo(f"ledger: clean ({st['sessions']} sessions, {st['lineages']} lineages, "
+                   f"{st['events']} events, {st['checkpoints']} checkpoints)")
+        return
+    for p in problems:
+        click.echo(f"ledger: {p}")
+    click.echo(f"ledger: {len(problems)} problems", err=True)
+    raise click.exceptions.Exit(IntegrityError.exit_code)

@@ -1,0 +1,140 @@
+"""The ledger verbs through click's CliRunner and the installed ``ksfs`` script: both output
+formats, help examples, and bad input with its exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from test_ledger_helpers import cas_available, open_store, take_checkpoint
+
+from ksfs.cli import main
+from ksfs.errors import BadInput, IntegrityError, NoSuchSession
+from ksfs.ledger import Ledger
+from ksfs.ledger import keys as K
+from ksfs.model import ForkPoint
+
+pytestmark = pytest.mark.skipif(not cas_available(), reason="the CLI opens a real ChunkStore")
+KSFS = Path(sys.executable).with_name("ksfs")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """root -> mid -> leaf, with events and checkpoints; mid's branch checkpoint of leaf deleted."""
+    path = tmp_path_factory.mktemp("cli") / "store"
+    store = open_store(path)
+    led = Ledger(store)
+    with store.env.begin(write=True) as txn:
+        led.create_session(txn, "root", domain="ksfs-root")
+    led.record("root", "gateway.call", {"key": "k1", "model": "m", "tokens": 12, "cost": 0.001})
+    a = take_checkpoint(led, store, "root", {"disk.raw": b"r" * 70000, "memory": b"m" * 900},
+                        name="base")
+    led.record("root", "pause", {})
+    b = take_checkpoint(led, store, "root", {"disk.raw": b"s" * 80000})
+    with store.env.begin(write=True) as txn:
+        led.create_session(txn, "mid", parent=ForkPoint("root", "base", a.seq))
+    m = take_checkpoint(led, store, "mid", {"disk.raw": b"t" * 1000}, name="mcp")
+    with store.env.begin(write=True) as txn:
+        led.create_session(txn, "leaf", parent=ForkPoint("mid", "mcp", m.seq))
+        led.delete_checkpoint(txn, "mid", "mcp")
+    store.close()
+    return path, a, b
+
+
+def run(path, *args, code=0):
+    res = CliRunner().invoke(main, ["--store", str(path), *args])
+    assert res.exit_code == code, (res.exit_code, res.output, res.exception)
+    return res
+
+
+def test_events_human_and_json(world):
+    path, a, b = world
+    lines = run(path, "events", "root").output.splitlines()
+    assert lines[0].split()[0] == "0" and lines[0].split()[2] == "session.created"
+    assert lines[0].split()[1].endswith("Z")
+    assert any('"key":"k1"' in ln for ln in lines)
+    rows = [json.loads(ln) for ln in run(path, "events", "root", "--json").output.splitlines()]
+    assert [r["seq"] for r in rows] == list(range(len(rows))) == list(range(len(lines)))
+    assert {"seq", "time", "type", "body"} == set(rows[0])
+    assert rows[1]["body"] == {"key": "k1", "model": "m", "tokens": 12, "cost": 0.001}
+    since = [json.loads(ln) for ln in
+             run(path, "events", "root", "--since", str(b.seq), "--json").output.splitlines()]
+    assert since[0]["seq"] == b.seq and since == rows[b.seq:]
+
+
+def test_events_bad_input(world):
+    path, _, _ = world
+    for bad in ("x", "-1", "1.5"):
+        res = run(path, "events", "root", "--since", bad, code=BadInput.exit_code)
+        assert "--since" in res.output and len(res.output.strip().splitlines()) == 1
+    res = run(path, "events", "nobody", code=NoSuchSession.exit_code)
+    assert res.output.strip() == "ksfs: error: no session named 'nobody'"
+
+
+def test_checkpoints_table_and_json(world):
+    path, a, b = world
+    out = run(path, "checkpoints", "root").output.splitlines()
+    assert out[0].split() == ["NAME", "SEQ", "CREATED", "SIZE", "STORED"]
+    assert [ln.split()[0] for ln in out[1:]] == ["base", b.name]
+    assert out[1].split()[1] == str(a.seq)
+    rows = json.loads(run(path, "checkpoints", "root", "--json").output)
+    assert rows == [
+        {"name": c.name, "seq": c.seq, "created": c.created, "size": c.logical_bytes,
+         "stored": c.stored_bytes, "files": len(c.files)} for c in (a, b)
+    ]
+    assert json.loads(run(path, "checkpoints", "leaf", "--json").output) == []
+    run(path, "checkpoints", "nobody", code=NoSuchSession.exit_code)
+
+
+def test_lineage_human_and_json(world):
+    path, a, _ = world
+    doc = json.loads(run(path, "lineage", "leaf", "--json").output)
+    assert doc["session"] == "leaf"
+    assert [(h["session"], h["checkpoint"]) for h in doc["chain"]] == [
+        ("mid", "mcp"), ("root", "base")]
+    assert doc["chain"][1]["seq"] == a.seq and not any(h["removed"] for h in doc["chain"])
+    text = run(path, "lineage", "leaf").output
+    assert "<- mid at mcp" in text and f"<- root at base (seq {a.seq})" in text
+    assert "(root)" in run(path, "lineage", "root").output
+    assert json.loads(run(path, "lineage", "root", "--json").output)["chain"] == []
+    run(path, "lineage", "nobody", code=NoSuchSession.exit_code)
+
+
+def test_help_texts_have_examples(world):
+    path, _, _ = world
+    for cmd in (["events"], ["checkpoints"], ["lineage"], ["ledger", "verify"]):
+        assert "Example: ksfs " in run(path, *cmd, "--help").output
+
+
+def test_verify_clean_then_damaged_through_the_script(tmp_path):
+    """The installed script: exit 0 and counts when clean; one line per problem and exit 6."""
+    path = tmp_path / "store"
+    store = open_store(path)
+    led = Ledger(store)
+    with store.env.begin(write=True) as txn:
+        led.create_session(txn, "v")
+    take_checkpoint(led, store, "v", {"f": b"v" * 5000}, name="c")
+    for _ in range(3):
+        led.record("v", "resume", {})
+    res = subprocess.run([str(KSFS), "--store", str(path), "ledger", "verify"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == (
+        "ledger: clean (1 sessions, 1 lineages, 6 events, 1 checkpoints)")
+    lin = K.lineage_bytes(led.session("v").lineage)
+    with store.env.begin(write=True) as txn:
+        txn.delete(K.event_key_raw(lin, 2), db=led._events)
+    store.close()
+    res = subprocess.run([str(KSFS), "--store", str(path), "ledger", "verify"],
+                         capture_output=True, text=True)
+    assert res.returncode == IntegrityError.exit_code
+    lines = res.stdout.strip().splitlines()
+    assert lines == [f"ledger: lineage {lin.hex()}: seq 2 is missing (next is 3)"]
+    res = subprocess.run([str(KSFS), "--store", str(path), "events", "v", "--since", "oops"],
+                         capture_output=True, text=True)
+    assert res.returncode == BadInput.exit_code
+    assert res.stderr.strip().startswith("ksfs: error: --since")
