@@ -99,8 +99,11 @@ class FakeProvider:
             return sum(1 for r in self.requests if r.path.split("?")[0] == path)
 
     def reset(self) -> None:
+        """Forget what was asked, restore the defaults and release any handler still hanging."""
         with self._lock:
             self.requests.clear()
+        old, self._stop = self._stop, threading.Event()
+        old.set()
         self.delay, self.error, self.stream_usage, self.chunk_delay = 0.0, None, True, 0.0
 
     def _note(self, seen: Seen) -> int:

@@ -1,0 +1,259 @@
+"""Usage, cost, budgets, upstream failures and the API key's secrecy, over real sockets."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import pytest
+from fake_provider import FakeProvider
+from test_gateway_helpers import (
+    MARKER_KEY,
+    add_sessions,
+    call,
+    chat_body,
+    check_clean,
+    client,
+    events,
+    open_store,
+)
+
+from ksfs.errors import BadInput
+from ksfs.gateway import Gateway, load_prices, parse_prices
+from ksfs.ledger import Ledger
+
+PRICES = """
+[models."test-model"]
+input = 1000.0
+output = 2000.0
+"""
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    with FakeProvider() as up:
+        yield up
+
+
+@pytest.fixture
+def provider(upstream):
+    upstream.reset()
+    yield upstream
+    upstream.reset()
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path / "store")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def ledger(store):
+    led = Ledger(store)
+    add_sessions(led, "s1", "s2")
+    yield led
+    check_clean(store, led)
+
+
+@pytest.fixture
+def prices_file(tmp_path):
+    p = tmp_path / "prices.toml"
+    p.write_text(PRICES)
+    return p
+
+
+@pytest.fixture
+def gw(store, ledger, provider, prices_file):
+    return Gateway(store, ledger, provider.url, prices_file, api_key=MARKER_KEY, timeout=10)
+
+
+# --- prices -------------------------------------------------------------------------------------
+
+
+def test_price_table_lookup_and_errors(prices_file):
+    table = load_prices(prices_file)
+    assert table.cost("test-model", 3, 7) == (pytest.approx(0.017), True)
+    assert table.cost("test-model-2025-01-01", 1_000_000, 0) == (1000.0, True)
+    assert table.cost("test-modelx", 10, 10) == (0.0, False)
+    assert table.cost(None, 10, 10) == (0.0, False)
+    default = load_prices()
+    assert default.cost("gpt-4o-mini", 1_000_000, 1_000_000) == (pytest.approx(0.75), True)
+    assert default.price("gpt-4o-2024-08-06") == default.price("gpt-4o")
+    for bad in ("not toml [", "[x]\n", '[models."m"]\ninput = -1\noutput = 1\n',
+                '[models."m"]\ninput = "cheap"\noutput = 1\n'):
+        with pytest.raises(BadInput):
+            parse_prices(bad)
+    with pytest.raises(BadInput):
+        load_prices(prices_file.parent / "missing.toml")
+
+
+# --- usage --------------------------------------------------------------------------------------
+
+
+async def test_usage_counts_paid_calls_replays_and_cost(gw, ledger, provider, nursery):
+    port = await nursery.start(gw.serve_session, "s1")
+    one = chat_body("one two three", model="test-model")  # 3 prompt + 7 completion tokens
+    await call(port, one)
+    await call(port, one)  # replay
+    await call(port, chat_body("four five", model="test-model", stream=True))  # 2 + 7
+    await call(port, chat_body("x", model="unpriced-model"))  # 1 + 7, no price
+    provider.stream_usage = False
+    await call(port, chat_body("no usage here", model="test-model", stream=True))
+    u = gw.usage("s1")
+    assert provider.count() == 4
+    assert (u["paid_calls"], u["replays"], u["refused"], u["upstream_errors"]) == (4, 1, 0, 0)
+    assert (u["prompt_tokens"], u["completion_tokens"]) == (3 + 2 + 1, 7 * 3)
+    assert u["total_tokens"] == 6 + 21
+    assert u["cost_usd"] == pytest.approx((5 * 1000 + 14 * 2000) / 1e6)
+    assert (u["unpriced_calls"], u["unknown_usage_calls"]) == (1, 1)
+    assert u["by_model"]["unpriced-model"]["priced"] is False
+    assert u["by_model"]["test-model"]["calls"] == 3
+    assert u["budget"] is None and u["over_budget"] is False
+    costs = [e.body["cost_usd"] for e in events(ledger, "s1", "gateway.call")]
+    assert sum(costs) == pytest.approx(u["cost_usd"])
+    assert gw.usage("s2")["paid_calls"] == 0
+
+
+# --- budgets ------------------------------------------------------------------------------------
+
+
+async def test_over_token_budget_is_refused_without_asking_upstream(gw, ledger, provider,
+                                                                    nursery):
+    gw.set_budget("s1", tokens=10)
+    assert gw.budget("s1") == {"tokens": 10, "usd": None}
+    port = await nursery.start(gw.serve_session, "s1")
+    first = await call(port, chat_body("one two three", model="test-model"))  # uses 10
+    assert first.status_code == 200
+    r = await call(port, chat_body("something new", model="test-model"))
+    assert r.status_code == 402
+    err = r.json()["error"]
+    assert err["type"] == "budget_exceeded" and err["session"] == "s1"
+    assert err["budget"] == {"tokens": 10, "usd": None}
+    assert err["used"]["tokens"] == 10 and "s1" in err["message"]
+    assert provider.count() == 1
+    (refused,) = events(ledger, "s1", "budget.refused")
+    assert refused.body["budget"] == {"tokens": 10, "usd": None}
+    # A stored call still replays over budget: it costs nothing.
+    again = await call(port, chat_body("one two three", model="test-model"))
+    assert again.status_code == 200 and again.content == first.content
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["replays"], u["refused"]) == (1, 1, 1)
+    assert u["over_budget"] is True and u["remaining"] == {"tokens": 0, "usd": None}
+    gw.set_budget("s1", tokens=100)
+    assert (await call(port, chat_body("something new", model="test-model"))).status_code == 200
+    gw.set_budget("s1")  # no budget at all
+    assert gw.budget("s1") is None
+    assert [e.body for e in events(ledger, "s1", "budget.set")] == [
+        {"tokens": 10, "usd": None}, {"tokens": 100, "usd": None},
+        {"tokens": None, "usd": None}]
+
+
+async def test_usd_budget(gw, provider, nursery):
+    gw.set_budget("s1", usd=0.01)
+    port = await nursery.start(gw.serve_session, "s1")
+    assert (await call(port, chat_body("a b c", model="test-model"))).status_code == 200
+    r = await call(port, chat_body("d e f", model="test-model"))  # 0.017 USD >= 0.01
+    assert r.status_code == 402 and r.json()["error"]["budget"]["usd"] == 0.01
+    assert provider.count() == 1
+    with pytest.raises(BadInput):
+        gw.set_budget("s1", tokens=-1)
+    with pytest.raises(BadInput):
+        gw.set_budget("s1", usd="lots")
+
+
+# --- upstream failures --------------------------------------------------------------------------
+
+
+async def test_upstream_error_is_passed_back_and_not_stored(gw, ledger, provider, nursery):
+    port = await nursery.start(gw.serve_session, "s1")
+    provider.error = 500
+    r1 = await call(port, chat_body("fail me"), key="k")
+    assert r1.status_code == 500 and r1.json()["error"]["type"] == "server_error"
+    r2 = await call(port, chat_body("fail me"), key="k")
+    assert r2.status_code == 500 and provider.count() == 2  # the retry went upstream again
+    provider.error = None
+    ok = await call(port, chat_body("fail me"), key="k")
+    assert ok.status_code == 200 and ok.headers["x-ksfs-replay"] == "false"
+    assert provider.count() == 3
+    calls = events(ledger, "s1", "gateway.call")
+    assert [(e.body["status"], e.body["stored"]) for e in calls] == [
+        (500, False), (500, False), (200, True)]
+    assert gw.usage("s1")["upstream_errors"] == 2 and gw.usage("s1")["paid_calls"] == 1
+
+
+async def test_upstream_timeout_and_unreachable(store, ledger, provider, nursery):
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=0.5)
+    port = await nursery.start(gw.serve_session, "s1")
+    provider.error = "hang"
+    r = await call(port, chat_body("slow"))
+    assert r.status_code == 504 and r.json()["error"]["type"] == "upstream_timeout"
+    provider.error = "close"
+    r = await call(port, chat_body("slow"))
+    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unreachable"
+    provider.reset()
+    r = await call(port, chat_body("slow"))
+    assert r.status_code == 200 and provider.count() == 1  # nothing failed was stored
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    gw2 = Gateway(store, ledger, dead, timeout=5)
+    port2 = await nursery.start(gw2.serve_session, "s2")
+    r = await call(port2, chat_body("nobody home"))
+    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unreachable"
+    async with client(port2) as c:
+        assert (await c.get("/v1/models")).status_code == 502
+
+
+# --- secrets ------------------------------------------------------------------------------------
+
+
+async def test_api_key_goes_only_upstream(gw, store, ledger, provider, nursery, caplog):
+    caplog.set_level(logging.DEBUG)
+    gw.set_budget("s2", tokens=1)
+    port = await nursery.start(gw.serve_session, "s1")
+    port2 = await nursery.start(gw.serve_session, "s2")
+    guest_auth = {"authorization": "Bearer guest-own-secret"}
+    for stream in (False, True):
+        await call(port, chat_body(stream=stream), key=f"a{stream}", headers=guest_auth)
+        await call(port, chat_body(stream=stream), key=f"a{stream}", headers=guest_auth)  # replay
+    await call(port2, chat_body("s2 first"))
+    await call(port2, chat_body("s2 refused"))  # 402
+    provider.error = 500
+    await call(port, chat_body("an error"))
+    async with client(port) as c:
+        await c.get("/v1/models", headers=guest_auth)
+    assert provider.count() >= 4
+    assert {r.headers.get("authorization") for r in provider.requests} == {
+        f"Bearer {MARKER_KEY}"}
+    assert repr(gw).find(MARKER_KEY) == -1
+    marker = MARKER_KEY.encode()
+    found = []
+    for root, _, files in os.walk(store.path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                if marker in f.read():
+                    found.append(name)
+    assert found == []
+    for session in ("s1", "s2"):
+        for e in ledger.events(session):
+            assert MARKER_KEY not in str(e.to_dict())
+            assert "guest-own-secret" not in str(e.to_dict())
+            assert "hello there" not in str(e.body)  # nor the request text
+    assert MARKER_KEY not in caplog.text
+
+
+async def test_api_key_from_environment(store, ledger, provider, nursery, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setenv("KSFS_UPSTREAM_API_KEY", "sk-from-env")
+    gw = Gateway(store, ledger, provider.url)
+    port = await nursery.start(gw.serve_session, "s1")
+    await call(port, chat_body(), headers={"authorization": "Bearer guest"})
+    assert provider.requests[-1].headers["authorization"] == "Bearer sk-from-env"
+    monkeypatch.delenv("KSFS_UPSTREAM_API_KEY")
+    gw2 = Gateway(store, ledger, provider.url)
+    port2 = await nursery.start(gw2.serve_session, "s2")
+    await call(port2, chat_body(), headers={"authorization": "Bearer guest"})
+    assert "authorization" not in provider.requests[-1].headers  # the guest's is never sent
