@@ -1,11 +1,431 @@
 """Verbs on a session's virtual machine: new, adopt, save, restore, fork, pause, resume, rm.
 
-Filled in once ksfs.vm lands; until then every machine verb says so plainly.
+Each verb holds the session's verb lock, writes its events, and leaves either its whole effect
+or none: a checkpoint exists only once the transaction with its record commits, and any failure
+records a ``*.failed`` event with the reason while the guest keeps running.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ksfs.errors import (
+    AlreadyExists,
+    BadInput,
+    KsfsError,
+    NoSuchCheckpoint,
+    NotFound,
+    NotPermitted,
+    VMError,
+)
+from ksfs.keeper.locks import session_lock
+from ksfs.keeper.offline import _reason
+from ksfs.model import (
+    CheckpointRecord,
+    FileRecord,
+    ForkPoint,
+    SessionRecord,
+    TranscriptInfo,
+    checkpoint_name_for_seq,
+    validate_name,
+)
+
+MEMORY_FILE = "memory"
+DEFAULT_TRANSCRIPT = "agent/transcript.jsonl"
+
+
+def disk_file_name(index: int, target: str) -> str:
+    """The first disk is ``disk.raw``; others are ``disk-<target>.raw``."""
+    return "disk.raw" if index == 0 else f"disk-{target}.raw"
+
+
+def domain_name_for(session: str) -> str:
+    return f"ksfs-{session}"
+
 
 class MachineVerbs:
+    # --- plumbing ----------------------------------------------------------------------------
+
+    @property
+    def vm(self):
+        """The libvirt controller, connected on first use (offline verbs never need it)."""
+        if self._vm is None:
+            from ksfs.vm import DomainController
+
+            uri = os.environ.get("KSFS_LIBVIRT_URI", "qemu:///system")
+            self._vm = DomainController(uri, self.store_path / "vm")
+        return self._vm
+
+    def _machine(self, session: str) -> SessionRecord:
+        rec = self.ledger.session(session)
+        if rec.removed is not None:
+            raise NotPermitted(f"session {session!r} was removed; its checkpoints are read-only")
+        if not rec.domain:
+            raise NotPermitted(f"session {session!r} has no machine (it was made by import)")
+        return rec
+
     def machine_state(self, session: str) -> str:
-        return "unknown"
+        rec = self.ledger.session(session)
+        if not rec.domain:
+            return "offline"
+        try:
+            return self.vm.state(rec.domain)
+        except KsfsError:
+            return "unknown"
+
+    def default_guest(self) -> Path:
+        """The guest template of ``mkdir sessions/NAME``: $KSFS_GUEST, else the store's config."""
+        guest = os.environ.get("KSFS_GUEST")
+        if not guest:
+            try:
+                guest = json.loads((self.store_path / "config.json").read_text()).get(
+                    "default_guest"
+                )
+            except (FileNotFoundError, ValueError):
+                guest = None
+        if not guest:
+            raise NotPermitted(
+                "no default guest template is set: set KSFS_GUEST or default_guest in "
+                f"{self.store_path / 'config.json'} (tools/build-guest makes one)"
+            )
+        return Path(guest)
+
+    # --- creating, adopting, removing --------------------------------------------------------
+
+    def new_session(
+        self,
+        name: str,
+        guest: str | None = None,
+        kernel: str | None = None,
+        initrd: str | None = None,
+        disk: str | None = None,
+        memory: int | None = None,
+        vcpus: int | None = None,
+    ) -> SessionRecord:
+        """Define and start domain ``ksfs-NAME`` from a guest directory or kernel/initrd/disk."""
+        validate_name(name, "session name")
+        spec = self._guest_spec(guest, kernel, initrd, disk)
+        memory = int(memory or spec.get("memory_mib") or 256)
+        vcpus = int(vcpus or spec.get("vcpus") or 1)
+        if not 16 <= memory <= 1 << 20 or not 1 <= vcpus <= 64:
+            raise BadInput("memory must be 16 MiB to 1 TiB and vcpus 1 to 64")
+        domain = domain_name_for(name)
+        with session_lock(self.store_path, name):
+            if self.vm.exists(domain):
+                raise AlreadyExists(what="libvirt domain", name=domain)
+            config = {
+                "guest": {k: spec[k] for k in ("kernel", "initrd", "disk") if k in spec},
+                "memory_mib": memory,
+                "vcpus": vcpus,
+                "transcript_path": spec.get("transcript", DEFAULT_TRANSCRIPT).lstrip("/"),
+            }
+            with self.store.env.begin(write=True) as txn:
+                rec = self.ledger.create_session(txn, name, domain=domain, config=config)
+            try:
+                self.vm.create(
+                    name, domain, spec["kernel"], spec["initrd"], spec["disk"],
+                    memory_mib=memory, vcpus=vcpus,
+                    cmdline=spec.get("cmdline", "console=ttyS0 panic=-1 quiet"),
+                    extra_cmdline=self._guest_cmdline(rec),
+                )
+            except BaseException:
+                with self.store.env.begin(write=True) as txn:
+                    self.ledger.remove_session(txn, name)
+                self.vm.remove_files(name)
+                raise
+            return rec
+
+    def _guest_cmdline(self, rec: SessionRecord) -> str:
+        extra = f"ksfs.lineage={rec.lineage}"
+        port = self.gateway_port(rec.name) if hasattr(self, "gateway_port") else None
+        if port:
+            extra += f" ksfs.gateway=http://10.0.2.2:{port}"
+        return extra
+
+    def _guest_spec(self, guest, kernel, initrd, disk) -> dict[str, Any]:
+        if kernel or initrd or disk:
+            if guest or not (kernel and initrd and disk):
+                raise BadInput("give --guest DIR, or all three of --kernel, --initrd and --disk")
+            spec = {"kernel": kernel, "initrd": initrd, "disk": disk}
+        else:
+            gdir = Path(guest) if guest else self.default_guest()
+            try:
+                spec = json.loads((gdir / "guest.json").read_text())
+            except FileNotFoundError:
+                raise NotFound(f"{gdir} is not a guest directory (no guest.json)") from None
+            except ValueError as exc:
+                raise BadInput(f"{gdir}/guest.json is not valid JSON: {exc}") from None
+        for key in ("kernel", "initrd", "disk"):
+            if not Path(spec[key]).is_file():
+                raise NotFound(f"the guest's {key} {spec[key]} does not exist")
+            spec[key] = str(Path(spec[key]).resolve())
+        return spec
+
+    def adopt_session(self, name: str, domain: str) -> SessionRecord:
+        """Take an existing libvirt domain (file-backed raw or qcow2 disks) under ksfs."""
+        validate_name(name, "session name")
+        with session_lock(self.store_path, name):
+            self.vm.lookup(domain)  # NotFound-ish VMError before anything is written
+            with self.store.env.begin(write=True) as txn:
+                rec = self.ledger.create_session(
+                    txn, name, domain=domain, config={"transcript_path": DEFAULT_TRANSCRIPT},
+                    adopted=True,
+                )
+            try:
+                self.vm.adopt(name, domain)
+            except BaseException:
+                with self.store.env.begin(write=True) as txn:
+                    self.ledger.remove_session(txn, name)
+                self.vm.remove_files(name)
+                raise
+            return rec
+
+    def remove_session(self, name: str, keep_checkpoints: bool = False) -> dict[str, Any]:
+        """Destroy and undefine the session's domain (not an adopted one's disks) and forget it."""
+        rec = self.ledger.session(name)
+        with session_lock(self.store_path, name):
+            if rec.domain and rec.removed is None:
+                self.vm.destroy_and_undefine(rec.domain)
+                self.vm.remove_files(name)
+            with self.store.env.begin(write=True) as txn:
+                self.ledger.remove_session(txn, name, keep_checkpoints=keep_checkpoints)
+        return {"session": name, "removed": True, "kept_checkpoints": keep_checkpoints}
+
+    def list_sessions(self) -> list[dict[str, Any]]:
+        return [self.status(s.name) for s in self.ledger.sessions()]
+
+    def ping(self) -> str:
+        return "pong"
+
+    # --- pause and resume --------------------------------------------------------------------
+
+    def pause(self, session: str) -> dict[str, Any]:
+        rec = self._machine(session)
+        with session_lock(self.store_path, session):
+            self.vm.pause(rec.domain)
+            ev = self.ledger.record(session, "pause", {"domain": rec.domain})
+        return {"session": session, "state": "paused", "seq": ev.seq}
+
+    def resume(self, session: str) -> dict[str, Any]:
+        rec = self._machine(session)
+        with session_lock(self.store_path, session):
+            self.vm.resume(rec.domain)
+            ev = self.ledger.record(session, "resume", {"domain": rec.domain})
+        return {"session": session, "state": "running", "seq": ev.seq}
+
+    # --- save -----------------------------------------------------------------------------------
+
+    def save(self, session: str, name: str | None = None) -> CheckpointRecord:
+        """An atomic checkpoint of the running machine; see docs/architecture.md."""
+        validate_name(session, "session name")
+        if name is not None:
+            validate_name(name, "checkpoint name")
+        rec = self._machine(session)
+        with session_lock(self.store_path, session):
+            return self._save_locked(rec, name, reason="save")
+
+    def _save_locked(self, rec: SessionRecord, name: str | None, reason: str) -> CheckpointRecord:
+        session = rec.name
+        if name is not None and name in set(self.ledger.checkpoint_names(session)):
+            raise AlreadyExists(what="checkpoint", name=name)
+        begin = self.ledger.record(session, "checkpoint.begin", {"name": name, "reason": reason})
+        name = name or checkpoint_name_for_seq(begin.seq)
+        frozen = None
+        try:
+            frozen = self.vm.snapshot(session, rec.domain)
+            record = self._ingest_frozen(rec, name, begin.seq, frozen)
+            self.vm.finish(frozen, checkpoint=f"{session}/{name}")
+            frozen = None
+        except BaseException as exc:
+            if frozen is not None:
+                try:
+                    self.vm.abort(frozen)
+                except KsfsError:
+                    pass
+            self._record_failure(session, name, exc)
+            raise
+        return record
+
+    def _ingest_frozen(self, rec: SessionRecord, name: str, seq: int, frozen):
+        """Store the frozen memory and disks, then publish the record in one transaction."""
+        session = rec.name
+        base = self._base_checkpoint(frozen.base_checkpoint)
+        files: list[FileRecord] = []
+        bytes_read = 0
+        with self.store.ingest() as ingest:
+            f = ingest.add_file(str(frozen.memory_path), chunking="cdc")
+            files.append(FileRecord(MEMORY_FILE, f.manifest, f.size, f.stored, f.chunking,
+                                    f.digest))
+            for i, disk in enumerate(frozen.disks):
+                fname = disk_file_name(i, disk.target)
+                prev = base.file(fname) if base is not None else None
+                changed = disk.changed if prev is not None else None
+                f = ingest.add_file(disk.source, chunking="fixed",
+                                    base=prev.manifest if prev else None, changed=changed)
+                bytes_read += disk.size if changed is None else sum(n for _, n in changed)
+                files.append(FileRecord(fname, f.manifest, f.size, f.stored, f.chunking,
+                                        f.digest))
+            transcript = self._frozen_transcript(rec, frozen)
+            ingest.seal()
+            parent = self.ledger.latest_checkpoint(session)
+            record = CheckpointRecord(
+                session=session, name=name, seq=seq, created=time.time(), files=tuple(files),
+                parent=parent.name if parent else None, domain_xml=frozen.xml,
+                transcript_seq=transcript.last_seq if transcript else None,
+            )
+            with self.store.env.begin(write=True) as txn:
+                ingest.commit(txn)
+                self.ledger.put_checkpoint(txn, record)
+                body = self._published_body(record)
+                body.update(paused_s=round(frozen.paused_s, 4), disk_bytes_read=bytes_read,
+                            incremental=base is not None)
+                self.ledger.append(txn, session, "checkpoint.published", body)
+        return record
+
+    def _base_checkpoint(self, label: str | None) -> CheckpointRecord | None:
+        """The checkpoint a frozen disk's changed ranges are relative to, when still stored."""
+        if not label or "/" not in label:
+            return None
+        session, _, name = label.partition("/")
+        try:
+            return self.ledger.checkpoint(session, name)
+        except NotFound:
+            return None  # deleted since: the ingest reads the whole disk instead
+
+    def _frozen_transcript(self, rec: SessionRecord, frozen) -> TranscriptInfo | None:
+        if not frozen.disks:
+            return None
+        try:
+            from ksfs.guestfs import GuestFS, read_transcript
+
+            fs = GuestFS.open(_SourceReader(frozen.disks[0].source))
+            return read_transcript(fs, self.transcript_path(rec.name))
+        except KsfsError:
+            return None
+
+    # --- restore and fork -------------------------------------------------------------------
+
+    def _checkpoint_readers(self, record: CheckpointRecord, xml_disks: list) -> tuple[Any, dict]:
+        mem = record.file(MEMORY_FILE)
+        if mem is None:
+            raise NotPermitted(
+                f"checkpoint {record.session}/{record.name} has no memory image to run from"
+            )
+        disks = {}
+        for i, d in enumerate(xml_disks):
+            f = record.file(disk_file_name(i, d.target))
+            if f is None:
+                raise NotPermitted(f"checkpoint {record.session}/{record.name} has no disk "
+                                   f"{d.target}")
+            disks[d.target] = self.store.open_file(f.manifest)
+        return self.store.open_file(mem.manifest), disks
+
+    def _xml_disks(self, record: CheckpointRecord) -> list:
+        from ksfs.vm import domxml
+
+        if not record.domain_xml:
+            raise NotPermitted(f"checkpoint {record.session}/{record.name} has no domain XML")
+        return domxml.disks(record.domain_xml)
+
+    def _transcript_of(self, record: CheckpointRecord) -> tuple[TranscriptInfo | None, str | None]:
+        try:
+            from ksfs.guestfs import read_transcript
+
+            fs = self.guest_fs(record)
+            if fs is None:
+                return None, "the checkpoint has no disk"
+            return read_transcript(fs, self.transcript_path(record.session)), None
+        except NotFound:
+            return None, None  # no transcript file: the "missing" case
+        except KsfsError as exc:
+            return None, str(exc)
+
+    def restore(self, session: str, checkpoint: str) -> dict[str, Any]:
+        """Save the current state, then bring the machine back to ``checkpoint`` and run it."""
+        validate_name(session, "session name")
+        validate_name(checkpoint, "checkpoint name")
+        rec = self._machine(session)
+        with session_lock(self.store_path, session):
+            target = self.ledger.checkpoint(session, checkpoint)
+            xml_disks = self._xml_disks(target)
+            saved = None
+            if self.vm.state(rec.domain) in ("running", "paused"):
+                saved = self._save_locked(rec, None, reason=f"before restore to {checkpoint}")
+            begin = self.ledger.record(session, "restore.begin", {
+                "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
+            try:
+                t0 = time.monotonic()
+                memory, disks = self._checkpoint_readers(target, xml_disks)
+                self.vm.restore(session, rec.domain, memory, disks, xml=target.domain_xml,
+                                checkpoint=f"{session}/{checkpoint}")
+                transcript, error = self._transcript_of(target)
+                with self.store.env.begin(write=True) as txn:
+                    rec_ev = self.ledger.reconcile(
+                        txn, session, target, transcript, error,
+                        current_transcript_seq=saved.transcript_seq if saved else None,
+                    )
+                self.vm.resume(rec.domain)
+                done = self.ledger.record(session, "restore.done", {
+                    "checkpoint": checkpoint, "begin_seq": begin.seq,
+                    "reconcile_seq": rec_ev.seq, "seconds": round(time.monotonic() - t0, 3)})
+            except BaseException as exc:
+                self.ledger.record(session, "restore.failed",
+                                   {"checkpoint": checkpoint, "reason": _reason(exc)})
+                raise
+        return {"session": session, "checkpoint": checkpoint, "seq": done.seq,
+                "saved_as": saved.name if saved else None, "reconcile": rec_ev.body}
+
+    def fork(self, session: str, checkpoint: str, new: str) -> SessionRecord:
+        """A new session running from ``checkpoint`` in its own domain; the parent runs on."""
+        validate_name(session, "session name")
+        validate_name(checkpoint, "checkpoint name")
+        validate_name(new, "session name")
+        parent = self.ledger.session(session)
+        target = self.ledger.checkpoint(session, checkpoint)
+        xml_disks = self._xml_disks(target)
+        domain = domain_name_for(new)
+        with session_lock(self.store_path, new):
+            if self.vm.exists(domain):
+                raise AlreadyExists(what="libvirt domain", name=domain)
+            config = dict(parent.config)
+            with self.store.env.begin(write=True) as txn:
+                rec = self.ledger.create_session(
+                    txn, new, domain=domain,
+                    parent=ForkPoint(session, checkpoint, target.seq, parent.lineage),
+                    config=config,
+                )
+            try:
+                memory, disks = self._checkpoint_readers(target, xml_disks)
+                self.vm.fork(new, domain, memory, disks, xml=target.domain_xml,
+                             lineage=rec.lineage, checkpoint=f"{session}/{checkpoint}")
+                transcript, error = self._transcript_of(target)
+                with self.store.env.begin(write=True) as txn:
+                    self.ledger.reconcile(txn, new, target, transcript, error)
+                self.vm.resume(domain)
+            except BaseException:
+                try:
+                    self.vm.destroy_and_undefine(domain)
+                    self.vm.remove_files(new)
+                finally:
+                    with self.store.env.begin(write=True) as txn:
+                        self.ledger.remove_session(txn, new)
+                raise
+        return rec
+
+
+class _SourceReader:
+    """Adapts a frozen disk source (``pread``) to the reader shape guestfs takes (``read``)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.size = source.size
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.source.pread(offset, n)
+
+
+__all__ = ["MachineVerbs", "NoSuchCheckpoint", "VMError"]

@@ -1,0 +1,172 @@
+"""Machine verbs: session new/adopt/list/rm, save, restore, fork, pause, resume.
+
+Each goes through the running daemon when there is one (so the mount and the CLI share one
+keeper and its locks), else does the work here under the same locks.
+"""
+
+from __future__ import annotations
+
+import click
+
+from ksfs.cli import emit_json, main, pass_ctx, run_verb
+
+
+def _json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")(f)
+
+
+@main.group()
+def session() -> None:
+    """Create, adopt, list and remove sessions (a machine and its records)."""
+
+
+@session.command("new")
+@click.argument("name")
+@click.option("--guest", type=click.Path(file_okay=False), help="A guest directory (guest.json).")
+@click.option("--kernel", type=click.Path(dir_okay=False), help="Kernel to boot directly.")
+@click.option("--initrd", type=click.Path(dir_okay=False), help="Initramfs for --kernel.")
+@click.option("--disk", type=click.Path(dir_okay=False), help="Disk image (raw or qcow2).")
+@click.option("--memory", type=click.IntRange(16, 1 << 20), help="Memory in MiB.")
+@click.option("--vcpus", type=click.IntRange(1, 64), help="Virtual CPUs.")
+@_json_option
+@pass_ctx
+def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, as_json) -> None:
+    """Define and start domain ksfs-NAME as session NAME.
+
+    Without --guest or --kernel/--initrd/--disk the default guest template is used
+    ($KSFS_GUEST or default_guest in the store's config.json).
+
+    Example: ksfs session new agent --guest /var/cache/ksfs/guest --memory 256
+    """
+    rec = run_verb(ctx, "session_new", name=name, guest=guest, kernel=kernel, initrd=initrd,
+                   disk=disk, memory=memory, vcpus=vcpus)
+    emit_json(rec) if as_json else click.echo(f"session {name} running as {rec['domain']}")
+
+
+@session.command("adopt")
+@click.argument("name")
+@click.argument("domain")
+@_json_option
+@pass_ctx
+def session_adopt(ctx, name, domain, as_json) -> None:
+    """Take existing libvirt DOMAIN (file-backed raw or qcow2 disks) under ksfs as NAME.
+
+    Example: ksfs session adopt myvm my-libvirt-domain
+    """
+    rec = run_verb(ctx, "session_adopt", name=name, domain=domain)
+    emit_json(rec) if as_json else click.echo(f"session {name} adopted domain {domain}")
+
+
+@session.command("list")
+@_json_option
+@pass_ctx
+def session_list(ctx, as_json) -> None:
+    """List sessions with their state, domain, seq and last checkpoint.
+
+    Example: ksfs session list --json
+    """
+    rows = ctx.open_keeper().list_sessions()
+    if as_json:
+        emit_json(rows)
+        return
+    for r in rows:
+        click.echo(f"{r['session']:20} {r['state']:9} {r['domain'] or '-':24} "
+                   f"seq={r['seq']} last={r['last_checkpoint'] or '-'}")
+
+
+@session.command("rm")
+@click.argument("name")
+@click.option("--keep-checkpoints", is_flag=True, help="Keep its checkpoints, read-only.")
+@pass_ctx
+def session_rm(ctx, name, keep_checkpoints) -> None:
+    """Destroy and undefine the session's domain and remove the session.
+
+    Example: ksfs session rm agent --keep-checkpoints
+    """
+    run_verb(ctx, "session_rm", name=name, keep_checkpoints=keep_checkpoints)
+    click.echo(f"removed session {name}")
+
+
+@main.command()
+@click.argument("session_name", metavar="SESSION")
+@click.argument("name", required=False)
+@_json_option
+@pass_ctx
+def save(ctx, session_name, name, as_json) -> None:
+    """Take an atomic checkpoint of SESSION (named NAME, else c_<seq>).
+
+    Prints the checkpoint's name alone on its last line.
+
+    Example: ksfs save agent before-upgrade
+    """
+    rec = run_verb(ctx, "save", session=session_name, name=name)
+    if as_json:
+        emit_json(rec)
+        return
+    logical = sum(f["size"] for f in rec["files"])
+    stored = sum(f["stored"] for f in rec["files"])
+    click.echo(f"{session_name}: checkpoint at seq {rec['seq']}, {logical} bytes, "
+               f"{stored} new bytes stored")
+    click.echo(rec["name"])
+
+
+@main.command()
+@click.argument("session_name", metavar="SESSION")
+@click.argument("checkpoint")
+@_json_option
+@pass_ctx
+def restore(ctx, session_name, checkpoint, as_json) -> None:
+    """Save SESSION's current state, then bring its machine back to CHECKPOINT.
+
+    Example: ksfs restore agent before-upgrade
+    """
+    res = run_verb(ctx, "restore", session=session_name, checkpoint=checkpoint)
+    if as_json:
+        emit_json(res)
+        return
+    outcome = res.get("reconcile", {}).get("outcome", "?")
+    saved = res.get("saved_as")
+    click.echo(f"{session_name} restored to {checkpoint} (reconcile: {outcome}"
+               + (f"; the state before was saved as {saved})" if saved else ")"))
+
+
+@main.command()
+@click.argument("session_name", metavar="SESSION")
+@click.argument("checkpoint")
+@click.argument("new")
+@_json_option
+@pass_ctx
+def fork(ctx, session_name, checkpoint, new, as_json) -> None:
+    """Start NEW, a session running from SESSION's CHECKPOINT in its own domain.
+
+    Example: ksfs fork agent before-upgrade agent-try2
+    """
+    rec = run_verb(ctx, "fork", session=session_name, checkpoint=checkpoint, new=new)
+    emit_json(rec) if as_json else click.echo(
+        f"session {new} forked from {session_name}/{checkpoint}, running as {rec['domain']}")
+
+
+@main.command()
+@click.argument("session_name", metavar="SESSION")
+@_json_option
+@pass_ctx
+def pause(ctx, session_name, as_json) -> None:
+    """Pause SESSION's machine (its CPUs stop; nothing is saved).
+
+    Example: ksfs pause agent
+    """
+    res = run_verb(ctx, "pause", session=session_name)
+    emit_json(res) if as_json else click.echo(f"{session_name} paused")
+
+
+@main.command()
+@click.argument("session_name", metavar="SESSION")
+@_json_option
+@pass_ctx
+def resume(ctx, session_name, as_json) -> None:
+    """Run SESSION's paused machine again (to go back in time, use restore).
+
+    Example: ksfs resume agent
+    """
+    res = run_verb(ctx, "resume", session=session_name)
+    emit_json(res) if as_json else click.echo(f"{session_name} running")

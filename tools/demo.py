@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""The ksfs demo, end to end, through the mount alone (run by tools/demo after set-up).
+
+Mounts a fresh store, creates a session running the agent-like guest with `mkdir`, takes
+checkpoints with `mkdir`, forks one with `mkdir forks/`, restores one with `echo > resume`, shows
+the tree with `ls` and a `cmp` between two checkpoints, prints the store figures and the dedup
+ratio, then cleans up (sessions removed, domains gone, unmounted). Prints where time goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KSFS = [str(ROOT / ".venv/bin/ksfs")]
+WORK = Path(os.environ.get("KSFS_DEMO_DIR", "/var/tmp/ksfs-demo"))
+GUEST = Path(os.environ.get("KSFS_GUEST", "/var/cache/ksfs/guest"))
+T0 = time.monotonic()
+
+
+def step(text: str) -> None:
+    print(f"\n[{time.monotonic() - T0:6.1f}s] == {text}", flush=True)
+
+
+def sh(cmd: str) -> str:
+    """Run a shell command as a user would type it, echo it and its output."""
+    print(f"$ {cmd}", flush=True)
+    res = subprocess.run(cmd, shell=True, capture_output=True, text=True, cwd=WORK)
+    out = (res.stdout + res.stderr).rstrip()
+    if out:
+        print(out, flush=True)
+    if res.returncode not in (0, 1) or (res.returncode == 1 and not cmd.startswith("cmp")):
+        raise SystemExit(f"demo: `{cmd}` failed with exit code {res.returncode}")
+    return res.stdout
+
+
+def ksfs(*args: str) -> str:
+    env = dict(os.environ, KSFS_STORE=str(WORK / "store"))
+    res = subprocess.run(KSFS + list(args), capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise SystemExit(f"demo: ksfs {' '.join(args)} failed: {res.stderr.strip()}")
+    return res.stdout
+
+
+def transcript_seq(mnt: Path, session: str) -> int | None:
+    return json.loads((mnt / "sessions" / session / "status").read_text()).get("transcript_seq")
+
+
+def wait_for(pred, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"demo: timed out waiting for {what}")
+
+
+def main() -> int:
+    if WORK.exists():
+        cleanup(WORK / "mnt")
+        shutil.rmtree(WORK)
+    mnt = WORK / "mnt"
+    mnt.mkdir(parents=True)
+    os.environ["KSFS_STORE"] = str(WORK / "store")
+    os.environ["KSFS_GUEST"] = str(GUEST)
+    try:
+        step("mount a fresh store")
+        print(ksfs("mount", str(mnt)).strip())
+        s = mnt / "sessions"
+
+        step("mkdir sessions/agent: a new session running the agent-like guest")
+        sh("mkdir mnt/sessions/agent")
+        sh("cat mnt/sessions/agent/status")
+        time.sleep(4)
+
+        step("mkdir checkpoints/first, let the agent work, mkdir checkpoints/second")
+        t = time.monotonic()
+        sh("mkdir mnt/sessions/agent/checkpoints/first")
+        print(f"(checkpoint published in {time.monotonic() - t:.2f}s)")
+        time.sleep(4)
+        t = time.monotonic()
+        sh("mkdir mnt/sessions/agent/checkpoints/second")
+        print(f"(checkpoint published in {time.monotonic() - t:.2f}s)")
+
+        step("the tree, and cmp between two checkpoints")
+        sh("ls -l mnt/sessions/agent/checkpoints/first mnt/sessions/agent/checkpoints/second")
+        sh("cat mnt/sessions/agent/checkpoints/second/meta.json")
+        sh("cmp mnt/sessions/agent/checkpoints/first/disk.raw "
+           "mnt/sessions/agent/checkpoints/second/disk.raw")
+        sh("tail -n 3 mnt/sessions/agent/checkpoints/second/transcript")
+
+        step("mkdir forks/branch under checkpoint first: a new session from that moment")
+        t = time.monotonic()
+        sh("mkdir mnt/sessions/agent/checkpoints/first/forks/branch")
+        print(f"(fork running in {time.monotonic() - t:.2f}s)")
+        sh("ls mnt/sessions")
+        sh("cat mnt/sessions/branch/status")
+
+        step("echo first > resume: restore the agent to checkpoint first")
+        t = time.monotonic()
+        sh("echo first > mnt/sessions/agent/resume")
+        print(f"(restored in {time.monotonic() - t:.2f}s)")
+        sh("cat mnt/sessions/agent/resume")
+        sh("grep -E '\"(restore|reconcile)' mnt/sessions/agent/events | tail -n 3")
+
+        step("the store figures and the dedup ratio")
+        sh("cat mnt/store")
+        figures = json.loads((mnt / "store").read_text())
+        print(f"dedup ratio: {figures['logical_bytes']} logical bytes stored in "
+              f"{figures['stored_bytes']} bytes = {figures['dedup_ratio']}x")
+        del s
+    finally:
+        step("clean up: remove the sessions, unmount")
+        cleanup(mnt)
+    print(f"\ndemo finished in {time.monotonic() - T0:.1f}s")
+    return 0
+
+
+def cleanup(mnt: Path) -> None:
+    env = dict(os.environ, KSFS_STORE=str(WORK / "store"))
+    if (WORK / "store").exists():
+        listing = subprocess.run(KSFS + ["session", "list", "--json"], capture_output=True,
+                                 text=True, env=env)
+        if listing.returncode == 0:
+            for sess in json.loads(listing.stdout or "[]"):
+                subprocess.run(KSFS + ["session", "rm", sess["name"]], env=env,
+                               capture_output=True)
+    if os.path.ismount(mnt):
+        subprocess.run(KSFS + ["umount", str(mnt)], env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
