@@ -45,6 +45,7 @@ from ksfs.fuse.nodes import (
     SessionsDir,
     StoredFile,
 )
+from ksfs.model import validate_name
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,11 @@ class CheckpointTree:
         if name == "..":
             ppath = self._paths.get(parent, ())[:-1]
             return self._walk(ppath, name)
+        try:
+            validate_name(name)
+        except BadInput:
+            # Nothing in the tree has such a name, and the ledger's keys cannot hold one.
+            raise NoSuchFile(what="entry", name=repr(name)) from None
         node = self._dir(parent).lookup(name)
         ino = self._intern(node, self._paths[parent] + (name,))
         return Entry(name, ino, self._nodes[ino].attr())
