@@ -333,3 +333,36 @@ def test_stats_count_everything(ledger, store):
     st = ledger.stats()
     assert st == {"sessions": 2, "lineages": 2, "removed_lineages": 0, "events": 4,
                   "checkpoints": 1}
+
+
+def test_listing_thousands_reads_only_the_index(ledger, store):
+    """2000 checkpoints of 20 files each list in seq order from the index alone: with every
+    record's value damaged, names and summaries still come back (and verify names the damage)."""
+    new_session(ledger, "many")
+    base = take_checkpoint(ledger, store, "many", {"f": b"shared" * 100}, name="base")
+    files = tuple(
+        FileRecord(f"file{i}", base.files[0].manifest, 600, 0) for i in range(20)
+    )
+    names = ["base"]
+    with ledger.env.begin(write=True) as txn:
+        for i in range(2000):
+            ev = ledger.append(txn, "many", "checkpoint.begin", {})
+            name = f"n{1999 - i:04d}"  # names sort against seq order on purpose
+            ledger.put_checkpoint(txn, CheckpointRecord("many", name, ev.seq, 0.0, files))
+            names.append(name)
+    assert ledger.checkpoint_names("many") == names
+    lin = K.lineage_bytes(ledger.session("many").lineage)
+    saved = {}
+    with ledger.env.begin(write=True) as txn:
+        for name in names:
+            key = K.ckpt_name_key(lin, name)
+            saved[key] = txn.get(key, db=ledger._ckpts)
+            txn.put(key, b"not json", db=ledger._ckpts)
+    summaries = ledger.checkpoint_summaries("many")
+    assert [s.name for s in summaries] == names
+    assert all(s.size == 12000 and s.files == 20 for s in summaries[1:])
+    assert len(ledger.verify()) == len(names) * 2  # undecodable + then unindexed, per record
+    with ledger.env.begin(write=True) as txn:
+        for key, value in saved.items():
+            txn.put(key, value, db=ledger._ckpts)
+    assert ledger.latest_checkpoint("many").name == "n0000"

@@ -13,7 +13,13 @@ import lmdb
 
 from ksfs.errors import AlreadyExists, BadInput, ManifestCorrupt, NoSuchCheckpoint
 from ksfs.ledger import keys as K
-from ksfs.ledger.records import CHECKPOINT_EVENTS, CheckpointSummary, lmdb_errors, summary_of
+from ksfs.ledger.records import (
+    CHECKPOINT_EVENTS,
+    CheckpointSummary,
+    checkpoint_dict,
+    lmdb_errors,
+    summary_of,
+)
 from ksfs.model import CheckpointRecord, Event, validate_name
 
 
@@ -49,7 +55,8 @@ class CheckpointMethods:
                 validate_name(f.name, "checkpoint file name")
                 if not self.has_manifest(txn, f.manifest):
                     raise ManifestCorrupt(manifest=f.manifest, why="not in the store")
-            txn.put(K.ckpt_name_key(lin, record.name), K.dumps(record.to_dict()), db=self._ckpts)
+            txn.put(K.ckpt_name_key(lin, record.name), K.dumps(checkpoint_dict(record)),
+                    db=self._ckpts)
             txn.put(K.ckpt_seq_key(lin, record.seq, record.name), K.dumps(summary_of(record)),
                     db=self._ckpts)
 
