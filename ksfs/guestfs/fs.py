@@ -106,10 +106,14 @@ class GuestFS:
                 rdev = os.makedev((old >> 8) & 0xFF, old & 0xFF)
             else:
                 rdev = os.makedev((new & 0xFFF00) >> 8, (new & 0xFF) | ((new >> 12) & 0xFFF00))
+        blocks = inode.blocks_512
+        if inode.flags & layout.FL_INLINE_DATA and inode.kind == layout.S_IFREG:
+            # as the kernel reports it, so tools do not take an inline file for a sparse one
+            blocks += (inode.size + 511) >> 9
         return GuestStat(
             ino=ino, mode=inode.mode, uid=inode.uid, gid=inode.gid, size=inode.size,
             mtime_ns=inode.mtime_ns, atime_ns=inode.atime_ns, ctime_ns=inode.ctime_ns,
-            nlink=inode.links, blocks=inode.blocks_512, rdev=rdev,
+            nlink=inode.links, blocks=blocks, rdev=rdev,
         )
 
     def lookup(self, dir_ino: int, name: str | bytes) -> int:

@@ -1,0 +1,150 @@
+"""Shared by the guestfs tests (no tests here): a source tree with every kind of file the reader
+must handle, loop mounts, and the comparison of a GuestFS against a real directory."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import random
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from ksfs.guestfs import GuestFS
+
+MTIME = 1_700_000_000  # mkfs -d keeps whole seconds only, so the tree uses whole seconds
+NON_UTF8 = os.fsdecode(b"bad-\xff-name")
+
+
+def make_tree(root: Path, seed: int = 7) -> None:
+    """Write the test tree at ``root`` (which must not exist)."""
+    rnd = random.Random(seed)
+    root.mkdir()
+    (root / "a" / "b" / "c" / "d").mkdir(parents=True)
+    (root / "a" / "b" / "c" / "d" / "deep.txt").write_text("deep down\n")
+    (root / "a" / "top.txt").write_text("top of a\n" * 10)
+    many = root / "many"
+    many.mkdir()
+    for i in range(3000):  # past one block of entries: an htree directory
+        (many / f"entry-{i:05d}-{'x' * (i % 40)}").write_bytes(str(i).encode())
+    (root / "empty").write_bytes(b"")
+    (root / "small.txt").write_text("hello\n")
+    (root / "fifty-nine").write_bytes(b"5" * 59)  # fits i_block of an inline-data inode
+    (root / "inline-100").write_bytes(bytes(rnd.randrange(256) for _ in range(100)))
+    (root / "random.bin").write_bytes(rnd.randbytes(3 * 1024 * 1024 + 123))
+    with open(root / "sparse.bin", "wb") as f:  # holes at the start, middle and end
+        f.truncate(40 * 1024 * 1024)
+        for off in (0, 1024 * 1024 + 17, 20 * 1024 * 1024 - 3, 40 * 1024 * 1024 - 5):
+            f.seek(off)
+            f.write(b"DATA!")
+    with open(root / "islands.bin", "wb") as f:  # many extents: a deeper extent tree
+        for i in range(400):
+            f.seek(i * 16384)
+            f.write(rnd.randbytes(4096))
+    os.symlink("small.txt", root / "link-short")
+    os.symlink("a/b/c/" + "long-target-" * 20, root / "link-long")  # past 60 bytes: slow
+    os.symlink("x" * 59, root / "link-59")
+    os.symlink("/absolute/target", root / "link-abs")
+    (root / "héllo wörld.txt").write_text("unicode name\n")
+    (root / "日本語").mkdir()
+    (root / "日本語" / "ファイル").write_text("kana\n")
+    (root / NON_UTF8).write_text("name that is not UTF-8\n")
+    (root / "setuid").write_text("#!/bin/sh\n")
+    os.chmod(root / "setuid", 0o4755)
+    (root / "sticky").mkdir()
+    os.chmod(root / "sticky", 0o1777)
+    (root / "nomode").write_text("no permissions\n")
+    os.chmod(root / "nomode", 0)
+    (root / "owned").write_text("someone else's\n")
+    os.chown(root / "owned", 1234, 5678)
+    (root / "owned-high").write_text("32-bit ids\n")
+    os.chown(root / "owned-high", 100000, 200000)
+    os.link(root / "small.txt", root / "hardlink")
+    stamp_tree(root)
+
+
+def stamp_tree(root: Path) -> None:
+    """Distinct whole-second mtimes, deepest first so directories keep theirs."""
+    for i, (dirpath, dirnames, filenames) in enumerate(os.walk(root, topdown=False)):
+        for j, name in enumerate(sorted(filenames + dirnames)):
+            t = MTIME + i * 1000 + j
+            os.utime(os.path.join(dirpath, name), (t, t), follow_symlinks=False)
+        os.utime(dirpath, (MTIME + i, MTIME + i))
+
+
+def walk(fs: GuestFS, path: str = "") -> Iterator[tuple[str, int, bool]]:
+    """(relative path, ino, is_dir) of every entry of a GuestFS, depth first."""
+    for name, ino, is_dir in fs.listdir(path or "/"):
+        rel = f"{path}/{name}" if path else name
+        yield rel, ino, is_dir
+        if is_dir:
+            yield from walk(fs, rel)
+
+
+def digest(data: bytes) -> str:
+    return hashlib.blake2b(data).hexdigest()
+
+
+def read_all(fs: GuestFS, ino: int, size: int, piece: int = 1 << 20) -> bytes:
+    return b"".join(fs.read(ino, off, piece) for off in range(0, size, piece))
+
+
+def compare_with_dir(fs: GuestFS, top: Path, exact: bool, skip: tuple[str, ...] = ()) -> int:
+    """Assert that every entry of ``top`` and of ``fs`` match; return how many were compared.
+
+    ``exact`` (a mount of the same image): every stat field equal, inode numbers included.
+    Otherwise (the source tree): type, mode, owner, size, whole-second mtime, bytes, targets.
+    """
+    ours = {rel: (ino, is_dir) for rel, ino, is_dir in walk(fs) if rel not in skip}
+    theirs = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        rel_dir = os.path.relpath(dirpath, top)
+        for name in dirnames + filenames:
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            if rel.split("/")[0] not in skip:
+                theirs[rel] = os.path.join(dirpath, name)
+    assert sorted(ours) == sorted(theirs)
+    for rel, real in theirs.items():
+        ino, is_dir = ours[rel]
+        s = os.lstat(real)
+        g = fs.stat(rel)
+        assert g.ino == ino and is_dir == stat.S_ISDIR(s.st_mode), rel
+        assert (g.mode, g.uid, g.gid) == (s.st_mode, s.st_uid, s.st_gid), rel
+        if not stat.S_ISDIR(s.st_mode):
+            assert g.size == s.st_size, rel
+        if exact:
+            assert g.ino == s.st_ino, rel
+            assert (g.size, g.nlink, g.blocks) == (s.st_size, s.st_nlink, s.st_blocks), rel
+            assert (g.mtime_ns, g.ctime_ns, g.atime_ns) == (
+                s.st_mtime_ns, s.st_ctime_ns, s.st_atime_ns), rel
+        else:
+            assert g.mtime_ns == s.st_mtime_ns, rel
+        if stat.S_ISLNK(s.st_mode):
+            assert fs.readlink(rel) == os.readlink(real), rel
+        elif stat.S_ISREG(s.st_mode):
+            with open(real, "rb") as f:
+                assert digest(read_all(fs, ino, g.size)) == digest(f.read()), rel
+    return len(theirs)
+
+
+@contextlib.contextmanager
+def loop_mount(image: Path, options: str = "ro") -> Iterator[Path | None]:
+    """The image mounted (``mount -o OPTIONS,loop``) for the block, or None when this machine
+    cannot set up loop devices at all. Always unmounted, and its loop device freed, after."""
+    mnt = Path(tempfile.mkdtemp(prefix="ksfs-guestfs-mnt-"))
+    proc = subprocess.run(["mount", "-o", f"{options},loop", str(image), str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        mnt.rmdir()
+        if "loop" in proc.stderr and not os.path.exists("/dev/loop-control"):
+            yield None
+            return
+        raise AssertionError(f"mount failed: {proc.stderr}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+        mnt.rmdir()
