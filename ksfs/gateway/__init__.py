@@ -11,8 +11,19 @@ Layer 5: imports ksfs.errors, ksfs.model, ksfs.cas, ksfs.ledger, trio and its HT
 
 from ksfs.gateway.calls import Usage, canonical_body, derived_key, header_key
 from ksfs.gateway.prices import Price, PriceTable, load_prices, parse_prices
-from ksfs.gateway.service import API_KEY_ENV, Gateway, api_key_from_env
 from ksfs.gateway.store import GatewayStore, StoredResponse
+from ksfs.gateway.usage import read_usage
+
+
+def __getattr__(name: str):
+    # The service pulls in hypercorn, httpx and trio (most of a second to import); the CLI's
+    # usage and budget verbs and the keeper's usage view need only the store side.
+    if name in ("API_KEY_ENV", "Gateway", "api_key_from_env"):
+        from ksfs.gateway import service
+
+        return getattr(service, name)
+    raise AttributeError(f"module 'ksfs.gateway' has no attribute {name!r}")
+
 
 __all__ = [
     "API_KEY_ENV",
@@ -28,4 +39,5 @@ __all__ = [
     "header_key",
     "load_prices",
     "parse_prices",
+    "read_usage",
 ]

@@ -1,0 +1,190 @@
+"""Gateway verbs: ``ksfs gateway serve`` (a standalone gateway for one session), ``ksfs usage``
+and ``ksfs budget``.
+
+``usage`` reads the store; ``budget`` writes the budget and its ``budget.set`` event in one LMDB
+transaction, which a running daemon's gateway sees on its next call. None of them ever prints or
+takes an API key on the command line: the key comes from the environment or a file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import signal
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ksfs.cli import emit_json, main, pass_ctx
+from ksfs.errors import BadInput, NoSuchSession
+
+DEFAULT_SESSION = "default"
+
+
+@main.group()
+def gateway() -> None:
+    """The model-call gateway: OpenAI-style chat completions on loopback, bought once per
+    idempotency key, replayed after a save, counted per session and held to a budget.
+
+    Example: ksfs gateway serve --upstream http://127.0.0.1:8000 --port 8900
+    """
+
+
+@gateway.command()
+@click.option("--upstream", required=True, metavar="URL",
+              help="The model provider's base URL, without /v1 (e.g. https://api.openai.com).")
+@click.option("--session", "session", default=DEFAULT_SESSION, show_default=True,
+              help="The session whose calls this gateway serves (`default` is created if "
+                   "missing).")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Port to listen on (0: any free port; the bound port is printed).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Anything but loopback exposes the gateway to the network.")
+@click.option("--prices", type=click.Path(dir_okay=False), default=None,
+              help="Price table (TOML, USD per 1M tokens per model); default: the shipped one.")
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="Seconds one upstream call may take before the guest gets a 504.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Read the upstream API key from this file (default: $KSFS_UPSTREAM_API_KEY, "
+                   "else $OPENAI_API_KEY).")
+@pass_ctx
+def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | None,
+          timeout: float, api_key_file: str | None) -> None:
+    """Serve one session's model calls on HOST:PORT until interrupted (Ctrl-C or SIGTERM).
+
+    Prints one line `ksfs gateway: session S on http://HOST:PORT -> UPSTREAM` once listening.
+    Point the agent's OpenAI base URL at http://HOST:PORT/v1.
+
+    \b
+    Example:
+      KSFS_UPSTREAM_API_KEY=sk-... ksfs gateway serve \\
+          --upstream https://api.openai.com --session demo --port 8900
+    """
+    import trio
+
+    from ksfs.gateway import Gateway
+
+    api_key = None
+    if api_key_file is not None:
+        api_key = Path(api_key_file).read_text("utf-8").strip() or None
+    keeper = ctx.open_keeper(create=True)
+    store, ledger = keeper.store, keeper.ledger
+    try:
+        ledger.session(session)
+    except NoSuchSession:
+        if session != DEFAULT_SESSION:
+            raise
+        with store.env.begin(write=True) as txn:
+            ledger.create_session(txn, DEFAULT_SESSION)
+    if not _is_loopback(host):
+        click.echo(f"ksfs: warning: gateway bound to {host}, not loopback: anyone who can reach "
+                   "it can spend this session's budget", err=True)
+    gw = Gateway(store, ledger, upstream, prices, api_key=api_key, timeout=timeout)
+    keeper.gateway = gw
+    trio.run(_serve, gw, session, host, port, upstream)
+
+
+async def _serve(gw: Any, session: str, host: str, port: int, upstream: str) -> None:
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(gw.serve_session, session, port, host)
+            shown = f"[{host}]" if ":" in host else host
+            click.echo(f"ksfs gateway: session {session} on http://{shown}:{bound} -> {upstream}")
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@main.command()
+@click.argument("session")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (as sessions/S/usage).")
+@pass_ctx
+def usage(ctx, session: str, as_json: bool) -> None:
+    """Model-call usage of SESSION: paid calls, replays, tokens, cost, budget.
+
+    Replays (calls served from the store) cost nothing and are counted apart.
+
+    Example: ksfs usage demo --json
+    """
+    from ksfs.gateway import read_usage
+
+    keeper = ctx.open_keeper()
+    u = read_usage(keeper.store, keeper.ledger, session)
+    if as_json:
+        emit_json(u)
+        return
+    click.echo(f"session          {u['session']}")
+    click.echo(f"paid calls       {u['paid_calls']}")
+    click.echo(f"replays          {u['replays']}  (free)")
+    click.echo(f"refused          {u['refused']}  (over budget)")
+    click.echo(f"upstream errors  {u['upstream_errors']}")
+    click.echo(f"tokens           {u['prompt_tokens']} in, {u['completion_tokens']} out, "
+               f"{u['total_tokens']} total")
+    notes = []
+    if u["unpriced_calls"]:
+        notes.append(f"{u['unpriced_calls']} call(s) of models with no price, counted as 0")
+    if u["unknown_usage_calls"]:
+        notes.append(f"{u['unknown_usage_calls']} streamed call(s) without usage, 0 tokens")
+    click.echo(f"cost             {u['cost_usd']:.6f} USD" + (f"  ({'; '.join(notes)})"
+                                                               if notes else ""))
+    click.echo(f"budget           {_show_budget(u['budget'])}")
+    if u["remaining"] is not None:
+        click.echo(f"remaining        {_show_budget(u['remaining'])}"
+                   + ("  (over budget)" if u["over_budget"] else ""))
+
+
+@main.command()
+@click.argument("session")
+@click.option("--tokens", type=int, default=None, metavar="N",
+              help="Refuse calls once the session has used N tokens (prompt + completion).")
+@click.option("--usd", type=float, default=None, metavar="X",
+              help="Refuse calls once the session has spent X US dollars.")
+@click.option("--clear", is_flag=True, help="Remove the session's budget.")
+@click.option("--json", "as_json", is_flag=True, help="Print the budget as JSON.")
+@pass_ctx
+def budget(ctx, session: str, tokens: int | None, usd: float | None, clear: bool,
+           as_json: bool) -> None:
+    """Show or set the model-call budget of SESSION.
+
+    With --tokens and/or --usd the budget becomes exactly that (an option left out means no
+    limit of that kind) and a `budget.set` event is recorded; with neither, the budget is shown.
+    A call made once the budget is used up gets HTTP 402 and nothing is sent upstream; replays
+    of stored calls are still served, since they cost nothing.
+
+    Example: ksfs budget demo --tokens 200000 --usd 2.50
+    """
+    from ksfs.gateway import GatewayStore
+
+    keeper = ctx.open_keeper()
+    db = GatewayStore(keeper.store, keeper.ledger)
+    if clear and (tokens is not None or usd is not None):
+        raise BadInput("--clear cannot be given with --tokens or --usd")
+    if clear or tokens is not None or usd is not None:
+        db.set_budget(session, tokens=tokens, usd=usd)
+    current = db.budget(session)
+    if as_json:
+        emit_json({"session": session, "budget": current})
+    else:
+        click.echo(f"{session}: {_show_budget(current)}")
+
+
+def _show_budget(b: dict[str, Any] | None) -> str:
+    if b is None:
+        return "no budget"
+    parts = []
+    if b.get("tokens") is not None:
+        parts.append(f"{b['tokens']} tokens")
+    if b.get("usd") is not None:
+        parts.append(f"{b['usd']:g} USD")
+    return ", ".join(parts) or "no limit"

@@ -1,0 +1,130 @@
+"""The gateway's command line in real subprocesses: a standalone `ksfs gateway serve` answering
+calls (bought once, then replayed), `ksfs usage` and `ksfs budget` against the same store while
+it runs, a 402 after the budget is set, and a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_provider import FakeProvider
+from test_gateway_helpers import CHAT, MARKER_KEY, chat_body
+
+from ksfs.cas import ChunkStore
+from ksfs.ledger import Ledger
+
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+
+
+def ksfs(store: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
+                         timeout=60)
+    if check and res.returncode != 0:
+        raise AssertionError(f"ksfs {args} failed {res.returncode}: {res.stderr}")
+    return res
+
+
+def read_line(proc: subprocess.Popen, deadline: float) -> str:
+    """One line of the server's stdout, failing if it dies or says nothing in time."""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            raise AssertionError(f"gateway exited {proc.returncode}: {proc.stderr.read()}")
+    raise AssertionError("gateway printed nothing in time")
+
+
+@pytest.fixture
+def provider():
+    with FakeProvider() as up:
+        yield up
+
+
+@pytest.fixture
+def served(tmp_path, provider):
+    store = tmp_path / "store"
+    env = dict(os.environ, KSFS_UPSTREAM_API_KEY=MARKER_KEY)
+    env.pop("OPENAI_API_KEY", None)
+    proc = subprocess.Popen(
+        KSFS + ["--store", str(store), "gateway", "serve", "--upstream", provider.url,
+                "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = read_line(proc, time.monotonic() + 30)
+        assert line.startswith("ksfs gateway: session default on http://127.0.0.1:"), line
+        port = int(line.split("127.0.0.1:")[1].split()[0])
+        yield store, port, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def post(port: int, body: dict) -> httpx.Response:
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as c:
+        return c.post(CHAT, json=body, headers={"authorization": "Bearer guest"})
+
+
+def test_standalone_gateway_serves_replays_and_budgets(served, provider):
+    store, port, proc = served
+    first = post(port, chat_body("through the command line"))
+    again = post(port, chat_body("through the command line"))
+    assert first.status_code == again.status_code == 200
+    assert first.content == again.content and provider.count() == 1
+    assert provider.requests[0].headers["authorization"] == f"Bearer {MARKER_KEY}"
+
+    u = json.loads(ksfs(store, "usage", "default", "--json").stdout)
+    assert (u["session"], u["paid_calls"], u["replays"]) == ("default", 1, 1)
+    assert u["total_tokens"] == 4 + 7  # four words in, seven out
+    human = ksfs(store, "usage", "default").stdout
+    assert "paid calls       1" in human and "replays          1" in human
+
+    shown = json.loads(ksfs(store, "budget", "default", "--tokens", "5", "--json").stdout)
+    assert shown == {"session": "default", "budget": {"tokens": 5, "usd": None}}
+    refused = post(port, chat_body("one more, please"))
+    assert refused.status_code == 402
+    assert refused.json()["error"]["budget"] == {"tokens": 5, "usd": None}
+    assert provider.count() == 1
+    assert "5 tokens" in ksfs(store, "budget", "default").stdout
+    assert "no budget" in ksfs(store, "budget", "default", "--clear").stdout
+    bad = ksfs(store, "budget", "default", "--tokens", "-3", check=False)
+    assert bad.returncode == 2 and "budget" in bad.stderr
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+    with ChunkStore.open(store) as s:
+        led = Ledger(s)
+        types = [e.type for e in led.events("default")]
+        assert types == ["session.created", "gateway.call", "gateway.replay", "budget.set",
+                         "budget.refused", "budget.set"]
+        assert led.verify() == []
+        assert s.check().ok
+
+
+def test_cli_errors_and_help(tmp_path, provider):
+    store = tmp_path / "store"
+    ChunkStore.open(store, create=True).close()
+    missing = ksfs(store, "gateway", "serve", "--upstream", provider.url, "--session", "nope",
+                   check=False)
+    assert missing.returncode == 3 and "nope" in missing.stderr
+    bad_url = ksfs(store, "gateway", "serve", "--upstream", "ftp://x", check=False)
+    assert bad_url.returncode == 2 and "http://" in bad_url.stderr
+    assert ksfs(store, "usage", "nope", check=False).returncode == 3
+    for cmd in (["gateway", "serve"], ["usage"], ["budget"]):
+        text = ksfs(store, *cmd, "--help").stdout
+        assert "Example:" in text and f"ksfs {' '.join(cmd)} " in text
