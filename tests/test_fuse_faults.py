@@ -1,0 +1,89 @@
+"""Faults through the mount: a damaged chunk and a crashing handler each give EIO for what they
+touch, never wrong bytes, and the mount stays up and keeps serving everything else."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+
+import pytest
+
+from ksfs.keeper import Keeper
+from tests.mount_helpers import MIB, mounted, write_disk, write_memory
+
+K64 = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    disk = write_disk(root / "disk.raw", 2 * MIB + 3, 3, [(0, 2 * MIB + 3)])
+    memory = write_memory(root / "memory", 1 * MIB + 17, 4)
+    with Keeper(root / "store", create=True) as k:
+        k.import_files("s", "c", [memory], disks=[disk])
+    return root / "store", disk, memory
+
+
+def read_error(path, offset: int, n: int) -> int | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.pread(fd, n, offset)
+        return None
+    except OSError as exc:
+        return exc.errno
+    finally:
+        os.close(fd)
+
+
+def test_crash_inside_a_handler_gives_eio_and_the_mount_stays_up(small_store):
+    store, disk, memory = small_store
+    with mounted(store, env={"KSFS_FUSE_FAULT": "read:memory"}) as mnt:
+        c = mnt / "sessions" / "s" / "checkpoints" / "c"
+        for _ in range(3):
+            with pytest.raises(OSError) as info:
+                (c / "memory").read_bytes()
+            assert info.value.errno == errno.EIO
+        # Still mounted and serving: listing, sizes, other files' bytes.
+        assert os.path.ismount(mnt)
+        assert (c / "memory").stat().st_size == memory.stat().st_size
+        assert (c / "disk.raw").read_bytes() == disk.read_bytes()
+        assert "s" in os.listdir(mnt / "sessions")
+    assert "injected crash" in mounted.last_log and "answering EIO" in mounted.last_log
+
+
+def test_damaged_chunk_gives_eio_never_wrong_bytes(small_store, tmp_path):
+    store, disk, memory = small_store
+    # Damage one chunk of the disk in a copy of the store, so the other test keeps a good one.
+    damaged = tmp_path / "store"
+    shutil.copytree(store, damaged)
+    with Keeper(damaged) as k:
+        reader = k.open_file("s", "c", "disk.raw")
+        ids = reader.chunk_ids()
+        victim = 5  # the sixth 64 KiB cluster
+        loc = k.store.lookup(ids[victim])
+        pack = os.path.join(k.store.packs_dir, f"{loc.pack:08d}.pack")
+    with open(pack, "r+b") as f:
+        f.seek(loc.offset + 52 + loc.stored_len // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+    original = disk.read_bytes()
+    with mounted(damaged) as mnt:
+        path = mnt / "sessions" / "s" / "checkpoints" / "c" / "disk.raw"
+        assert read_error(path, victim * K64 + 10, 100) == errno.EIO
+        # Everything outside the damaged cluster still reads, and reads right.
+        rnd = random.Random(1)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for _ in range(50):
+                off = rnd.choice([rnd.randrange(0, victim * K64 - 4096),
+                                  rnd.randrange((victim + 1) * K64, len(original) - 1)])
+                n = min(4096, (victim * K64 - off) if off < victim * K64 else 4096)
+                assert os.pread(fd, n, off) == original[off : off + n]
+        finally:
+            os.close(fd)
+        assert os.path.ismount(mnt)
+        assert (mnt / "sessions" / "s" / "checkpoints" / "c" / "memory").read_bytes() == \
+            memory.read_bytes()

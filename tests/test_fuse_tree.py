@@ -1,0 +1,160 @@
+"""The mount's tree without a kernel: inode identity, lazy listing, stable offsets and the
+bad-input rules, over a real keeper on an offline store."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from ksfs.errors import (
+    AlreadyExists,
+    BadInput,
+    BadName,
+    NoSuchFile,
+    NotFound,
+    NotPermitted,
+    ReadOnly,
+)
+from ksfs.fuse.nodes import CheckpointDir, ResumeFile
+from ksfs.fuse.tree import ROOT_INODE, CheckpointTree
+from ksfs.keeper import Keeper
+from tests.mount_helpers import add_checkpoints
+
+
+@pytest.fixture(scope="module")
+def keeper(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree")
+    (root / "a").write_bytes(b"alpha" * 1000)
+    (root / "b").write_bytes(b"beta\n")
+    with Keeper(root / "store", create=True) as k:
+        k.import_files("s", "c1", [root / "a"])
+        k.import_files("s", "c2", [root / "b"])
+        add_checkpoints(k, "many", 300, root / "b")
+        k.src = root
+        yield k
+
+
+def walk(tree: CheckpointTree, *parts: str) -> int:
+    ino = ROOT_INODE
+    for p in parts:
+        ino = tree.lookup(ino, p).ino
+    return ino
+
+
+def rejections(k: Keeper, session: str, since: int) -> list[dict]:
+    return [e.body for e in k.ledger.events(session, since) if e.type == "input.rejected"]
+
+
+def test_inodes_are_stable_and_follow_identity(keeper, tmp_path):
+    tree = CheckpointTree(keeper)
+    a = walk(tree, "sessions", "s", "checkpoints", "c1", "a")
+    assert walk(tree, "sessions", "s", "checkpoints", "c1", "a") == a
+    other = CheckpointTree(keeper)  # numbers are per mount; identity decides sameness
+    assert walk(other, "sessions", "s", "checkpoints", "c1", "a") != ROOT_INODE
+    # A checkpoint taken again under a deleted one's name is a different inode.
+    (tmp_path / "z").write_bytes(b"z")
+    keeper.import_files("s", "tmp", [tmp_path / "z"])
+    old = walk(tree, "sessions", "s", "checkpoints", "tmp")
+    keeper.delete_checkpoint("s", "tmp")
+    with pytest.raises(NoSuchFile):
+        walk(tree, "sessions", "s", "checkpoints", "tmp")
+    keeper.import_files("s", "tmp", [tmp_path / "z"])
+    assert walk(tree, "sessions", "s", "checkpoints", "tmp") != old
+    keeper.delete_checkpoint("s", "tmp")
+    # '.' and '..'
+    c1 = walk(tree, "sessions", "s", "checkpoints", "c1")
+    assert tree.lookup(c1, ".").ino == c1
+    assert tree.lookup(c1, "..").ino == walk(tree, "sessions", "s", "checkpoints")
+
+
+def test_listing_is_lazy_and_offsets_stable(keeper):
+    tree = CheckpointTree(keeper)
+    cps = walk(tree, "sessions", "many", "checkpoints")
+    first = tree.listdir(cps)
+    assert [e.name for e in first] == [f"k_{i:05d}" for i in range(300)]
+    assert [e.ino for e in tree.listdir(cps)] == [e.ino for e in first]
+    # No checkpoint record (let alone a manifest) was loaded to list them.
+    assert all(tree.node(e.ino).record is None for e in first)
+    assert all(isinstance(tree.node(e.ino), CheckpointDir) for e in first)
+    assert all(e.attr.is_dir and e.attr.mode == 0o755 for e in first)
+
+
+def test_attributes(keeper):
+    tree = CheckpointTree(keeper)
+    rec = keeper.ledger.checkpoint("s", "c1")
+    a = tree.lookup(walk(tree, "sessions", "s", "checkpoints", "c1"), "a").attr
+    assert a.size == 5000 and a.mode == 0o444 and not a.is_dir
+    assert a.blocks == math.ceil(rec.file("a").stored / 512)
+    assert a.attr_timeout > 1e6 and a.entry_timeout > 1e6
+    status = tree.lookup(walk(tree, "sessions", "s"), "status").attr
+    assert status.attr_timeout == 0 and status.size == len(keeper.status_bytes("s"))
+    resume = tree.lookup(walk(tree, "sessions", "s"), "resume").attr
+    assert resume.mode == 0o644
+    fh, h = tree.open(walk(tree, "sessions", "s", "checkpoints", "c1", "a"), os.O_RDONLY)
+    assert h.keep_cache and not h.direct_io
+    assert tree.read(fh, 4995, 100) == b"alpha"
+    tree.release(fh)
+    fh, h = tree.open(walk(tree, "sessions", "s", "events"), os.O_RDONLY)
+    assert h.direct_io and not h.keep_cache
+    tree.release(fh)
+
+
+@pytest.mark.parametrize("name", ["a/b", "a\0b", ".", "..", "x" * 256, "", "tab\tname",
+                                  "bad\udcffutf8"])
+def test_bad_names_are_einval_with_an_event(keeper, name):
+    tree = CheckpointTree(keeper)
+    cps = walk(tree, "sessions", "s", "checkpoints")
+    since = keeper.ledger.last_seq("s") + 1
+    before = keeper.ledger.checkpoint_names("s")
+    with pytest.raises(BadName) as info:
+        tree.mkdir(cps, name)
+    assert info.value.errno == 22
+    assert keeper.ledger.checkpoint_names("s") == before
+    (ev,) = rejections(keeper, "s", since)
+    assert ev["file"].startswith("checkpoints/") and ev["why"]
+
+
+def test_refusals(keeper):
+    tree = CheckpointTree(keeper)
+    s = walk(tree, "sessions", "s")
+    since = keeper.ledger.last_seq("s") + 1
+    with pytest.raises(AlreadyExists):
+        tree.mkdir(walk(tree, "sessions", "s", "checkpoints"), "c1")
+    with pytest.raises(AlreadyExists):
+        tree.mkdir(walk(tree, "sessions"), "s")
+    with pytest.raises(AlreadyExists):
+        tree.mkdir(walk(tree, "sessions", "s", "checkpoints", "c1", "forks"), "many")
+    with pytest.raises(NotPermitted):
+        tree.mkdir(s, "x")
+    with pytest.raises(NotPermitted):
+        tree.mkdir(ROOT_INODE, "x")
+    with pytest.raises(ReadOnly):
+        tree.open(walk(tree, "sessions", "s", "checkpoints", "c1", "a"), os.O_RDWR)
+    with pytest.raises(ReadOnly):
+        tree.open(walk(tree, "sessions", "s", "status"), os.O_RDONLY | os.O_TRUNC)
+    with pytest.raises(NotPermitted):
+        tree.refuse(s, "newfile", "create")
+    got = rejections(keeper, "s", since)
+    assert [e["file"] for e in got] == ["checkpoints/c1", "s", "checkpoints/c1/forks/many", "x",
+                                        "checkpoints/c1/a", "status", "newfile"]
+    assert keeper.ledger.checkpoint_names("s") == ["c1", "c2"]
+
+
+@pytest.mark.parametrize("data,error", [
+    (b"nope\n", NotFound), (b"\xff\n", BadInput), (b"\n", BadInput), (b"a/b", BadName),
+    (b"c1\n\n", BadName)])
+def test_resume_bad_input(keeper, data, error):
+    tree = CheckpointTree(keeper)
+    ino = walk(tree, "sessions", "s", "resume")
+    assert isinstance(tree.node(ino), ResumeFile)
+    since = keeper.ledger.last_seq("s") + 1
+    fh, _ = tree.open(ino, os.O_WRONLY | os.O_TRUNC)
+    with pytest.raises(error) as info:
+        tree.write(fh, 0, data)
+    tree.release(fh)
+    assert info.value.errno in (2, 22)
+    (ev,) = rejections(keeper, "s", since)
+    assert ev["file"] == "resume"
+    assert keeper.resume_result("s").startswith(b"rejected: ")
