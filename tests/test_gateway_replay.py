@@ -208,3 +208,34 @@ async def test_bad_requests_and_unknown_session(gw, provider, nursery):
     r = await call(port, {}, raw=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert provider.count() == 0
+
+
+async def test_guest_that_hangs_up_mid_call_gets_the_stored_answer(gw, ledger, provider,
+                                                                   nursery):
+    # What a save/restore does to a guest's open call: the connection goes away. The purchase
+    # goes on, is stored, and the guest's retry is a replay.
+    provider.delay = 0.8
+    port = await nursery.start(gw.serve_session, "s1")
+    with trio.move_on_after(0.3) as hung_up:
+        await call(port, chat_body("interrupted call"), key="cut")
+    assert hung_up.cancelled_caught
+    retry = await call(port, chat_body("interrupted call"), key="cut")  # waits, then replays
+    assert retry.status_code == 200 and retry.headers["x-ksfs-replay"] == "true"
+    assert provider.count() == 1
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["replays"]) == (1, 1)
+    assert (await call(port, chat_body("the server is still fine"))).status_code == 200
+
+
+async def test_stored_answers_outlive_the_gateway(store, ledger, provider, nursery):
+    first = Gateway(store, ledger, provider.url, api_key=MARKER_KEY)
+    async with trio.open_nursery() as inner:
+        port = await inner.start(first.serve_session, "s1")
+        a = await call(port, chat_body("remember me", stream=True))
+        inner.cancel_scope.cancel()
+    assert first.ports == {}
+    second = Gateway(store, ledger, provider.url, api_key=MARKER_KEY)
+    port = await nursery.start(second.serve_session, "s1")
+    b = await call(port, chat_body("remember me", stream=True))
+    assert a.content == b.content and b.headers["x-ksfs-replay"] == "true"
+    assert provider.count() == 1
