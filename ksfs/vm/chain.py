@@ -1,0 +1,172 @@
+"""Disk image chains on the host: qemu-img maps, random-access reads of a frozen chain, overlays.
+
+A frozen layer is read through its whole backing chain with ``qemu-img map`` of the chain (which
+file, at which host offset, holds each guest range) and plain ``pread`` on those files, so an
+incremental checkpoint reads only the clusters it needs and never converts a whole image.
+Must never write to a layer it reads, and never import libvirt (that is controller.py's job).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ksfs.errors import VMError
+
+ZERO_BLOCK = 1 << 20
+
+
+def qemu_img(*args: str, what: str) -> str:
+    """Run qemu-img; a failure is a VMError naming ``what``."""
+    try:
+        res = subprocess.run(["qemu-img", *args], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise VMError(f"{what}: qemu-img could not run ({exc})") from exc
+    if res.returncode != 0:
+        raise VMError(f"{what}: qemu-img {args[0]} failed: {res.stderr.strip()[-500:]}")
+    return res.stdout
+
+
+def image_info(path: Path | str, what: str = "reading image info") -> dict:
+    """qemu-img info of a file alone (force-shared: the running QEMU may hold it open)."""
+    return json.loads(qemu_img("info", "-U", "--output=json", str(path), what=what))
+
+
+def backing_chain(path: Path | str, what: str = "reading backing chain") -> list[dict]:
+    """[top, its backing, ...] as qemu-img info --backing-chain reports them."""
+    out = qemu_img("info", "-U", "--backing-chain", "--output=json", str(path), what=what)
+    return json.loads(out)
+
+
+def create_overlay(path: Path, backing: Path, backing_fmt: str, what: str) -> None:
+    qemu_img("create", "-q", "-f", "qcow2", "-F", backing_fmt, "-b", str(backing), str(path),
+             what=what)
+
+
+@dataclass(frozen=True)
+class Extent:
+    start: int
+    length: int
+    depth: int
+    data: bool
+    offset: int | None  # host offset in the file at ``depth``; None for zeros
+
+
+class ChainSource:
+    """The guest-visible bytes of a frozen image: ``.size`` and ``.pread(offset, n)``.
+
+    Built from one ``qemu-img map`` of the full chain at ``top``; the chain must not change while
+    this is read (the controller guarantees that until ``finish``). Thread-safe.
+    """
+
+    def __init__(self, top: Path, what: str = "mapping frozen disk") -> None:
+        chain = backing_chain(top, what)
+        self.files = [Path(c["filename"]) for c in chain]
+        self.formats = [c["format"] for c in chain]
+        self.size = int(chain[0]["virtual-size"])
+        raw = json.loads(qemu_img("map", "-U", "--output=json", str(top), what=what))
+        self.extents = [
+            Extent(e["start"], e["length"], e.get("depth", 0),
+                   bool(e.get("data")) and not e.get("zero", False) and e.get("present", True),
+                   e.get("offset"))
+            for e in raw
+        ]
+        for e in self.extents:
+            if e.data and e.offset is None:
+                raise VMError(f"{what}: {self.files[min(e.depth, len(self.files) - 1)]} has "
+                              f"compressed or encrypted clusters, which ksfs cannot read in place")
+        self._starts = [e.start for e in self.extents]
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def changed_since(self, base_depth: int) -> list[tuple[int, int]]:
+        """Guest ranges allocated (data or zero) in any layer above depth ``base_depth``."""
+        out: list[tuple[int, int]] = []
+        for e in self.extents:
+            if e.depth < base_depth:
+                if out and out[-1][0] + out[-1][1] == e.start:
+                    out[-1] = (out[-1][0], out[-1][1] + e.length)
+                else:
+                    out.append((e.start, e.length))
+        return out
+
+    def _fd(self, depth: int) -> int:
+        with self._lock:
+            fd = self._fds.get(depth)
+            if fd is None:
+                fd = os.open(self.files[depth], os.O_RDONLY)
+                self._fds[depth] = fd
+            return fd
+
+    def pread(self, offset: int, n: int) -> bytes:
+        if offset < 0 or n < 0:
+            raise VMError("negative read of a frozen disk")
+        end = min(offset + n, self.size)
+        parts: list[bytes] = []
+        pos = offset
+        i = max(bisect.bisect_right(self._starts, pos) - 1, 0)
+        while pos < end:
+            e = self.extents[i]
+            take = min(end, e.start + e.length) - pos
+            if take <= 0:
+                i += 1
+                continue
+            if e.data:
+                assert e.offset is not None
+                buf = os.pread(self._fd(e.depth), take, e.offset + (pos - e.start))
+                if len(buf) < take:  # a raw file shorter than its virtual size reads as zeros
+                    buf += bytes(take - len(buf))
+                parts.append(buf)
+                self.bytes_read += take
+            else:
+                parts.append(bytes(take))
+            pos += take
+            i += 1
+        return b"".join(parts)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def materialize(reader: object, path: Path, what: str, block: int = ZERO_BLOCK) -> int:
+    """Write a reader's bytes (``.size``, ``.read(offset, n)``) to ``path``, sparse, fsynced.
+
+    All-zero blocks are skipped so the file stays sparse. Returns the bytes written.
+    """
+    size = int(reader.size)  # type: ignore[attr-defined]
+    written = 0
+    zero = bytes(block)
+    tmp = path.with_name(path.name + ".part")
+    try:
+        with open(tmp, "wb") as f:
+            pos = 0
+            while pos < size:
+                n = min(block, size - pos)
+                buf = reader.read(pos, n)  # type: ignore[attr-defined]
+                if len(buf) != n:
+                    raise VMError(f"{what}: short read at offset {pos} ({len(buf)} of {n} bytes)")
+                if buf != (zero if n == block else zero[:n]):
+                    f.seek(pos)
+                    f.write(buf)
+                    written += n
+                pos += n
+            f.truncate(size)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise VMError(f"{what}: writing {path} failed: {exc.strerror or exc}") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return written

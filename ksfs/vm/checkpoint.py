@@ -1,0 +1,197 @@
+"""Taking a checkpoint of a running domain: atomic external snapshot, then finish or abort.
+
+``snapshot`` freezes disk, memory and device state of one instant (libvirt external snapshot,
+ATOMIC and NO_METADATA, memory to a staging file, every disk to a new overlay) and hands the
+frozen chain over as random-access sources. ``finish`` commits the frozen layers into the chain's
+root (never the active overlay), so the next frozen layer holds exactly the next interval's
+writes. Any failure leaves the guest running, removes partial files and raises VMError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+from xml.sax.saxutils import quoteattr
+
+import libvirt
+
+from ksfs.crashpoints import crash_point
+from ksfs.errors import NotRunning, VMError
+from ksfs.vm import domxml
+from ksfs.vm.chain import ChainSource
+from ksfs.vm.state import DiskState, Frozen, FrozenDisk
+from ksfs.vm.steps import step
+
+if TYPE_CHECKING:
+    from ksfs.vm.controller import DomainController
+
+COMMIT_TIMEOUT = 600.0
+
+
+def _snapshot_xml(memory: Path, overlays: dict[str, Path], skip: list[str]) -> str:
+    disks = "".join(
+        f"<disk name={quoteattr(t)} snapshot='external' type='file'><driver type='qcow2'/>"
+        f"<source file={quoteattr(str(p))}/></disk>"
+        for t, p in overlays.items()
+    )
+    disks += "".join(f"<disk name={quoteattr(t)} snapshot='no'/>" for t in skip)
+    return (f"<domainsnapshot><memory snapshot='external' file={quoteattr(str(memory))}/>"
+            f"<disks>{disks}</disks></domainsnapshot>")
+
+
+def _other_disks(xml: str, kept: set[str]) -> list[str]:
+    """Targets of disks that are not ours to snapshot (cdroms, floppies, read-only disks)."""
+    import xml.etree.ElementTree as ET
+
+    out = []
+    for disk in ET.fromstring(xml).iterfind("devices/disk"):
+        target = disk.find("target")
+        if target is not None and target.get("dev") not in kept:
+            out.append(target.get("dev"))
+    return out
+
+
+def snapshot(ctl: DomainController, session: str, domain: str, live: bool = False) -> Frozen:
+    state = ctl.load_state(session)
+    dom = ctl.lookup(domain)
+    if not dom.isActive():
+        raise NotRunning(session=session)
+    with step(domain, "reading the definition before a snapshot"):
+        was_paused = dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED
+        live_xml = dom.XMLDesc(0)
+    disks = domxml.disks(live_xml)
+    n = state.next_number()
+    ctl.save_state(session, state)  # the number is spent even if this snapshot fails
+    d = ctl.session_dir(session)
+    memory = d / "staging" / f"memory-{n}.save"
+    overlays = {disk.target: d / f"{disk.target}-{n}.qcow2" for disk in disks}
+    skip = [t for t in _other_disks(live_xml, set(overlays)) if t]
+    flags = (libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_ATOMIC
+             | libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_NO_METADATA)
+    if live:
+        flags |= libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_LIVE
+    t0 = time.monotonic()
+    try:
+        with step(domain, "taking the external snapshot"):
+            dom.snapshotCreateXML(_snapshot_xml(memory, overlays, skip), flags)
+    except VMError:
+        # ATOMIC: libvirt rolled the disks back; drop whatever files it left behind.
+        memory.unlink(missing_ok=True)
+        for path in overlays.values():
+            if path.exists() and path not in _current_tops(ctl, domain):
+                path.unlink(missing_ok=True)
+        _keep_running(dom, was_paused)
+        raise
+    paused_s = time.monotonic() - t0
+    _keep_running(dom, was_paused)
+    try:
+        crash_point("vm.snapshot")
+        with step(domain, "reading the snapshot's memory image"):
+            xml = ctl.conn.saveImageGetXMLDesc(str(memory),
+                                               libvirt.VIR_DOMAIN_SAVE_IMAGE_XML_SECURE)
+        frozen_disks = []
+        for disk in disks:
+            frozen_disks.append(_frozen_disk(disk, state.disks.get(disk.target)))
+        bases = {state.disks[t].base_checkpoint if t in state.disks else None
+                 for t in overlays}
+        base = bases.pop() if len(bases) == 1 else None
+        if base is None:
+            for fd in frozen_disks:
+                fd.changed = None
+    except BaseException:
+        memory.unlink(missing_ok=True)
+        raise
+    return Frozen(session, domain, f"snap-{n}", memory, xml, frozen_disks, base, paused_s)
+
+
+def _frozen_disk(disk: domxml.DiskInfo, tracked: object) -> FrozenDisk:
+    top = disk.source
+    source = ChainSource(Path(top), f"mapping frozen disk {disk.target}")
+    names = [str(f) for f in source.files]
+    root = getattr(tracked, "root", None)
+    if root is None or root not in names:
+        # A disk we do not track yet (or whose root left the chain): the top is its own root.
+        root = top
+    depth = names.index(root)
+    changed = None
+    if getattr(tracked, "base_checkpoint", None) is not None:
+        changed = source.changed_since(depth)
+    return FrozenDisk(disk.target, source.size, source, changed, top, root, names[:depth])
+
+
+def _current_tops(ctl: DomainController, domain: str) -> set[Path]:
+    try:
+        return {Path(p) for p in ctl.disk_files(domain).values()}
+    except VMError:
+        return set()
+
+
+def _keep_running(dom: libvirt.virDomain, was_paused: bool) -> None:
+    """A snapshot must never leave a running guest paused."""
+    with contextlib.suppress(libvirt.libvirtError):
+        if not was_paused and dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
+            dom.resume()
+
+
+def finish(ctl: DomainController, frozen: Frozen, checkpoint: str | None) -> None:
+    if frozen.finished:
+        return
+    state = ctl.load_state(frozen.session)
+    dom = ctl.lookup(frozen.domain)
+    frozen.close()
+    crash_point("vm.flatten")
+    for disk in frozen.disks:
+        if disk.layers:
+            _commit(ctl, dom, frozen, disk)
+        tracked = state.disks.get(disk.target)
+        if tracked is None or tracked.root != disk.root:
+            depth = [str(f) for f in disk.source.files].index(disk.root)
+            tracked = state.disks[disk.target] = DiskState(disk.root, disk.source.formats[depth])
+        tracked.base_checkpoint = checkpoint or frozen.token
+    ctl.save_state(frozen.session, state)
+    frozen.memory_path.unlink(missing_ok=True)
+    frozen.finished = True
+
+
+def _commit(ctl: DomainController, dom: libvirt.virDomain, frozen: Frozen,
+            disk: FrozenDisk) -> None:
+    """Block-commit the frozen layers of one disk into its root and wait for the job."""
+    name = frozen.domain
+    with step(name, f"committing {disk.target} into {Path(disk.root).name}"):
+        dom.blockCommit(disk.target, disk.root, disk.top, 0, 0)
+        deadline = time.monotonic() + COMMIT_TIMEOUT
+        while dom.blockJobInfo(disk.target, 0):
+            if time.monotonic() > deadline:
+                with contextlib.suppress(libvirt.libvirtError):
+                    dom.blockJobAbort(disk.target, 0)
+                raise VMError(f"committing {disk.target} of domain {name} did not finish in "
+                              f"{COMMIT_TIMEOUT:.0f} s")
+            time.sleep(0.01)
+    chain = _chain_files(ctl, name, disk.target)
+    if any(layer in chain for layer in disk.layers):
+        raise VMError(f"committing {disk.target} of domain {name} failed: the frozen layer is "
+                      f"still in its backing chain")
+    session_dir = str(ctl.session_dir(frozen.session))
+    for layer in disk.layers:
+        # Only files ksfs made (in the session's directory) are ever deleted.
+        if layer.startswith(session_dir + "/"):
+            Path(layer).unlink(missing_ok=True)
+
+
+def _chain_files(ctl: DomainController, domain: str, target: str) -> list[str]:
+    for disk in domxml.disks(ctl.xml(domain)):
+        if disk.target == target:
+            return [disk.source, *disk.backing]
+    return []
+
+
+def abort(ctl: DomainController, frozen: Frozen) -> None:
+    """Drop the memory image; the frozen layers stay in the chain until the next finish."""
+    if frozen.finished:
+        return
+    frozen.close()
+    with contextlib.suppress(OSError):
+        frozen.memory_path.unlink(missing_ok=True)
+    frozen.finished = True

@@ -1,0 +1,288 @@
+"""DomainController: create or adopt libvirt domains, and run, pause and remove them.
+
+The only libvirt user in ksfs (with checkpoint.py and restore.py beside it). Every libvirt or
+subprocess failure leaves here as a VMError naming the domain and the step. ``workdir/<session>/``
+holds a session's disk files, staging files, console log and state.json; the controller never
+touches files outside it except an adopted domain's own disks (see docs/vm.md), and never
+touches domains it was not asked about. Must never import the store, the ledger, trio or click.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import libvirt
+
+from ksfs.errors import AlreadyExists, NotRunning, VMError
+from ksfs.model import validate_name
+from ksfs.vm import domxml
+from ksfs.vm.chain import image_info
+from ksfs.vm.probe import domain_type
+from ksfs.vm.state import DiskState, Frozen, Restored, SessionState, load_state, save_state
+from ksfs.vm.steps import step
+
+_STATES = {
+    libvirt.VIR_DOMAIN_NOSTATE: "nostate",
+    libvirt.VIR_DOMAIN_RUNNING: "running",
+    libvirt.VIR_DOMAIN_BLOCKED: "running",
+    libvirt.VIR_DOMAIN_PAUSED: "paused",
+    libvirt.VIR_DOMAIN_SHUTDOWN: "shutdown",
+    libvirt.VIR_DOMAIN_SHUTOFF: "shutoff",
+    libvirt.VIR_DOMAIN_CRASHED: "crashed",
+    libvirt.VIR_DOMAIN_PMSUSPENDED: "pmsuspended",
+}
+
+
+class DomainController:
+    """One libvirt connection and a work directory of per-session files.
+
+    Invariant: a session's machine runs on a chain ``root <- [frozen layers] <- active overlay``
+    per disk, every file of which but an adopted root lives in ``workdir/<session>/``.
+    Callers serialize verbs on one session; verbs on different sessions may run at once.
+    """
+
+    def __init__(self, uri: str = "qemu:///system", workdir: Path | str = "/var/lib/ksfs/vm",
+                 domain_type_cache: Path | None = None) -> None:
+        self.uri = uri
+        self.workdir = Path(workdir)
+        self._type_cache = domain_type_cache or self.workdir / "domain-type.json"
+        self._conn: libvirt.virConnect | None = None
+        self._domain_type: str | None = None
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    @property
+    def conn(self) -> libvirt.virConnect:
+        if self._conn is None or not self._conn.isAlive():
+            with step("(none)", f"connecting to {self.uri}"):
+                self._conn = libvirt.open(self.uri)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(libvirt.libvirtError):
+                self._conn.close()
+            self._conn = None
+
+    @property
+    def domain_type(self) -> str:
+        if self._domain_type is None:
+            self._domain_type = domain_type(self._type_cache)
+        return self._domain_type
+
+    def session_dir(self, session: str) -> Path:
+        d = self.workdir / validate_name(session, "session name")
+        return d
+
+    def _make_session_dir(self, session: str) -> Path:
+        d = self.session_dir(session)
+        (d / "staging").mkdir(parents=True, exist_ok=True)
+        # QEMU runs as libvirt-qemu: it must be able to reach the files in here.
+        for p in (self.workdir, d, d / "staging"):
+            p.chmod(0o755)
+        return d
+
+    def _state_path(self, session: str) -> Path:
+        return self.session_dir(session) / "state.json"
+
+    def load_state(self, session: str) -> SessionState:
+        state = load_state(self._state_path(session))
+        if state is None:
+            raise VMError(f"session {session!r} has no machine under {self.workdir}")
+        return state
+
+    def save_state(self, session: str, state: SessionState) -> None:
+        with step(state.domain, "saving controller state"):
+            save_state(self._state_path(session), state)
+
+    def lookup(self, domain: str) -> libvirt.virDomain:
+        with step(domain, "looking up"):
+            return self.conn.lookupByName(domain)
+
+    def exists(self, domain: str) -> bool:
+        try:
+            self.conn.lookupByName(domain)
+            return True
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                return False
+            raise VMError(f"looking up domain {domain} failed: {exc.get_error_message()}") from exc
+
+    # --- creating and adopting ---------------------------------------------------------------
+
+    def create(self, session: str, domain_name: str, kernel: Path | str, initrd: Path | str,
+               disk: Path | str, memory_mib: int = 256, vcpus: int = 1,
+               cmdline: str = "console=ttyS0 panic=-1 quiet", extra_cmdline: str = "") -> str:
+        """Copy ``disk`` into the session's directory, define and start a direct-boot domain.
+
+        The kernel command line gets ``ksfs.lineage=<session>`` unless it names a lineage.
+        Returns the domain name.
+        """
+        if self.exists(domain_name):
+            raise AlreadyExists(what="domain", name=domain_name)
+        d = self._make_session_dir(session)
+        disk = Path(disk)
+        with step(domain_name, "inspecting the disk image"):
+            fmt = image_info(disk, f"inspecting {disk}")["format"]
+        if fmt not in ("raw", "qcow2"):
+            raise VMError(f"disk {disk} is {fmt}; ksfs takes raw or qcow2 disks")
+        copy = d / f"vda-0.{fmt}"
+        with step(domain_name, "copying the disk image"):
+            subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(disk), str(copy)],
+                           check=True, capture_output=True)
+        full = " ".join(x for x in (cmdline, extra_cmdline) if x)
+        if "ksfs.lineage=" not in full:
+            full = domxml.set_cmdline_arg(full, "ksfs.lineage", session)
+        xml = domxml.new_domain_xml(domain_name, self.domain_type, Path(kernel).resolve(),
+                                    Path(initrd).resolve(), copy, fmt, memory_mib, vcpus, full,
+                                    d / "console.log")
+        self.save_state(session, SessionState(domain_name, {"vda": DiskState(str(copy), fmt)}))
+        with step(domain_name, "defining"):
+            dom = self.conn.defineXML(xml)
+        try:
+            with step(domain_name, "starting"):
+                dom.create()
+        except VMError:
+            with contextlib.suppress(libvirt.libvirtError):
+                dom.undefine()
+            raise
+        return domain_name
+
+    def adopt(self, session: str, domain_name: str, start: bool = True) -> str:
+        """Take an existing domain with file-backed raw or qcow2 disks; its XML is kept as is.
+
+        A shut-off domain is started when ``start`` is true. The adopted disks stay where they
+        are: snapshots put overlays in the session's directory on top of them, and finishing a
+        checkpoint commits into them (as ``virsh blockcommit`` would).
+        """
+        dom = self.lookup(domain_name)
+        with step(domain_name, "reading the definition"):
+            xml = dom.XMLDesc(0)
+        disks = domxml.disks(xml)
+        if not disks:
+            raise VMError(f"domain {domain_name} has no file-backed disk to keep")
+        for disk in disks:
+            if disk.fmt not in ("raw", "qcow2"):
+                raise VMError(f"disk {disk.target} of {domain_name} is {disk.fmt}; ksfs keeps "
+                              f"raw or qcow2 disks")
+        self._make_session_dir(session)
+        state = SessionState(domain_name, {d.target: DiskState(d.source, d.fmt) for d in disks},
+                             adopted=True)
+        self.save_state(session, state)
+        if start and not dom.isActive():
+            with step(domain_name, "starting"):
+                dom.create()
+        return domain_name
+
+    # --- checkpoints (checkpoint.py and restore.py) ------------------------------------------
+
+    def snapshot(self, session: str, domain: str, live: bool = False) -> Frozen:
+        """Atomic external snapshot with memory; see ksfs.vm.checkpoint.snapshot."""
+        from ksfs.vm.checkpoint import snapshot
+
+        return snapshot(self, session, domain, live=live)
+
+    def finish(self, frozen: Frozen, checkpoint: str | None = None) -> None:
+        """Commit the frozen layers into their root and drop the memory staging file."""
+        from ksfs.vm.checkpoint import finish
+
+        finish(self, frozen, checkpoint)
+
+    def abort(self, frozen: Frozen) -> None:
+        """Best-effort cleanup of a checkpoint whose ingest failed; the guest keeps running."""
+        from ksfs.vm.checkpoint import abort
+
+        abort(self, frozen)
+
+    def restore(self, session: str, domain: str, memory: object, disks: dict[str, object],
+                xml: str | None = None, checkpoint: str | None = None) -> Restored:
+        """Bring ``domain`` back to a checkpoint, paused; see ksfs.vm.restore.restore."""
+        from ksfs.vm.restore import restore
+
+        return restore(self, session, domain, memory, disks, xml, checkpoint)
+
+    def fork(self, new_session: str, new_domain: str, memory: object, disks: dict[str, object],
+             xml: str | None = None, lineage: str | None = None,
+             checkpoint: str | None = None) -> Restored:
+        """Start a checkpoint as a new domain beside its parent, paused; see restore.fork."""
+        from ksfs.vm.restore import fork
+
+        return fork(self, new_session, new_domain, memory, disks, xml, lineage, checkpoint)
+
+    # --- running, pausing, removing ----------------------------------------------------------
+
+    def pause(self, domain: str) -> None:
+        dom = self.lookup(domain)
+        if not dom.isActive():
+            raise NotRunning(session=domain)
+        if dom.state()[0] != libvirt.VIR_DOMAIN_PAUSED:
+            with step(domain, "pausing"):
+                dom.suspend()
+
+    def resume(self, domain: str) -> None:
+        """Run a paused domain; start a shut-off one."""
+        dom = self.lookup(domain)
+        with step(domain, "resuming"):
+            if not dom.isActive():
+                dom.create()
+            elif dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
+                dom.resume()
+
+    def state(self, domain: str) -> str:
+        """running, paused, shutoff, crashed, ... or "absent" when no such domain exists."""
+        try:
+            st = self.conn.lookupByName(domain).state()[0]
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                return "absent"
+            raise VMError(f"reading the state of {domain} failed: "
+                          f"{exc.get_error_message()}") from exc
+        return _STATES.get(st, "unknown")
+
+    def xml(self, domain: str, inactive: bool = False) -> str:
+        flags = libvirt.VIR_DOMAIN_XML_SECURE
+        if inactive:
+            flags |= libvirt.VIR_DOMAIN_XML_INACTIVE
+        with step(domain, "reading the definition"):
+            return self.lookup(domain).XMLDesc(flags)
+
+    def destroy_and_undefine(self, domain: str) -> None:
+        """Stop the domain if it runs and remove its definition; absent domains are fine."""
+        try:
+            dom = self.conn.lookupByName(domain)
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                return
+            raise VMError(f"looking up {domain} failed: {exc.get_error_message()}") from exc
+        with step(domain, "destroying"):
+            if dom.isActive():
+                dom.destroy()
+        with step(domain, "undefining"):
+            if dom.isPersistent():
+                dom.undefineFlags(libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
+                                  | libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)
+
+    def remove_files(self, session: str) -> None:
+        """Delete ``workdir/<session>/`` (its overlays, staging, log and state)."""
+        shutil.rmtree(self.session_dir(session), ignore_errors=True)
+
+    def console_log(self, session: str) -> Path | None:
+        """The serial console log of the session's domain, if it logs to a file."""
+        state = load_state(self._state_path(session))
+        default = self.session_dir(session) / "console.log"
+        if state is None:
+            return default if default.exists() else None
+        try:
+            path = domxml.console_log_path(self.xml(state.domain))
+        except VMError:
+            path = None
+        if path:
+            return Path(path)
+        return default if default.exists() else None
+
+    def disk_files(self, domain: str) -> dict[str, str]:
+        """target -> current top file of each file-backed disk."""
+        return {d.target: d.source for d in domxml.disks(self.xml(domain))}

@@ -1,0 +1,213 @@
+"""Domain XML: the definition of a new guest and the few rewrites checkpoints need.
+
+Pure text-to-text functions over libvirt domain XML (ElementTree); no libvirt calls, no I/O.
+Rewrites touch only what they name (disk sources, name, UUID, MACs, serial log path, the
+kernel command line's ``ksfs.lineage=``); everything else in a definition is kept as it is, so a
+user's own domain loses nothing. Must never guess at devices it does not understand.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import uuid as uuidlib
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from xml.sax.saxutils import escape, quoteattr
+
+from ksfs.errors import VMError
+
+
+@dataclass(frozen=True)
+class DiskInfo:
+    """One file-backed disk of a domain: its target, current top file, format and chain below."""
+
+    target: str
+    source: str
+    fmt: str
+    backing: tuple[str, ...]  # the chain below ``source``, nearest first, as libvirt knows it
+
+
+def new_domain_xml(
+    name: str,
+    domain_type: str,
+    kernel: Path,
+    initrd: Path,
+    disk: Path,
+    disk_format: str,
+    memory_mib: int,
+    vcpus: int,
+    cmdline: str,
+    console_log: Path,
+) -> str:
+    """The definition of a fresh direct-kernel-boot guest: one virtio disk, user-mode virtio net."""
+    mac = random_mac()
+    return f"""<domain type={quoteattr(domain_type)}>
+  <name>{escape(name)}</name>
+  <uuid>{uuidlib.uuid4()}</uuid>
+  <memory unit='MiB'>{int(memory_mib)}</memory>
+  <currentMemory unit='MiB'>{int(memory_mib)}</currentMemory>
+  <vcpu>{int(vcpus)}</vcpu>
+  <os>
+    <type arch='x86_64' machine='pc'>hvm</type>
+    <kernel>{escape(str(kernel))}</kernel>
+    <initrd>{escape(str(initrd))}</initrd>
+    <cmdline>{escape(cmdline)}</cmdline>
+  </os>
+  <features><acpi/></features>
+  <on_poweroff>destroy</on_poweroff>
+  <on_reboot>restart</on_reboot>
+  <on_crash>destroy</on_crash>
+  <devices>
+    <disk type='file' device='disk'>
+      <driver name='qemu' type={quoteattr(disk_format)} cache='none' discard='unmap'/>
+      <source file={quoteattr(str(disk))}/>
+      <target dev='vda' bus='virtio'/>
+    </disk>
+    <interface type='user'>
+      <mac address='{mac}'/>
+      <model type='virtio'/>
+    </interface>
+    <serial type='file'>
+      <source path={quoteattr(str(console_log))} append='on'/>
+      <target port='0'/>
+    </serial>
+    <console type='file'>
+      <source path={quoteattr(str(console_log))} append='on'/>
+      <target type='serial' port='0'/>
+    </console>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+"""
+
+
+def random_mac() -> str:
+    return "52:54:00:" + ":".join(f"{random.randrange(256):02x}" for _ in range(3))
+
+
+def _parse(xml: str) -> ET.Element:
+    try:
+        return ET.fromstring(xml)
+    except ET.ParseError as exc:
+        raise VMError(f"domain XML does not parse: {exc}") from exc
+
+
+def domain_name(xml: str) -> str:
+    el = _parse(xml).find("name")
+    return el.text if el is not None and el.text else ""
+
+
+def disks(xml: str) -> list[DiskInfo]:
+    """The file-backed disks (device='disk') of a domain, in definition order."""
+    out = []
+    for disk in _parse(xml).iterfind("devices/disk"):
+        if disk.get("device", "disk") != "disk":
+            continue
+        target = disk.find("target")
+        source = disk.find("source")
+        if target is None:
+            continue
+        if disk.get("type") != "file" or source is None or not source.get("file"):
+            raise VMError(f"disk {target.get('dev')} is not a plain file; ksfs keeps only "
+                          f"file-backed raw or qcow2 disks")
+        driver = disk.find("driver")
+        fmt = driver.get("type", "raw") if driver is not None else "raw"
+        chain = []
+        node = disk.find("backingStore")
+        while node is not None:
+            src = node.find("source")
+            if src is None or not src.get("file"):
+                break
+            chain.append(src.get("file"))
+            node = node.find("backingStore")
+        out.append(DiskInfo(target.get("dev", ""), source.get("file", ""), fmt, tuple(chain)))
+    return out
+
+
+def set_disk_sources(xml: str, sources: dict[str, tuple[str, str]]) -> str:
+    """Point each named disk target at (file, format) and drop libvirt's recorded backing chain.
+
+    libvirt re-reads the chain from the qcow2 headers when the domain starts or restores.
+    """
+    root = _parse(xml)
+    for disk in root.iterfind("devices/disk"):
+        target = disk.find("target")
+        if target is None or target.get("dev") not in sources:
+            continue
+        path, fmt = sources[target.get("dev")]
+        source = disk.find("source")
+        if source is None:
+            source = ET.SubElement(disk, "source")
+        for attr in list(source.attrib):
+            if attr != "file":
+                del source.attrib[attr]
+        for child in list(source):
+            source.remove(child)
+        source.set("file", path)
+        disk.set("type", "file")
+        driver = disk.find("driver")
+        if driver is None:
+            driver = ET.SubElement(disk, "driver", {"name": "qemu"})
+        driver.set("type", fmt)
+        for bs in disk.findall("backingStore"):
+            disk.remove(bs)
+    return ET.tostring(root, encoding="unicode")
+
+
+def rename_for_fork(xml: str, name: str, console_log: Path | None, lineage: str | None) -> str:
+    """The same machine as a new domain: new name, UUID and MACs; log path and lineage rewritten."""
+    root = _parse(xml)
+    root.find("name").text = name  # type: ignore[union-attr]
+    uuid_el = root.find("uuid")
+    if uuid_el is None:
+        uuid_el = ET.SubElement(root, "uuid")
+    uuid_el.text = str(uuidlib.uuid4())
+    for mac in root.iterfind("devices/interface/mac"):
+        mac.set("address", random_mac())
+    if console_log is not None:
+        for kind in ("serial", "console"):
+            for dev in root.iterfind(f"devices/{kind}"):
+                src = dev.find("source")
+                if dev.get("type") == "file" and src is not None and src.get("path"):
+                    src.set("path", str(console_log))
+                log = dev.find("log")
+                if log is not None and log.get("file"):
+                    log.set("file", str(console_log))
+    if lineage is not None:
+        cmd = root.find("os/cmdline")
+        if cmd is not None:
+            cmd.text = set_cmdline_arg(cmd.text or "", "ksfs.lineage", lineage)
+    # Drop the fields that name the old process or its identity outside the definition.
+    for tag in ("seclabel",):
+        for el in root.findall(tag):
+            if el.get("type") == "dynamic":
+                root.remove(el)
+    root.attrib.pop("id", None)
+    return ET.tostring(root, encoding="unicode")
+
+
+def set_cmdline_arg(cmdline: str, key: str, value: str) -> str:
+    pattern = re.compile(rf"(^|\s){re.escape(key)}=\S*")
+    if pattern.search(cmdline):
+        return pattern.sub(lambda m: f"{m.group(1)}{key}={value}", cmdline)
+    return f"{cmdline} {key}={value}".strip()
+
+
+def console_log_path(xml: str) -> str | None:
+    """The file the serial console is written to, from a file serial or a pty's <log>."""
+    root = _parse(xml)
+    for dev in root.iterfind("devices/serial"):
+        src = dev.find("source")
+        if dev.get("type") == "file" and src is not None and src.get("path"):
+            return src.get("path")
+        log = dev.find("log")
+        if log is not None and log.get("file"):
+            return log.get("file")
+    return None
+
+
+def uuid_of(xml: str) -> str:
+    el = _parse(xml).find("uuid")
+    return el.text if el is not None and el.text else ""

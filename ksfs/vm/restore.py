@@ -1,0 +1,183 @@
+"""Restore a checkpoint into its own domain, or fork it into a new domain beside the parent.
+
+Both materialize each disk from its reader into a new sparse base file with a fresh qcow2 overlay
+on top (so the next snapshot is incremental against this checkpoint), materialize the memory
+save image, and restore it paused with ``virDomainRestoreFlags``. A restore passes the updated
+XML as libvirt's ``dxml``; a fork rewrites the XML in the save image's own header (new name,
+UUID, MACs, disks, log, lineage), since libvirt refuses a dxml that changes the UUID. The caller
+resumes. Must never touch the parent of a fork, nor files outside the session's directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import libvirt
+
+from ksfs.crashpoints import crash_point
+from ksfs.errors import AlreadyExists, VMError
+from ksfs.vm import domxml, saveimage
+from ksfs.vm.chain import create_overlay, materialize
+from ksfs.vm.state import DiskState, Restored, SessionState, load_state
+from ksfs.vm.steps import step
+
+if TYPE_CHECKING:
+    from ksfs.vm.controller import DomainController
+
+
+def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
+                     memory: object, disks: dict[str, object]) -> tuple[Path, dict[str, Path],
+                                                                       dict[str, Path]]:
+    """Write memory and disks into the session's directory: (memory, bases, overlays)."""
+    d = ctl.session_dir(session)
+    mem = d / "staging" / f"restore-{n}.save"
+    bases: dict[str, Path] = {}
+    overlays: dict[str, Path] = {}
+    try:
+        for target, reader in disks.items():
+            domxml_target = domxml_safe(target)
+            base = d / f"{domxml_target}-base-{n}.raw"
+            materialize(reader, base, f"materializing disk {target} of {domain}")
+            bases[target] = base
+            overlay = d / f"{domxml_target}-{n}.qcow2"
+            create_overlay(overlay, base, "raw", f"creating the overlay of {target} of {domain}")
+            overlays[target] = overlay
+        materialize(memory, mem, f"materializing the memory image of {domain}")
+        saveimage.read_header(mem)  # fail here, clearly, on a damaged memory image
+    except BaseException:
+        for p in (mem, *bases.values(), *overlays.values()):
+            p.unlink(missing_ok=True)
+        raise
+    return mem, bases, overlays
+
+
+def domxml_safe(target: str) -> str:
+    if not target or "/" in target or target.startswith("."):
+        raise VMError(f"bad disk target name {target!r}")
+    return target
+
+
+def _check_disks(xml: str, disks: dict[str, object], domain: str) -> None:
+    wanted = {d.target for d in domxml.disks(xml)}
+    if set(disks) != wanted:
+        raise VMError(f"the checkpoint of {domain} has disks {sorted(wanted)} but "
+                      f"{sorted(disks)} were given")
+
+
+def _session_files_except(ctl: DomainController, session: str, keep: set[Path]) -> list[Path]:
+    d = ctl.session_dir(session)
+    out = []
+    for p in list(d.glob("*.qcow2")) + list(d.glob("*.raw")):
+        if p not in keep:
+            out.append(p)
+    return out
+
+
+def restore(ctl: DomainController, session: str, domain: str, memory: object,
+            disks: dict[str, object], xml: str | None, checkpoint: str | None) -> Restored:
+    state = ctl.load_state(session)
+    dom = ctl.lookup(domain)
+    n = state.next_number()
+    ctl.save_state(session, state)
+    mem, bases, overlays = _materialize_all(ctl, session, domain, n, memory, disks)
+    try:
+        header = saveimage.read_header(mem)
+        new_xml = xml or header.xml
+        _check_disks(new_xml, disks, domain)
+        new_xml = domxml.set_disk_sources(
+            new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
+        with step(domain, "reading its UUID"):
+            uuid = dom.UUIDString()
+        if domxml.uuid_of(new_xml) != uuid or domxml.domain_name(new_xml) != domain:
+            # A checkpoint of another domain (a parent's): take this domain's identity, keeping
+            # everything else, and put it in the header, as libvirt checks the UUID there.
+            root = ET.fromstring(new_xml)
+            root.find("name").text = domain  # type: ignore[union-attr]
+            root.find("uuid").text = uuid  # type: ignore[union-attr]
+            new_xml = ET.tostring(root, encoding="unicode")
+            saveimage.rewrite_xml(mem, new_xml)
+        crash_point("vm.restore")
+        with step(domain, "stopping the running machine for a restore"):
+            if dom.isActive():
+                dom.destroy()
+        with step(domain, "restoring from the memory image"):
+            ctl.conn.restoreFlags(str(mem), new_xml, libvirt.VIR_DOMAIN_SAVE_PAUSED)
+        _redefine(ctl, domain, overlays)
+    except BaseException:
+        for p in (*bases.values(), *overlays.values()):
+            p.unlink(missing_ok=True)
+        raise
+    finally:
+        mem.unlink(missing_ok=True)
+    label = checkpoint or f"restore-{n}"
+    old_roots = {Path(ds.root) for ds in state.disks.values()}
+    state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
+    ctl.save_state(session, state)
+    keep = set(bases.values()) | set(overlays.values())
+    for p in _session_files_except(ctl, session, keep):
+        if p in old_roots and state.adopted:
+            continue  # an adopted disk in our directory is still the user's
+        p.unlink(missing_ok=True)
+    return Restored(domain, session, {t: str(p) for t, p in bases.items()}, label)
+
+
+def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path]) -> None:
+    """Point the persistent definition at the new disks too, so a cold boot finds them."""
+    dom = ctl.lookup(domain)
+    with step(domain, "updating the persistent definition"):
+        if not dom.isPersistent():
+            return
+        inactive = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE | libvirt.VIR_DOMAIN_XML_SECURE)
+        ctl.conn.defineXML(domxml.set_disk_sources(
+            inactive, {t: (str(p), "qcow2") for t, p in overlays.items()}))
+
+
+def fork(ctl: DomainController, new_session: str, new_domain: str, memory: object,
+         disks: dict[str, object], xml: str | None, lineage: str | None,
+         checkpoint: str | None) -> Restored:
+    if ctl.exists(new_domain):
+        raise AlreadyExists(what="domain", name=new_domain)
+    if load_state(ctl.session_dir(new_session) / "state.json") is not None:
+        raise AlreadyExists(what="session machine", name=new_session)
+    d = ctl._make_session_dir(new_session)
+    state = SessionState(new_domain)
+    n = state.next_number()
+    try:
+        mem, bases, overlays = _materialize_all(ctl, new_session, new_domain, n, memory, disks)
+    except BaseException:
+        ctl.remove_files(new_session)
+        raise
+    dom = None
+    try:
+        header = saveimage.read_header(mem)
+        src_xml = xml or header.xml
+        _check_disks(src_xml, disks, new_domain)
+        log = d / "console.log" if domxml.console_log_path(src_xml) else None
+        new_xml = domxml.rename_for_fork(src_xml, new_domain, log,
+                                         new_session if lineage is None else lineage)
+        new_xml = domxml.set_disk_sources(
+            new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
+        saveimage.rewrite_xml(mem, new_xml)
+        crash_point("vm.fork")
+        with step(new_domain, "restoring the fork from the memory image"):
+            ctl.conn.restoreFlags(str(mem), None, libvirt.VIR_DOMAIN_SAVE_PAUSED)
+            dom = ctl.conn.lookupByName(new_domain)
+        with step(new_domain, "defining the fork persistently"):
+            ctl.conn.defineXML(new_xml)
+    except BaseException:
+        if dom is not None:
+            with contextlib.suppress(libvirt.libvirtError):
+                dom.destroy()
+            with contextlib.suppress(libvirt.libvirtError):
+                dom.undefine()
+        ctl.remove_files(new_session)
+        raise
+    finally:
+        mem.unlink(missing_ok=True)
+    label = checkpoint or f"fork-{n}"
+    state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
+    ctl.save_state(new_session, state)
+    return Restored(new_domain, new_session, {t: str(p) for t, p in bases.items()}, label)

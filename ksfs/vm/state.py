@@ -1,0 +1,118 @@
+"""Per-session bookkeeping of the controller and its records: what a checkpoint hands over.
+
+``workdir/<session>/state.json`` remembers, per disk, the root file of the overlay chain (the
+file that holds the content of the last finished or restored checkpoint) and that checkpoint's
+label, so the next snapshot knows which clusters changed since then. Also the ``Frozen`` and
+``FrozenDisk`` records. No libvirt here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ksfs.errors import VMError
+from ksfs.vm.chain import ChainSource
+
+
+@dataclass
+class DiskState:
+    root: str  # the bottom file ksfs tracks (the session's copy, a restored base, an adopted disk)
+    root_fmt: str
+    base_checkpoint: str | None = None  # label of the checkpoint ``root`` holds, if any
+
+
+@dataclass
+class SessionState:
+    domain: str
+    disks: dict[str, DiskState] = field(default_factory=dict)
+    counter: int = 0  # numbers the files a session's snapshots and restores create
+    adopted: bool = False
+
+    def next_number(self) -> int:
+        self.counter += 1
+        return self.counter
+
+
+def load_state(path: Path) -> SessionState | None:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise VMError(f"controller state {path} is unreadable: {exc}") from exc
+    disks = {t: DiskState(**d) for t, d in data.get("disks", {}).items()}
+    return SessionState(data["domain"], disks, data.get("counter", 0), data.get("adopted", False))
+
+
+def save_state(path: Path, state: SessionState) -> None:
+    data = {
+        "domain": state.domain,
+        "counter": state.counter,
+        "adopted": state.adopted,
+        "disks": {t: vars(d) for t, d in state.disks.items()},
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class FrozenDisk:
+    """One disk of a checkpoint: the frozen layer chain as a random-access source.
+
+    ``changed`` lists the (offset, length) guest ranges written since ``Frozen.base_checkpoint``
+    (allocated in a layer above the root), or is None when the whole image must be read.
+    """
+
+    target: str
+    size: int
+    source: ChainSource
+    changed: list[tuple[int, int]] | None
+    top: str  # the frozen top file
+    root: str  # the file the frozen layers commit into at finish
+    layers: list[str]  # frozen files above ``root`` (top first), deleted after the commit
+
+
+@dataclass
+class Frozen:
+    """A checkpoint taken but not yet finished: memory image, domain XML and frozen disks.
+
+    ``xml`` is the domain XML stored in the memory image (the definition at the snapshot instant,
+    its disk sources naming the frozen chain). Valid until ``finish`` or ``abort``.
+    """
+
+    session: str
+    domain: str
+    token: str
+    memory_path: Path
+    xml: str
+    disks: list[FrozenDisk]
+    base_checkpoint: str | None  # what ``changed`` is relative to; None with changed=None
+    paused_s: float = 0.0  # wall time of the snapshot call (the guest is paused inside it)
+    finished: bool = False
+
+    def disk(self, target: str) -> FrozenDisk:
+        for d in self.disks:
+            if d.target == target:
+                return d
+        raise VMError(f"checkpoint of {self.domain} has no disk {target!r}")
+
+    def close(self) -> None:
+        for d in self.disks:
+            d.source.close()
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What restore and fork hand back: the paused domain and the new chain roots."""
+
+    domain: str
+    session: str
+    disks: dict[str, str]  # target -> the materialized base file (root of the new chain)
+    base_checkpoint: str

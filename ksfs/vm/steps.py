@@ -1,0 +1,42 @@
+"""One step of a libvirt operation: translate what fails inside it into a VMError.
+
+libvirt, OS and subprocess errors leave every ksfs.vm entry point as one VMError sentence naming
+the domain and the step. Also silences libvirt's default printing of every error to stderr.
+Must never swallow an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from collections.abc import Iterator
+
+import libvirt
+
+from ksfs.errors import VMError
+
+
+def _quiet_libvirt(_ctx: object, _err: object) -> None:
+    """libvirt prints every error to stderr by default; ours become VMErrors instead."""
+
+
+libvirt.registerErrorHandler(_quiet_libvirt, None)
+
+
+@contextlib.contextmanager
+def step(domain: str, what: str) -> Iterator[None]:
+    """Re-raise libvirt, OS and subprocess failures of one step as a VMError naming both."""
+    try:
+        yield
+    except VMError:
+        raise
+    except libvirt.libvirtError as exc:
+        raise VMError(f"{what} of domain {domain} failed: {exc.get_error_message()}") from exc
+    except subprocess.CalledProcessError as exc:
+        err = (exc.stderr or b"").decode(errors="replace").strip()[-300:] if isinstance(
+            exc.stderr, bytes) else str(exc.stderr or "").strip()[-300:]
+        raise VMError(f"{what} of domain {domain} failed: {err or exc}") from exc
+    except subprocess.SubprocessError as exc:
+        raise VMError(f"{what} of domain {domain} failed: {exc}") from exc
+    except OSError as exc:
+        raise VMError(f"{what} of domain {domain} failed: {exc.strerror or exc}") from exc
