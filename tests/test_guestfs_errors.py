@@ -1,0 +1,101 @@
+"""What GuestFS cannot read it refuses with a reason, never with wrong bytes: a zeroed
+superblock magic, an unknown incompat feature, a truncated image, a damaged extent node or
+directory block. Damage confined to one file leaves the rest readable."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from test_guestfs_helpers import make_tree
+
+from ksfs.errors import GuestFSUnreadable, IntegrityError
+from ksfs.guestfs import FileImageReader, GuestFS
+from ksfs.guestfs.mkimage import build_ext4
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("guestfs-err")
+    make_tree(base / "tree")
+    img = base / "fs.img"
+    build_ext4(base / "tree", img, 64, ["-b", "4096", "-T", "default"])
+    return img
+
+
+def damaged(image: Path, tmp_path: Path, offset: int, data: bytes) -> Path:
+    copy = tmp_path / "damaged.img"
+    shutil.copyfile(image, copy)
+    with open(copy, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+    return copy
+
+
+def open_error(path: Path) -> GuestFSUnreadable:
+    with FileImageReader(path) as reader, pytest.raises(GuestFSUnreadable) as err:
+        GuestFS.open(reader)
+    return err.value
+
+
+def test_zeroed_superblock_magic(image: Path, tmp_path: Path) -> None:
+    err = open_error(damaged(image, tmp_path, 1024 + 0x38, b"\0\0"))
+    assert "superblock magic" in str(err)
+    assert isinstance(err, IntegrityError) and err.errno == errno.EIO and err.exit_code == 6
+
+
+def test_unknown_incompat_feature(image: Path, tmp_path: Path) -> None:
+    with open(image, "rb") as f:
+        f.seek(1024 + 0x60)
+        incompat = struct.unpack("<I", f.read(4))[0]
+    err = open_error(damaged(image, tmp_path, 1024 + 0x60,
+                             struct.pack("<I", incompat | 0x1000 | 0x80000000)))
+    assert "unsupported ext4 incompat feature(s): dirdata, 0x80000000" in str(err)
+
+
+def test_truncated_image(image: Path, tmp_path: Path) -> None:
+    short = tmp_path / "short.img"
+    with open(image, "rb") as src, open(short, "wb") as dst:
+        dst.write(src.read(image.stat().st_size // 2))
+    assert "holds only" in str(open_error(short))
+
+
+def test_damaged_extent_node_fails_that_file_only(image: Path, tmp_path: Path) -> None:
+    with FileImageReader(image) as reader:
+        fs = GuestFS.open(reader)
+        ino = fs.resolve("random.bin")
+        vol = fs.volume
+        group, index = divmod(ino - 1, vol.sb.inodes_per_group)
+        where = vol.offset + vol._inode_table(group) * vol.bs + index * vol.sb.inode_size
+    copy = damaged(image, tmp_path, where + 0x28, b"\0\0")  # the extent header's magic
+    with FileImageReader(copy) as reader:
+        fs = GuestFS.open(reader)
+        assert fs.stat("random.bin").size == 3 * 1024 * 1024 + 123
+        with pytest.raises(GuestFSUnreadable, match="extent node of inode .* bad magic"):
+            fs.read("random.bin", 0, 10)
+        assert fs.read("small.txt", 0, 100) == b"hello\n"
+
+
+def test_damaged_directory_block(image: Path, tmp_path: Path) -> None:
+    with FileImageReader(image) as reader:
+        fs = GuestFS.open(reader)
+        vol = fs.volume
+        a = vol.inode(fs.resolve("a"))
+        (_, _, phys), = vol.runs(a, 0, 1)
+    # rec_len of the first entry: 5 is not a multiple of 4 and cannot hold a name
+    copy = damaged(image, tmp_path, vol.offset + phys * vol.bs + 4, b"\x05\x00")
+    with FileImageReader(copy) as reader:
+        fs = GuestFS.open(reader)
+        with pytest.raises(GuestFSUnreadable, match="directory entry .* is damaged"):
+            list(fs.listdir("a"))
+        assert fs.read("many/entry-00007-xxxxxxx", 0, 10) == b"7"
+
+
+def test_inode_number_out_of_range(image: Path) -> None:
+    with FileImageReader(image) as reader:
+        fs = GuestFS.open(reader)
+        with pytest.raises(GuestFSUnreadable, match="outside"):
+            fs.stat(10**9)

@@ -1,0 +1,72 @@
+"""The filesystem is found inside partitioned disks (MBR primary, MBR logical, GPT), after a
+partition of another type, and reads exactly as the same filesystem on its own."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_guestfs_helpers import compare_with_dir, digest, make_tree, read_all, walk
+
+from ksfs.errors import GuestFSUnreadable
+from ksfs.guestfs import FileImageReader, GuestFS, find_filesystem
+from ksfs.guestfs.mkimage import build_ext4, build_partitioned, have_tools
+
+pytestmark = pytest.mark.skipif(not have_tools("sfdisk", "mkfs.ext4"),
+                                reason="sfdisk (Debian package fdisk) is not installed")
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("guestfs-part")
+    src = base / "tree"
+    make_tree(src)
+    img = base / "fs.img"
+    build_ext4(src, img, 64, ["-b", "4096", "-T", "default"])
+    return src, img
+
+
+@pytest.mark.parametrize("table,logical,what", [
+    ("gpt", False, "GPT partition 2"),
+    ("dos", False, "MBR partition"),
+    ("dos", True, "logical partition"),
+])
+def test_first_linux_partition(plain: tuple[Path, Path], tmp_path: Path, table: str,
+                               logical: bool, what: str) -> None:
+    src, img = plain
+    disk = tmp_path / "disk.img"
+    offset = build_partitioned(img, disk, table=table, logical=logical)
+    with FileImageReader(disk) as reader, FileImageReader(img) as alone:
+        found = find_filesystem(reader)
+        assert found[0] == offset and found[2].startswith(what)
+        fs, ref = GuestFS.open(reader), GuestFS.open(alone)
+        assert compare_with_dir(fs, src, exact=False, skip=("lost+found",)) > 3000
+        ours = list(walk(fs))
+        assert ours == list(walk(ref))
+        for rel, ino, _ in ours[:200]:
+            if fs.stat(ino).is_file:
+                assert digest(read_all(fs, ino, fs.stat(ino).size)) == digest(
+                    read_all(ref, ino, ref.stat(ino).size)), rel
+
+
+def test_damaged_partition_says_where(plain: tuple[Path, Path], tmp_path: Path) -> None:
+    disk = tmp_path / "disk.img"
+    offset = build_partitioned(plain[1], disk, table="gpt")
+    with open(disk, "r+b") as f:
+        f.seek(offset + 1024 + 0x38)
+        f.write(b"\0\0")
+    with FileImageReader(disk) as reader, pytest.raises(GuestFSUnreadable) as err:
+        GuestFS.open(reader)
+    assert "GPT partition 2" in str(err.value) and "magic" in str(err.value)
+
+
+def test_no_linux_partition(tmp_path: Path) -> None:
+    disk = tmp_path / "disk.img"
+    with open(disk, "wb") as f:
+        f.truncate(8 << 20)
+    subprocess.run(["sfdisk", "-q", str(disk)], input="label: dos\nstart=2048, type=7\n",
+                   text=True, check=True, capture_output=True)
+    with FileImageReader(disk) as reader, pytest.raises(GuestFSUnreadable) as err:
+        GuestFS.open(reader)
+    assert "no Linux (0x83) partition" in str(err.value)
