@@ -216,9 +216,12 @@ async def test_guest_that_hangs_up_mid_call_gets_the_stored_answer(gw, ledger, p
     # goes on, is stored, and the guest's retry is a replay.
     provider.delay = 0.8
     port = await nursery.start(gw.serve_session, "s1")
-    with trio.move_on_after(0.3) as hung_up:
-        await call(port, chat_body("interrupted call"), key="cut")
-    assert hung_up.cancelled_caught
+    async with trio.open_nursery() as guest:
+        guest.start_soon(call, port, chat_body("interrupted call"), "cut")
+        with trio.fail_after(20):
+            while provider.count() == 0:  # hang up once the purchase is under way
+                await trio.sleep(0.01)
+        guest.cancel_scope.cancel()
     retry = await call(port, chat_body("interrupted call"), key="cut")  # waits, then replays
     assert retry.status_code == 200 and retry.headers["x-ksfs-replay"] == "true"
     assert provider.count() == 1
@@ -239,3 +242,41 @@ async def test_stored_answers_outlive_the_gateway(store, ledger, provider, nurse
     b = await call(port, chat_body("remember me", stream=True))
     assert a.content == b.content and b.headers["x-ksfs-replay"] == "true"
     assert provider.count() == 1
+
+
+async def test_stream_is_passed_through_and_ends_only_once_stored(gw, ledger, provider,
+                                                                  nursery):
+    provider.chunk_delay = 0.15
+    port = await nursery.start(gw.serve_session, "s1")
+    got = b""
+    stored_when_first_bytes = stored_when_done = None
+    async with client(port) as c:
+        async with c.stream("POST", "/v1/chat/completions",
+                            json=chat_body("stream me", stream=True)) as r:
+            assert r.headers["x-ksfs-replay"] == "false"
+            async for chunk in r.aiter_raw():
+                if not got:
+                    stored_when_first_bytes = len(events(ledger, "s1", "gateway.call"))
+                got += chunk
+                if b"[DONE]" in got and stored_when_done is None:
+                    stored_when_done = len(events(ledger, "s1", "gateway.call"))
+    # The guest saw the stream start before it was complete (nothing stored yet) and saw its
+    # end only after it was stored.
+    assert (stored_when_first_bytes, stored_when_done) == (0, 1)
+    again = await call(port, chat_body("stream me", stream=True))
+    assert again.content == got and again.headers["x-ksfs-replay"] == "true"
+    assert provider.count() == 1
+
+
+async def test_stream_cut_by_upstream_is_not_stored(store, ledger, provider, nursery):
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=1.5)
+    provider.chunk_delay = 0.4  # the whole stream takes longer than the timeout
+    port = await nursery.start(gw.serve_session, "s1")
+    r = await call(port, chat_body("too slow", stream=True))
+    assert r.status_code == 200  # the headers were already out
+    assert b"[DONE]" not in r.content
+    assert r.content.rstrip().endswith(b'"type": "upstream_timeout"}}')
+    assert events(ledger, "s1", "gateway.call")[0].body["stored"] is False
+    provider.chunk_delay = 0
+    ok = await call(port, chat_body("too slow", stream=True))
+    assert ok.content.endswith(b"data: [DONE]\n\n") and provider.count() == 2

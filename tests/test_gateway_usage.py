@@ -7,6 +7,7 @@ import os
 import socket
 
 import pytest
+import trio
 from fake_provider import FakeProvider
 from test_gateway_helpers import (
     MARKER_KEY,
@@ -185,17 +186,22 @@ async def test_upstream_error_is_passed_back_and_not_stored(gw, ledger, provider
 
 
 async def test_upstream_timeout_and_unreachable(store, ledger, provider, nursery):
-    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=0.5)
-    port = await nursery.start(gw.serve_session, "s1")
-    provider.error = "hang"
-    r = await call(port, chat_body("slow"))
-    assert r.status_code == 504 and r.json()["error"]["type"] == "upstream_timeout"
-    provider.error = "close"
-    r = await call(port, chat_body("slow"))
-    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unreachable"
+    impatient = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=0.5)
+    async with trio.open_nursery() as inner:
+        port = await inner.start(impatient.serve_session, "s1")
+        provider.error = "hang"
+        r = await call(port, chat_body("slow"))
+        assert r.status_code == 504 and r.json()["error"]["type"] == "upstream_timeout"
+        provider.error = "close"
+        r = await call(port, chat_body("slow"))
+        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unreachable"
+        inner.cancel_scope.cancel()
     provider.reset()
+    patient = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=30)
+    port = await nursery.start(patient.serve_session, "s1")
     r = await call(port, chat_body("slow"))
     assert r.status_code == 200 and provider.count() == 1  # nothing failed was stored
+    assert r.headers["x-ksfs-replay"] == "false"
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"

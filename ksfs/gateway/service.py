@@ -64,11 +64,71 @@ def api_key_from_env() -> str | None:
 
 @dataclass
 class _Call:
-    """One upstream purchase in flight; every request for its key waits on ``done``."""
+    """One upstream purchase in flight; every request for its key waits on ``done``.
+
+    While it runs, ``status``/``headers``/``chunks`` show the response as it arrives, and
+    ``changed`` is set (and replaced) on every step, for the one caller streaming it through.
+    """
 
     done: trio.Event = field(default_factory=trio.Event)
     stored: StoredResponse | None = None
     error: Reply | None = None
+    status: int | None = None
+    headers: Headers = field(default_factory=list)
+    chunks: list[bytes] = field(default_factory=list)
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def on_start(self, status: int, headers: Headers) -> None:
+        self.status, self.headers = status, headers
+        self.notify()
+
+    def on_chunk(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        self.notify()
+
+
+@dataclass
+class _Through:
+    """The buyer's own answer to a streamed call: passed on as it arrives, all but its last
+    chunk, which is sent only once the whole stream is committed to the store. So a guest that
+    saw the end of a stream can always have it replayed; a guest cut off earlier retries."""
+
+    call: _Call
+    key: bytes
+
+    async def send_to(self, send) -> None:
+        call = self.call
+        while call.status is None and not call.done.is_set():
+            await call.changed.wait()
+        sse = (_header(call.headers, "content-type") or "").startswith("text/event-stream")
+        if call.status is None or not 200 <= call.status < 300 or not sse:
+            await call.done.wait()
+            if call.stored is not None:
+                return await send_reply(send, _reply_of(call.stored), _ksfs(self.key, "false"))
+            return await send_reply(send, call.error or _lost(), _ksfs(self.key, "error"))
+        headers = keep_headers(call.headers, NOT_STORED) + _ksfs(self.key, "false")
+        await send({"type": "http.response.start", "status": call.status,
+                    "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
+        sent = 0
+        while not call.done.is_set():
+            changed = call.changed
+            while sent < len(call.chunks) - 1:  # withhold the last chunk until it is stored
+                await send({"type": "http.response.body", "body": call.chunks[sent],
+                            "more_body": True})
+                sent += 1
+            if not call.done.is_set():
+                await changed.wait()
+        done = b"".join(call.chunks[:sent])
+        if call.stored is not None and call.stored.body.startswith(done):
+            rest = call.stored.body[len(done):]
+        else:
+            # Headers are out, so the failure goes in the stream, as providers send theirs.
+            rest = b"data: " + (call.error or _lost()).body + b"\n\n"
+        await send({"type": "http.response.body", "body": rest, "more_body": False})
 
 
 @dataclass
@@ -155,8 +215,9 @@ class Gateway:
 
     # --- one chat completion ------------------------------------------------------------------
 
-    async def chat(self, served: _Served, headers: Headers, body: bytes) -> tuple[Reply, Headers]:
-        """The reply to one chat completion, and the ksfs headers that go with it."""
+    async def chat(self, served: _Served, headers: Headers, body: bytes
+                   ) -> tuple[Reply | _Through, Headers]:
+        """The answer to one chat completion, and the ksfs headers that go with it."""
         try:
             canon, obj = canonical_body(body)
             hval = _header(headers, "idempotency-key")
@@ -185,6 +246,8 @@ class Gateway:
                 mine = True
                 served.nursery.start_soon(self._buy, call, served, view, key, ikey, headers,
                                           body, model, stream, digest)
+                if stream:
+                    return _Through(call, key), []
             await call.done.wait()
             if call.error is not None:
                 return call.error, _ksfs(key, "error")
@@ -218,7 +281,8 @@ class Gateway:
                    digest: str) -> None:
         """Call upstream once, commit a completed response with its event, wake the waiters."""
         try:
-            got = await served.upstream.fetch("POST", CHAT_PATH, headers, body)
+            got = await served.upstream.fetch("POST", CHAT_PATH, headers, body,
+                                              call.on_start, call.on_chunk)
             if isinstance(got, Reply) or not 200 <= got.status < 300:
                 call.error = got if isinstance(got, Reply) else _passed_back(got)
                 why = _error_type(call.error)
@@ -238,6 +302,7 @@ class Gateway:
             # Unregister before waking: a waiter that loops must find the committed response.
             self._inflight.pop(ikey, None)
             call.done.set()
+            call.notify()
 
     def _commit(self, view: View, key: bytes, got: Fetched, model: str | None, stream: bool,
                 digest: str) -> StoredResponse:
@@ -276,10 +341,13 @@ async def _asgi(gw: Gateway, served: _Served, scope: dict, receive, send) -> Non
     method, path = scope["method"], scope["path"]
     if method == "POST" and path == CHAT_PATH:
         try:
-            reply, extra = await gw.chat(served, headers, body)
+            answer, extra = await gw.chat(served, headers, body)
         except KsfsError as exc:
-            reply, extra = _ksfs_error_reply(exc), []
-        await send_reply(send, reply, extra)
+            answer, extra = _ksfs_error_reply(exc), []
+        if isinstance(answer, _Through):
+            await answer.send_to(send)
+        else:
+            await send_reply(send, answer, extra)
         return
     await served.upstream.passthrough(method, path, scope.get("query_string", b""), headers,
                                       body, send)
@@ -317,6 +385,10 @@ def _ksfs(key: bytes, replay: str) -> Headers:
 
 def _reply_of(stored: StoredResponse) -> Reply:
     return Reply(stored.status, list(stored.headers), stored.body)
+
+
+def _lost() -> Reply:
+    return error_reply(500, "gateway_error", "the call ended without a response")
 
 
 def _passed_back(got: Fetched) -> Reply:

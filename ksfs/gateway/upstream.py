@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import httpx
@@ -92,17 +92,29 @@ class Upstream:
             out.append(("authorization", f"Bearer {self._api_key}"))
         return out
 
-    async def fetch(self, method: str, path: str, guest_headers: Headers, body: bytes
-                    ) -> Fetched | Reply:
-        """The whole response, or the error Reply (502/504) when none came in time."""
+    async def fetch(self, method: str, path: str, guest_headers: Headers, body: bytes,
+                    on_start: Callable[[int, Headers], None] | None = None,
+                    on_chunk: Callable[[bytes], None] | None = None) -> Fetched | Reply:
+        """The whole response, or the error Reply (502/504) when none came in time.
+
+        ``on_start(status, headers)`` and ``on_chunk(bytes)`` see the response as it arrives
+        (for streaming it through); the bytes they see are exactly those of the result.
+        """
         try:
             with trio.fail_after(self.timeout):
                 async with self.client.stream(
                     method, self.url(path), headers=self.outgoing(guest_headers, identity=True),
                     content=body,
                 ) as resp:
-                    chunks = [c async for c in resp.aiter_raw()]
-                    return Fetched(resp.status_code, list(resp.headers.items()), b"".join(chunks))
+                    headers = list(resp.headers.items())
+                    if on_start is not None:
+                        on_start(resp.status_code, headers)
+                    chunks = []
+                    async for chunk in resp.aiter_raw():
+                        chunks.append(chunk)
+                        if on_chunk is not None:
+                            on_chunk(chunk)
+                    return Fetched(resp.status_code, headers, b"".join(chunks))
         except (trio.TooSlowError, httpx.TimeoutException):
             return error_reply(504, "upstream_timeout",
                                f"the model provider did not answer within {self.timeout:g} s")
