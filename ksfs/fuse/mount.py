@@ -96,6 +96,9 @@ async def _serve(
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(fuse_main, name="fuse")
+        # A stat answered by our own loop proves the kernel's INIT is done; only then does a
+        # readahead setting stick (INIT caps it at what it negotiated).
+        await trio.to_thread.run_sync(os.stat, mountpoint)
         raise_readahead(mountpoint)
         if ready is not None:
             ready()
