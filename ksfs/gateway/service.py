@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,8 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
-from ksfs.errors import BadInput, KsfsError, NotFound, ReadOnly
+from ksfs.errors import BadInput
+from ksfs.gateway.app import CHAT_PATH, asgi_app
 from ksfs.gateway.calls import (
     canonical_body,
     derived_key,
@@ -33,6 +34,7 @@ from ksfs.gateway.calls import (
     usage_of_json,
     usage_of_sse,
 )
+from ksfs.gateway.inflight import Call, StreamThrough, header, ksfs_headers, reply_of
 from ksfs.gateway.prices import PriceTable, load_prices
 from ksfs.gateway.store import GatewayStore, StoredResponse, View
 from ksfs.gateway.upstream import (
@@ -43,13 +45,11 @@ from ksfs.gateway.upstream import (
     Upstream,
     error_reply,
     keep_headers,
-    send_reply,
 )
 from ksfs.ledger.keys import lineage_bytes
 
 log = logging.getLogger("ksfs.gateway")
 
-CHAT_PATH = "/v1/chat/completions"
 MAX_BODY = 16 * 1024 * 1024
 DEFAULT_TIMEOUT = 300.0
 API_KEY_ENV = ("KSFS_UPSTREAM_API_KEY", "OPENAI_API_KEY")
@@ -63,76 +63,7 @@ def api_key_from_env() -> str | None:
 
 
 @dataclass
-class _Call:
-    """One upstream purchase in flight; every request for its key waits on ``done``.
-
-    While it runs, ``status``/``headers``/``chunks`` show the response as it arrives, and
-    ``changed`` is set (and replaced) on every step, for the one caller streaming it through.
-    """
-
-    done: trio.Event = field(default_factory=trio.Event)
-    stored: StoredResponse | None = None
-    error: Reply | None = None
-    status: int | None = None
-    headers: Headers = field(default_factory=list)
-    chunks: list[bytes] = field(default_factory=list)
-    changed: trio.Event = field(default_factory=trio.Event)
-
-    def notify(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    def on_start(self, status: int, headers: Headers) -> None:
-        self.status, self.headers = status, headers
-        self.notify()
-
-    def on_chunk(self, chunk: bytes) -> None:
-        self.chunks.append(chunk)
-        self.notify()
-
-
-@dataclass
-class _Through:
-    """The buyer's own answer to a streamed call: passed on as it arrives, all but its last
-    chunk, which is sent only once the whole stream is committed to the store. So a guest that
-    saw the end of a stream can always have it replayed; a guest cut off earlier retries."""
-
-    call: _Call
-    key: bytes
-
-    async def send_to(self, send) -> None:
-        call = self.call
-        while call.status is None and not call.done.is_set():
-            await call.changed.wait()
-        sse = (_header(call.headers, "content-type") or "").startswith("text/event-stream")
-        if call.status is None or not 200 <= call.status < 300 or not sse:
-            await call.done.wait()
-            if call.stored is not None:
-                return await send_reply(send, _reply_of(call.stored), _ksfs(self.key, "false"))
-            return await send_reply(send, call.error or _lost(), _ksfs(self.key, "error"))
-        headers = keep_headers(call.headers, NOT_STORED) + _ksfs(self.key, "false")
-        await send({"type": "http.response.start", "status": call.status,
-                    "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
-        sent = 0
-        while not call.done.is_set():
-            changed = call.changed
-            while sent < len(call.chunks) - 1:  # withhold the last chunk until it is stored
-                await send({"type": "http.response.body", "body": call.chunks[sent],
-                            "more_body": True})
-                sent += 1
-            if not call.done.is_set():
-                await changed.wait()
-        done = b"".join(call.chunks[:sent])
-        if call.stored is not None and call.stored.body.startswith(done):
-            rest = call.stored.body[len(done):]
-        else:
-            # Headers are out, so the failure goes in the stream, as providers send theirs.
-            rest = b"data: " + (call.error or _lost()).body + b"\n\n"
-        await send({"type": "http.response.body", "body": rest, "more_body": False})
-
-
-@dataclass
-class _Served:
+class Served:
     """What one session's server holds while it runs."""
 
     session: str
@@ -160,7 +91,7 @@ class Gateway:
         self.timeout = timeout
         self.max_body = max_body
         self.ports: dict[str, int] = {}  # session -> bound port, while served
-        self._inflight: dict[bytes, _Call] = {}
+        self._inflight: dict[bytes, Call] = {}
 
     def __repr__(self) -> str:  # never show the key
         return f"Gateway({self.upstream_url!r}, sessions={sorted(self.ports)})"
@@ -200,8 +131,8 @@ class Gateway:
         upstream = Upstream(self.upstream_url, self._api_key, self.timeout)
         try:
             async with trio.open_nursery() as nursery:
-                served = _Served(session, nursery, upstream)
-                app = partial(_asgi, self, served)
+                served = Served(session, nursery, upstream)
+                app = partial(asgi_app, self, served)
                 binds = await nursery.start(partial(hypercorn.trio.serve, app, config,
                                                     mode="asgi"))
                 bound = int(binds[0].rsplit(":", 1)[1])
@@ -215,12 +146,12 @@ class Gateway:
 
     # --- one chat completion ------------------------------------------------------------------
 
-    async def chat(self, served: _Served, headers: Headers, body: bytes
-                   ) -> tuple[Reply | _Through, Headers]:
+    async def chat(self, served: Served, headers: Headers, body: bytes
+                   ) -> tuple[Reply | StreamThrough, Headers]:
         """The answer to one chat completion, and the ksfs headers that go with it."""
         try:
             canon, obj = canonical_body(body)
-            hval = _header(headers, "idempotency-key")
+            hval = header(headers, "idempotency-key")
             hkey = header_key(hval) if hval is not None else None
         except BadInput as exc:
             return error_reply(400, "invalid_request_error", str(exc)), []
@@ -241,18 +172,18 @@ class Gateway:
                     return await self._replay(view, key, stored, digest)
                 over = self.db.over_budget(view.lineage)
                 if over is not None:
-                    return await self._refuse(view, key, model, *over), _ksfs(key, "refused")
-                call = self._inflight[ikey] = _Call()
+                    return await self._refuse(view, key, model, *over), ksfs_headers(key, "refused")
+                call = self._inflight[ikey] = Call()
                 mine = True
                 served.nursery.start_soon(self._buy, call, served, view, key, ikey, headers,
                                           body, model, stream, digest)
                 if stream:
-                    return _Through(call, key), []
+                    return StreamThrough(call, key), []
             await call.done.wait()
             if call.error is not None:
-                return call.error, _ksfs(key, "error")
+                return call.error, ksfs_headers(key, "error")
             if mine and call.stored is not None:
-                return _reply_of(call.stored), _ksfs(key, "false")
+                return reply_of(call.stored), ksfs_headers(key, "false")
             # A duplicate: the buyer's response is committed now; loop to replay it.
 
     async def _replay(self, view: View, key: bytes, stored: StoredResponse, digest: str
@@ -263,7 +194,7 @@ class Gateway:
                 "this Idempotency-Key was used before for a different request"), []
         await trio.to_thread.run_sync(self.db.record_replay, view.session, view.lineage, key,
                                       stored)
-        return _reply_of(stored), _ksfs(key, "true")
+        return reply_of(stored), ksfs_headers(key, "true")
 
     async def _refuse(self, view: View, key: bytes, model: str | None,
                       budget: dict[str, Any], used: dict[str, Any]) -> Reply:
@@ -276,7 +207,7 @@ class Gateway:
             "nothing was sent upstream",
             session=view.session, budget=budget, used=used)
 
-    async def _buy(self, call: _Call, served: _Served, view: View, key: bytes, ikey: bytes,
+    async def _buy(self, call: Call, served: Served, view: View, key: bytes, ikey: bytes,
                    headers: Headers, body: bytes, model: str | None, stream: bool,
                    digest: str) -> None:
         """Call upstream once, commit a completed response with its event, wake the waiters."""
@@ -306,7 +237,7 @@ class Gateway:
 
     def _commit(self, view: View, key: bytes, got: Fetched, model: str | None, stream: bool,
                 digest: str) -> StoredResponse:
-        ctype = _header(got.headers, "content-type") or ""
+        ctype = header(got.headers, "content-type") or ""
         sse = stream or ctype.startswith("text/event-stream")
         usage = (usage_of_sse if sse else usage_of_json)(got.body, model)
         cost, priced = self.prices.cost(usage.model, usage.prompt_tokens,
@@ -318,77 +249,7 @@ class Gateway:
         return self.db.commit_call(view.session, view.lineage, key, resp, usage, cost, priced)
 
 
-# --- the ASGI app -----------------------------------------------------------------------------
-
-
-async def _asgi(gw: Gateway, served: _Served, scope: dict, receive, send) -> None:
-    if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-    if scope["type"] != "http":
-        return
-    headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
-    body = await _read_body(receive, gw.max_body)
-    if body is None:
-        await send_reply(send, error_reply(413, "request_too_large",
-                                           f"request body over {gw.max_body} bytes"))
-        return
-    method, path = scope["method"], scope["path"]
-    if method == "POST" and path == CHAT_PATH:
-        try:
-            answer, extra = await gw.chat(served, headers, body)
-        except KsfsError as exc:
-            answer, extra = _ksfs_error_reply(exc), []
-        if isinstance(answer, _Through):
-            await answer.send_to(send)
-        else:
-            await send_reply(send, answer, extra)
-        return
-    await served.upstream.passthrough(method, path, scope.get("query_string", b""), headers,
-                                      body, send)
-
-
-async def _read_body(receive, limit: int) -> bytes | None:
-    parts, size = [], 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            break
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        parts.append(chunk)
-        if not msg.get("more_body", False):
-            break
-    return b"".join(parts)
-
-
 # --- small helpers ----------------------------------------------------------------------------
-
-
-def _header(headers: Headers, name: str) -> str | None:
-    for k, v in headers:
-        if k.lower() == name:
-            return v
-    return None
-
-
-def _ksfs(key: bytes, replay: str) -> Headers:
-    return [("x-ksfs-key", key.hex()), ("x-ksfs-replay", replay)]
-
-
-def _reply_of(stored: StoredResponse) -> Reply:
-    return Reply(stored.status, list(stored.headers), stored.body)
-
-
-def _lost() -> Reply:
-    return error_reply(500, "gateway_error", "the call ended without a response")
 
 
 def _passed_back(got: Fetched) -> Reply:
@@ -408,12 +269,6 @@ def _fmt_budget(budget: dict[str, Any]) -> str:
     if budget.get("usd") is not None:
         parts.append(f"{budget['usd']} USD")
     return " and ".join(parts) or "nothing"
-
-
-def _ksfs_error_reply(exc: KsfsError) -> Reply:
-    status = 404 if isinstance(exc, NotFound) else 400 if isinstance(exc, BadInput) \
-        else 403 if isinstance(exc, ReadOnly) else 500
-    return error_reply(status, "gateway_error", str(exc))
 
 
 def _now() -> float:

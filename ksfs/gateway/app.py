@@ -1,0 +1,71 @@
+"""The raw ASGI app of one session's server: routes chat completions to the gateway and passes
+every other path through to the provider.
+
+Kept apart from the service so the HTTP plumbing (lifespan, body limits, status mapping) reads on
+its own. It never decides anything about replay or money: ``Gateway.chat`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ksfs.errors import BadInput, KsfsError, NotFound, ReadOnly
+from ksfs.gateway.inflight import StreamThrough
+from ksfs.gateway.upstream import Reply, error_reply, send_reply
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
+    """The app; hypercorn gets it with ``gw`` and ``served`` bound by functools.partial."""
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    if scope["type"] != "http":
+        return
+    headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
+    body = await read_body(receive, gw.max_body)
+    if body is None:
+        await send_reply(send, error_reply(413, "request_too_large",
+                                           f"request body over {gw.max_body} bytes"))
+        return
+    method, path = scope["method"], scope["path"]
+    if method == "POST" and path == CHAT_PATH:
+        try:
+            answer, extra = await gw.chat(served, headers, body)
+        except KsfsError as exc:
+            answer, extra = ksfs_error_reply(exc), []
+        if isinstance(answer, StreamThrough):
+            await answer.send_to(send)
+        else:
+            await send_reply(send, answer, extra)
+        return
+    await served.upstream.passthrough(method, path, scope.get("query_string", b""), headers,
+                                      body, send)
+
+
+async def read_body(receive, limit: int) -> bytes | None:
+    parts, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(parts)
+
+
+def ksfs_error_reply(exc: KsfsError) -> Reply:
+    status = 404 if isinstance(exc, NotFound) else 400 if isinstance(exc, BadInput) \
+        else 403 if isinstance(exc, ReadOnly) else 500
+    return error_reply(status, "gateway_error", str(exc))

@@ -1,0 +1,106 @@
+"""One purchase in flight and how its buyer's guest gets the answer.
+
+A ``Call`` is shared by every request for one key while its upstream call runs; a
+``StreamThrough`` passes a streamed response to the guest that started the purchase as it arrives,
+holding back its last chunk until the whole stream is committed. Nothing here touches the store
+or the provider: it must never send a guest the end of a response that is not stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+from ksfs.gateway.store import StoredResponse
+from ksfs.gateway.upstream import NOT_STORED, Headers, Reply, error_reply, keep_headers, send_reply
+
+
+@dataclass
+class Call:
+    """One upstream purchase in flight; every request for its key waits on ``done``.
+
+    While it runs, ``status``/``headers``/``chunks`` show the response as it arrives, and
+    ``changed`` is set (and replaced) on every step, for the one caller streaming it through.
+    """
+
+    done: trio.Event = field(default_factory=trio.Event)
+    stored: StoredResponse | None = None
+    error: Reply | None = None
+    status: int | None = None
+    headers: Headers = field(default_factory=list)
+    chunks: list[bytes] = field(default_factory=list)
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def on_start(self, status: int, headers: Headers) -> None:
+        self.status, self.headers = status, headers
+        self.notify()
+
+    def on_chunk(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        self.notify()
+
+
+@dataclass
+class StreamThrough:
+    """The buyer's own answer to a streamed call: passed on as it arrives, all but its last
+    chunk, which is sent only once the whole stream is committed to the store. So a guest that
+    saw the end of a stream can always have it replayed; a guest cut off earlier retries."""
+
+    call: Call
+    key: bytes
+
+    async def send_to(self, send) -> None:
+        call = self.call
+        while call.status is None and not call.done.is_set():
+            await call.changed.wait()
+        sse = (header(call.headers, "content-type") or "").startswith("text/event-stream")
+        if call.status is None or not 200 <= call.status < 300 or not sse:
+            await call.done.wait()
+            if call.stored is not None:
+                reply, replay = reply_of(call.stored), "false"
+            else:
+                reply, replay = call.error or lost_reply(), "error"
+            return await send_reply(send, reply, ksfs_headers(self.key, replay))
+        headers = keep_headers(call.headers, NOT_STORED) + ksfs_headers(self.key, "false")
+        await send({"type": "http.response.start", "status": call.status,
+                    "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
+        sent = 0
+        while not call.done.is_set():
+            changed = call.changed
+            while sent < len(call.chunks) - 1:  # withhold the last chunk until it is stored
+                await send({"type": "http.response.body", "body": call.chunks[sent],
+                            "more_body": True})
+                sent += 1
+            if not call.done.is_set():
+                await changed.wait()
+        done = b"".join(call.chunks[:sent])
+        if call.stored is not None and call.stored.body.startswith(done):
+            rest = call.stored.body[len(done):]
+        else:
+            # Headers are out, so the failure goes in the stream, as providers send theirs.
+            rest = b"data: " + (call.error or lost_reply()).body + b"\n\n"
+        await send({"type": "http.response.body", "body": rest, "more_body": False})
+
+
+def header(headers: Headers, name: str) -> str | None:
+    for k, v in headers:
+        if k.lower() == name:
+            return v
+    return None
+
+
+def ksfs_headers(key: bytes, replay: str) -> Headers:
+    return [("x-ksfs-key", key.hex()), ("x-ksfs-replay", replay)]
+
+
+def reply_of(stored: StoredResponse) -> Reply:
+    return Reply(stored.status, list(stored.headers), stored.body)
+
+
+def lost_reply() -> Reply:
+    return error_reply(500, "gateway_error", "the call ended without a response")
