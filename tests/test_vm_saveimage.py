@@ -1,0 +1,175 @@
+"""Unit tests of the save image header rewrite and the domain XML rewrites (no libvirt needed)."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+from ksfs.errors import VMError
+from ksfs.vm import domxml, saveimage
+
+XML = """<domain type='qemu'>
+  <name>ksfs-parent</name>
+  <uuid>11111111-2222-3333-4444-555555555555</uuid>
+  <os><type>hvm</type><kernel>/k</kernel>
+    <cmdline>console=ttyS0 ksfs.lineage=parent quiet</cmdline></os>
+  <devices>
+    <disk type='file' device='disk'>
+      <driver name='qemu' type='qcow2'/>
+      <source file='/w/parent/vda-3.qcow2' index='2'/>
+      <backingStore type='file' index='1'><format type='raw'/>
+        <source file='/w/parent/vda-0.raw'/><backingStore/></backingStore>
+      <target dev='vda' bus='virtio'/>
+    </disk>
+    <disk type='file' device='cdrom'><source file='/iso/x.iso'/>
+      <target dev='hdc' bus='ide'/><readonly/></disk>
+    <interface type='user'><mac address='52:54:00:aa:bb:cc'/><model type='virtio'/></interface>
+    <serial type='file'><source path='/w/parent/console.log' append='on'/>
+      <target port='0'/></serial>
+    <console type='file'><source path='/w/parent/console.log' append='on'/>
+      <target type='serial' port='0'/></console>
+  </devices>
+</domain>"""
+COOKIE = "<cookie>\n  <cpu mode='custom'/>\n</cookie>\n"
+STREAM = b"QEVM\x00\x00\x00\x03" + bytes(range(256)) * 64
+
+
+def make_image(path: Path, xml: str = XML, cookie: str = COOKIE, pad: int = 4096,
+               version: int = 2, magic: bytes = saveimage.MAGIC) -> None:
+    data = xml.encode() + b"\0"
+    cookie_off = 0
+    if cookie:
+        cookie_off = len(data)
+        data += cookie.encode() + b"\0"
+    data += bytes(pad)
+    head = struct.pack("<16s19I", magic, version, len(data), 1, 0, cookie_off, *([0] * 14))
+    path.write_bytes(head + data + STREAM)
+
+
+def test_read_header_returns_xml_cookie_and_lengths(tmp_path: Path) -> None:
+    img = tmp_path / "m.save"
+    make_image(img)
+    h = saveimage.read_header(img)
+    assert (h.version, h.was_running, h.compressed) == (2, 1, 0)
+    assert h.xml == XML and h.cookie == COOKIE
+    assert h.cookie_offset == len(XML.encode()) + 1
+    assert h.free == 4096
+
+
+def test_rewrite_replaces_xml_moves_cookie_and_keeps_the_stream(tmp_path: Path) -> None:
+    img = tmp_path / "m.save"
+    make_image(img)
+    before = img.read_bytes()
+    new_xml = XML.replace("ksfs-parent", "ksfs-a-much-longer-fork-name-than-before")
+    h = saveimage.rewrite_xml(img, new_xml)
+    after = img.read_bytes()
+    assert len(after) == len(before)
+    assert after.endswith(STREAM)  # QEMU's migration stream is untouched
+    assert h.xml == new_xml and h.cookie == COOKIE
+    assert h.cookie_offset == len(new_xml.encode()) + 1
+    off = saveimage.HEADER_SIZE + h.cookie_offset
+    assert after[off:off + len(COOKIE)] == COOKIE.encode()
+    assert h.data_len == saveimage.read_header(img).data_len
+    assert h.free == 4096 - (len(new_xml) - len(XML))
+
+
+def test_rewrite_shorter_xml_zero_fills_the_rest(tmp_path: Path) -> None:
+    img = tmp_path / "m.save"
+    make_image(img, pad=64)
+    short = "<domain><name>x</name></domain>"
+    h = saveimage.rewrite_xml(img, short)
+    raw = img.read_bytes()
+    data = raw[saveimage.HEADER_SIZE:saveimage.HEADER_SIZE + h.data_len]
+    assert data == short.encode() + b"\0" + COOKIE.encode() + b"\0" + bytes(h.free)
+
+
+def test_xml_that_does_not_fit_fails_clearly_and_changes_nothing(tmp_path: Path) -> None:
+    img = tmp_path / "m.save"
+    make_image(img, pad=16)
+    before = img.read_bytes()
+    with pytest.raises(VMError, match="does not fit"):
+        saveimage.rewrite_xml(img, XML + "<!--" + "x" * 100 + "-->")
+    assert img.read_bytes() == before
+
+
+def test_image_without_cookie(tmp_path: Path) -> None:
+    img = tmp_path / "m.save"
+    make_image(img, cookie="", version=1)
+    h = saveimage.rewrite_xml(img, XML.replace("parent", "child"))
+    assert h.cookie == "" and h.cookie_offset == 0 and "ksfs-child" in h.xml
+
+
+@pytest.mark.parametrize("magic,what", [(b"LibvirtQemudPart", "incomplete"),
+                                        (b"NotASaveImage!!!", "bad magic")])
+def test_bad_or_partial_magic_is_refused(tmp_path: Path, magic: bytes, what: str) -> None:
+    img = tmp_path / "m.save"
+    make_image(img, magic=magic)
+    with pytest.raises(VMError, match=what):
+        saveimage.read_header(img)
+
+
+def test_truncated_image_is_refused(tmp_path: Path) -> None:
+    img = tmp_path / "m.save"
+    make_image(img)
+    img.write_bytes(img.read_bytes()[:200])
+    with pytest.raises(VMError, match="ends inside"):
+        saveimage.read_header(img)
+
+
+def test_set_was_running(tmp_path: Path) -> None:
+    img = tmp_path / "m.save"
+    make_image(img)
+    saveimage.set_was_running(img, False)
+    assert saveimage.read_header(img).was_running == 0
+    assert img.read_bytes().endswith(STREAM)
+
+
+# --- domain XML rewrites ------------------------------------------------------------------------
+
+
+def test_disks_lists_file_disks_with_their_chain() -> None:
+    (d,) = domxml.disks(XML)
+    assert d.target == "vda" and d.fmt == "qcow2"
+    assert d.source == "/w/parent/vda-3.qcow2" and d.backing == ("/w/parent/vda-0.raw",)
+
+
+def test_disks_refuses_a_network_disk() -> None:
+    xml = XML.replace("<disk type='file' device='disk'>", "<disk type='network' device='disk'>")
+    xml = xml.replace("<source file='/w/parent/vda-3.qcow2' index='2'/>",
+                      "<source protocol='nbd' name='x'/>")
+    with pytest.raises(VMError, match="not a plain file"):
+        domxml.disks(xml)
+
+
+def test_set_disk_sources_drops_the_recorded_chain_and_keeps_the_rest() -> None:
+    out = domxml.set_disk_sources(XML, {"vda": ("/w/child/vda-1.qcow2", "qcow2")})
+    (d,) = domxml.disks(out)
+    assert d.source == "/w/child/vda-1.qcow2" and d.backing == ()
+    assert "/iso/x.iso" in out and "index=" not in out.split("<target dev='vda'")[0][-200:]
+    assert domxml.uuid_of(out) == domxml.uuid_of(XML)
+
+
+def test_rename_for_fork_changes_identity_log_and_lineage_only() -> None:
+    out = domxml.rename_for_fork(XML, "ksfs-child", Path("/w/child/console.log"), "child")
+    assert domxml.domain_name(out) == "ksfs-child"
+    assert domxml.uuid_of(out) not in ("", domxml.uuid_of(XML))
+    macs = re.findall(r"<mac address=[\"']([0-9a-f:]+)", out)
+    assert len(macs) == 1 and macs[0] != "52:54:00:aa:bb:cc" and macs[0].startswith("52:54:00:")
+    assert domxml.console_log_path(out) == "/w/child/console.log"
+    assert "/w/parent/console.log" not in out
+    assert "ksfs.lineage=child" in out and "ksfs.lineage=parent" not in out
+    assert "console=ttyS0" in out and "quiet" in out
+    assert domxml.disks(out) == domxml.disks(XML)  # disks are the caller's to rewrite
+
+
+@pytest.mark.parametrize("cmdline,expected", [
+    ("console=ttyS0", "console=ttyS0 ksfs.lineage=L"),
+    ("ksfs.lineage=old quiet", "ksfs.lineage=L quiet"),
+    ("a xksfs.lineage=keep", "a xksfs.lineage=keep ksfs.lineage=L"),
+    ("", "ksfs.lineage=L"),
+])
+def test_set_cmdline_arg(cmdline: str, expected: str) -> None:
+    assert domxml.set_cmdline_arg(cmdline, "ksfs.lineage", "L") == expected
