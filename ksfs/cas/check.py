@@ -56,8 +56,10 @@ class CheckReport:
         out += [f"chunk {c}: damaged ({why})" for c, why in sorted(self.damaged_chunks.items())]
         out += [f"chunk {c}: missing ({why})" for c, why in sorted(self.missing_chunks.items())]
         out += [f"manifest {m}: {why}" for m, why in sorted(self.damaged_manifests.items())]
-        out += [f"manifest {m}: depends on {len(c)} bad chunk(s): {', '.join(sorted(c)[:3])}"
-                + (" ..." if len(c) > 3 else "") for m, c in sorted(self.affected_manifests.items())]
+        for m, c in sorted(self.affected_manifests.items()):
+            more = " ..." if len(c) > 3 else ""
+            out.append(f"manifest {m}: depends on {len(c)} bad chunk(s): "
+                       f"{', '.join(sorted(c)[:3])}{more}")
         out += [f"{ref}: unreadable ({'; '.join(why)})"
                 for ref, why in sorted(self.affected_references.items())]
         return out

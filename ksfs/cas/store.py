@@ -100,6 +100,7 @@ class ChunkStore:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.closed = False
+        self.relocated_reads = 0
 
     # --- opening -------------------------------------------------------------------------
 
@@ -218,6 +219,7 @@ class ChunkStore:
                 if again == loc or attempt == 2:
                     raise
                 loc = again
+                self.relocated_reads += 1  # GC moved it under us: found again via the index
         raise AssertionError("unreachable")
 
     def _read_at(self, cid: bytes, loc: fmt.Location) -> bytes:
