@@ -125,6 +125,11 @@ def test_cli_errors_and_help(tmp_path, provider):
     bad_url = ksfs(store, "gateway", "serve", "--upstream", "ftp://x", check=False)
     assert bad_url.returncode == 2 and "http://" in bad_url.stderr
     assert ksfs(store, "usage", "nope", check=False).returncode == 3
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    no_token = ksfs(store, "gateway", "serve", "--upstream", provider.url, "--token-file",
+                    str(empty), check=False)
+    assert no_token.returncode == 2 and "empty" in no_token.stderr
     for cmd in (["gateway", "serve"], ["usage"], ["budget"]):
         text = ksfs(store, *cmd, "--help").stdout
         assert "Example:" in text and f"ksfs {' '.join(cmd)} " in text

@@ -5,6 +5,7 @@ calls up to the branch point only."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import trio
@@ -280,3 +281,19 @@ async def test_stream_cut_by_upstream_is_not_stored(store, ledger, provider, nur
     provider.chunk_delay = 0
     ok = await call(port, chat_body("too slow", stream=True))
     assert ok.content.endswith(b"data: [DONE]\n\n") and provider.count() == 2
+
+
+async def test_session_token_keeps_other_guests_out(gw, ledger, provider, nursery):
+    # Every guest reaches every loopback port through QEMU user networking, so a session's
+    # server can demand its own token as the guest's API key.
+    port = await nursery.start(partial(gw.serve_session, "s1", token="tok-s1"))
+    assert (await call(port, chat_body())).status_code == 401
+    wrong = await call(port, chat_body(), headers={"authorization": "Bearer tok-s2"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "invalid_api_key"
+    async with client(port) as c:
+        assert (await c.get("/v1/models")).status_code == 401
+    assert provider.requests == []
+    ok = await call(port, chat_body(), headers={"authorization": "Bearer tok-s1"})
+    assert ok.status_code == 200
+    assert provider.requests[0].headers["authorization"] == f"Bearer {MARKER_KEY}"
+    assert [e.type for e in ledger.events("s1")] == ["session.created", "gateway.call"]

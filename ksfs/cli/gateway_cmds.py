@@ -47,9 +47,12 @@ def gateway() -> None:
 @click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Read the upstream API key from this file (default: $KSFS_UPSTREAM_API_KEY, "
                    "else $OPENAI_API_KEY).")
+@click.option("--token-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Require every request to carry `Authorization: Bearer TOKEN` (the agent's "
+                   "API key) with TOKEN read from this file; others get 401.")
 @pass_ctx
 def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | None,
-          timeout: float, api_key_file: str | None) -> None:
+          timeout: float, api_key_file: str | None, token_file: str | None) -> None:
     """Serve one session's model calls on HOST:PORT until interrupted (Ctrl-C or SIGTERM).
 
     Prints one line `ksfs gateway: session S on http://HOST:PORT -> UPSTREAM` once listening.
@@ -67,6 +70,11 @@ def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | 
     api_key = None
     if api_key_file is not None:
         api_key = Path(api_key_file).read_text("utf-8").strip() or None
+    token = None
+    if token_file is not None:
+        token = Path(token_file).read_text("utf-8").strip()
+        if not token:
+            raise BadInput(f"token file {token_file} is empty")
     keeper = ctx.open_keeper(create=True)
     store, ledger = keeper.store, keeper.ledger
     try:
@@ -81,15 +89,19 @@ def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | 
                    "it can spend this session's budget", err=True)
     gw = Gateway(store, ledger, upstream, prices, api_key=api_key, timeout=timeout)
     keeper.gateway = gw
-    trio.run(_serve, gw, session, host, port, upstream)
+    trio.run(_serve, gw, session, host, port, upstream, token)
 
 
-async def _serve(gw: Any, session: str, host: str, port: int, upstream: str) -> None:
+async def _serve(gw: Any, session: str, host: str, port: int, upstream: str,
+                 token: str | None) -> None:
+    import functools
+
     import trio
 
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            bound = await nursery.start(gw.serve_session, session, port, host)
+            bound = await nursery.start(functools.partial(
+                gw.serve_session, session, port, host, token=token))
             shown = f"[{host}]" if ":" in host else host
             click.echo(f"ksfs gateway: session {session} on http://{shown}:{bound} -> {upstream}")
             async for _ in signals:

@@ -7,6 +7,7 @@ its own. It never decides anything about replay or money: ``Gateway.chat`` does.
 
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
 from ksfs.errors import BadInput, KsfsError, NotFound, ReadOnly
@@ -29,6 +30,11 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
     if scope["type"] != "http":
         return
     headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
+    if served.token is not None and not _token_ok(headers, served.token):
+        await send_reply(send, error_reply(
+            401, "invalid_api_key",
+            f"this gateway serves session {served.session!r}; give its token as the API key"))
+        return
     body = await read_body(receive, gw.max_body)
     if body is None:
         await send_reply(send, error_reply(413, "request_too_large",
@@ -47,6 +53,11 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
         return
     await served.upstream.passthrough(method, path, scope.get("query_string", b""), headers,
                                       body, send)
+
+
+def _token_ok(headers: list[tuple[str, str]], token: str) -> bool:
+    given = next((v for k, v in headers if k == "authorization"), "")
+    return hmac.compare_digest(given.encode("utf-8"), f"Bearer {token}".encode())
 
 
 async def read_body(receive, limit: int) -> bytes | None:

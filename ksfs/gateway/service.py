@@ -69,6 +69,7 @@ class Served:
     session: str
     nursery: trio.Nursery
     upstream: Upstream
+    token: str | None = None  # when set, every request must carry "Authorization: Bearer TOKEN"
 
 
 class Gateway:
@@ -112,12 +113,15 @@ class Gateway:
     # --- serving ------------------------------------------------------------------------------
 
     async def serve_session(self, session: str, port: int = 0, host: str = "127.0.0.1", *,
+                            token: str | None = None,
                             task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
                             ) -> None:
         """Serve ``session`` on host:port (0: any free port) until cancelled.
 
         ``await nursery.start(gw.serve_session, "s1")`` returns the bound port; it is also in
-        ``gw.ports`` while the server runs.
+        ``gw.ports`` while the server runs. With ``token``, a request must carry
+        ``Authorization: Bearer TOKEN`` (the guest's "API key") or gets 401: every guest can
+        reach every loopback port, so the port alone does not keep sessions apart.
         """
         self.db.view(session)  # NoSuchSession now, not on the first call
         if session in self.ports:
@@ -131,7 +135,7 @@ class Gateway:
         upstream = Upstream(self.upstream_url, self._api_key, self.timeout)
         try:
             async with trio.open_nursery() as nursery:
-                served = Served(session, nursery, upstream)
+                served = Served(session, nursery, upstream, token)
                 app = partial(asgi_app, self, served)
                 binds = await nursery.start(partial(hypercorn.trio.serve, app, config,
                                                     mode="asgi"))
