@@ -297,3 +297,20 @@ async def test_session_token_keeps_other_guests_out(gw, ledger, provider, nurser
     assert ok.status_code == 200
     assert provider.requests[0].headers["authorization"] == f"Bearer {MARKER_KEY}"
     assert [e.type for e in ledger.events("s1")] == ["session.created", "gateway.call"]
+
+
+async def test_guest_that_hangs_up_mid_stream_gets_it_whole_on_retry(gw, ledger, provider,
+                                                                     nursery):
+    provider.chunk_delay = 0.1
+    port = await nursery.start(gw.serve_session, "s1")
+    body = chat_body("a stream cut short", stream=True)
+    async with client(port) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for first in r.aiter_raw():
+                assert first.startswith(b"data: ")
+                break  # hang up after the first bytes
+    retry = await call(port, body)
+    assert retry.status_code == 200 and retry.headers["x-ksfs-replay"] == "true"
+    assert retry.content.startswith(first) and retry.content.endswith(b"data: [DONE]\n\n")
+    assert provider.count() == 1
+    assert (await call(port, chat_body("still serving"))).status_code == 200
