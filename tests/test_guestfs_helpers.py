@@ -98,7 +98,7 @@ def compare_with_dir(fs: GuestFS, top: Path, exact: bool, skip: tuple[str, ...] 
     ``exact`` (a mount of the same image): every stat field equal, inode numbers included.
     Otherwise (the source tree): type, mode, owner, size, whole-second mtime, bytes, targets.
     """
-    ours = {rel: (ino, is_dir) for rel, ino, is_dir in walk(fs) if rel not in skip}
+    ours = {rel: (ino, is_dir) for rel, ino, is_dir in walk(fs) if rel.split("/")[0] not in skip}
     theirs = {}
     for dirpath, dirnames, filenames in os.walk(top):
         rel_dir = os.path.relpath(dirpath, top)

@@ -98,6 +98,12 @@ class Volume:
                 parts.append(read_exact(self.reader, self.offset + b * self.bs, self.bs, what))
         return b"".join(parts)
 
+    def read_within(self, block: int, start: int, n: int, what: str) -> bytes:
+        """``n`` bytes at ``start`` inside one block (an inode, a descriptor), not the block."""
+        if block in self.overlay or not 0 <= block < self.sb.blocks_count:
+            return self.read_blocks(block, 1, what)[start : start + n]
+        return read_exact(self.reader, self.offset + block * self.bs + start, n, what)
+
     def overlaps_overlay(self, block: int, count: int) -> bool:
         i = bisect.bisect_left(self._overlay_keys, block)
         return i < len(self._overlay_keys) and self._overlay_keys[i] < block + count
@@ -117,8 +123,8 @@ class Volume:
             block += 1 if self._has_super(first) else 0
         else:
             block = sb.first_data_block + 1 + gdt_index
-        raw = self.read_blocks(block, 1, f"group descriptor {group}")
-        desc = raw[slot * sb.desc_size : (slot + 1) * sb.desc_size]
+        desc = self.read_within(block, slot * sb.desc_size, sb.desc_size,
+                                f"group descriptor {group}")
         table = struct.unpack_from("<I", desc, 0x08)[0]
         if sb.desc_size >= 64:
             table |= struct.unpack_from("<I", desc, 0x28)[0] << 32
@@ -146,9 +152,8 @@ class Volume:
         group, index = divmod(ino - 1, sb.inodes_per_group)
         byte = index * sb.inode_size
         block = self._inode_table(group) + byte // self.bs
-        raw = self.read_blocks(block, 1, f"inode {ino}")
-        start = byte % self.bs
-        inode = layout.parse_inode(raw[start : start + sb.inode_size], ino, sb)
+        raw = self.read_within(block, byte % self.bs, sb.inode_size, f"inode {ino}")
+        inode = layout.parse_inode(raw, ino, sb)
         self._inodes.put(ino, inode)
         return inode
 
@@ -161,12 +166,13 @@ class Volume:
         return self._indirect_runs(inode, first, end)
 
     def _extent_runs(self, inode: Inode, first: int, end: int) -> list[Run]:
-        extents = self._maps.get(inode.ino)
-        if extents is None:
-            extents = []
+        cached = self._maps.get(inode.ino)
+        if cached is None:
+            extents: list = []
             self._walk_extents(inode, inode.block, extents, 0)
-            self._maps.put(inode.ino, extents)
-        starts = [e[0] for e in extents]
+            cached = (extents, [e[0] for e in extents])
+            self._maps.put(inode.ino, cached)
+        extents, starts = cached
         out: list[Run] = []
         pos = first
         i = max(0, bisect.bisect_right(starts, first) - 1)
