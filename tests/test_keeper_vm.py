@@ -1,0 +1,286 @@
+"""The machine verbs end to end through the command line, against a real libvirtd, QEMU and the
+test guest: save, restore, fork, pause/resume, adopt, and kill -9 during a save.
+
+One booted session is shared by the module; every domain made here is destroyed and undefined
+at the end, even on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+pytestmark = pytest.mark.vm
+
+
+def run(store: Path, *args: str, check: bool = True, env: dict | None = None,
+        timeout: float = 300) -> subprocess.CompletedProcess:
+    res = subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    if check and res.returncode != 0:
+        raise AssertionError(f"ksfs {' '.join(args)} -> {res.returncode}: {res.stderr}")
+    return res
+
+
+def virsh(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run(["virsh", "-q", "-c", "qemu:///system", *args], capture_output=True,
+                          text=True, check=check)
+
+
+@pytest.fixture(scope="module")
+def guest() -> Path:
+    subprocess.run([str(ROOT / "tools/start-libvirt")], check=True)
+    out = subprocess.run([str(ROOT / "tools/build-guest")], check=True, capture_output=True,
+                         text=True).stdout.strip().splitlines()[-1]
+    return Path(out)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, guest: Path):
+    store = tmp_path_factory.mktemp("vmstore") / "store"
+    e = dict(os.environ, KSFS_GUEST=str(guest))
+    tag = uuid.uuid4().hex[:6]
+    made: list[str] = []
+    yield {"store": store, "env": e, "tag": tag, "made": made}
+    # Clean up every session (and so domain) this module made, whatever happened.
+    res = run(store, "session", "list", "--json", check=False, env=e)
+    names = [s["session"] for s in json.loads(res.stdout)] if res.returncode == 0 else []
+    for name in set(names) | set(made):
+        run(store, "session", "rm", name, check=False, env=e)
+    for name in set(names) | set(made):
+        virsh("destroy", f"ksfs-{name}")
+        virsh("undefine", f"ksfs-{name}")
+    shutil.rmtree(store, ignore_errors=True)
+
+
+def transcript_lines(store: Path, session: str, checkpoint: str, e: dict) -> list[dict]:
+    """The guest's transcript as of a checkpoint, read out of its stored disk."""
+    code = (
+        "import json,sys\n"
+        "from ksfs.keeper import Keeper\n"
+        "from ksfs.guestfs import GuestFS\n"
+        "k = Keeper(sys.argv[1])\n"
+        "r = k.ledger.checkpoint(sys.argv[2], sys.argv[3])\n"
+        "fs = k.guest_fs(r)\n"
+        "p = k.transcript_path(sys.argv[2])\n"
+        "sys.stdout.write(fs.read(p, 0, fs.stat(p).size).decode())\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(store), session, checkpoint],
+                         capture_output=True, text=True, check=True, env=e)
+    out = []
+    for line in res.stdout.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a torn last line
+    return out
+
+
+def save(store: Path, session: str, e: dict, name: str | None = None) -> str:
+    res = run(store, "save", session, *([name] if name else []), env=e)
+    return res.stdout.strip().splitlines()[-1]
+
+
+def wait_transcript(store: Path, session: str, e: dict, at_least: int) -> str:
+    """Save until the guest's transcript holds ``at_least`` lines; returns that checkpoint."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        name = save(store, session, e)
+        lines = transcript_lines(store, session, name, e)
+        if len(lines) >= at_least:
+            return name
+        time.sleep(2)
+    raise AssertionError(f"the guest of {session} wrote fewer than {at_least} transcript lines")
+
+
+@pytest.fixture(scope="module")
+def agent(env) -> str:
+    name = f"agent-{env['tag']}"
+    env["made"].append(name)
+    run(env["store"], "session", "new", name, env=env["env"])
+    wait_transcript(env["store"], name, env["env"], 3)
+    return name
+
+
+def test_save_prints_name_and_publishes(env, agent: str) -> None:
+    store, e = env["store"], env["env"]
+    res = run(store, "save", agent, "named-one", env=e)
+    assert res.stdout.strip().splitlines()[-1] == "named-one"
+    listed = json.loads(run(store, "checkpoints", agent, "--json", env=e).stdout)
+    rec = next(c for c in listed if c["name"] == "named-one")
+    assert rec["size"] > 0
+    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
+              if x]
+    published = [ev for ev in events if ev["type"] == "checkpoint.published"]
+    assert published[-1]["body"]["name"] == "named-one"
+    # After the first checkpoint, saves are incremental and read only what changed.
+    assert published[-1]["body"]["incremental"] is True
+    assert published[-1]["body"]["disk_bytes_read"] < 32 << 20
+    # The same name twice is refused, and nothing changes.
+    before = len(listed)
+    res = run(store, "save", agent, "named-one", check=False, env=e)
+    assert res.returncode == 4 and "already exists" in res.stderr
+    assert len(json.loads(run(store, "checkpoints", agent, "--json", env=e).stdout)) == before
+    assert run(store, "check", "--read-data", env=e).returncode == 0
+    assert run(store, "ledger", "verify", env=e).returncode == 0
+
+
+def test_restore_continues_from_the_checkpoint(env, agent: str) -> None:
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e, "before")
+    at_cp = transcript_lines(store, agent, cp, e)
+    last = at_cp[-1]
+    time.sleep(6)  # the guest runs on past the checkpoint
+    later = save(store, agent, e)
+    assert transcript_lines(store, agent, later, e)[-1]["seq"] > last["seq"] + 3
+    res = json.loads(run(store, "restore", agent, cp, "--json", env=e).stdout)
+    assert res["saved_as"]  # the state before the restore was saved first
+    assert res["reconcile"]["outcome"] in ("consistent", "equal", "ok")
+    time.sleep(4)
+    after = save(store, agent, e)
+    lines = transcript_lines(store, agent, after, e)
+    seqs = [x["seq"] for x in lines]
+    # The transcript on disk continues from the checkpoint: up to `last` it equals the
+    # checkpoint's, then it goes on from last+1 with the guest's clock as it was at the checkpoint
+    # (uptime continues from the checkpoint, not from restore time).
+    assert lines[: len(at_cp)] == at_cp
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    nxt = lines[len(at_cp)]
+    assert nxt["seq"] == last["seq"] + 1
+    assert nxt["t"] - last["t"] < 5.0
+    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
+              if x]
+    kinds = [ev["type"] for ev in events]
+    i = len(kinds) - 1 - kinds[::-1].index("restore.begin")
+    assert kinds[i:i + 3] == ["restore.begin", "reconcile", "restore.done"]
+
+
+def test_two_forks_diverge_and_parent_undisturbed(env, agent: str) -> None:
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e, "forkpoint")
+    base = transcript_lines(store, agent, cp, e)
+    f1, f2 = f"f1-{env['tag']}", f"f2-{env['tag']}"
+    env["made"] += [f1, f2]
+    run(store, "fork", agent, cp, f1, env=e)
+    run(store, "fork", agent, cp, f2, env=e)
+    states = {s["session"]: s for s in json.loads(run(store, "session", "list", "--json",
+                                                      env=e).stdout)}
+    assert states[f1]["state"] == states[f2]["state"] == states[agent]["state"] == "running"
+    time.sleep(5)
+    c1, c2, cp_parent = save(store, f1, e), save(store, f2, e), save(store, agent, e)
+    t1, t2 = transcript_lines(store, f1, c1, e), transcript_lines(store, f2, c2, e)
+    tp = transcript_lines(store, agent, cp_parent, e)
+    # Both forks start from the checkpoint's transcript, then run on their own.
+    assert t1[: len(base)] == base and t2[: len(base)] == base
+    assert len(t1) > len(base) and len(t2) > len(base)
+    # They diverge: their machines are separate (the work after the branch differs in time).
+    assert t1[len(base):] != t2[len(base):]
+    # The parent went on undisturbed: its transcript kept growing past the branch point.
+    assert tp[: len(base)] == base and len(tp) > len(base)
+    lineage = json.loads(run(store, "lineage", f1, "--json", env=e).stdout)
+    assert json.dumps(lineage).count(cp) >= 1
+    for f in (f1, f2):
+        run(store, "session", "rm", f, env=e)
+        assert virsh("domstate", f"ksfs-{f}").returncode != 0
+
+
+def test_pause_and_resume(env, agent: str) -> None:
+    store, e = env["store"], env["env"]
+    run(store, "pause", agent, env=e)
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "paused"
+    run(store, "resume", agent, env=e)
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+
+
+def test_kill_9_during_save(env, agent: str) -> None:
+    """kill -9 of ksfs during a save, at each durability point: no checkpoint appears, the guest
+    still runs, the next save works."""
+    store, e = env["store"], env["env"]
+    for point in ("vm.snapshot", "pack.fsync", "index.commit"):
+        before = {c["name"] for c in json.loads(run(store, "checkpoints", agent, "--json",
+                                                    env=e).stdout)}
+        env_crash = dict(e, KSFS_CRASH_AT=point)
+        res = run(store, "save", agent, f"crash-{point}", check=False, env=env_crash)
+        assert res.returncode == -signal.SIGKILL, (point, res.returncode, res.stderr)
+        after = {c["name"] for c in json.loads(run(store, "checkpoints", agent, "--json",
+                                                   env=e).stdout)}
+        assert after == before, point
+        assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+        name = save(store, agent, e)
+        assert name in {c["name"] for c in json.loads(run(store, "checkpoints", agent, "--json",
+                                                          env=e).stdout)}
+    assert run(store, "check", "--read-data", env=e).returncode == 0
+    assert run(store, "ledger", "verify", env=e).returncode == 0
+
+
+def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
+    """A domain defined with plain libvirt XML, then adopted, can be saved, restored, forked."""
+    store, e = env["store"], env["env"]
+    spec = json.loads((guest / "guest.json").read_text())
+    dom = f"plain-{env['tag']}"
+    disk = tmp_path / "plain.qcow2"
+    subprocess.run(["qemu-img", "convert", "-O", "qcow2", spec["disk"], str(disk)], check=True)
+    tmp_path.chmod(0o755)
+    xml = f"""<domain type='qemu'>
+  <name>{dom}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
+  <os><type arch='x86_64'>hvm</type><kernel>{spec['kernel']}</kernel>
+  <initrd>{spec['initrd']}</initrd><cmdline>{spec['cmdline']}</cmdline></os>
+  <devices>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2'/>
+      <source file='{disk}'/><target dev='vda' bus='virtio'/></disk>
+    <serial type='pty'/><console type='pty'/>
+  </devices>
+</domain>"""
+    xml_path = tmp_path / "plain.xml"
+    xml_path.write_text(xml)
+    name = f"adopted-{env['tag']}"
+    fork_name = f"adopted-fork-{env['tag']}"
+    try:
+        virsh("define", str(xml_path), check=True)
+        virsh("start", dom, check=True)
+        run(store, "session", "adopt", name, dom, env=e)
+        env["made"] += [name, fork_name]
+        defined = virsh("dumpxml", dom).stdout
+        assert spec["kernel"] in defined and "<cmdline>" in defined
+        c1 = wait_transcript(store, name, e, 2)
+        c2 = save(store, name, e)
+        run(store, "restore", name, c1, env=e)
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        run(store, "fork", name, c2, fork_name, env=e)
+        assert virsh("domstate", f"ksfs-{fork_name}").stdout.strip() == "running"
+        c3 = save(store, fork_name, e)
+        assert transcript_lines(store, fork_name, c3, e)
+    finally:
+        for s in (fork_name, name):
+            run(store, "session", "rm", s, check=False, env=e)
+        virsh("destroy", dom)
+        virsh("undefine", dom)
+    assert virsh("domstate", dom).returncode != 0
+
+
+def test_console_counter_continues_after_restore(env, agent: str) -> None:
+    """The counter the guest prints on its serial console goes on from its value at the
+    checkpoint after a restore, not from its value at restore time."""
+    store, e = env["store"], env["env"]
+    log = Path(store) / "vm" / agent / "console.log"
+    cp = save(store, agent, e, "counter-cp")
+    at_cp = transcript_lines(store, agent, cp, e)[-1]["counter"]
+    time.sleep(5)
+    run(store, "restore", agent, cp, env=e)
+    mark = log.stat().st_size
+    time.sleep(4)
+    printed = [int(m) for m in re.findall(rb"ksfs-counter (\d+)", log.read_bytes()[mark:])]
+    assert printed, "the guest printed no counter after the restore"
+    assert at_cp < printed[0] <= at_cp + 3
