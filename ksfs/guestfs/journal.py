@@ -51,7 +51,7 @@ def journal_overlay(vol: Volume) -> dict[int, tuple[int, bool]]:
         raise GuestFSUnreadable(why="the journal needs recovery with fast commits (unsupported)")
     is64 = bool(incompat & INCOMPAT_64BIT)
     if incompat & INCOMPAT_CSUM_V3:
-        tag_bytes = 16 if is64 else 12
+        tag_bytes = 16  # journal_block_tag3_t keeps its blocknr_high field even without 64bit
     else:
         tag_bytes = (12 if is64 else 8) + (2 if incompat & INCOMPAT_CSUM_V2 else 0)
     tail = 4 if incompat & (INCOMPAT_CSUM_V2 | INCOMPAT_CSUM_V3) else 0
