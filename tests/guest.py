@@ -111,9 +111,21 @@ def wait_for_counter(log: Path, at_least: int = 1, start: int = 0,
 
 
 def read_image_file(image: Path, path: str) -> bytes:
-    """A file from the ext4 filesystem of a raw disk image (debugfs, read-only)."""
-    res = subprocess.run(["debugfs", "-R", f"cat {path}", str(image)], capture_output=True,
-                         timeout=60)
+    """A file from the ext4 filesystem of a raw disk image, journal replayed on a copy first.
+
+    The image of a running guest holds recent metadata only in its journal, which debugfs alone
+    does not read.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "image.raw"
+        subprocess.run(["cp", "--sparse=always", str(image), str(copy)], check=True)
+        fsck = subprocess.run(["e2fsck", "-p", "-E", "journal_only", str(copy)],
+                              capture_output=True, timeout=120)
+        if fsck.returncode not in (0, 1):
+            raise AssertionError(f"e2fsck could not replay the journal of {image}: "
+                                 f"{fsck.stdout.decode()[-500:]} {fsck.stderr.decode()[-500:]}")
+        res = subprocess.run(["debugfs", "-R", f"cat {path}", str(copy)], capture_output=True,
+                             timeout=60)
     if res.returncode != 0:
         raise AssertionError(f"debugfs could not read {path}: {res.stderr.decode()[-500:]}")
     return res.stdout

@@ -44,10 +44,19 @@ if [ -n "$GATEWAY" ]; then
   ip route add default via 10.0.2.2
 fi
 
+nonce() {  # host randomness (virtio-rng) when present: forks of one checkpoint diverge at once
+  if [ -c /dev/hwrng ]; then
+    head -c 4 /dev/hwrng 2>/dev/null | od -An -tx1 | tr -d ' \n'
+  else
+    head -c 4 /dev/urandom | od -An -tx1 | tr -d ' \n'
+  fi
+}
+
 append() {  # append one transcript line and make it durable before going on
   SEQ=$((SEQ + 1))
   up=$(cut -d' ' -f1 /proc/uptime)
-  echo "{\"seq\": $SEQ, \"lineage\": \"$LINEAGE\", \"counter\": $SEQ, \"t\": $up, $1}" >> "$T"
+  line="{\"seq\": $SEQ, \"lineage\": \"$LINEAGE\", \"counter\": $SEQ, \"t\": $up"
+  echo "$line, \"nonce\": \"$(nonce)\", $1}" >> "$T"
   sync "$T"
   echo "ksfs-counter $SEQ" > /dev/console
 }

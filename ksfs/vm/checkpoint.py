@@ -19,7 +19,7 @@ import libvirt
 
 from ksfs.crashpoints import crash_point
 from ksfs.errors import NotRunning, VMError
-from ksfs.vm import domxml
+from ksfs.vm import domxml, saveimage
 from ksfs.vm.chain import ChainSource
 from ksfs.vm.state import DiskState, Frozen, FrozenDisk
 from ksfs.vm.steps import step
@@ -88,9 +88,8 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = Fals
     _keep_running(dom, was_paused)
     try:
         crash_point("vm.snapshot")
-        with step(domain, "reading the snapshot's memory image"):
-            xml = ctl.conn.saveImageGetXMLDesc(str(memory),
-                                               libvirt.VIR_DOMAIN_SAVE_IMAGE_XML_SECURE)
+        # The XML libvirt stored in the image itself: exactly what a restore of it starts from.
+        xml = saveimage.read_header(memory).xml
         frozen_disks = []
         for disk in disks:
             frozen_disks.append(_frozen_disk(disk, state.disks.get(disk.target)))

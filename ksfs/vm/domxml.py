@@ -77,6 +77,9 @@ def new_domain_xml(
       <source path={quoteattr(str(console_log))} append='on'/>
       <target type='serial' port='0'/>
     </console>
+    <rng model='virtio'>
+      <backend model='random'>/dev/urandom</backend>
+    </rng>
     <memballoon model='none'/>
   </devices>
 </domain>

@@ -83,8 +83,8 @@ class FrozenDisk:
 class Frozen:
     """A checkpoint taken but not yet finished: memory image, domain XML and frozen disks.
 
-    ``xml`` is the domain XML stored in the memory image (the definition at the snapshot instant,
-    its disk sources naming the frozen chain). Valid until ``finish`` or ``abort``.
+    ``xml`` is the domain XML held in the memory image's header (the definition at the snapshot
+    instant, its disk sources naming the frozen chain). Valid until ``finish`` or ``abort``.
     """
 
     session: str

@@ -1,0 +1,252 @@
+"""The controller against a real libvirtd, QEMU and the test guest: snapshot, restore, fork.
+
+One guest boots per module; checkpoints are ingested with a plain file copy (the store is the
+keeper's business). Every domain made here is destroyed and undefined by a finalizer, even when
+a test fails.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from guest import (
+    FileReader,
+    copy_source,
+    counters,
+    guest_config,
+    require_libvirt,
+    transcript,
+    undefine_quietly,
+    unique_domain,
+    vm_workdir,
+    wait_for_counter,
+)
+
+from ksfs.errors import AlreadyExists, VMError
+from ksfs.vm import DomainController, saveimage
+
+pytestmark = pytest.mark.vm
+
+
+@dataclass
+class Booted:
+    ctl: DomainController
+    session: str
+    domain: str
+    log: Path
+    store: Path  # where the tests keep their copies of checkpoints
+    made: list[str]  # every domain name made in this module, for the finalizer
+
+
+@dataclass
+class Checkpoint:
+    disk: Path
+    memory: Path
+    last_seq: int
+    lines: list[dict]
+
+
+@pytest.fixture(scope="module")
+def booted() -> Booted:
+    require_libvirt()
+    cfg = guest_config()
+    work = vm_workdir()
+    ctl = DomainController(workdir=work)
+    made: list[str] = []
+    domain = unique_domain()
+    made.append(domain)
+    b = Booted(ctl, "parent", domain, work / "parent" / "console.log", work / "copies", made)
+    b.store.mkdir()
+    try:
+        ctl.create("parent", domain, cfg["kernel"], cfg["initrd"], cfg["disk"],
+                   memory_mib=cfg["memory_mib"], cmdline=cfg["cmdline"])
+        wait_for_counter(b.log, at_least=3)
+        yield b
+    finally:
+        for name in made:
+            try:
+                ctl.destroy_and_undefine(name)
+            except VMError:
+                undefine_quietly(name)
+        ctl.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def take(b: Booted, name: str, session: str | None = None, domain: str | None = None,
+         base: Path | None = None) -> tuple[Checkpoint, dict]:
+    """Snapshot, copy out (incrementally over ``base`` when the controller allows), finish."""
+    frozen = b.ctl.snapshot(session or b.session, domain or b.domain)
+    info: dict = {"base_checkpoint": frozen.base_checkpoint}
+    try:
+        (disk,) = frozen.disks
+        info["changed"] = disk.changed
+        info["top"] = disk.top
+        out = b.store / f"{name}.disk"
+        use_base = base if disk.changed is not None else None
+        info["bytes_read"] = copy_source(disk.source, out, disk.changed, use_base)
+        ref = b.store / f"{name}.ref"
+        subprocess.run(["qemu-img", "convert", "-U", "-O", "raw", disk.top, str(ref)],
+                       check=True)
+        info["equal"] = out.read_bytes() == ref.read_bytes()
+        ref.unlink()
+        mem = b.store / f"{name}.mem"
+        shutil.copyfile(frozen.memory_path, mem)
+        info["xml"] = frozen.xml
+        info["memory_path"] = frozen.memory_path
+    except BaseException:
+        b.ctl.abort(frozen)
+        raise
+    b.ctl.finish(frozen, name)
+    lines = transcript(out)
+    return Checkpoint(out, mem, lines[-1]["seq"] if lines else 0, lines), info
+
+
+@pytest.fixture(scope="module")
+def c1(booted: Booted) -> tuple[Checkpoint, dict]:
+    return take(booted, "c1")
+
+
+def test_guest_boots_and_counts(booted: Booted) -> None:
+    start = counters(booted.log)[-1]
+    seen = wait_for_counter(booted.log, at_least=start + 3)
+    assert seen == sorted(seen) and seen[-1] >= start + 3
+    assert booted.ctl.state(booted.domain) == "running"
+
+
+def test_first_checkpoint_reads_whole_frozen_image_equal_to_convert(
+        booted: Booted, c1: tuple[Checkpoint, dict]) -> None:
+    cp, info = c1
+    assert info["changed"] is None and info["base_checkpoint"] is None
+    assert info["equal"], "the frozen disk read through Frozen.source differs from qemu-img"
+    assert cp.last_seq >= 3
+    assert [line["seq"] for line in cp.lines] == list(range(1, cp.last_seq + 1))
+    assert saveimage.read_header(cp.memory).xml == info["xml"]
+    assert not Path(info["memory_path"]).exists(), "finish leaves the staging memory image"
+    assert booted.ctl.state(booted.domain) == "running"
+
+
+def test_incremental_checkpoint_reads_only_changed_clusters(
+        booted: Booted, c1: tuple[Checkpoint, dict]) -> None:
+    cp1, _ = c1
+    wait_for_counter(booted.log, at_least=cp1.last_seq + 8)
+    cp2, info = take(booted, "c2", base=cp1.disk)
+    assert info["base_checkpoint"] == "c1"
+    changed = info["changed"]
+    assert changed, "the guest wrote between the checkpoints, so something changed"
+    # c1 + the changed ranges = the frozen image: the ranges cover every write
+    assert info["equal"]
+    assert sum(n for _, n in changed) == info["bytes_read"] < 8 << 20
+    assert cp2.last_seq > cp1.last_seq + 5
+    assert cp2.lines[:len(cp1.lines)] == cp1.lines
+    # the chain stays short: the active overlay sits right on the root after finish
+    files = booted.ctl.disk_files(booted.domain)
+    chain = subprocess.run(["qemu-img", "info", "-U", "--backing-chain", files["vda"]],
+                           capture_output=True, text=True, check=True).stdout
+    assert chain.count("image:") == 2
+
+
+def test_restore_continues_from_the_checkpoint_not_from_now(
+        booted: Booted, c1: tuple[Checkpoint, dict]) -> None:
+    cp1, _ = c1
+    before = wait_for_counter(booted.log, at_least=cp1.last_seq + 12)[-1]
+    booted.ctl.pause(booted.domain)  # so nothing the old run prints lands after ``offset``
+    offset = booted.log.stat().st_size
+    mem, disk = FileReader(cp1.memory), FileReader(cp1.disk)
+    try:
+        res = booted.ctl.restore(booted.session, booted.domain, mem, {"vda": disk},
+                                 checkpoint="c1")
+    finally:
+        mem.close()
+        disk.close()
+    assert res.base_checkpoint == "c1"
+    assert booted.ctl.state(booted.domain) == "paused"
+    time.sleep(1)
+    assert counters(booted.log, offset) == [], "a paused guest printed"
+    booted.ctl.resume(booted.domain)
+    seen = wait_for_counter(booted.log, at_least=cp1.last_seq + 3, start=offset, count=3)
+    assert cp1.last_seq <= seen[0] <= cp1.last_seq + 1 < before
+    assert seen == sorted(seen)
+    # the transcript on disk matches: c1's lines, then a gapless continuation from c1's seq
+    cp3, info = take(booted, "c3", base=cp1.disk)
+    assert info["base_checkpoint"] == "c1" and info["equal"]
+    assert cp3.lines[:len(cp1.lines)] == cp1.lines
+    assert [line["seq"] for line in cp3.lines] == list(range(1, cp3.last_seq + 1))
+
+
+def test_two_forks_run_at_once_and_diverge_parent_undisturbed(
+        booted: Booted, c1: tuple[Checkpoint, dict]) -> None:
+    cp1, _ = c1
+    forks = []
+    for i in range(2):
+        name = unique_domain("ksfs-test-fork")
+        booted.made.append(name)
+        mem, disk = FileReader(cp1.memory), FileReader(cp1.disk)
+        try:
+            res = booted.ctl.fork(f"fork{i}", name, mem, {"vda": disk}, checkpoint="c1")
+        finally:
+            mem.close()
+            disk.close()
+        assert res.domain == name and booted.ctl.state(name) == "paused"
+        forks.append(name)
+    parent_before = counters(booted.log)[-1]
+    for name in forks:
+        booted.ctl.resume(name)
+    logs = [booted.ctl.console_log(f"fork{i}") for i in range(2)]
+    assert logs[0] != logs[1] != booted.log
+    for log in logs:
+        seen = wait_for_counter(log, at_least=cp1.last_seq + 4)
+        assert cp1.last_seq <= seen[0] <= cp1.last_seq + 1
+    assert all(booted.ctl.state(n) == "running" for n in forks)
+    parent_now = wait_for_counter(booted.log, at_least=parent_before + 2)[-1]
+    assert parent_now > parent_before and booted.ctl.state(booted.domain) == "running"
+    xmls = [booted.ctl.xml(n) for n in (booted.domain, *forks)]
+    uuids = {x.split("<uuid>")[1].split("</uuid>")[0] for x in xmls}
+    assert len(uuids) == 3
+    # each fork has its own disk and its own future: same past, different new lines
+    cps = [take(booted, f"fork{i}-a", session=f"fork{i}", domain=n)[0]
+           for i, n in enumerate(forks)]
+    for cp in cps:
+        assert cp.lines[:len(cp1.lines)] == cp1.lines
+        assert cp.last_seq > cp1.last_seq + 2
+    new = [[(ln["seq"], ln["nonce"]) for ln in cp.lines[len(cp1.lines):]] for cp in cps]
+    common = min(len(new[0]), len(new[1]))
+    assert new[0][:common] != new[1][:common]
+    for name in forks:
+        booted.ctl.destroy_and_undefine(name)
+        assert booted.ctl.state(name) == "absent"
+
+
+def test_fork_refuses_an_existing_domain_name(booted: Booted,
+                                              c1: tuple[Checkpoint, dict]) -> None:
+    cp1, _ = c1
+    with pytest.raises(AlreadyExists):
+        booted.ctl.fork("dup", booted.domain, FileReader(cp1.memory),
+                        {"vda": FileReader(cp1.disk)})
+    assert booted.ctl.state(booted.domain) == "running"
+
+
+def test_failed_snapshot_leaves_the_guest_running_and_no_files(booted: Booted) -> None:
+    state = booted.ctl.load_state(booted.session)
+    n = state.counter + 1
+    # an overlay file already in the way makes libvirt refuse the snapshot
+    blocker = booted.ctl.session_dir(booted.session) / f"vda-{n}.qcow2"
+    blocker.write_bytes(b"in the way")
+    try:
+        with pytest.raises(VMError, match=booted.domain):
+            booted.ctl.snapshot(booted.session, booted.domain)
+    finally:
+        blocker.unlink(missing_ok=True)
+    assert booted.ctl.state(booted.domain) == "running"
+    staging = booted.ctl.session_dir(booted.session) / "staging"
+    assert list(staging.iterdir()) == []
+    start = counters(booted.log)[-1]
+    wait_for_counter(booted.log, at_least=start + 2)
+    # and the next snapshot works
+    frozen = booted.ctl.snapshot(booted.session, booted.domain)
+    booted.ctl.finish(frozen)
+    assert booted.ctl.state(booted.domain) == "running"
