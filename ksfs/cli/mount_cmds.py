@@ -24,9 +24,12 @@ def _is_mounted(mountpoint: str) -> bool:
 @click.argument("mountpoint", type=click.Path(file_okay=False))
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground, logging to stderr.")
 @click.option("--allow-other", is_flag=True, help="Let other users see the mount.")
+@click.option("--upstream", metavar="URL",
+              help="Model provider the gateway fronts (default $KSFS_UPSTREAM or config.json).")
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the mount.")
 @pass_ctx
-def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, timeout: float) -> None:
+def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: str | None,
+          timeout: float) -> None:
     """Run the daemon and mount the store at MOUNTPOINT.
 
     Without --foreground it detaches once the mount is ready and says where it logs.

@@ -43,8 +43,20 @@ def acquire_daemon_lock(store_path: Path, mountpoint: str) -> int:
     return fd
 
 
+def upstream_url(store_path: Path, given: str | None) -> str | None:
+    """The model provider the gateway fronts: --upstream, $KSFS_UPSTREAM, or config.json."""
+    if given:
+        return given
+    if os.environ.get("KSFS_UPSTREAM"):
+        return os.environ["KSFS_UPSTREAM"]
+    try:
+        return json.loads((store_path / "config.json").read_text()).get("upstream")
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
-                ready_fd: int | None = None) -> int:
+                ready_fd: int | None = None, upstream: str | None = None) -> int:
     from ksfs.daemon.server import serve_control
     from ksfs.fuse.mount import run_mount
     from ksfs.keeper import Keeper
@@ -61,7 +73,14 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
             except KsfsError as exc:
                 log.error("recovery at start failed: %s", exc)
         tasks = [functools.partial(serve_control, keeper, store_path / "daemon.sock")]
-        tasks += keeper.daemon_tasks() if hasattr(keeper, "daemon_tasks") else []
+        url = upstream_url(store_path, upstream)
+        if url:
+            from ksfs.daemon.gateways import serve_gateways
+            from ksfs.gateway import Gateway
+
+            keeper.gateway = Gateway(keeper.store, keeper.ledger, url)
+            tasks.append(functools.partial(serve_gateways, keeper, keeper.gateway))
+            log.info("gateway in front of %s", url)
 
         def ready() -> None:
             log.info("mounted %s at %s", store_path, mountpoint)
@@ -90,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mountpoint")
     parser.add_argument("--allow-other", action="store_true")
     parser.add_argument("--ready-fd", type=int)
+    parser.add_argument("--upstream")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    return daemon_main(args.store, args.mountpoint, args.allow_other, args.ready_fd)
+    return daemon_main(args.store, args.mountpoint, args.allow_other, args.ready_fd,
+                       args.upstream)
 
 
 if __name__ == "__main__":

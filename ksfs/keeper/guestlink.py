@@ -1,0 +1,69 @@
+"""What a session's guest is told about its gateway: a port fixed at creation and a token.
+
+The token is a keyed BLAKE3 of the session's lineage under the store's secret (``STORE/secret``,
+mode 0600), so it is never stored in a record or an event and a fork, with its new lineage, gets
+its own. The guest reads both through QEMU's fw_cfg (``opt/ksfs/gateway``, ``opt/ksfs/token``),
+which a restore or fork sets afresh from the domain XML: a forked guest therefore talks to its
+own session's port even though its memory came from the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from typing import Any
+
+import blake3
+
+GUEST_GATEWAY_HOST = "10.0.2.2"  # the host's loopback as QEMU user networking shows it
+
+
+class GuestLink:
+    def _secret(self) -> bytes:
+        path = self.store_path / "secret"
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            key = secrets.token_bytes(32)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, key)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return key
+        except FileExistsError:  # pragma: no cover - a concurrent first use
+            return path.read_bytes()
+
+    def gateway_token(self, lineage: str) -> str:
+        return blake3.blake3(lineage.encode(), key=self._secret()).hexdigest()[:32]
+
+    def allocate_gateway_port(self) -> int:
+        """A loopback port free now and given to no other session of this store."""
+        taken = {s.config.get("gateway_port") for s in self.ledger.sessions(include_removed=True)}
+        for _ in range(100):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in taken:
+                return port
+        raise RuntimeError("no free loopback port for the gateway")
+
+    def guest_facts(self, rec: Any) -> dict[str, str]:
+        """fw_cfg entries for a session's domain: its gateway URL and token."""
+        port = rec.config.get("gateway_port")
+        if not port:
+            return {}
+        return {
+            "opt/ksfs/gateway": f"http://{GUEST_GATEWAY_HOST}:{port}",
+            "opt/ksfs/token": self.gateway_token(rec.lineage),
+        }
+
+    def gateway_targets(self) -> dict[str, tuple[int, str]]:
+        """session -> (port, token) of every live machine session (for the daemon)."""
+        return {
+            s.name: (s.config["gateway_port"], self.gateway_token(s.lineage))
+            for s in self.ledger.sessions()
+            if s.domain and s.config.get("gateway_port")
+        }
