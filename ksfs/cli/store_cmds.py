@@ -152,3 +152,43 @@ def gc(ctx, as_json: bool) -> None:
         emit_json(data)
     else:
         click.echo(" ".join(f"{k}={v}" for k, v in data.items()))
+
+
+@main.command()
+@click.argument("session")
+@click.argument("a")
+@click.argument("b")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole difference as JSON.")
+@pass_ctx
+def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
+    """What changed from checkpoint A to checkpoint B of SESSION.
+
+    Files inside the guest (added, removed, changed, with sizes), changed disk clusters, the
+    share of memory chunks that differ, and the events between them. Name a checkpoint of
+    another session (a fork's parent, say) as OTHER/CHECKPOINT.
+
+    Example: ksfs diff agent first second
+    """
+    d = keeper_for(ctx).diff(session, a, b)
+    if as_json:
+        emit_json(d)
+        return
+    click.echo(f"--- {d['a']}\n+++ {d['b']}")
+    if d["files"] is None:
+        click.echo(f"files: not compared ({d['files_error'] or 'no disk image'})")
+    else:
+        mark = {"added": "+", "removed": "-", "changed": "M"}
+        for c in d["files"]:
+            sizes = f"{c['size_a'] if c['size_a'] is not None else '-'} -> " \
+                    f"{c['size_b'] if c['size_b'] is not None else '-'}"
+            click.echo(f"{mark[c['kind']]} {c['path']}  ({c['type_b'] or c['type_a']}, {sizes})")
+        click.echo(f"files: {len(d['files'])} changed")
+    if d["disk"]:
+        click.echo(f"disk: {d['disk']['changed_clusters']} of {d['disk']['clusters']} "
+                   f"64 KiB clusters changed")
+    if d["memory"]:
+        click.echo(f"memory: {d['memory']['share_differing']:.1%} of chunks differ "
+                   f"({d['memory']['differing_chunks']} of {d['memory']['chunks']})")
+    click.echo(f"events between: {len(d['events'])}")
+    for e in d["events"]:
+        click.echo(f"  {e['seq']:>6} {e['type']}")
