@@ -47,6 +47,15 @@ def test_zeroed_superblock_magic(image: Path, tmp_path: Path) -> None:
     assert isinstance(err, IntegrityError) and err.errno == errno.EIO and err.exit_code == 6
 
 
+def test_open_or_reason(image: Path, tmp_path: Path) -> None:
+    with FileImageReader(damaged(image, tmp_path, 1024 + 0x38, b"\0\0")) as reader:
+        fs, why = GuestFS.open_or_reason(reader)
+    assert fs is None and "guest filesystem cannot be read" in why and "magic" in why
+    with FileImageReader(image) as reader:
+        fs, why = GuestFS.open_or_reason(reader)
+        assert why is None and fs.read("small.txt", 0, 6) == b"hello\n"
+
+
 def test_unknown_incompat_feature(image: Path, tmp_path: Path) -> None:
     with open(image, "rb") as f:
         f.seek(1024 + 0x60)

@@ -150,3 +150,16 @@ def test_walk_reads_no_inode_for_listing(image: tuple[str, Path]) -> None:
         assert sum(1 for _ in fresh.listdir(ino)) == 3000
         assert len(fresh.volume._inodes._d) == before
         assert sum(1 for _ in walk(fresh, "a")) == 5
+
+
+def test_listdir_resumes_from_a_cookie(fs: GuestFS, image: tuple[str, Path]) -> None:
+    for path in ("many", "a", "日本語", "/"):
+        ino = fs.resolve(path)
+        full = list(fs.listdir_from(ino))
+        cookies = [c for _, _, _, c in full]
+        assert cookies == sorted(set(cookies)) and cookies[0] > 0
+        assert [e[:3] for e in full] == list(fs.listdir(ino))
+        for k in sorted({0, 1, len(full) // 2, len(full) - 1} & set(range(len(full)))):
+            assert list(fs.listdir_from(ino, cookies[k])) == full[k + 1 :], (path, k)
+    if image[0] == "inline":
+        assert fs.volume.inode(fs.resolve("a")).flags & layout.FL_INLINE_DATA

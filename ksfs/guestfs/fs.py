@@ -14,7 +14,7 @@ import stat as st
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ksfs.errors import BadInput, GuestFSUnreadable, NoSuchFile
+from ksfs.errors import BadInput, GuestFSUnreadable, IntegrityError, NoSuchFile
 from ksfs.guestfs import layout
 from ksfs.guestfs.image import Reader, find_filesystem, read_exact
 from ksfs.guestfs.journal import journal_overlay
@@ -92,6 +92,15 @@ class GuestFS:
             raise GuestFSUnreadable(why=f"{where}: inode 2 is not a directory")
         return fs
 
+    @classmethod
+    def open_or_reason(cls, reader: Reader) -> tuple[GuestFS | None, str | None]:
+        """(fs, None), or (None, why) when the disk holds nothing this can read exactly: what a
+        checkpoint's ``fs/`` shows as an empty directory plus an ``fs.unreadable`` event."""
+        try:
+            return cls.open(reader), None
+        except IntegrityError as exc:  # GuestFSUnreadable, or a damaged chunk of the disk
+            return None, str(exc)
+
     # --- inode-number based API (what a FUSE layer wants) -----------------------------------
 
     def stat_ino(self, ino: int) -> GuestStat:
@@ -123,7 +132,7 @@ class GuestFS:
             return dir_ino
         names = self._names.get(dir_ino)
         if names is None:
-            names = {n: ino for n, ino, _ in self._iter_entries(dir_ino)}
+            names = {n: ino for n, ino, _, _ in self._iter_entries(dir_ino)}
             self._names.put(dir_ino, names)
         ino = names.get(key)
         if ino is None:
@@ -132,15 +141,25 @@ class GuestFS:
 
     def listdir_ino(self, dir_ino: int) -> Iterator[tuple[str, int, bool]]:
         """(name, ino, is_dir) of each entry but . and .., yielded block by block as read."""
+        for name, ino, is_dir, _ in self.listdir_from(dir_ino):
+            yield name, ino, is_dir
+
+    def listdir_from(self, dir_ino: int, after: int = 0) -> Iterator[tuple[str, int, bool, int]]:
+        """(name, ino, is_dir, cookie) of each entry but . and .. past position ``after``.
+
+        Cookies are positive and increase through the listing; ``listdir_from(d, cookie)``
+        resumes right after the entry that had it, without rereading the blocks before it (a
+        FUSE readdir's next offset).
+        """
         filetype = self.volume.sb.has_filetype
-        for name, ino, ftype in self._iter_entries(dir_ino):
-            if name in (b".", b".."):
+        for name, ino, ftype, cookie in self._iter_entries(dir_ino, after):
+            if cookie <= after or name in (b".", b".."):
                 continue
             if filetype:
                 is_dir = ftype == FT_DIR
             else:
                 is_dir = st.S_ISDIR(self.volume.inode(ino).mode)
-            yield _decode(name), ino, is_dir
+            yield _decode(name), ino, is_dir, cookie
 
     def read_ino(self, ino: int, offset: int, n: int) -> bytes:
         """Up to ``n`` bytes of a regular file at ``offset`` (fewer only at its end)."""
@@ -208,7 +227,9 @@ class GuestFS:
             raise GuestFSUnreadable(why=f"guest inode {ino} is compressed")
         return inode
 
-    def _iter_entries(self, dir_ino: int) -> Iterator[tuple[bytes, int, int]]:
+    def _iter_entries(self, dir_ino: int,
+                      after: int = 0) -> Iterator[tuple[bytes, int, int, int]]:
+        """(name, ino, file type, cookie) of every live entry, from the block holding ``after``."""
         inode = self._inode(dir_ino)
         if inode.kind != layout.S_IFDIR:
             raise NoSuchFile(what="guest directory", name=str(dir_ino))
@@ -216,20 +237,26 @@ class GuestFS:
         filetype = vol.sb.has_filetype
         where = f"directory inode {dir_ino}"
         if inode.flags & layout.FL_INLINE_DATA:
+            # cookies are offsets into i_block, then 60 + offsets into the system.data value
             parent = int.from_bytes(inode.block[:4], "little")
-            yield b"..", parent, FT_DIR
-            yield from layout.iter_dirents(inode.block[4:], filetype, where, vol.bs)
+            yield b"..", parent, FT_DIR, 4
+            for name, ino, ftype, end in layout.iter_dirents(inode.block[4:], filetype, where,
+                                                             vol.bs):
+                yield name, ino, ftype, 4 + end
             more = layout.in_inode_xattr(inode, layout.XATTR_INDEX_SYSTEM, b"data")
-            if more:
-                yield from layout.iter_dirents(more, filetype, where, vol.bs)
+            for name, ino, ftype, end in layout.iter_dirents(more or b"", filetype, where,
+                                                             vol.bs):
+                yield name, ino, ftype, 60 + end
             return
         n_blocks = (inode.size + vol.bs - 1) // vol.bs
         step = 16  # map a few blocks at a time so a huge directory is never mapped whole
-        for first in range(0, n_blocks, step):
+        for first in range(after // vol.bs, n_blocks, step):
             for lblk, count, phys in vol.runs(inode, first, min(n_blocks, first + step)):
                 if phys is None:
                     continue  # a hole in a directory holds no entries
                 for k in range(count):
                     raw = vol.read_blocks(phys + k, 1, where)
-                    yield from layout.iter_dirents(raw, filetype, f"{where} block {lblk + k}",
-                                                   vol.bs)
+                    base = (lblk + k) * vol.bs
+                    for name, ino, ftype, end in layout.iter_dirents(
+                            raw, filetype, f"{where} block {lblk + k}", vol.bs):
+                        yield name, ino, ftype, base + end

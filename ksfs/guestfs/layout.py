@@ -272,8 +272,9 @@ def inline_data(inode: Inode) -> bytes:
 
 def iter_dirents(
     raw: bytes, filetype: bool, where: str, block_size: int
-) -> list[tuple[bytes, int, int]]:
-    """(name, inode, file type) of each live entry in one directory block or inline area."""
+) -> list[tuple[bytes, int, int, int]]:
+    """(name, inode, file type, end) of each live entry in one directory block or inline area;
+    ``end`` is the offset just past the entry's record (always > 0, increasing)."""
     out = []
     off = 0
     end = len(raw)
@@ -290,6 +291,6 @@ def iter_dirents(
         if rec_len < 8 or rec_len & 3 or off + rec_len > end or 8 + name_len > rec_len:
             raise GuestFSUnreadable(why=f"directory entry of {where} at {off} is damaged")
         if ino != 0:
-            out.append((raw[off + 8 : off + 8 + name_len], ino, ftype))
+            out.append((raw[off + 8 : off + 8 + name_len], ino, ftype, off + rec_len))
         off += rec_len
     return out
