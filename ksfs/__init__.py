@@ -1,3 +1,3 @@
-"""KeepState FS: durable virtual machines shown as a filesystem of sessions, checkpoints and forks."""
+"""KeepState FS: durable virtual machines as a filesystem of sessions, checkpoints, forks."""
 
 __version__ = "0.1.0"

@@ -170,3 +170,27 @@ def resume(ctx, session_name, as_json) -> None:
     """
     res = run_verb(ctx, "resume", session=session_name)
     emit_json(res) if as_json else click.echo(f"{session_name} running")
+
+
+@main.command()
+@_json_option
+@pass_ctx
+def recover(ctx, as_json) -> None:
+    """Finish or roll back what a dead daemon or host left half done, and re-adopt machines.
+
+    Interrupted checkpoints are marked failed (none was ever visible), interrupted restores are
+    run again, machines that are shut off come back from their last checkpoint, and forks that
+    never started are rolled back; each session touched gets a `recover` event. The mount runs
+    this at start.
+
+    Example: ksfs recover --json
+    """
+    report = run_verb(ctx, "recover")
+    if as_json:
+        emit_json(report)
+        return
+    if not report:
+        click.echo("recover: nothing to do")
+    for r in report:
+        for action in r["actions"]:
+            click.echo(f"{r['session']}: {action}")

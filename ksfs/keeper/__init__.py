@@ -12,10 +12,11 @@ from ksfs.keeper.diffing import Diffing
 from ksfs.keeper.guestlink import GuestLink
 from ksfs.keeper.machine import MachineVerbs
 from ksfs.keeper.offline import OfflineVerbs
+from ksfs.keeper.recovery import Recovery
 from ksfs.keeper.views import Views
 
 
-class Keeper(OfflineVerbs, MachineVerbs, GuestLink, Diffing, Views):
+class Keeper(OfflineVerbs, MachineVerbs, Recovery, GuestLink, Diffing, Views):
     """Owns one open store and its ledger; the VM controller and gateway are attached lazily."""
 
     def __init__(self, store_path: str | Path, create: bool = False) -> None:

@@ -350,32 +350,36 @@ class MachineVerbs:
         validate_name(checkpoint, "checkpoint name")
         rec = self._machine(session)
         with session_lock(self.store_path, session):
-            target = self.ledger.checkpoint(session, checkpoint)
-            xml_disks = self._xml_disks(target)
-            saved = None
-            if self.vm.state(rec.domain) in ("running", "paused"):
-                saved = self._save_locked(rec, None, reason=f"before restore to {checkpoint}")
-            begin = self.ledger.record(session, "restore.begin", {
-                "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
-            try:
-                t0 = time.monotonic()
-                memory, disks = self._checkpoint_readers(target, xml_disks)
-                self.vm.restore(session, rec.domain, memory, disks, xml=target.domain_xml,
-                                checkpoint=f"{session}/{checkpoint}")
-                transcript, error = self._transcript_of(target)
-                with self.store.env.begin(write=True) as txn:
-                    rec_ev = self.ledger.reconcile(
-                        txn, session, target, transcript, error,
-                        current_transcript_seq=saved.transcript_seq if saved else None,
-                    )
-                self.vm.resume(rec.domain)
-                done = self.ledger.record(session, "restore.done", {
-                    "checkpoint": checkpoint, "begin_seq": begin.seq,
-                    "reconcile_seq": rec_ev.seq, "seconds": round(time.monotonic() - t0, 3)})
-            except BaseException as exc:
-                self.ledger.record(session, "restore.failed",
-                                   {"checkpoint": checkpoint, "reason": _reason(exc)})
-                raise
+            return self._restore_locked(rec, checkpoint)
+
+    def _restore_locked(self, rec: SessionRecord, checkpoint: str) -> dict[str, Any]:
+        session = rec.name
+        target = self.ledger.checkpoint(session, checkpoint)
+        xml_disks = self._xml_disks(target)
+        saved = None
+        if self.vm.state(rec.domain) in ("running", "paused"):
+            saved = self._save_locked(rec, None, reason=f"before restore to {checkpoint}")
+        begin = self.ledger.record(session, "restore.begin", {
+            "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
+        try:
+            t0 = time.monotonic()
+            memory, disks = self._checkpoint_readers(target, xml_disks)
+            self.vm.restore(session, rec.domain, memory, disks, xml=target.domain_xml,
+                            checkpoint=f"{session}/{checkpoint}")
+            transcript, error = self._transcript_of(target)
+            with self.store.env.begin(write=True) as txn:
+                rec_ev = self.ledger.reconcile(
+                    txn, session, target, transcript, error,
+                    current_transcript_seq=saved.transcript_seq if saved else None,
+                )
+            self.vm.resume(rec.domain)
+            done = self.ledger.record(session, "restore.done", {
+                "checkpoint": checkpoint, "begin_seq": begin.seq,
+                "reconcile_seq": rec_ev.seq, "seconds": round(time.monotonic() - t0, 3)})
+        except BaseException as exc:
+            self.ledger.record(session, "restore.failed",
+                               {"checkpoint": checkpoint, "reason": _reason(exc)})
+            raise
         return {"session": session, "checkpoint": checkpoint, "seq": done.seq,
                 "saved_as": saved.name if saved else None, "reconcile": rec_ev.body}
 

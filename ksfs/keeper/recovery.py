@@ -1,0 +1,89 @@
+"""``recover``: after the daemon or the host died, finish or roll back what was half done.
+
+For every live session: a ``checkpoint.begin`` with no ``published``/``failed`` after it gets a
+``checkpoint.failed`` (its record never committed, so nothing is half visible; the frozen layers
+it left stay in the chain and the next save reads them as changed); a ``restore.begin`` with no
+end gets ``restore.failed``, and if the machine is gone the restore is run again; a fork whose
+machine never came up is rolled back. A machine that is shut off is started again from the
+session's last checkpoint when it has one, else booted. One ``recover`` event per session that
+needed anything says what was done. The daemon runs this at start.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ksfs.errors import KsfsError
+from ksfs.keeper.locks import session_lock
+
+OPENERS = {"checkpoint.begin": ("checkpoint.published", "checkpoint.failed"),
+           "restore.begin": ("restore.done", "restore.failed")}
+
+
+class Recovery:
+    def _unfinished(self, session: str) -> list[Any]:
+        """Begin events of this session that never got their end event."""
+        open_: dict[str, Any] = {}
+        for ev in self.ledger.events(session):
+            if ev.type in OPENERS:
+                open_[ev.type] = ev
+            for opener, ends in OPENERS.items():
+                if ev.type in ends:
+                    open_.pop(opener, None)
+        return sorted(open_.values(), key=lambda e: e.seq)
+
+    def recover(self) -> list[dict[str, Any]]:
+        report = []
+        for rec in self.ledger.sessions():
+            with session_lock(self.store_path, rec.name):
+                done = self._recover_session(rec)
+            if done:
+                self.ledger.record(rec.name, "recover", {"actions": done})
+                report.append({"session": rec.name, "actions": done})
+        return report
+
+    def _recover_session(self, rec: Any) -> list[str]:
+        actions: list[str] = []
+        restore_to = None
+        for ev in self._unfinished(rec.name):
+            name = ev.body.get("name") or f"c_{ev.seq:04d}"
+            if ev.type == "checkpoint.begin":
+                self.ledger.record(rec.name, "checkpoint.failed",
+                                   {"name": name, "reason": "interrupted (recovered)",
+                                    "begin_seq": ev.seq})
+                actions.append(f"checkpoint {name} begun at seq {ev.seq} marked failed")
+            else:
+                restore_to = ev.body.get("checkpoint")
+                self.ledger.record(rec.name, "restore.failed",
+                                   {"checkpoint": restore_to, "reason": "interrupted (recovered)",
+                                    "begin_seq": ev.seq})
+                actions.append(f"restore to {restore_to} begun at seq {ev.seq} marked failed")
+        if not rec.domain:
+            return actions
+        try:
+            state = self.vm.state(rec.domain)
+        except KsfsError as exc:
+            return actions + [f"machine state unknown: {exc}"]
+        if state in ("running", "paused"):
+            return actions
+        if rec.parent is not None and not self.ledger.checkpoint_names(rec.name) \
+                and state == "absent":
+            # A fork whose machine never came up: roll it back.
+            with self.store.env.begin(write=True) as txn:
+                self.ledger.remove_session(txn, rec.name)
+            self.vm.remove_files(rec.name)
+            return actions + ["fork never started: rolled back"]
+        target = restore_to or self._last_good(rec.name)
+        if target:
+            self._restore_locked(rec, target)
+            actions.append(f"machine was {state}: restored to checkpoint {target}")
+        elif state != "absent":
+            self.vm.resume(rec.domain)
+            actions.append(f"machine was {state}: started")
+        else:
+            actions.append("machine is gone and no checkpoint can bring it back")
+        return actions
+
+    def _last_good(self, session: str) -> str | None:
+        latest = self.ledger.latest_checkpoint(session)
+        return latest.name if latest else None
