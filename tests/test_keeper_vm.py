@@ -284,3 +284,28 @@ def test_console_counter_continues_after_restore(env, agent: str) -> None:
     printed = [int(m) for m in re.findall(rb"ksfs-counter (\d+)", log.read_bytes()[mark:])]
     assert printed, "the guest printed no counter after the restore"
     assert at_cp < printed[0] <= at_cp + 3
+
+
+def test_recover_after_crash_and_a_dead_machine(env, agent: str) -> None:
+    """After kill -9 mid-save and a machine that died, `ksfs recover` marks the save failed,
+    brings the machine back from its last checkpoint, and records a `recover` event."""
+    store, e = env["store"], env["env"]
+    res = run(store, "save", agent, "doomed", check=False, env=dict(e, KSFS_CRASH_AT="pack.fsync"))
+    assert res.returncode == -signal.SIGKILL
+    last = save(store, agent, e, "last-good")
+    virsh("destroy", f"ksfs-{agent}", check=True)
+    report = json.loads(run(store, "recover", "--json", env=e).stdout)
+    actions = " ".join(a for r in report if r["session"] == agent for a in r["actions"])
+    assert "doomed" in actions and "marked failed" in actions
+    assert f"restored to checkpoint {last}" in actions
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
+              if x]
+    assert events[-1]["type"] == "recover"
+    failed = [ev for ev in events if ev["type"] == "checkpoint.failed"]
+    assert failed and failed[-1]["body"]["name"] == "doomed"
+    assert "doomed" not in {c["name"] for c in json.loads(
+        run(store, "checkpoints", agent, "--json", env=e).stdout)}
+    # A second recover has nothing left to do.
+    assert json.loads(run(store, "recover", "--json", env=e).stdout) == []
+    assert run(store, "ledger", "verify", env=e).returncode == 0

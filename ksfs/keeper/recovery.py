@@ -22,14 +22,17 @@ OPENERS = {"checkpoint.begin": ("checkpoint.published", "checkpoint.failed"),
 
 class Recovery:
     def _unfinished(self, session: str) -> list[Any]:
-        """Begin events of this session that never got their end event."""
-        open_: dict[str, Any] = {}
+        """Begin events of this session that never got their end event (matched by name)."""
+        open_: dict[tuple[str, str], Any] = {}
         for ev in self.ledger.events(session):
-            if ev.type in OPENERS:
-                open_[ev.type] = ev
-            for opener, ends in OPENERS.items():
-                if ev.type in ends:
-                    open_.pop(opener, None)
+            if ev.type == "checkpoint.begin":
+                open_[("checkpoint", ev.body.get("name") or f"c_{ev.seq:04d}")] = ev
+            elif ev.type in OPENERS["checkpoint.begin"]:
+                open_.pop(("checkpoint", ev.body.get("name")), None)
+            elif ev.type == "restore.begin":
+                open_[("restore", ev.body.get("checkpoint"))] = ev
+            elif ev.type in OPENERS["restore.begin"]:
+                open_.pop(("restore", ev.body.get("checkpoint")), None)
         return sorted(open_.values(), key=lambda e: e.seq)
 
     def recover(self) -> list[dict[str, Any]]:
