@@ -75,10 +75,14 @@ class Ledger(CheckpointMethods):
                 raise NotAStore(path=self.path, why="it holds no ledger databases") from None
             except lmdb.DbsFullError:
                 raise NotAStore(path=self.path, why="its LMDB env allows too few dbs") from None
-            if not readonly:
+            with self.env.begin() as txn:
+                raw = txn.get(K.FORMAT_KEY, db=self._meta)
+            if raw is None and not readonly:
                 with self.env.begin(write=True) as txn:
                     if txn.get(K.FORMAT_KEY, db=self._meta) is None:
                         txn.put(K.FORMAT_KEY, K.dumps(K.FORMAT), db=self._meta)
+            elif raw is not None and K.loads(raw) != K.FORMAT:
+                raise NotAStore(path=self.path, why=f"its ledger format is {bytes(raw)!r}")
         self._manifests: Any = None
 
     # --- plumbing -----------------------------------------------------------------------------
