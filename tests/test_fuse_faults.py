@@ -7,11 +7,21 @@ import errno
 import os
 import random
 import shutil
+import signal
 
 import pytest
 
 from ksfs.keeper import Keeper
-from tests.mount_helpers import MIB, mounted, write_disk, write_memory
+from tests.mount_helpers import (
+    MIB,
+    mounted,
+    skip_without_fuse,
+    start_mount,
+    umount,
+    wait_for_mount,
+    write_disk,
+    write_memory,
+)
 
 K64 = 64 * 1024
 
@@ -87,3 +97,18 @@ def test_damaged_chunk_gives_eio_never_wrong_bytes(small_store, tmp_path):
         assert os.path.ismount(mnt)
         assert (mnt / "sessions" / "s" / "checkpoints" / "c" / "memory").read_bytes() == \
             memory.read_bytes()
+
+
+def test_sigterm_unmounts_cleanly(small_store, tmp_path):
+    store, disk, memory = small_store
+    skip_without_fuse()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = start_mount(store, mnt, log=tmp_path / "log")
+    wait_for_mount(proc, mnt, log=tmp_path / "log")
+    assert (mnt / "sessions" / "s" / "checkpoints" / "c" / "memory").read_bytes() == \
+        memory.read_bytes()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert not os.path.ismount(mnt)
+    umount(proc, mnt)  # asserts the same through the shared helper

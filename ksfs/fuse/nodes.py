@@ -187,7 +187,13 @@ class StoredFile(Node):
         return math.ceil(self._stored / 512)
 
     def open_reader(self) -> Any:
-        return self.keeper.open_file(self.session, self.checkpoint.name, self.name)
+        reader = self.keeper.open_file(self.session, self.checkpoint.name, self.name)
+        expected = self.checkpoint.file(self.name)
+        if getattr(reader, "manifest", None) not in (None, expected.manifest):
+            # The checkpoint was deleted and its name taken again since this node was made.
+            raise NoSuchFile(what=f"file of a deleted checkpoint {self.checkpoint.name!r}",
+                             name=self.name)
+        return reader
 
 
 class RecordFile(Node):
@@ -349,10 +355,6 @@ class CheckpointDir(Dir):
         self.seq = seq
         self.mtime = created
         self.record: CheckpointRecord | None = None
-
-    @property
-    def needs_io(self) -> bool:  # type: ignore[override]
-        return self.record is None
 
     def load(self) -> CheckpointRecord:
         if self.record is None:

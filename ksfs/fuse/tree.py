@@ -278,12 +278,12 @@ class CheckpointTree:
         if isinstance(node, ResumeFile) and truncate_only:
             return node.attr()
         parts = self._paths.get(ino, ())
-        session, file = self._session_file(ino, "")[0], "/".join(parts[2:])
+        session = parts[1] if len(parts) >= 2 and parts[0] == "sessions" else None
 
         def no() -> None:
             raise ReadOnly(what="/".join(parts) or "the mount's root")
 
-        return self._rejecting(session, file, "", no)
+        return self._rejecting(session, "/".join(parts[2:]) or "/".join(parts), "", no)
 
     # --- open files ---------------------------------------------------------------------------
 
