@@ -138,3 +138,22 @@ def test_verify_clean_then_damaged_through_the_script(tmp_path):
                          capture_output=True, text=True)
     assert res.returncode == BadInput.exit_code
     assert res.stderr.strip().startswith("ksfs: error: --since")
+
+
+def test_lineage_shows_a_removed_parent(tmp_path):
+    path = tmp_path / "store"
+    store = open_store(path)
+    led = Ledger(store)
+    with store.env.begin(write=True) as txn:
+        led.create_session(txn, "gone")
+    cp = take_checkpoint(led, store, "gone", {"disk.raw": b"g" * 3000}, name="b")
+    with store.env.begin(write=True) as txn:
+        led.create_session(txn, "kid", parent=ForkPoint("gone", "b", cp.seq))
+        led.remove_session(txn, "gone")
+    store.close()
+    assert f"<- gone at b (seq {cp.seq})" in run(path, "lineage", "kid").output
+    assert "(removed)" in run(path, "lineage", "kid").output
+    doc = json.loads(run(path, "lineage", "kid", "--json").output)
+    assert doc["chain"] == [{"session": "gone", "checkpoint": "b", "seq": cp.seq,
+                             "lineage": doc["chain"][0]["lineage"], "removed": True}]
+    assert run(path, "ledger", "verify").output.startswith("ledger: clean (1 sessions, 2 lineages")

@@ -112,7 +112,11 @@ class Ledger(CheckpointMethods):
         return txn.get(key, db=self._manifests) is not None
 
     def _session_rec(self, txn: lmdb.Transaction, name: str) -> SessionRecord | None:
-        raw = txn.get(name.encode("utf-8"), db=self._sessions)
+        try:
+            key = name.encode("utf-8")
+        except (UnicodeEncodeError, AttributeError):
+            return None  # no stored name can equal one that is not valid text
+        raw = txn.get(key, db=self._sessions) if key else None
         return None if raw is None else SessionRecord.from_dict(K.loads(raw))
 
     def _need(self, txn: lmdb.Transaction, name: str) -> SessionRecord:
