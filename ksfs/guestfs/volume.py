@@ -19,6 +19,7 @@ from typing import Any
 from ksfs.errors import GuestFSUnreadable
 from ksfs.guestfs import layout
 from ksfs.guestfs.image import Reader, read_exact
+from ksfs.guestfs.journal import JournalCopy
 from ksfs.guestfs.layout import Inode, Superblock
 
 # A run of a file: (first logical block, block count, first physical block or None for a hole)
@@ -58,15 +59,15 @@ class Volume:
         self.length = length
         self.sb = sb
         self.bs = sb.block_size
-        # fs block -> (fs block in the journal holding its newest committed copy, escaped)
-        self.overlay: dict[int, tuple[int, bool]] = {}
+        # fs block -> its newest committed copy in the journal (ksfs.guestfs.journal)
+        self.overlay: dict[int, JournalCopy] = {}
         self._overlay_keys: list[int] = []
         self._inodes = LRU(4096)
         self._descs = LRU(1024)
         self._maps = LRU(512)
         self._indirect = LRU(256)
 
-    def set_overlay(self, overlay: dict[int, tuple[int, bool]], sb: Superblock) -> None:
+    def set_overlay(self, overlay: dict[int, JournalCopy], sb: Superblock) -> None:
         self.overlay = overlay
         self._overlay_keys = sorted(overlay)
         self.sb = sb
@@ -88,12 +89,10 @@ class Volume:
             return read_exact(self.reader, self.offset + block * self.bs, count * self.bs, what)
         parts = []
         for b in range(block, block + count):
-            if b in self.overlay:
-                jblock, escaped = self.overlay[b]
-                data = read_exact(self.reader, self.offset + jblock * self.bs, self.bs, what)
-                if escaped:  # jbd2 zeroes the magic of data blocks that would look like its own
-                    data = b"\xc0\x3b\x39\x98" + data[4:]
-                parts.append(data)
+            copy = self.overlay.get(b)
+            if copy is not None:
+                data = read_exact(self.reader, self.offset + copy.block * self.bs, self.bs, what)
+                parts.append(copy.verify(data, b))
             else:
                 parts.append(read_exact(self.reader, self.offset + b * self.bs, self.bs, what))
         return b"".join(parts)
