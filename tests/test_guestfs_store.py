@@ -109,3 +109,21 @@ def test_damaged_chunk_fails_only_its_file(setup, tmp_path: Path) -> None:
         damaged.read("random.bin", 1 << 20, 4096)
     assert damaged.read("small.txt", 0, 100) == b"hello\n"
     assert damaged.read("random.bin", 0, 4096) == fs.read("random.bin", 0, 4096)
+
+
+def test_threads_read_the_same_bytes(setup) -> None:
+    """One GuestFS shared by threads (as the FUSE layer's worker threads share it)."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    store, _, _, _, (ma, _) = setup
+    shared = GuestFS.open(store.open_file(ma))
+    rnd = random.Random(3)
+    names = [f"many/{n}" for n, _, _ in list(GuestFS.open(store.open_file(ma)).listdir("many"))[
+        :300]] + ["random.bin", "islands.bin", "sparse.bin"] * 20
+    jobs = [(name, rnd.randrange(0, 3 << 20), rnd.randrange(1, 200_000)) for name in names]
+    single = GuestFS.open(store.open_file(ma))
+    expected = [single.read(n, off, k) for n, off, k in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda job: shared.read(*job), jobs))
+    assert got == expected
