@@ -79,13 +79,15 @@ class GuestFS:
         except GuestFSUnreadable as exc:
             raise GuestFSUnreadable(why=f"{where}: {exc.fields.get('why', exc)}") from None
         vol = Volume(reader, offset, length, sb)
-        if sb.compat & layout.COMPAT_HAS_JOURNAL and sb.journal_inum:
+        recover = sb.incompat & layout.INCOMPAT_RECOVER
+        if recover and sb.compat & layout.COMPAT_HAS_JOURNAL and sb.journal_inum:
+            # only then, as the kernel: without the flag it would wipe the log, not replay it
             overlay = journal_overlay(vol)
             if overlay:
                 sb_block, within = divmod(1024, sb.block_size)
                 raw = vol.read_blocks(sb_block, 1, "superblock")[within : within + 1024]
                 vol.set_overlay(overlay, layout.parse_superblock(raw, length))
-        elif sb.incompat & layout.INCOMPAT_RECOVER:
+        elif recover:
             raise GuestFSUnreadable(why=f"{where}: needs recovery from an external journal")
         fs = cls(vol, where)
         if not st.S_ISDIR(vol.inode(ROOT_INO).mode):
