@@ -43,9 +43,10 @@ class FileReader:
         end = min(self.size, offset + n)
         if offset >= end:
             return b""
-        i = bisect.bisect_right(self.starts, offset) - 1
+        first = bisect.bisect_right(self.starts, offset) - 1
         parts = []
         pos = offset
+        i = first
         while pos < end:
             cid, length = self.entries[i]
             start = self.starts[i]
@@ -68,13 +69,17 @@ class FileReader:
                 return data
         data = self.store.read_chunk(cid)  # outside the lock: readers in threads overlap
         with self._lock:
-            if cid not in self._cache:
-                self._cache[cid] = data
-                self._cached += len(data)
-                while self._cached > self.cache_bytes and len(self._cache) > 1:
-                    _, old = self._cache.popitem(last=False)
-                    self._cached -= len(old)
+            self._remember(cid, data)
         return data
+
+    def _remember(self, cid: bytes, data: bytes) -> None:
+        if cid in self._cache:
+            return
+        self._cache[cid] = data
+        self._cached += len(data)
+        while self._cached > self.cache_bytes and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cached -= len(old)
 
     def chunk_ids(self) -> list[bytes | None]:
         """The chunk id of every manifest entry, in file order; None for a hole."""
