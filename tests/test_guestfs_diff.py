@@ -9,24 +9,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_guestfs_helpers import NON_UTF8, loop_mount, make_tree
+from test_guestfs_helpers import NON_UTF8, diff_rq, loop_mount, make_tree, same_mtime_write
 
 from ksfs.guestfs import Change, FileImageReader, GuestFS, diff_trees
 from ksfs.guestfs.mkimage import build_ext4
 
 OPTS = ["-b", "4096", "-T", "default"]
-
-
-def same_mtime_write(path: Path, offset: int, data: bytes) -> None:
-    s = os.lstat(path)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        old = f.read(len(data))
-        assert old != data
-        f.seek(offset)
-        f.write(data)
-    os.utime(path, ns=(s.st_atime_ns, s.st_mtime_ns))
-    assert os.lstat(path).st_size == s.st_size
 
 
 def modify(b: Path) -> None:
@@ -62,28 +50,6 @@ def trees(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, P
     for name, variant in (("A", a), ("B", b)):
         build_ext4(variant, base / f"{name}.img", 96, OPTS)
     return a, b, base / "A.img", base / "B.img"
-
-
-def diff_rq(a: Path, b: Path) -> set[tuple[str, str]]:
-    """(kind, path) of each line of ``diff -rq --no-dereference a b``."""
-    proc = subprocess.run(["diff", "-rq", "--no-dereference", str(a), str(b)],
-                          capture_output=True, env={**os.environ, "LC_ALL": "C"})
-    assert proc.returncode == 1, proc.stderr
-    pa, pb = os.fsencode(a) + b"/", os.fsencode(b) + b"/"
-    out = set()
-    for line in proc.stdout.splitlines():
-        if line.startswith(b"Only in "):
-            where, name = line[len(b"Only in "):].split(b": ", 1)
-            side, where = ("removed", where + b"/") if where + b"/" == pa or where.startswith(
-                pa) else ("added", where + b"/")
-            prefix = pa if side == "removed" else pb
-            out.add((side, os.fsdecode(where[len(prefix):] + name)))
-        else:
-            first = line.split(b" ", 2)[2] if line.startswith(b"Symbolic links ") else (
-                line.split(b" ", 1)[1])
-            assert first.startswith(pa), line
-            out.add(("changed", os.fsdecode(first[len(pa):].split(b" ")[0])))
-    return out
 
 
 def ours(a_img: Path, b_img: Path) -> list[Change]:

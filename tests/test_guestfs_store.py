@@ -10,8 +10,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_guestfs_diff import diff_rq, same_mtime_write
-from test_guestfs_helpers import compare_with_dir, loop_mount, make_tree
+from test_guestfs_helpers import (
+    compare_with_dir,
+    diff_rq,
+    loop_mount,
+    make_tree,
+    same_mtime_write,
+)
 
 from ksfs.cas import ChunkStore
 from ksfs.errors import IntegrityError
