@@ -71,8 +71,12 @@ def wait_for_mount(proc: subprocess.Popen, mnt: Path, timeout: float = 30.0,
     pytest.fail(f"{mnt} was not mounted within {timeout} s")
 
 
-def umount(proc: subprocess.Popen, mnt: Path, timeout: float = 30.0) -> None:
+def umount(proc: subprocess.Popen, mnt: Path, timeout: float = 30.0,
+           log: Path | None = None) -> None:
     """Unmount, then assert the mountpoint is gone and the server exited 0."""
+    def tail() -> str:
+        return log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
+
     if os.path.ismount(mnt):
         subprocess.run(["fusermount3", "-u", str(mnt)], check=True)
     try:
@@ -80,9 +84,9 @@ def umount(proc: subprocess.Popen, mnt: Path, timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        pytest.fail("mount server did not exit after unmount")
+        pytest.fail(f"mount server did not exit after unmount; its log ends:\n{tail()}")
     assert not os.path.ismount(mnt), f"{mnt} is still mounted"
-    assert rc == 0, f"mount server exited with {rc}"
+    assert rc == 0, f"mount server exited with {rc}; its log ends:\n{tail()}"
 
 
 @contextlib.contextmanager
@@ -97,17 +101,12 @@ def mounted(store_path: Path, env: dict[str, str] | None = None) -> Iterator[Pat
     try:
         wait_for_mount(proc, mnt, log=log)
         yield mnt
-    except BaseException:
-        if proc.poll() is None and os.path.ismount(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
-        raise
     finally:
-        if proc.poll() is None or os.path.ismount(mnt):
-            umount(proc, mnt)
-        else:
-            assert proc.returncode == 0, log.read_text(errors="replace")
-        mounted.last_log = log.read_text(errors="replace")
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            umount(proc, mnt, log=log)
+        finally:
+            mounted.last_log = log.read_text(errors="replace")
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 mounted.last_log = ""  # type: ignore[attr-defined]

@@ -52,9 +52,12 @@ def _mount_device(mountpoint: str) -> str | None:
             lines = f.read().splitlines()
     except OSError:
         return None
+    escaped = (mountpoint.replace("\\", "\\134").replace(" ", "\\040")
+               .replace("\t", "\\011").replace("\n", "\\012"))
     for line in reversed(lines):
         fields = line.split()
-        if len(fields) > 4 and fields[4] == mountpoint:
+        fstype = line.partition(" - ")[2].split()[:1]
+        if len(fields) > 4 and fields[4] == escaped and fstype == ["fuse.ksfs"]:
             return fields[2]
     return None
 
@@ -73,6 +76,27 @@ def raise_readahead(mountpoint: str, kb: int = READ_AHEAD_KB) -> bool:
         return False
 
 
+def is_mounted(mountpoint: str) -> bool:
+    """Whether our mount is still in this process's mount table."""
+    return _mount_device(mountpoint) is not None
+
+
+async def _stop_when_unmounted(mountpoint: str, every: float = 1.0) -> None:
+    """End the FUSE loop once the mount is gone from our namespace.
+
+    Usually the kernel ends the connection on unmount and pyfuse3.main returns by itself. But
+    libvirt starts each QEMU in a mount namespace of its own, copied from ours: a session made
+    while mounted keeps a copy of the mount alive there, the connection stays open, and the
+    loop would wait for ever after ``fusermount3 -u``.
+    """
+    while True:
+        await trio.sleep(every)
+        if not is_mounted(mountpoint):
+            log.info("%s was unmounted; stopping", mountpoint)
+            pyfuse3.terminate()
+            return
+
+
 async def _stop_on_signals() -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
@@ -88,6 +112,7 @@ async def _serve(
 ) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, name="signals")
+        nursery.start_soon(_stop_when_unmounted, mountpoint, name="unmount-watch")
         for task in extra_tasks:
             nursery.start_soon(task, name=getattr(task, "__name__", repr(task)))
         # When the FUSE loop ends (unmounted, or terminate() on a signal) the other tasks stop.
@@ -121,6 +146,7 @@ def run_mount(
     the module docstring); it is accepted so the CLI can pass its flag through.
     """
     faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: dump every stack
     mnt = os.path.abspath(os.fspath(mountpoint))
     tree = tree or CheckpointTree(keeper, open_reader=faults.reader_from_env())
     ops = Operations(tree)
@@ -130,7 +156,7 @@ def run_mount(
     except BaseException:
         pyfuse3.close(unmount=False)
         raise
-    pyfuse3.close(unmount=True)
+    pyfuse3.close(unmount=is_mounted(mnt))
 
 
 def main(argv: list[str] | None = None) -> int:
