@@ -179,8 +179,12 @@ class DomainController:
 
     # --- checkpoints (checkpoint.py and restore.py) ------------------------------------------
 
-    def snapshot(self, session: str, domain: str, live: bool = False) -> Frozen:
-        """Atomic external snapshot with memory; see ksfs.vm.checkpoint.snapshot."""
+    def snapshot(self, session: str, domain: str, live: bool = True) -> Frozen:
+        """Atomic external snapshot with memory; see ksfs.vm.checkpoint.snapshot.
+
+        ``live``: copy memory while the guest runs and pause it only for the last dirty pages
+        and the disk switch (default); False pauses it for the whole memory save.
+        """
         from ksfs.vm.checkpoint import snapshot
 
         return snapshot(self, session, domain, live=live)
