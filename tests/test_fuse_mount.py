@@ -9,13 +9,14 @@ import math
 import os
 import random
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 from ksfs.keeper import Keeper
-from tests.mount_helpers import MIB, build_store, mounted, write_disk
+from tests.mount_helpers import MIB, REPO, build_store, mounted, write_disk
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,8 @@ def sources(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mnt(sources):
-    with mounted(sources["store"]) as m:
+    # No default guest template: mkdir sessions/NAME must refuse plainly (EPERM).
+    with mounted(sources["store"], env={"KSFS_GUEST": ""}) as m:
         yield m
 
 
@@ -95,10 +97,23 @@ def test_layout_and_sizes(mnt, sources, keeper):
     assert (mnt / "sessions" / "s1" / "resume").stat().st_mode & 0o777 == 0o644
 
 
-def test_every_byte_equals_the_original(mnt, sources, keeper):
+def test_every_byte_equals_the_original_and_ksfs_cat(mnt, sources, keeper):
     for c, disk in (("c1", sources["disk1"]), ("c2", sources["disk2"])):
         for name, src in (("disk.raw", disk), ("memory", sources["memory"])):
-            assert (cp(mnt, "s1", c) / name).read_bytes() == src.read_bytes(), (c, name)
+            through = (cp(mnt, "s1", c) / name).read_bytes()
+            assert through == src.read_bytes(), (c, name)
+            cat = subprocess.run([sys.executable, "-m", "ksfs.cli", "--store",
+                                  str(sources["store"]), "cat", "s1", c, name],
+                                 capture_output=True, check=True, cwd=REPO).stdout
+            assert through == cat, (c, name)
+
+
+def test_new_session_without_a_guest_template_is_refused(mnt):
+    before = os.listdir(mnt / "sessions")
+    with pytest.raises(OSError) as info:
+        os.mkdir(mnt / "sessions" / "fresh")
+    assert info.value.errno == errno.EPERM
+    assert os.listdir(mnt / "sessions") == before
 
 
 def test_random_offsets_match_original_and_keeper(mnt, sources, keeper):

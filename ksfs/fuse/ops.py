@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from ksfs.errors import KsfsError
+from ksfs.errors import KsfsError, NotFound
 from ksfs.fuse.nodes import Attr
 from ksfs.fuse.tree import CheckpointTree, Entry
 
@@ -58,8 +58,11 @@ async def _answer(what: str) -> AsyncIterator[None]:
         yield
     except pyfuse3.FUSEError:
         raise
+    except NotFound as exc:
+        log.debug("%s: %s", what, exc)  # lookups of absent names: routine, not worth a line
+        raise pyfuse3.FUSEError(exc.errno) from None
     except KsfsError as exc:
-        log.debug("%s: %s", what, exc)
+        log.info("%s refused: %s", what, exc)
         raise pyfuse3.FUSEError(exc.errno) from None
     except Exception:
         log.exception("%s failed; answering EIO", what)
