@@ -149,7 +149,10 @@ def finish(ctl: DomainController, frozen: Frozen, checkpoint: str | None) -> Non
             depth = [str(f) for f in disk.source.files].index(disk.root)
             tracked = state.disks[disk.target] = DiskState(disk.root, disk.source.formats[depth])
         tracked.base_checkpoint = checkpoint or frozen.token
-    ctl.save_state(frozen.session, state)
+        # Saved per disk: should a later disk's commit fail, this one's root already holds the
+        # new checkpoint, and its next changed ranges must be counted from it. (A failed commit
+        # leaves its layers in the chain, so they are counted again next time: still correct.)
+        ctl.save_state(frozen.session, state)
     frozen.memory_path.unlink(missing_ok=True)
     frozen.finished = True
 
