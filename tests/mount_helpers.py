@@ -1,6 +1,7 @@
 """Helpers for tests that mount a store for real: a mount server in a subprocess, a wait that
 fails if the server died, and an unmount that checks the mountpoint is gone and the server exited 0.
-Tests skip only when FUSE truly cannot mount here."""
+Tests skip only when FUSE truly cannot mount here. Also the source files (sparse disks, memory-like
+images) and the offline store the mount tests share."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ from ksfs.errors import (
     NotPermitted,
     ReadOnly,
 )
-from ksfs.fuse.nodes import CheckpointDir, ResumeFile
+from ksfs.fuse.dirs import CheckpointDir
+from ksfs.fuse.nodes import ResumeFile
 from ksfs.fuse.tree import ROOT_INODE, CheckpointTree
 from ksfs.keeper import Keeper
 from tests.mount_helpers import add_checkpoints

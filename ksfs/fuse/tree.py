@@ -7,7 +7,7 @@ event in the session it names). Every method may block (LMDB, the chunk store) a
 call from several threads at once. It never imports pyfuse3 or trio, and never answers with an
 errno: it raises ksfs.errors classes, which the FUSE layer translates in one place.
 
-Inodes: the identity key of a node (see nodes.py: lineage ids and checkpoint seqs, never bare
+Inodes: the identity key of a node (see dirs.py: lineage ids and checkpoint seqs, never bare
 names) maps to a number handed out by a counter, and numbers are never freed nor reused, so
 ``forget`` has nothing to do. The table grows by one small entry per distinct object ever
 looked up; a checkpoint deleted and taken again under its old name gets a new inode, so no page
@@ -33,16 +33,14 @@ from ksfs.errors import (
     NotPermitted,
     ReadOnly,
 )
+from ksfs.fuse.dirs import CheckpointDir, Root, SessionsDir
 from ksfs.fuse.nodes import (
     Attr,
-    CheckpointDir,
     Dir,
     DynamicFile,
     Node,
     RecordFile,
     ResumeFile,
-    Root,
-    SessionsDir,
     StoredFile,
 )
 from ksfs.model import validate_name
