@@ -41,7 +41,9 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
     if _is_mounted(mountpoint):
         raise BadInput(f"{mountpoint} is already a mount point")
     store = Path(ctx.store_path)
-    store.mkdir(parents=True, exist_ok=True)
+    # Make (or check) the store before the daemon's log file lands in its directory.
+    ctx.store(create=True)
+    ctx.close()
     if foreground:
         from ksfs.daemon.run import daemon_main
         from ksfs.daemon.run import main as daemon_cli

@@ -62,9 +62,9 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
     from ksfs.keeper import Keeper
 
     store_path = Path(store)
-    store_path.mkdir(parents=True, exist_ok=True)
-    keeper = Keeper(store_path, create=True)
+    keeper = None
     try:
+        keeper = Keeper(store_path, create=True)
         acquire_daemon_lock(store_path, os.path.abspath(mountpoint))
         recover = getattr(keeper, "recover", None)
         if recover is not None:
@@ -99,7 +99,8 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
                 pass
         return exc.exit_code
     finally:
-        keeper.close()
+        if keeper is not None:
+            keeper.close()
     return 0
 
 

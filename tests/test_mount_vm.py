@@ -1,0 +1,175 @@
+"""The whole lifecycle through the mount alone, against a real guest: `ksfs mount`, mkdir a
+session, mkdir a checkpoint, mkdir a fork, echo to resume, bad input with its errno and event,
+CLI verbs through the daemon's control socket, a second mount refused, `ksfs umount`."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+pytestmark = pytest.mark.vm
+
+
+def ksfs(store: Path, env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
+                         env=env, timeout=300)
+    if check and res.returncode != 0:
+        raise AssertionError(f"ksfs {' '.join(args)} -> {res.returncode}: {res.stderr}")
+    return res
+
+
+def virsh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["virsh", "-q", "-c", "qemu:///system", *args], capture_output=True,
+                          text=True)
+
+
+@pytest.fixture(scope="module")
+def mounted(tmp_path_factory):
+    subprocess.run([str(ROOT / "tools/start-libvirt")], check=True)
+    guest = subprocess.run([str(ROOT / "tools/build-guest")], check=True, capture_output=True,
+                           text=True).stdout.strip().splitlines()[-1]
+    base = tmp_path_factory.mktemp("mountvm")
+    store, mnt = base / "store", base / "mnt"
+    mnt.mkdir()
+    env = dict(os.environ, KSFS_GUEST=guest)
+    ksfs(store, env, "mount", str(mnt))
+    tag = uuid.uuid4().hex[:6]
+    try:
+        yield {"store": store, "mnt": mnt, "env": env, "tag": tag}
+    finally:
+        listing = ksfs(store, env, "session", "list", "--json", check=False)
+        names = [s["session"] for s in json.loads(listing.stdout or "[]")]
+        for name in names:
+            ksfs(store, env, "session", "rm", name, check=False)
+        if os.path.ismount(mnt):
+            ksfs(store, env, "umount", str(mnt), check=False)
+        for name in names:
+            virsh("destroy", f"ksfs-{name}")
+            virsh("undefine", f"ksfs-{name}")
+    assert not os.path.ismount(mnt)
+
+
+def events(mnt: Path, session: str) -> list[dict]:
+    return [json.loads(line) for line in (mnt / "sessions" / session / "events").read_text()
+            .splitlines()]
+
+
+def transcript(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def test_lifecycle_through_the_mount(mounted) -> None:
+    mnt, tag = mounted["mnt"], mounted["tag"]
+    s = f"m-{tag}"
+    sess = mnt / "sessions" / s
+    os.mkdir(sess)
+    assert json.loads((sess / "status").read_text())["state"] == "running"
+    assert {"status", "events", "usage", "resume", "checkpoints"} <= set(os.listdir(sess))
+
+    # mkdir a checkpoint: the directory is there, with every file, once mkdir returns.
+    deadline = time.monotonic() + 90
+    while True:
+        name = f"c{int(time.monotonic() * 1000)}"
+        os.mkdir(sess / "checkpoints" / name)
+        if transcript(sess / "checkpoints" / name / "transcript") or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    cp = sess / "checkpoints" / name
+    assert {"disk.raw", "memory", "domain.xml", "meta.json", "transcript", "forks"} <= set(
+        os.listdir(cp))
+    meta = json.loads((cp / "meta.json").read_text())
+    assert meta["files"]["disk.raw"]["size"] == (cp / "disk.raw").stat().st_size
+    assert (cp / "domain.xml").read_text().startswith("<domain")
+    at_cp = transcript(cp / "transcript")
+    assert at_cp, "the guest wrote no transcript before the checkpoint"
+    # The bytes through the mount are the stored bytes.
+    disk = (cp / "disk.raw").read_bytes()
+    cat = subprocess.run(KSFS + ["--store", str(mounted["store"]), "cat", s, name, "disk.raw"],
+                         capture_output=True, env=mounted["env"], check=True).stdout
+    assert cat == disk
+
+    # mkdir a fork: sessions/NEW appears, running from the checkpoint.
+    f = f"f-{tag}"
+    os.mkdir(cp / "forks" / f)
+    assert f in os.listdir(mnt / "sessions")
+    assert json.loads((mnt / "sessions" / f / "status").read_text())["state"] == "running"
+    assert events(mnt, f)[0]["type"] == "lineage.forked"
+    assert events(mnt, f)[0]["body"]["checkpoint"] == name
+
+    # echo NAME > resume restores; reading resume tells the result; the guest goes on from there.
+    time.sleep(4)
+    (sess / "resume").write_text(name + "\n")
+    assert (sess / "resume").read_text().startswith(f"ok {name}")
+    kinds = [e["type"] for e in events(mnt, s)]
+    assert kinds[-3:] == ["restore.begin", "reconcile", "restore.done"]
+    time.sleep(3)
+    after = f"after-{tag}"
+    os.mkdir(sess / "checkpoints" / after)
+    lines = transcript(sess / "checkpoints" / after / "transcript")
+    assert lines[: len(at_cp)] == at_cp
+    assert lines[len(at_cp)]["seq"] == at_cp[-1]["seq"] + 1
+
+    # rmdir deletes a checkpoint.
+    os.rmdir(sess / "checkpoints" / after)
+    assert after not in os.listdir(sess / "checkpoints")
+
+
+def test_bad_input_errno_event_and_nothing_changes(mounted) -> None:
+    mnt, tag = mounted["mnt"], mounted["tag"]
+    s = f"bad-{tag}"
+    sess = mnt / "sessions" / s
+    os.mkdir(sess)
+    os.mkdir(sess / "checkpoints" / "one")
+    before = sorted(os.listdir(sess / "checkpoints"))
+    n_events = len(events(mnt, s))
+
+    def fails(fn, *codes: int) -> None:
+        with pytest.raises(OSError) as err:
+            fn()
+        assert err.value.errno in codes, (err.value, codes)
+
+    fails(lambda: (sess / "resume").write_text("nosuch\n"), errno.ENOENT)
+    fails(lambda: (sess / "resume").write_bytes(b"\xff\xfe garbage\n"), errno.EINVAL)
+    fails(lambda: os.mkdir(sess / "checkpoints" / "one"), errno.EEXIST)
+    fails(lambda: os.mkdir(sess / "checkpoints" / ("x" * 256)), errno.EINVAL)
+    fails(lambda: os.mkdir(sess / "newdir"), errno.EPERM)
+    fails(lambda: (sess / "status").write_text("x"), errno.EROFS, errno.EACCES)
+    fails(lambda: os.mkdir(sess / "checkpoints" / "one" / "forks" / s), errno.EEXIST)
+    assert sorted(os.listdir(sess / "checkpoints")) == before
+    rejected = [e for e in events(mnt, s)[n_events:] if e["type"] == "input.rejected"]
+    assert len(rejected) >= 2
+    assert any(e["body"]["value"].startswith("nosuch") for e in rejected)
+    assert (sess / "resume").read_text().startswith("rejected")
+    assert json.loads((sess / "status").read_text())["state"] == "running"
+
+
+def test_cli_verbs_go_through_the_daemon_and_second_mount_refused(mounted, tmp_path) -> None:
+    store, env, mnt, tag = mounted["store"], mounted["env"], mounted["mnt"], mounted["tag"]
+    assert (store / "daemon.sock").exists()
+    s = f"cli-{tag}"
+    ksfs(store, env, "session", "new", s)
+    name = ksfs(store, env, "save", s, "via-cli").stdout.strip().splitlines()[-1]
+    # What the CLI did through the daemon is at once in the mount.
+    assert name in os.listdir(mnt / "sessions" / s / "checkpoints")
+    other = tmp_path / "other"
+    other.mkdir()
+    res = ksfs(store, env, "mount", str(other), check=False)
+    assert res.returncode == 8 and "already mounted" in res.stderr
+    assert not os.path.ismount(other)
