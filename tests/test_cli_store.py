@@ -139,7 +139,8 @@ def test_kill_9_during_import_leaves_a_clean_store(store: Path, tmp_path: Path) 
         for _ in range(20):
             off = rnd.randrange(0, len(img) - 100)
             img[off:off + 100] = rnd.randbytes(100)
-        path = tmp_path / f"disk{trial}.raw"
+        (tmp_path / f"t{trial}").mkdir()
+        path = tmp_path / f"t{trial}" / "disk.raw"
         path.write_bytes(bytes(img))
         proc = subprocess.Popen(
             KSFS + ["--store", str(store), "import", "s", f"t{trial}", str(path)],
