@@ -48,19 +48,6 @@ def ksfs(*args: str) -> str:
     return res.stdout
 
 
-def transcript_seq(mnt: Path, session: str) -> int | None:
-    return json.loads((mnt / "sessions" / session / "status").read_text()).get("transcript_seq")
-
-
-def wait_for(pred, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.5)
-    raise SystemExit(f"demo: timed out waiting for {what}")
-
-
 def main() -> int:
     if WORK.exists():
         cleanup(WORK / "mnt")
@@ -72,12 +59,11 @@ def main() -> int:
     try:
         step("mount a fresh store")
         print(ksfs("mount", str(mnt)).strip())
-        s = mnt / "sessions"
 
         step("mkdir sessions/agent: a new session running the agent-like guest")
         sh("mkdir mnt/sessions/agent")
         sh("cat mnt/sessions/agent/status")
-        time.sleep(4)
+        time.sleep(10)  # the guest boots (TCG) and its agent starts writing its transcript
 
         step("mkdir checkpoints/first, let the agent work, mkdir checkpoints/second")
         t = time.monotonic()
@@ -114,7 +100,6 @@ def main() -> int:
         figures = json.loads((mnt / "store").read_text())
         print(f"dedup ratio: {figures['logical_bytes']} logical bytes stored in "
               f"{figures['stored_bytes']} bytes = {figures['dedup_ratio']}x")
-        del s
     finally:
         step("clean up: remove the sessions, unmount")
         cleanup(mnt)
@@ -129,7 +114,7 @@ def cleanup(mnt: Path) -> None:
                                  text=True, env=env)
         if listing.returncode == 0:
             for sess in json.loads(listing.stdout or "[]"):
-                subprocess.run(KSFS + ["session", "rm", sess["name"]], env=env,
+                subprocess.run(KSFS + ["session", "rm", sess["session"]], env=env,
                                capture_output=True)
     if os.path.ismount(mnt):
         subprocess.run(KSFS + ["umount", str(mnt)], env=env)
