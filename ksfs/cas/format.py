@@ -57,10 +57,10 @@ def decode_record_header(raw: bytes) -> tuple[bytes, int, int, int] | str:
     """Return (id, plain len, stored len, codec) or a sentence saying what is wrong."""
     if len(raw) < HEADER_SIZE:
         return "record header cut short"
-    magic, cid, plain_len, stored_len, codec, crc = RECORD_HEADER.unpack(raw[:HEADER_SIZE])
+    magic, cid, plain_len, stored_len, codec, crc = RECORD_HEADER.unpack_from(raw)
     if magic != CHUNK_MAGIC:
         return "bad record magic"
-    if zlib.crc32(raw[: HEADER_SIZE - 4]) != crc:
+    if zlib.crc32(memoryview(raw)[: HEADER_SIZE - 4]) != crc:
         return "record header checksum mismatch"
     if codec not in (CODEC_RAW, CODEC_ZSTD):
         return f"unknown codec {codec}"

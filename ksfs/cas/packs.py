@@ -36,7 +36,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def decode_payload(cid: bytes, payload: bytes, codec: int, plain_len: int,
+def decode_payload(cid: bytes, payload: bytes | memoryview, codec: int, plain_len: int,
                    dctx: zstandard.ZstdDecompressor) -> bytes:
     """Decompress a record's payload and check it against its id; ChunkCorrupt if it differs."""
     if codec == fmt.CODEC_ZSTD:
@@ -45,7 +45,7 @@ def decode_payload(cid: bytes, payload: bytes, codec: int, plain_len: int,
         except zstandard.ZstdError as exc:
             raise ChunkCorrupt(chunk=cid.hex(), why=f"zstd cannot decompress it: {exc}") from None
     else:
-        plain = payload
+        plain = bytes(payload)
     if len(plain) != plain_len:
         raise ChunkCorrupt(chunk=cid.hex(), why="its plain length differs from the index")
     if fmt.chunk_id(plain) != cid:

@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from ksfs.cas.format import Location
 from ksfs.errors import BadInput
 
 if TYPE_CHECKING:
@@ -47,27 +48,39 @@ class FileReader:
         parts = []
         pos = offset
         i = first
-        while pos < end:
-            cid, length = self.entries[i]
-            start = self.starts[i]
-            lo = pos - start
-            hi = min(length, end - start)
-            if cid is None:
-                parts.append(bytes(hi - lo))
-            else:
-                data = self._chunk(cid)
-                parts.append(data[lo:hi] if (lo, hi) != (0, length) else data)
-            pos = start + hi
-            i += 1
+        txn = None  # one index snapshot for all the lookups of this read
+        try:
+            while pos < end:
+                cid, length = self.entries[i]
+                start = self.starts[i]
+                lo = pos - start
+                hi = min(length, end - start)
+                if cid is None:
+                    parts.append(bytes(hi - lo))
+                else:
+                    data = self._cached_chunk(cid)
+                    if data is None:
+                        if txn is None:
+                            txn = self.store.env.begin(db=self.store.db["chunks"])
+                        raw = txn.get(cid)
+                        data = self._load(cid, None if raw is None else Location.decode(raw))
+                    parts.append(data[lo:hi] if (lo, hi) != (0, length) else data)
+                pos = start + hi
+                i += 1
+        finally:
+            if txn is not None:
+                txn.abort()
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _chunk(self, cid: bytes) -> bytes:
+    def _cached_chunk(self, cid: bytes) -> bytes | None:
         with self._lock:
             data = self._cache.get(cid)
             if data is not None:
                 self._cache.move_to_end(cid)
-                return data
-        data = self.store.read_chunk(cid)  # outside the lock: readers in threads overlap
+            return data
+
+    def _load(self, cid: bytes, loc: Location | None) -> bytes:
+        data = self.store.read_chunk(cid, loc)  # outside the lock: readers in threads overlap
         with self._lock:
             self._remember(cid, data)
         return data

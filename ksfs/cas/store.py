@@ -202,13 +202,14 @@ class ChunkStore:
             raw = txn.get(cid)
         return None if raw is None else fmt.Location.decode(raw)
 
-    def read_chunk(self, cid: bytes) -> bytes:
+    def read_chunk(self, cid: bytes, loc: fmt.Location | None = None) -> bytes:
         """The plain bytes of a chunk, checked against its id.
 
         A chunk GC moved between our index lookup and our read is found again through the
         index; only a failure at a location the index still names is reported.
         """
-        loc = self.lookup(cid)
+        if loc is None:
+            loc = self.lookup(cid)
         for attempt in range(3):
             if loc is None:
                 raise ChunkMissing(chunk=cid.hex())
@@ -232,13 +233,14 @@ class ChunkStore:
             raise ChunkCorrupt(chunk=cid.hex(), why=f"reading pack {loc.pack}: {exc}") from None
         if len(raw) != loc.record_len:
             raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack} is cut short")
-        head = fmt.decode_record_header(raw[: fmt.HEADER_SIZE])
+        head = fmt.decode_record_header(raw)
         if isinstance(head, str):
             raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack}: {head}")
         if head != (cid, loc.plain_len, loc.stored_len, loc.codec):
             raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack}: header disagrees with "
                                "the index")
-        return decode_payload(cid, raw[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, self.dctx)
+        payload = memoryview(raw)[fmt.HEADER_SIZE :]  # no copy of the payload before zstd
+        return decode_payload(cid, payload, loc.codec, loc.plain_len, self.dctx)
 
     # --- manifests -----------------------------------------------------------------------
 
