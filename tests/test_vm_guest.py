@@ -250,3 +250,36 @@ def test_failed_snapshot_leaves_the_guest_running_and_no_files(booted: Booted) -
     frozen = booted.ctl.snapshot(booted.session, booted.domain)
     booted.ctl.finish(frozen)
     assert booted.ctl.state(booted.domain) == "running"
+
+
+def test_small_overlay_clusters_give_finer_changed_ranges(
+        booted: Booted, c1: tuple[Checkpoint, dict]) -> None:
+    fine = DomainController(workdir=booted.ctl.workdir, cluster_size=4096)
+    try:
+        first = fine.snapshot(booted.session, booted.domain)  # its overlay gets 4 KiB clusters
+        fine.finish(first, "fine-1")
+        start = counters(booted.log)[-1]
+        wait_for_counter(booted.log, at_least=start + 4)
+        frozen = fine.snapshot(booted.session, booted.domain)
+        try:
+            (disk,) = frozen.disks
+            assert frozen.base_checkpoint == "fine-1" and disk.changed
+            info = subprocess.run(["qemu-img", "info", "-U", disk.top], capture_output=True,
+                                  text=True, check=True).stdout
+            assert "cluster_size: 4096" in info
+            assert all(off % 4096 == 0 and n % 4096 == 0 for off, n in disk.changed)
+            assert any(n % 65536 for _, n in disk.changed), "ranges are finer than 64 KiB"
+            ref = booted.store / "fine.ref"
+            subprocess.run(["qemu-img", "convert", "-U", "-O", "raw", disk.top, str(ref)],
+                           check=True)
+            data = ref.read_bytes()
+            for off, n in disk.changed:
+                assert disk.source.pread(off, n) == data[off:off + n]
+            ref.unlink()
+        except BaseException:
+            fine.abort(frozen)
+            raise
+        fine.finish(frozen, "fine-2")
+    finally:
+        fine.close()
+    assert booted.ctl.state(booted.domain) == "running"

@@ -43,9 +43,10 @@ def backing_chain(path: Path | str, what: str = "reading backing chain") -> list
     return json.loads(out)
 
 
-def create_overlay(path: Path, backing: Path, backing_fmt: str, what: str) -> None:
-    qemu_img("create", "-q", "-f", "qcow2", "-F", backing_fmt, "-b", str(backing), str(path),
-             what=what)
+def create_overlay(path: Path, backing: Path | str, backing_fmt: str, what: str,
+                   cluster_size: int = 65536) -> None:
+    qemu_img("create", "-q", "-f", "qcow2", "-o", f"cluster_size={cluster_size}",
+             "-F", backing_fmt, "-b", str(backing), str(path), what=what)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import libvirt
 from ksfs.crashpoints import crash_point
 from ksfs.errors import NotRunning, VMError
 from ksfs.vm import domxml, saveimage
-from ksfs.vm.chain import ChainSource
+from ksfs.vm.chain import ChainSource, create_overlay
 from ksfs.vm.state import DiskState, Frozen, FrozenDisk
 from ksfs.vm.steps import step
 
@@ -72,6 +72,17 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
              | libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_NO_METADATA)
     if live:
         flags |= libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_LIVE
+    if ctl.cluster_size != 65536:
+        try:
+            for disk in disks:
+                create_overlay(overlays[disk.target], disk.source, disk.fmt,
+                               f"creating the overlay of {disk.target} of {domain}",
+                               ctl.cluster_size)
+        except VMError:
+            for path in overlays.values():
+                path.unlink(missing_ok=True)
+            raise
+        flags |= libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_REUSE_EXT
     t0 = time.monotonic()
     try:
         with step(domain, "taking the external snapshot"):

@@ -43,7 +43,8 @@ def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
             materialize(reader, base, f"materializing disk {target} of {domain}")
             bases[target] = base
             overlay = d / f"{domxml_target}-{n}.qcow2"
-            create_overlay(overlay, base, "raw", f"creating the overlay of {target} of {domain}")
+            create_overlay(overlay, base, "raw", f"creating the overlay of {target} of {domain}",
+                           ctl.cluster_size)
             overlays[target] = overlay
         materialize(memory, mem, f"materializing the memory image of {domain}")
         saveimage.read_header(mem)  # fail here, clearly, on a damaged memory image
