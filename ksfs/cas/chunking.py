@@ -124,7 +124,7 @@ def changed_spans(ranges: Iterable[tuple[int, int]], size: int) -> list[tuple[in
 
 
 def iter_cdc(source: Source, min_size: int = CDC_MIN, avg_size: int = CDC_AVG,
-             max_size: int = CDC_MAX) -> Iterator[Batch]:
+             max_size: int = CDC_MAX, start: int = 0) -> Iterator[Batch]:
     """Yield batches of content-defined chunks.
 
     The source is read in big blocks; every cut but the last in a buffer is final (it was found
@@ -133,9 +133,9 @@ def iter_cdc(source: Source, min_size: int = CDC_MIN, avg_size: int = CDC_AVG,
     """
     cutter = load_fastcdc()(avg_size, min_size=min_size, max_size=max_size)
     size = source.size
-    pos = 0
+    pos = start
     carry = b""
-    carry_off = 0
+    carry_off = start
     while pos < size or carry:
         n = min(BATCH_BYTES, size - pos)
         block = read_exact(source, pos, n) if n else b""

@@ -22,6 +22,7 @@ import zstandard
 from ksfs.cas import format as fmt
 from ksfs.cas.chunking import FIXED_SIZE, changed_spans, iter_cdc, iter_fixed, open_source
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter
+from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.crashpoints import crash_point
 from ksfs.errors import BadInput, IntegrityError, KsfsError
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
 
 Progress = Callable[[int, int], None]
+PAGE_CUTTER = True  # False: memory images go through plain FastCDC too (for the benchmark)
 _zeros: dict[int, bytes] = {}
 
 
@@ -117,7 +119,7 @@ class Ingest:
         size = src.size
         if base is None:
             slots: list[fmt.Entry] | None = None
-            batches = iter_fixed(src) if chunking == "fixed" else iter_cdc(src)
+            batches = iter_fixed(src) if chunking == "fixed" else self._cdc_batches(src)
             total = size
         else:
             slots, ranges = self._slots_from_base(base, size, changed or [])
@@ -148,7 +150,16 @@ class Ingest:
                                  f"{size}-byte file")
         mid = fmt.manifest_id(raw)
         self.manifests[mid] = raw
+        crash_point("ingest.file")
         return IngestedFile(mid.hex(), size, stored, fmt.content_digest(raw), chunking)
+
+    @staticmethod
+    def _cdc_batches(src: Any) -> Iterator[list[tuple[int, bytes]]]:
+        """Memory images (libvirt save images, QEMU streams) are cut at their page records."""
+        start = stream_start(src.pread(0, 4096)) if src.size else None
+        if start is not None and PAGE_CUTTER:
+            return iter_pages(src, start)
+        return iter_cdc(src)
 
     def _slots_from_base(self, base: str, size: int, changed: list[tuple[int, int]]
                          ) -> tuple[list[fmt.Entry], list[tuple[int, int]]]:

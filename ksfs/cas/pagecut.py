@@ -1,0 +1,158 @@
+"""Cutting memory images at the page records of QEMU's migration stream.
+
+A libvirt save image is a header with the domain XML, then QEMU's migration stream, whose RAM
+part is a run of page records: a big-endian u64 of page address | flags, an id string when the
+CONTINUE flag is absent, then either one byte (a zero page) or the 4 KiB page. Zero pages make
+records 9 bytes long, so every page turning zero or back shifts all later offsets; plain CDC
+re-stores some 20 KiB around each changed page. This cutter instead makes one chunk of the records
+of each aligned group of GROUP_PAGES guest pages holding data, and merges runs of zero-page groups
+(and any bytes between records) into one chunk, so a changed page costs about one group (32 KiB).
+
+It only decides where chunks end: any byte sequence is cut into chunks that cover it exactly, so a
+stream it misreads is stored correctly, only less compactly. When it cannot find page records it
+hands the rest of the file to FastCDC. It never hashes, compresses or writes.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+from ksfs.cas.chunking import BATCH_BYTES, Batch, Source, iter_cdc, read_exact
+
+PAGE = 4096
+GROUP_PAGES = 8  # 32 KiB of guest RAM per chunk: tuned by tools/bench-store (4 and 16 lose)
+PENDING_MAX = 64 * 1024  # merged zero-page groups and stray bytes never exceed this
+RESYNC = 8192  # bytes searched for page records again after something else
+F_ZERO, F_PAGE, F_CONT = 0x02, 0x08, 0x20
+PAGE_FLAGS = {F_ZERO, F_PAGE, F_ZERO | F_CONT, F_PAGE | F_CONT}
+LIBVIRT_MAGIC = b"LibvirtQemudSave"
+QEMU_MAGIC = b"QEVM"
+_u64 = struct.Struct(">Q")
+
+
+def stream_start(head: bytes) -> int | None:
+    """Offset of the QEMU stream in a libvirt save image or a raw stream; None if neither."""
+    if head.startswith(QEMU_MAGIC):
+        return 0
+    if head.startswith(LIBVIRT_MAGIC) and len(head) >= 92:
+        _, data_len, _, compressed = struct.unpack_from("<4I", head, 16)
+        if compressed == 0:
+            return 92 + data_len
+    return None
+
+
+def _record_end(buf: bytes, p: int) -> tuple[int, int, bool] | None:
+    """(end, address, is_zero) of a page record at p, or None if none fits there."""
+    if p + 9 > len(buf):
+        return None
+    hdr = _u64.unpack_from(buf, p)[0]
+    flags = hdr & 0xFFF
+    if flags not in PAGE_FLAGS:
+        return None
+    q = p + 8
+    if not flags & F_CONT:
+        n = buf[q]
+        if n == 0:
+            return None
+        q += 1 + n
+    q += 1 if flags & F_ZERO else PAGE
+    if q > len(buf):
+        return None
+    return q, hdr & ~0xFFF, bool(flags & F_ZERO)
+
+
+def _resync(buf: bytes, p: int, limit: int) -> int | None:
+    """The next position before limit where two page records follow each other."""
+    for s in range(p, min(limit, len(buf) - 9)):
+        first = _record_end(buf, s)
+        if first is not None and _record_end(buf, first[0]) is not None:
+            return s
+    return None
+
+
+def iter_pages(source: Source, start: int) -> Iterator[Batch]:
+    """Yield batches of chunks of a migration stream that begins at ``start``."""
+    size = source.size
+    if start > 0:
+        yield [(0, read_exact(source, 0, min(start, size)))]
+    pos = start  # absolute offset of buf[0]
+    carry = b""
+    while pos + len(carry) < size:
+        n = min(BATCH_BYTES, size - pos - len(carry))
+        buf = carry + read_exact(source, pos + len(carry), n)
+        final = pos + len(buf) >= size
+        batch, used, lost = _cut(buf, pos, final)
+        if batch:
+            yield batch
+        if lost is not None:  # no page records any more: FastCDC for the rest
+            yield from iter_cdc(source, start=pos + lost)
+            return
+        carry = buf[used:]
+        pos += used
+        if final and carry:
+            yield [(pos, carry)]
+            return
+
+
+def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
+    """Cut buf; return (chunks, bytes consumed, offset where page records stopped or None).
+
+    Unconsumed bytes (a group that may continue in the next buffer) are carried over.
+    """
+    out: Batch = []
+    chunk_start = 0  # start of the pending run (zero groups, stray bytes) or current group
+    group: int | None = None  # address group of the current data group, if one is open
+    group_start = 0
+    group_zero = True
+    p = 0
+    limit = len(buf) if final else len(buf) - (PAGE + 300)  # leave room for a whole record
+
+    def close_group(at: int) -> None:
+        nonlocal chunk_start
+        if group_zero:
+            if at - chunk_start >= PENDING_MAX:
+                out.append((base + chunk_start, buf[chunk_start:at]))
+                chunk_start = at
+            return
+        if group_start > chunk_start:
+            out.append((base + chunk_start, buf[chunk_start:group_start]))
+        out.append((base + group_start, buf[group_start:at]))
+        chunk_start = at
+
+    while p < limit:
+        rec = _record_end(buf, p)
+        if rec is None:
+            nxt = _resync(buf, p, p + RESYNC)
+            if nxt is None:
+                if not final and len(buf) - p < RESYNC + PAGE:
+                    break  # maybe records resume in the next buffer
+                if group is not None:
+                    close_group(p)
+                if p > chunk_start:
+                    out.append((base + chunk_start, buf[chunk_start:p]))
+                return out, p, p
+            if group is not None:
+                close_group(p)
+                group = None
+            p = nxt  # the bytes skipped join the pending run
+            if p - chunk_start >= PENDING_MAX:
+                out.append((base + chunk_start, buf[chunk_start:p]))
+                chunk_start = p
+            continue
+        end, addr, zero = rec
+        g = addr // (GROUP_PAGES * PAGE)
+        if g != group:
+            if group is not None:
+                close_group(p)
+            group, group_start, group_zero = g, p, True
+        group_zero = group_zero and zero
+        p = end
+    if final:
+        if group is not None:
+            close_group(p)
+        if len(buf) > chunk_start:
+            out.append((base + chunk_start, buf[chunk_start:]))
+        return out, len(buf), None
+    # keep the open group (and pending run) for the next buffer
+    return out, chunk_start, None
