@@ -98,7 +98,7 @@ def rig(tmp_path_factory):
     sys.modules.pop("driver", None)
 
 
-def run_driver(root, driver, seed, mode="ingest", rounds=40, crash_at=None, kill_after=None):
+def run_driver(root, driver, seed, mode="ingest", rounds=400, crash_at=None, kill_after=None):
     env = dict(os.environ)
     env.pop("KSFS_CRASH_AT", None)
     if crash_at:
