@@ -148,7 +148,9 @@ class OfflineVerbs:
         return self.store.check(read_data=read_data, references=self.references())
 
     def gc(self):
-        return self.store.gc(self.ledger.live_manifests())
+        # Pass the method, not its result: the store lists live manifests only once it holds the
+        # exclusive lock, so an import that commits while GC waits for the lock is not swept.
+        return self.store.gc(self.ledger.live_manifests)
 
     def stats(self) -> dict[str, Any]:
         figures = dict(self.store.stats())
