@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ksfs.errors import KsfsError
+from ksfs.errors import KsfsError, NotFound
 from ksfs.keeper.locks import session_lock
 
 OPENERS = {"checkpoint.begin": ("checkpoint.published", "checkpoint.failed"),
@@ -41,9 +41,25 @@ class Recovery:
             with session_lock(self.store_path, rec.name):
                 done = self._recover_session(rec)
             if done:
-                self.ledger.record(rec.name, "recover", {"actions": done})
+                self._record_recover(rec, done)
                 report.append({"session": rec.name, "actions": done})
         return report
+
+    def _record_recover(self, rec: Any, done: list[str]) -> None:
+        """The ``recover`` event goes in the session's log, or its parent's when it was a fork
+        that recover rolled back (its own log went with it)."""
+        try:
+            self.ledger.session(rec.name)
+            self.ledger.record(rec.name, "recover", {"actions": done})
+            return
+        except NotFound:
+            pass
+        if rec.parent is not None:
+            try:
+                self.ledger.record(rec.parent.session, "recover",
+                                   {"actions": [f"fork {rec.name}: {a}" for a in done]})
+            except NotFound:
+                pass  # the parent is gone too: the report is all that is left
 
     def _recover_session(self, rec: Any) -> list[str]:
         actions: list[str] = []
@@ -67,6 +83,14 @@ class Recovery:
             state = self.vm.state(rec.domain)
         except KsfsError as exc:
             return actions + [f"machine state unknown: {exc}"]
+        if state == "paused" and not self._paused_by_user(rec.name):
+            # A verb killed while the machine was paused (a save's last copy, a restore or fork
+            # not yet resumed) must not leave it stopped: redo the restore, else resume.
+            if restore_to:
+                self._restore_locked(rec, restore_to)
+                return actions + [f"machine was paused mid-restore: restored to {restore_to}"]
+            self.vm.resume(rec.domain)
+            return actions + ["machine was left paused by an interrupted verb: resumed"]
         if state in ("running", "paused"):
             return actions
         if rec.parent is not None and not self.ledger.checkpoint_names(rec.name) \
@@ -86,6 +110,14 @@ class Recovery:
         else:
             actions.append("machine is gone and no checkpoint can bring it back")
         return actions
+
+    def _paused_by_user(self, session: str) -> bool:
+        """True when the session's last pause/resume event is a ``pause``."""
+        last = None
+        for ev in self.ledger.events(session):
+            if ev.type in ("pause", "resume"):
+                last = ev.type
+        return last == "pause"
 
     def _last_good(self, session: str) -> str | None:
         latest = self.ledger.latest_checkpoint(session)
