@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ksfs.crashpoints import crash_point
 from ksfs.errors import (
     AlreadyExists,
     BadInput,
@@ -284,6 +285,7 @@ class MachineVerbs:
                 body.update(paused_s=round(frozen.paused_s, 4), disk_bytes_read=bytes_read,
                             incremental=base is not None)
                 self.ledger.append(txn, session, "checkpoint.published", body)
+        crash_point("record.commit")
         return record
 
     def _base_checkpoint(self, label: str | None) -> CheckpointRecord | None:
@@ -372,6 +374,7 @@ class MachineVerbs:
                     txn, session, target, transcript, error,
                     current_transcript_seq=saved.transcript_seq if saved else None,
                 )
+            crash_point("restore.resume")
             self.vm.resume(rec.domain)
             done = self.ledger.record(session, "restore.done", {
                 "checkpoint": checkpoint, "begin_seq": begin.seq,
@@ -409,6 +412,7 @@ class MachineVerbs:
                 transcript, error = self._transcript_of(target)
                 with self.store.env.begin(write=True) as txn:
                     self.ledger.reconcile(txn, new, target, transcript, error)
+                crash_point("fork.resume")
                 self.vm.resume(domain)
             except BaseException:
                 try:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from ksfs.crashpoints import crash_point
 from ksfs.errors import AlreadyExists, BadInput, NoSuchFile, NoSuchSession
 from ksfs.keeper.locks import session_lock
 from ksfs.model import CheckpointRecord, FileRecord, checkpoint_name_for_seq, validate_name
@@ -97,6 +98,7 @@ class OfflineVerbs:
                         self.ledger.append(
                             txn, session, "checkpoint.published", self._published_body(record)
                         )
+                    crash_point("record.commit")
             except BaseException as exc:
                 self._record_failure(session, name, exc)
                 raise
