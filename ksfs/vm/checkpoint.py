@@ -53,7 +53,7 @@ def _other_disks(xml: str, kept: set[str]) -> list[str]:
     return out
 
 
-def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True) -> Frozen:
+def snapshot(ctl: DomainController, session: str, domain: str, live: bool = False) -> Frozen:
     state = ctl.load_state(session)
     dom = ctl.lookup(domain)
     if not dom.isActive():

@@ -186,11 +186,12 @@ class DomainController:
 
     # --- checkpoints (checkpoint.py and restore.py) ------------------------------------------
 
-    def snapshot(self, session: str, domain: str, live: bool = True) -> Frozen:
+    def snapshot(self, session: str, domain: str, live: bool = False) -> Frozen:
         """Atomic external snapshot with memory; see ksfs.vm.checkpoint.snapshot.
 
         ``live``: copy memory while the guest runs and pause it only for the last dirty pages
-        and the disk switch (default); False pauses it for the whole memory save.
+        and the disk switch. The default pauses the guest for the whole memory save, which on
+        2 cores under TCG is shorter overall (docs/performance.md); live suits bigger guests.
         """
         from ksfs.vm.checkpoint import snapshot
 
