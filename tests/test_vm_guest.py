@@ -283,3 +283,45 @@ def test_small_overlay_clusters_give_finer_changed_ranges(
     finally:
         fine.close()
     assert booted.ctl.state(booted.domain) == "running"
+
+
+def test_checkpoint_round_trips_through_the_chunk_store(
+        booted: Booted, c1: tuple[Checkpoint, dict]) -> None:
+    """Ingest a checkpoint into a real ChunkStore, then fork from the store's readers."""
+    cas = pytest.importorskip("ksfs.cas")
+    store = cas.ChunkStore.open(booted.store / "cas", create=True)
+    try:
+        frozen = booted.ctl.snapshot(booted.session, booted.domain)
+        try:
+            (disk,) = frozen.disks
+            with store.ingest() as ingest:
+                mem = ingest.add_file(str(frozen.memory_path), chunking="cdc")
+                dsk = ingest.add_file(disk.source, chunking="fixed")
+                ingest.seal()
+                with store.env.begin(write=True) as txn:
+                    ingest.commit(txn)
+            ref = booted.store / "cas.ref"
+            subprocess.run(["qemu-img", "convert", "-U", "-O", "raw", disk.top, str(ref)],
+                           check=True)
+            reader = store.open_file(dsk.manifest)
+            assert reader.read(0, reader.size) == ref.read_bytes()
+            ref.unlink()
+        except BaseException:
+            booted.ctl.abort(frozen)
+            raise
+        booted.ctl.finish(frozen, "cas-1")
+        copy = booted.store / "cas.disk"
+        reader = store.open_file(dsk.manifest)
+        with open(copy, "wb") as f:
+            f.write(reader.read(0, reader.size))
+        last = transcript(copy)[-1]["seq"]
+        child = unique_domain("ksfs-test-casfork")
+        booted.made.append(child)
+        booted.ctl.fork("casfork", child, store.open_file(mem.manifest),
+                        {"vda": store.open_file(dsk.manifest)}, checkpoint="cas-1")
+        booted.ctl.resume(child)
+        seen = wait_for_counter(booted.ctl.console_log("casfork"), at_least=last + 2)
+        assert last <= seen[0] <= last + 1
+        booted.ctl.destroy_and_undefine(child)
+    finally:
+        store.close()
