@@ -11,7 +11,9 @@ resumes. Must never touch the parent of a fork, nor files outside the session's 
 from __future__ import annotations
 
 import contextlib
+import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,22 +33,26 @@ if TYPE_CHECKING:
 def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
                      memory: object, disks: dict[str, object]) -> tuple[Path, dict[str, Path],
                                                                        dict[str, Path]]:
-    """Write memory and disks into the session's directory: (memory, bases, overlays)."""
+    """Write memory and disks into the session's directory: (memory, bases, overlays).
+
+    Each file is written by its own thread: the readers (store files) are thread-safe, and
+    hashing and decompression in the store release the GIL.
+    """
     d = ctl.session_dir(session)
     mem = d / "staging" / f"restore-{n}.save"
-    bases: dict[str, Path] = {}
-    overlays: dict[str, Path] = {}
+    bases = {t: d / f"{domxml_safe(t)}-base-{n}.raw" for t in disks}
+    overlays = {t: d / f"{domxml_safe(t)}-{n}.qcow2" for t in disks}
+    jobs = [(memory, mem, f"materializing the memory image of {domain}")]
+    jobs += [(reader, bases[t], f"materializing disk {t} of {domain}")
+             for t, reader in disks.items()]
     try:
-        for target, reader in disks.items():
-            domxml_target = domxml_safe(target)
-            base = d / f"{domxml_target}-base-{n}.raw"
-            materialize(reader, base, f"materializing disk {target} of {domain}")
-            bases[target] = base
-            overlay = d / f"{domxml_target}-{n}.qcow2"
-            create_overlay(overlay, base, "raw", f"creating the overlay of {target} of {domain}",
-                           ctl.cluster_size)
-            overlays[target] = overlay
-        materialize(memory, mem, f"materializing the memory image of {domain}")
+        with ThreadPoolExecutor(max_workers=min(len(jobs), 4)) as pool:
+            futures = [pool.submit(materialize, r, p, what) for r, p, what in jobs]
+            for f in futures:
+                f.result()
+        for target, base in bases.items():
+            create_overlay(overlays[target], base, "raw",
+                           f"creating the overlay of {target} of {domain}", ctl.cluster_size)
         saveimage.read_header(mem)  # fail here, clearly, on a damaged memory image
     except BaseException:
         for p in (mem, *bases.values(), *overlays.values()):
@@ -83,7 +89,9 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
     dom = ctl.lookup(domain)
     n = state.next_number()
     ctl.save_state(session, state)
+    t0 = time.monotonic()
     mem, bases, overlays = _materialize_all(ctl, session, domain, n, memory, disks)
+    timings = {"materialize": time.monotonic() - t0}
     try:
         header = saveimage.read_header(mem)
         new_xml = xml or header.xml
@@ -101,12 +109,16 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
             new_xml = ET.tostring(root, encoding="unicode")
             saveimage.rewrite_xml(mem, new_xml)
         crash_point("vm.restore")
+        t1 = time.monotonic()
         with step(domain, "stopping the running machine for a restore"):
             if dom.isActive():
                 dom.destroy()
+        t2 = time.monotonic()
         with step(domain, "restoring from the memory image"):
             ctl.conn.restoreFlags(str(mem), new_xml, libvirt.VIR_DOMAIN_SAVE_PAUSED)
+        t3 = time.monotonic()
         _redefine(ctl, domain, overlays)
+        timings.update(destroy=t2 - t1, restore=t3 - t2, redefine=time.monotonic() - t3)
     except BaseException:
         for p in (*bases.values(), *overlays.values()):
             p.unlink(missing_ok=True)
@@ -122,7 +134,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
         if p in old_roots and state.adopted:
             continue  # an adopted disk in our directory is still the user's
         p.unlink(missing_ok=True)
-    return Restored(domain, session, {t: str(p) for t, p in bases.items()}, label)
+    return Restored(domain, session, {t: str(p) for t, p in bases.items()}, label, timings)
 
 
 def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path]) -> None:
@@ -146,6 +158,7 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
     d = ctl._make_session_dir(new_session)
     state = SessionState(new_domain)
     n = state.next_number()
+    t0 = time.monotonic()
     try:
         mem, bases, overlays = _materialize_all(ctl, new_session, new_domain, n, memory, disks)
     except BaseException:
@@ -163,9 +176,11 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
             new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
         saveimage.rewrite_xml(mem, new_xml)
         crash_point("vm.fork")
+        t1 = time.monotonic()
         with step(new_domain, "restoring the fork from the memory image"):
             ctl.conn.restoreFlags(str(mem), None, libvirt.VIR_DOMAIN_SAVE_PAUSED)
             dom = ctl.conn.lookupByName(new_domain)
+        t2 = time.monotonic()
         with step(new_domain, "defining the fork persistently"):
             ctl.conn.defineXML(new_xml)
     except BaseException:
@@ -181,4 +196,6 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
     label = checkpoint or f"fork-{n}"
     state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
     ctl.save_state(new_session, state)
-    return Restored(new_domain, new_session, {t: str(p) for t, p in bases.items()}, label)
+    timings = {"materialize": t1 - t0, "restore": t2 - t1, "redefine": time.monotonic() - t2}
+    return Restored(new_domain, new_session, {t: str(p) for t, p in bases.items()}, label,
+                    timings)

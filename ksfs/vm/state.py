@@ -116,3 +116,4 @@ class Restored:
     session: str
     disks: dict[str, str]  # target -> the materialized base file (root of the new chain)
     base_checkpoint: str
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step, for benches
