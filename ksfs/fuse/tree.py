@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 UNKNOWN = Attr(False, 0o444, 0, 0, 0.0, 0.0, 0.0)
 
 ROOT_INODE = 1
-READERS_KEPT = 16  # open readers of stored files kept for re-opens (each holds a chunk LRU)
+READERS_KEPT = 4  # readers kept for re-opens; each holds up to 32 MiB of decompressed chunks
 
 # The refusals that are the user's bad input, worth an input.rejected event in the session.
 _REJECTIONS = (BadInput, NotFound, AlreadyExists, NotPermitted, ReadOnly)
