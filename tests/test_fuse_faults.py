@@ -112,3 +112,14 @@ def test_sigterm_unmounts_cleanly(small_store, tmp_path):
     assert proc.wait(30) == 0
     assert not os.path.ismount(mnt)
     umount(proc, mnt)  # asserts the same through the shared helper
+
+
+def test_mounting_on_a_non_directory_is_a_clear_error(small_store, tmp_path):
+    from ksfs.errors import DaemonError
+    from ksfs.fuse.mount import run_mount
+
+    store, disk, memory = small_store
+    with Keeper(store) as k:
+        for target in (tmp_path / "missing", disk):
+            with pytest.raises(DaemonError, match="not a directory"):
+                run_mount(k, target)

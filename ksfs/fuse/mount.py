@@ -21,6 +21,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from ksfs.errors import DaemonError
 from ksfs.fuse import faults
 from ksfs.fuse.ops import Operations
 from ksfs.fuse.tree import CheckpointTree
@@ -150,7 +151,12 @@ def run_mount(
     mnt = os.path.abspath(os.fspath(mountpoint))
     tree = tree or CheckpointTree(keeper, open_reader=faults.reader_from_env())
     ops = Operations(tree)
-    pyfuse3.init(ops, mnt, mount_options(allow_other, debug))
+    if not os.path.isdir(mnt):
+        raise DaemonError(f"cannot mount on {mnt}: it is not a directory")
+    try:
+        pyfuse3.init(ops, mnt, mount_options(allow_other, debug))
+    except RuntimeError as exc:  # libfuse says only that mounting failed; its reason is on stderr
+        raise DaemonError(f"cannot mount on {mnt}: {exc}") from exc
     try:
         trio.run(_serve, mnt, ready, list(extra_tasks))
     except BaseException:
