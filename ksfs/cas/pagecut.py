@@ -120,8 +120,19 @@ def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
         out.append((base + group_start, buf[group_start:at]))
         chunk_start = at
 
+    size = len(buf)
+    unpack = _u64.unpack_from
+    group_bytes = GROUP_PAGES * PAGE
     while p < limit:
-        rec = _record_end(buf, p)
+        # the two records that make up nearly all of a stream, without a call
+        hdr = unpack(buf, p)[0] if p + 8 <= size else 0
+        flags = hdr & 0xFFF
+        if flags == F_PAGE | F_CONT and p + 8 + PAGE <= size:
+            rec = (p + 8 + PAGE, hdr - flags, False)
+        elif flags == F_ZERO | F_CONT and p + 9 <= size:
+            rec = (p + 9, hdr - flags, True)
+        else:
+            rec = _record_end(buf, p)
         if rec is None:
             nxt = _resync(buf, p, p + RESYNC)
             if nxt is None:
@@ -141,7 +152,7 @@ def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
                 chunk_start = p
             continue
         end, addr, zero = rec
-        g = addr // (GROUP_PAGES * PAGE)
+        g = addr // group_bytes
         if g != group:
             if group is not None:
                 close_group(p)
