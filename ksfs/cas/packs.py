@@ -111,8 +111,14 @@ class PackWriter:
         crash_point("pack.write")
         with translate("write pack", self.path):
             n = os.pwritev(self.fd, [header, stored], self.end)
-            if n != len(header) + len(stored):
-                raise OSError(errno.EIO, "short write to pack", self.path)
+            want = len(header) + len(stored)
+            while n < want:
+                # A short write (a full disk, mostly): write the rest, so the call that fails
+                # raises the real reason (ENOSPC becomes NoSpace) instead of a vague EIO.
+                m = os.pwrite(self.fd, (header + stored)[n:], self.end + n)
+                if m <= 0:
+                    raise OSError(errno.EIO, "short write to pack", self.path)
+                n += m
         loc = fmt.Location(self.no, self.end, len(stored), plain_len, codec)
         self.end += n
         self.written.append((cid, loc))
