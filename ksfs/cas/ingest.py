@@ -74,15 +74,26 @@ class Ingest:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
-    def close(self) -> None:
-        """Let go of packs and the store lock; unsealed or uncommitted work stays invisible."""
+    def close(self, failed: bool = False) -> None:
+        """Let go of packs and the store lock; unsealed or uncommitted work stays invisible.
+
+        ``failed`` (the block raised) also gives back the bytes this ingest wrote and never
+        committed, at once, instead of leaving them for GC: a full disk must not stay full.
+        """
+        give_back = failed and not self.committed
         for w in self.writers:
-            if w.created and not w.written:
+            if w.created and (not w.written or give_back):
                 try:
                     os.unlink(w.path)
+                except OSError:
+                    pass
+            elif w.written and give_back:
+                # Nothing references an uncommitted tail, and we hold the pack's flock.
+                try:
+                    os.ftruncate(w.fd, w.start)
                 except OSError:
                     pass
             w.close()
