@@ -8,12 +8,13 @@ Must never swallow an error.
 from __future__ import annotations
 
 import contextlib
+import errno
 import subprocess
 from collections.abc import Iterator
 
 import libvirt
 
-from ksfs.errors import VMError
+from ksfs.errors import NoSpace, VMError
 
 
 def _quiet_libvirt(_ctx: object, _err: object) -> None:
@@ -31,7 +32,12 @@ def step(domain: str, what: str) -> Iterator[None]:
     except VMError:
         raise
     except libvirt.libvirtError as exc:
-        raise VMError(f"{what} of domain {domain} failed: {exc.get_error_message()}") from exc
+        msg = exc.get_error_message()
+        if "No space left on device" in (msg or ""):
+            # libvirt reports a full disk only in its text; say so with NoSpace (exit 9).
+            raise NoSpace(f"no space left on device: {what} of domain {domain} failed: "
+                          f"{msg}") from exc
+        raise VMError(f"{what} of domain {domain} failed: {msg}") from exc
     except subprocess.CalledProcessError as exc:
         err = (exc.stderr or b"").decode(errors="replace").strip()[-300:] if isinstance(
             exc.stderr, bytes) else str(exc.stderr or "").strip()[-300:]
@@ -39,4 +45,7 @@ def step(domain: str, what: str) -> Iterator[None]:
     except subprocess.SubprocessError as exc:
         raise VMError(f"{what} of domain {domain} failed: {exc}") from exc
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpace(f"no space left on device: {what} of domain {domain} failed: "
+                          f"{exc.strerror}") from exc
         raise VMError(f"{what} of domain {domain} failed: {exc.strerror or exc}") from exc
