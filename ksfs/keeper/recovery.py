@@ -85,11 +85,13 @@ class Recovery:
             return actions + [f"machine state unknown: {exc}"]
         if state == "paused" and not self._paused_by_user(rec.name):
             # A verb killed while the machine was paused (a save's last copy, a restore or fork
-            # not yet resumed) must not leave it stopped: redo the restore, else resume.
-            if restore_to:
-                self._restore_locked(rec, restore_to)
-                return actions + [f"machine was paused mid-restore: restored to {restore_to}"]
+            # not yet resumed) must not leave it stopped. A restore killed after libvirt loaded
+            # the image holds the target's state already; a snapshot of a machine paused by an
+            # incoming migration fails in QEMU, so resume rather than redo the restore.
             self.vm.resume(rec.domain)
+            if restore_to:
+                return actions + [f"machine was left paused by the restore to {restore_to}: "
+                                  "resumed"]
             return actions + ["machine was left paused by an interrupted verb: resumed"]
         if state in ("running", "paused"):
             return actions
