@@ -1,0 +1,151 @@
+"""A full disk: the store on a small tmpfs. Import (and save of a real guest whose store, and so
+whose overlays and staging files, live on the small filesystem) fail with one clear line and exit
+9 (NoSpace) and a ``checkpoint.failed`` event; the guest keeps running; the store checks clean;
+after deleting and ``ksfs gc`` the space comes back and a later import or save works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+
+
+def ksfs(store: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@contextlib.contextmanager
+def small_fs(size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted on a fresh directory, unmounted and removed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix="ksfs-full-", dir="/var/tmp"))
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
+                          str(d)], capture_output=True, text=True)
+    if res.returncode != 0:
+        d.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+        d.rmdir()
+
+
+def events(store: Path, session: str, env: dict | None = None) -> list[dict]:
+    res = ksfs(store, "events", session, "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    return [json.loads(x) for x in res.stdout.splitlines()]
+
+
+def assert_clean(store: Path, env: dict | None = None) -> None:
+    res = ksfs(store, "check", "--read-data", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = ksfs(store, "ledger", "verify", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_import_on_a_full_disk(tmp_path: Path) -> None:
+    rnd = random.Random(9)
+    small = tmp_path / "small"
+    small.write_bytes(rnd.randbytes(4 << 20))
+    big = tmp_path / "big"
+    big.write_bytes(rnd.randbytes(48 << 20))  # random: compresses to nothing less
+    with small_fs("40m") as fs:
+        store = fs / "store"
+        res = ksfs(store, "import", "s", "ok1", str(small))
+        assert res.returncode == 0, res.stderr
+        res = ksfs(store, "import", "s", "too-big", str(big))
+        assert res.returncode == 9, (res.returncode, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and "no space left" in lines[0], res.stderr
+        evs = events(store, "s")
+        assert evs[-1]["type"] == "checkpoint.failed", evs[-1]
+        assert evs[-1]["body"]["name"] == "too-big"
+        assert "no space" in evs[-1]["body"]["reason"]
+        listed = json.loads(ksfs(store, "checkpoints", "s", "--json").stdout)
+        assert [c["name"] for c in listed] == ["ok1"]
+        assert_clean(store)
+        # The failed import gave back what it wrote at once; deleting + GC frees the rest.
+        before = free_bytes(fs)
+        assert before > 30 << 20, before
+        assert ksfs(store, "rm", "s", "ok1").returncode == 0
+        res = ksfs(store, "gc", "--json")
+        assert res.returncode == 0, res.stderr
+        assert free_bytes(fs) > before + (3 << 20), (before, free_bytes(fs))
+        half = tmp_path / "half"
+        half.write_bytes(big.read_bytes()[: 20 << 20])
+        res = ksfs(store, "import", "s", "later", str(half))
+        assert res.returncode == 0, res.stderr
+        out = subprocess.run(KSFS + ["--store", str(store), "cat", "s", "later", "half"],
+                             capture_output=True)
+        assert out.stdout == half.read_bytes()
+        assert_clean(store)
+
+
+@pytest.mark.vm
+def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from guest import ensure_guest, require_libvirt
+
+    require_libvirt()
+    guest = ensure_guest()
+    env = dict(os.environ, KSFS_GUEST=str(guest))
+    name = f"full-{os.getpid()}"
+    domain = f"ksfs-{name}"
+    with small_fs("600m") as fs:
+        store = fs / "store"
+        try:
+            res = ksfs(store, "session", "new", name, env=env)
+            assert res.returncode == 0, res.stderr
+            time.sleep(3)
+            res = ksfs(store, "save", name, "first", env=env)
+            assert res.returncode == 0, res.stderr
+            # Fill the filesystem, leaving less than the next memory image needs.
+            filler = fs / "filler"
+            with open(filler, "wb") as f:
+                left = free_bytes(fs) - (8 << 20)
+                while left > 0:
+                    n = min(left, 16 << 20)
+                    f.write(os.urandom(n))
+                    left -= n
+            res = ksfs(store, "save", name, "second", env=env)
+            assert res.returncode == 9, (res.returncode, res.stderr)
+            assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+            assert "no space" in res.stderr
+            state = subprocess.run(["virsh", "-c", "qemu:///system", "domstate", domain],
+                                   capture_output=True, text=True).stdout.strip()
+            assert state == "running"
+            evs = events(store, name, env=env)
+            assert evs[-1]["type"] == "checkpoint.failed" and evs[-1]["body"]["name"] == "second"
+            listed = json.loads(ksfs(store, "checkpoints", name, "--json", env=env).stdout)
+            assert [c["name"] for c in listed] == ["first"]
+            assert_clean(store, env)
+            # Space back (the filler stands for whatever filled the disk), then a GC: saves work.
+            filler.unlink()
+            assert ksfs(store, "gc", env=env).returncode == 0
+            res = ksfs(store, "save", name, "third", env=env)
+            assert res.returncode == 0, res.stderr
+            assert_clean(store, env)
+        finally:
+            ksfs(store, "session", "rm", name, env=env)
+            subprocess.run(["virsh", "-c", "qemu:///system", "destroy", domain],
+                           capture_output=True)
+            subprocess.run(["virsh", "-c", "qemu:///system", "undefine", domain],
+                           capture_output=True)
