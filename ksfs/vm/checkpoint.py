@@ -97,11 +97,11 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = Fals
         raise
     paused_s = time.monotonic() - t0
     _keep_running(dom, was_paused)
+    frozen_disks: list[FrozenDisk] = []
     try:
         crash_point("vm.snapshot")
         # The XML libvirt stored in the image itself: exactly what a restore of it starts from.
         xml = saveimage.read_header(memory).xml
-        frozen_disks = []
         for disk in disks:
             frozen_disks.append(_frozen_disk(disk, state.disks.get(disk.target)))
         bases = {state.disks[t].base_checkpoint if t in state.disks else None
@@ -111,6 +111,8 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = Fals
             for fd in frozen_disks:
                 fd.changed = None
     except BaseException:
+        for fd in frozen_disks:
+            fd.source.close()
         memory.unlink(missing_ok=True)
         raise
     return Frozen(session, domain, f"snap-{n}", memory, xml, frozen_disks, base, paused_s)
@@ -121,12 +123,14 @@ def _frozen_disk(disk: domxml.DiskInfo, tracked: object) -> FrozenDisk:
     source = ChainSource(Path(top), f"mapping frozen disk {disk.target}")
     names = [str(f) for f in source.files]
     root = getattr(tracked, "root", None)
-    if root is None or root not in names:
-        # A disk we do not track yet (or whose root left the chain): the top is its own root.
+    known = root is not None and root in names
+    if not known:
+        # A disk we do not track yet (or whose root left the chain): the top is its own root,
+        # and nothing says what it holds, so the whole image must be read.
         root = top
     depth = names.index(root)
     changed = None
-    if getattr(tracked, "base_checkpoint", None) is not None:
+    if known and getattr(tracked, "base_checkpoint", None) is not None:
         changed = source.changed_since(depth)
     return FrozenDisk(disk.target, source.size, source, changed, top, root, names[:depth])
 
