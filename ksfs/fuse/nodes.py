@@ -56,6 +56,12 @@ class Attr:
     mtime: float
     entry_timeout: float
     attr_timeout: float
+    # The guest's own files (fs/) carry their type, owners and link count; 0/None: the defaults
+    # (a directory or regular file owned by the mounting user).
+    kind: int = 0
+    uid: int | None = None
+    gid: int | None = None
+    nlink: int | None = None
 
 
 class Node:

@@ -45,10 +45,10 @@ def entry_attributes(ino: int, attr: Attr, uid: int, gid: int) -> pyfuse3.EntryA
     e.generation = 0
     e.entry_timeout = attr.entry_timeout
     e.attr_timeout = attr.attr_timeout
-    e.st_mode = (stat.S_IFDIR if attr.is_dir else stat.S_IFREG) | attr.mode
-    e.st_nlink = 2 if attr.is_dir else 1
-    e.st_uid = uid
-    e.st_gid = gid
+    e.st_mode = (attr.kind or (stat.S_IFDIR if attr.is_dir else stat.S_IFREG)) | attr.mode
+    e.st_nlink = attr.nlink or (2 if attr.is_dir else 1)
+    e.st_uid = uid if attr.uid is None else attr.uid
+    e.st_gid = gid if attr.gid is None else attr.gid
     e.st_rdev = 0
     e.st_size = attr.size
     e.st_blksize = 128 * 1024
@@ -168,6 +168,10 @@ class Operations(pyfuse3.Operations):
         if not h.needs_io:
             return h.read(off, size)
         return await trio.to_thread.run_sync(h.read, off, size, limiter=self._read_limiter)
+
+    @handler
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        return await self._io(self.tree.readlink, inode)
 
     @handler
     async def write(self, fh: int, off: int, buf: bytes) -> int:

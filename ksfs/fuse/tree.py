@@ -33,6 +33,7 @@ from ksfs.errors import (
     NotPermitted,
     ReadOnly,
 )
+from ksfs.fuse import guest as _guest_fs_dir  # noqa: F401  (registers fs/ under checkpoints)
 from ksfs.fuse.dirs import CheckpointDir, Root, SessionsDir
 from ksfs.fuse.nodes import (
     Attr,
@@ -330,6 +331,12 @@ class CheckpointTree:
             while len(self._readers) > READERS_KEPT:
                 self._readers.popitem(last=False)
         return reader
+
+    def readlink(self, ino: int) -> bytes:
+        node = self.node(ino)
+        if not hasattr(node, "target"):
+            raise BadInput(f"{self.path(ino)} is not a symbolic link")
+        return node.target()
 
     def handle(self, fh: int) -> Handle:
         try:

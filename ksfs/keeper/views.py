@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ksfs.errors import KsfsError
 from ksfs.model import CheckpointRecord
 
 CHECKPOINT_VIRTUAL_FILES = ("domain.xml", "meta.json", "transcript")
@@ -146,6 +147,13 @@ class Views:
             )
         except Exception:  # an unknown session has no log to record in
             pass
+
+    def reject_fs(self, session: str, checkpoint: str, why: str | None) -> None:
+        """Record that a checkpoint's guest filesystem cannot be shown, and why."""
+        try:
+            self.ledger.record(session, "fs.unreadable", {"checkpoint": checkpoint, "why": why})
+        except KsfsError:
+            pass  # a removed session keeps its checkpoints read-only: nowhere to record
 
     def transcript_path(self, session: str) -> str:
         rec = self.ledger.session(session)

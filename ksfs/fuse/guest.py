@@ -1,0 +1,133 @@
+"""``fs/`` under a checkpoint: the guest's own filesystem as it was at that moment.
+
+Read straight from the checkpoint's disk manifest through ksfs.guestfs (no loop mount, no kernel
+ext4, no copy): directories list from the guest's directory blocks, files read on demand, and
+modes, owners, sizes and mtimes are the guest's. A disk that cannot be read exactly shows an
+empty ``fs/`` and records one ``fs.unreadable`` event saying why, never wrong bytes. Nodes here
+are keyed by the checkpoint's lineage and seq plus the guest's inode number, so they never
+change. Never imports pyfuse3 or trio.
+"""
+
+from __future__ import annotations
+
+import collections
+import stat
+import threading
+from typing import Any
+
+from ksfs.fuse.dirs import CHECKPOINT_EXTRA_DIRS, CheckpointDir
+from ksfs.fuse.nodes import Attr, Dir, Node, StoredFile
+
+FS_KEPT = 16  # open guest filesystems kept (each holds a store reader and small caches)
+
+_lock = threading.Lock()
+_open: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+
+
+def _guest_fs(cp: CheckpointDir) -> Any:
+    """The GuestFS of a checkpoint (opened once), or None when it cannot be read."""
+    key = (cp.lineage, cp.seq)
+    with _lock:
+        if key in _open:
+            _open.move_to_end(key)
+            return _open[key]
+    rec = cp.load()
+    disk = rec.file("disk.raw")
+    if disk is None:
+        return None
+    from ksfs.guestfs import GuestFS
+
+    fs, why = GuestFS.open_or_reason(cp.keeper.store.open_file(disk.manifest))
+    if fs is None:
+        cp.keeper.reject_fs(cp.session, cp.name, why)
+    with _lock:
+        _open[key] = fs
+        while len(_open) > FS_KEPT:
+            _open.popitem(last=False)
+    return fs
+
+
+class GuestNode(Node):
+    """Attributes of one guest inode, taken from its stat."""
+
+    def __init__(self, cp: CheckpointDir, fs: Any, st: Any) -> None:
+        # Node's own constructor: StoredFile's (a later base of GuestFile) takes other arguments.
+        Node.__init__(self, cp.keeper, ("guest", cp.lineage, cp.seq, st.ino), cp.session)
+        self.cp, self.fs, self.st = cp, fs, st
+        self.mtime = st.mtime_ns / 1e9
+
+    def attr(self) -> Attr:
+        st = self.st
+        return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, st.blocks,
+                    self.mtime, self.entry_timeout, self.attr_timeout, kind=stat.S_IFMT(st.mode),
+                    uid=st.uid, gid=st.gid, nlink=st.nlink)
+
+
+class GuestDir(GuestNode, Dir):
+    def children(self) -> list[tuple[str, Node]]:
+        return [(name, guest_node(self.cp, self.fs, ino))
+                for name, ino, _ in self.fs.listdir_ino(self.st.ino)]
+
+    def lookup(self, name: str) -> Node:
+        return guest_node(self.cp, self.fs, self.fs.lookup(self.st.ino, name))
+
+    def describe(self) -> str:
+        return self.cp.describe() + "fs/ (read-only)"
+
+
+class GuestFile(GuestNode, StoredFile):
+    """A guest file: its bytes are read on demand from the disk image through the store."""
+
+    def size(self) -> int:
+        return self.st.size
+
+    def blocks(self) -> int:
+        return self.st.blocks
+
+    def open_reader(self) -> Any:
+        return _InodeReader(self.fs, self.st.ino, self.st.size)
+
+
+class GuestSymlink(GuestNode):
+    def target(self) -> bytes:
+        return self.fs.readlink_bytes(self.st.ino)
+
+
+class _InodeReader:
+    def __init__(self, fs: Any, ino: int, size: int) -> None:
+        self.fs, self.ino, self.size = fs, ino, size
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.fs.read_ino(self.ino, offset, n)
+
+
+def guest_node(cp: CheckpointDir, fs: Any, ino: int) -> Node:
+    st = fs.stat_ino(ino)
+    if stat.S_ISDIR(st.mode):
+        return GuestDir(cp, fs, st)
+    if stat.S_ISLNK(st.mode):
+        return GuestSymlink(cp, fs, st)
+    return GuestFile(cp, fs, st)  # regular files; device nodes and fifos read as empty
+
+
+class EmptyFsDir(Dir):
+    """``fs/`` of a checkpoint whose disk cannot be read: empty (the event says why)."""
+
+    def __init__(self, cp: CheckpointDir) -> None:
+        super().__init__(cp.keeper, ("guest-empty", cp.lineage, cp.seq), cp.session)
+        self.mtime = cp.mtime
+
+
+def fs_dir(cp: CheckpointDir) -> Node | None:
+    rec = cp.load()
+    if rec.file("disk.raw") is None:
+        return None
+    fs = _guest_fs(cp)
+    if fs is None:
+        return EmptyFsDir(cp)
+    from ksfs.guestfs import ROOT_INO
+
+    return GuestDir(cp, fs, fs.stat_ino(ROOT_INO))
+
+
+CHECKPOINT_EXTRA_DIRS["fs"] = fs_dir

@@ -1,0 +1,147 @@
+"""Inside a checkpoint through a real mount: fs/ shows the guest's filesystem (bytes, sizes,
+modes, owners, mtimes, symlinks, sparse files) read from the stored disk image, `diff -r`
+between two checkpoints' fs/ agrees with `ksfs diff`, and an unreadable disk gives an empty fs/
+plus an event while the rest of the checkpoint still reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ksfs.guestfs.mkimage import build_ext4
+from ksfs.keeper import Keeper
+from tests.mount_helpers import mounted
+
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+
+
+def make_tree(root: Path, seed: int) -> None:
+    rnd = random.Random(seed)
+    (root / "agent").mkdir(parents=True)
+    (root / "work" / "deep" / "er").mkdir(parents=True)
+    (root / "agent" / "transcript.jsonl").write_text(
+        "".join(json.dumps({"seq": i, "lineage": "x"}) + "\n" for i in range(1, 6)))
+    (root / "work" / "small.txt").write_text("hello guest\n")
+    (root / "work" / "deep" / "er" / "random.bin").write_bytes(rnd.randbytes(300_000))
+    with open(root / "work" / "sparse.img", "wb") as f:
+        f.truncate(8 << 20)
+        f.seek(5 << 20)
+        f.write(b"middle of nowhere")
+    os.symlink("deep/er/random.bin", root / "work" / "link")
+    os.symlink("x" * 200, root / "work" / "long-dangling-link")
+    (root / "work" / "secret").write_text("mode 600")
+    os.chmod(root / "work" / "secret", 0o600)
+    os.chown(root / "work" / "secret", 1234, 5678)
+    big = root / "work" / "many"
+    big.mkdir()
+    for i in range(600):
+        (big / f"file-{i:04d}").write_text(str(i))
+
+
+@pytest.fixture
+def store_with_two(tmp_path: Path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_tree(a, 1)
+    shutil.copytree(a, b, symlinks=True)
+    # B: one file added, one removed, one changed with the same size, one grown.
+    (b / "work" / "added.txt").write_text("new in b\n")
+    (b / "work" / "many" / "file-0007").unlink()
+    data = bytearray((b / "work" / "deep" / "er" / "random.bin").read_bytes())
+    data[1000] ^= 0xFF
+    (b / "work" / "deep" / "er" / "random.bin").write_bytes(bytes(data))
+    with open(b / "work" / "small.txt", "a") as f:
+        f.write("more\n")
+    for src, name in ((a, "A"), (b, "B")):
+        img = tmp_path / name / "disk.raw"
+        img.parent.mkdir()
+        build_ext4(src, img, 64)
+    store = tmp_path / "store"
+    k = Keeper(store, create=True)
+    k.import_files("s", "A", [tmp_path / "A" / "disk.raw"])
+    k.import_files("s", "B", [tmp_path / "B" / "disk.raw"])
+    k.close()
+    return store, a, b
+
+
+def test_fs_view_equals_the_source_tree(store_with_two) -> None:
+    store, a, _ = store_with_two
+    with mounted(store) as mnt:
+        fs = mnt / "sessions" / "s" / "checkpoints" / "A" / "fs"
+        res = subprocess.run(["diff", "-r", "--no-dereference", str(a), str(fs)],
+                             capture_output=True, text=True)
+        lost = {"lost+found"}
+        extra = [ln for ln in res.stdout.splitlines() if not any(x in ln for x in lost)]
+        assert extra == [], res.stdout
+        for src in a.rglob("*"):
+            rel = src.relative_to(a)
+            got = fs / rel
+            s1, s2 = os.lstat(src), os.lstat(got)
+            assert (s1.st_mode, s1.st_uid, s1.st_gid) == (s2.st_mode, s2.st_uid, s2.st_gid), rel
+            assert int(s1.st_mtime) == int(s2.st_mtime), rel
+            if src.is_symlink():
+                assert os.readlink(src) == os.readlink(got)
+            elif src.is_file():
+                assert s1.st_size == s2.st_size
+        # Sparse file: the hole reads as zeros, the data where it was written.
+        with open(fs / "work" / "sparse.img", "rb") as f:
+            f.seek(5 << 20)
+            assert f.read(17) == b"middle of nowhere"
+            f.seek(1 << 20)
+            assert f.read(4096) == bytes(4096)
+        assert len(os.listdir(fs / "work" / "many")) == 600
+        # Read-only.
+        with pytest.raises(OSError):
+            (fs / "work" / "new").write_text("no")
+
+
+def test_diff_r_through_the_mount_agrees_with_ksfs_diff(store_with_two) -> None:
+    store, a, b = store_with_two
+    src = subprocess.run(["diff", "-rq", "--no-dereference", str(a), str(b)],
+                         capture_output=True, text=True).stdout
+    res = subprocess.run(KSFS + ["--store", str(store), "diff", "s", "A", "B", "--json"],
+                         capture_output=True, text=True, check=True)
+    d = json.loads(res.stdout)
+    got = {(c["kind"], c["path"]) for c in d["files"]}
+    assert got == {("added", "work/added.txt"), ("removed", "work/many/file-0007"),
+                   ("changed", "work/deep/er/random.bin"), ("changed", "work/small.txt")}
+    assert d["disk"]["changed_clusters"] > 0
+    with mounted(store) as mnt:
+        cps = mnt / "sessions" / "s" / "checkpoints"
+        via_mount = subprocess.run(["diff", "-rq", "--no-dereference", str(cps / "A" / "fs"),
+                                    str(cps / "B" / "fs")], capture_output=True, text=True).stdout
+    def norm(text: str, x: str, y: str) -> list[str]:
+        return sorted(text.replace(x, "A").replace(y, "B").splitlines())
+    assert norm(via_mount, str(cps / "A" / "fs"), str(cps / "B" / "fs")) == norm(src, str(a),
+                                                                                str(b))
+    assert len(via_mount.splitlines()) == len(d["files"])
+
+
+def test_unreadable_disk_gives_empty_fs_and_an_event(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_tree(src, 2)
+    img = tmp_path / "disk.raw"
+    build_ext4(src, img, 64)
+    with open(img, "r+b") as f:  # zero the ext4 magic in the superblock
+        f.seek(1024 + 0x38)
+        f.write(b"\0\0")
+    mem = tmp_path / "memory"
+    mem.write_bytes(random.Random(3).randbytes(100_000))
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "bad", [img, mem])
+    with mounted(store) as mnt:
+        cp = mnt / "sessions" / "s" / "checkpoints" / "bad"
+        assert os.listdir(cp / "fs") == []
+        assert (cp / "memory").read_bytes() == mem.read_bytes()
+        assert (cp / "disk.raw").read_bytes() == img.read_bytes()
+        events = [json.loads(x) for x in (mnt / "sessions" / "s" / "events").read_text()
+                  .splitlines()]
+        bad = [e for e in events if e["type"] == "fs.unreadable"]
+        assert bad and bad[0]["body"]["checkpoint"] == "bad" and bad[0]["body"]["why"]
