@@ -71,7 +71,7 @@ def test_layout_and_sizes(mnt, sources, keeper):
     assert sorted(os.listdir(mnt / "sessions" / "s1")) == [
         "checkpoints", "events", "resume", "status", "usage"]
     assert sorted(os.listdir(cp(mnt, "s1", "c1"))) == [
-        "disk.raw", "forks", "memory", "meta.json", "transcript"]
+        "disk.raw", "forks", "fs", "memory", "meta.json", "transcript"]
     rec = keeper.ledger.checkpoint("s1", "c1")
     for name, src in (("disk.raw", sources["disk1"]), ("memory", sources["memory"])):
         st = (cp(mnt, "s1", "c1") / name).stat()
