@@ -80,7 +80,28 @@ def emit_json(obj: Any) -> None:
 
 
 class KsfsGroup(click.Group):
-    """Turns every KsfsError into one line on stderr and the error's exit code."""
+    """Turns every KsfsError, and click's own usage errors, into one line on stderr and the
+    error's exit code (usage errors are bad input: 2)."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()  # a bare group: its help, as click shows it
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx else "ksfs"
+            click.echo(f"ksfs: error: {exc.format_message()} (see '{where} --help')", err=True)
+            sys.exit(2)
+        except click.ClickException as exc:
+            click.echo(f"ksfs: error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("ksfs: error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
