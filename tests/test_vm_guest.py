@@ -325,3 +325,54 @@ def test_checkpoint_round_trips_through_the_chunk_store(
         booted.ctl.destroy_and_undefine(child)
     finally:
         store.close()
+
+
+CRASHER = """
+import sys
+from ksfs.vm import DomainController
+ctl = DomainController(workdir=sys.argv[1])
+frozen = ctl.snapshot(sys.argv[2], sys.argv[3])
+ctl.finish(frozen, "crasher")
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("point", ["vm.snapshot", "vm.flatten"])
+def test_kill_at_a_crash_point_keeps_the_guest_running_and_next_save_works(
+        booted: Booted, c1: tuple[Checkpoint, dict], point: str) -> None:
+    import os
+    import sys
+
+    before = booted.ctl.load_state(booted.session).disks["vda"].base_checkpoint
+    env = dict(os.environ, KSFS_CRASH_AT=point)
+    res = subprocess.run([sys.executable, "-c", CRASHER, str(booted.ctl.workdir),
+                          booted.session, booted.domain], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == -9, res.stderr
+    assert "survived" not in res.stdout
+    assert booted.ctl.state(booted.domain) == "running"
+    start = counters(booted.log)[-1]
+    wait_for_counter(booted.log, at_least=start + 2)
+    # the label is still the last finished checkpoint, so the next save is incremental against
+    # it and covers both intervals; it reads equal to qemu-img and its finish shortens the chain
+    assert booted.ctl.load_state(booted.session).disks["vda"].base_checkpoint == before
+    frozen = booted.ctl.snapshot(booted.session, booted.domain)
+    try:
+        (disk,) = frozen.disks
+        assert frozen.base_checkpoint == before and disk.changed is not None
+        assert len(disk.layers) == 2, "the crashed save's frozen layer is still in the chain"
+        ref = booted.store / "crash.ref"
+        subprocess.run(["qemu-img", "convert", "-U", "-O", "raw", disk.top, str(ref)],
+                       check=True)
+        assert disk.source.pread(0, disk.size) == ref.read_bytes()
+        ref.unlink()
+        staging = booted.ctl.session_dir(booted.session) / "staging"
+        assert [p.name for p in staging.iterdir()] == [frozen.memory_path.name]
+    except BaseException:
+        booted.ctl.abort(frozen)
+        raise
+    booted.ctl.finish(frozen, f"after-{point}")
+    files = booted.ctl.disk_files(booted.domain)
+    chain = subprocess.run(["qemu-img", "info", "-U", "--backing-chain", files["vda"]],
+                           capture_output=True, text=True, check=True).stdout
+    assert chain.count("image:") == 2

@@ -122,7 +122,8 @@ class DomainController:
 
     def create(self, session: str, domain_name: str, kernel: Path | str, initrd: Path | str,
                disk: Path | str, memory_mib: int = 256, vcpus: int = 1,
-               cmdline: str = "console=ttyS0 panic=-1 quiet", extra_cmdline: str = "") -> str:
+               cmdline: str = "console=ttyS0 panic=-1 quiet", extra_cmdline: str = "",
+               fw_cfg: dict[str, str] | None = None) -> str:
         """Copy ``disk`` into the session's directory, define and start a direct-boot domain.
 
         The kernel command line gets ``ksfs.lineage=<session>`` unless it names a lineage.
@@ -146,6 +147,8 @@ class DomainController:
         xml = domxml.new_domain_xml(domain_name, self.domain_type, Path(kernel).resolve(),
                                     Path(initrd).resolve(), copy, fmt, memory_mib, vcpus, full,
                                     d / "console.log")
+        if fw_cfg:
+            xml = domxml.set_fw_cfg(xml, fw_cfg)
         self.save_state(session, SessionState(domain_name, {"vda": DiskState(str(copy), fmt)}))
         with step(domain_name, "defining"):
             dom = self.conn.defineXML(xml)
@@ -218,11 +221,12 @@ class DomainController:
 
     def fork(self, new_session: str, new_domain: str, memory: object, disks: dict[str, object],
              xml: str | None = None, lineage: str | None = None,
-             checkpoint: str | None = None) -> Restored:
+             checkpoint: str | None = None, fw_cfg: dict[str, str] | None = None) -> Restored:
         """Start a checkpoint as a new domain beside its parent, paused; see restore.fork."""
         from ksfs.vm.restore import fork
 
-        return fork(self, new_session, new_domain, memory, disks, xml, lineage, checkpoint)
+        return fork(self, new_session, new_domain, memory, disks, xml, lineage, checkpoint,
+                    fw_cfg)
 
     # --- running, pausing, removing ----------------------------------------------------------
 

@@ -191,6 +191,31 @@ def rename_for_fork(xml: str, name: str, console_log: Path | None, lineage: str 
     return ET.tostring(root, encoding="unicode")
 
 
+def set_fw_cfg(xml: str, entries: dict[str, str]) -> str:
+    """Set the domain's fw_cfg entries (``<sysinfo type='fwcfg'>``), replacing any it had.
+
+    fw_cfg is how a guest learns per-domain facts that must follow a restore or fork rather than
+    its memory: QEMU builds the entries from the new definition, they are not in the migration
+    stream. Names must start with ``opt/``.
+    """
+    root = _parse(xml)
+    for el in root.findall("sysinfo"):
+        if el.get("type") == "fwcfg":
+            root.remove(el)
+    if entries:
+        sysinfo = ET.SubElement(root, "sysinfo", {"type": "fwcfg"})
+        for name, value in sorted(entries.items()):
+            if not name.startswith("opt/"):
+                raise VMError(f"fw_cfg entry {name!r} must start with opt/")
+            ET.SubElement(sysinfo, "entry", {"name": name}).text = value
+    return ET.tostring(root, encoding="unicode")
+
+
+def fw_cfg(xml: str) -> dict[str, str]:
+    root = _parse(xml)
+    return {e.get("name"): e.text or "" for e in root.iterfind("sysinfo[@type='fwcfg']/entry")}
+
+
 def set_cmdline_arg(cmdline: str, key: str, value: str) -> str:
     pattern = re.compile(rf"(^|\s){re.escape(key)}=\S*")
     if pattern.search(cmdline):

@@ -150,7 +150,7 @@ def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path]) -> 
 
 def fork(ctl: DomainController, new_session: str, new_domain: str, memory: object,
          disks: dict[str, object], xml: str | None, lineage: str | None,
-         checkpoint: str | None) -> Restored:
+         checkpoint: str | None, fw_cfg: dict[str, str] | None = None) -> Restored:
     if ctl.exists(new_domain):
         raise AlreadyExists(what="domain", name=new_domain)
     if load_state(ctl.session_dir(new_session) / "state.json") is not None:
@@ -174,6 +174,8 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
                                          new_session if lineage is None else lineage)
         new_xml = domxml.set_disk_sources(
             new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
+        if fw_cfg is not None:
+            new_xml = domxml.set_fw_cfg(new_xml, fw_cfg)
         saveimage.rewrite_xml(mem, new_xml)
         crash_point("vm.fork")
         t1 = time.monotonic()
