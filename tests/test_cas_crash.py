@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,6 +97,7 @@ def rig(tmp_path_factory):
     yield root, driver, drv
     sys.path.remove(str(root))
     sys.modules.pop("driver", None)
+    shutil.rmtree(root)  # hundreds of MiB of packs: do not leave them to pytest's retention
 
 
 def run_driver(root, driver, seed, mode="ingest", rounds=400, crash_at=None, kill_after=None):

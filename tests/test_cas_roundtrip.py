@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import struct
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def store(tmp_path_factory):
     yield s
     rep = s.check(read_data=True)
     s.close()
+    shutil.rmtree(s.path)
     assert rep.ok, rep.lines()
 
 
