@@ -1,0 +1,219 @@
+"""Bad input changes nothing and is refused in one clear sentence: hypothesis fuzzing of every
+CLI argument that names a session, checkpoint or file, and of every control file of a real mount.
+
+CLI: each refusal is exactly one line on stderr (``ksfs: error: ...``) and a documented exit code
+other than 1 (1 is "other error", a bug for bad input). Mount: each refused operation fails with
+an errno that says why (EINVAL, ENOENT, EEXIST, EPERM, EROFS, EACCES, ...), never EIO. Before and
+after each run the store's file listing (packs with sizes), ``ksfs stats --json`` and every
+session's events apart from ``input.rejected`` (and ``fs.unreadable``, a note made when a lookup
+finds a checkpoint's disk unreadable as ext4) are identical. An offline store (import-made
+sessions) is enough: verbs that need a machine refuse before any VM work.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mount_helpers import mounted
+
+from ksfs.keeper import Keeper
+
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+SESSIONS = ("alpha", "beta")
+CHECKPOINTS = ("c1", "c2")
+# Documented exit codes of bad input (ksfs --help): 2 bad input, 3 not found, 4 exists,
+# 12 not permitted / read-only. 5-11 and 13 say the store, VM or daemon failed: not expected.
+BAD_INPUT_CODES = {2, 3, 4, 12}
+
+CLI_TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+    min_size=0, max_size=40,
+) | st.sampled_from(["..", ".", "../x", "/etc/passwd", "a/b", "x" * 300, "é" * 200, " ",
+                     "-", "--", "-h", "\n", "c1/../../x", "alpha", "c1", "memory"])
+SAFE_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
+                         suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("badinput")
+    src = root / "src"
+    src.mkdir()
+    rnd = random.Random(3)
+    (src / "memory").write_bytes(rnd.randbytes(200_000))
+    (src / "disk.raw").write_bytes(rnd.randbytes(300_000))
+    path = root / "store"
+    with Keeper(path, create=True) as k:
+        for s in SESSIONS:
+            for c in CHECKPOINTS:
+                k.import_files(s, c, [src / "memory"], disks=[src / "disk.raw"])
+    return path
+
+
+def ksfs(store: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
+                          timeout=120, cwd=store.parent)
+
+
+def snapshot(store: Path) -> dict:
+    """What bad input must not change: files (packs with sizes), stats, events."""
+    files = sorted(
+        (str(p.relative_to(store)), p.stat().st_size if p.suffix == ".pack" else None)
+        for p in store.rglob("*")
+        if p.is_file() and p.parts[len(store.parts)] not in ("index",)
+        and p.name not in ("daemon.log", "daemon.pid", "daemon.sock")
+    )
+    stats = json.loads(ksfs(store, "stats", "--json").stdout)
+    with Keeper(store) as k:
+        # input.rejected records the refusal itself; fs.unreadable is the mount noting, once,
+        # that a looked-up checkpoint's fs/ cannot be read (these disks are random bytes).
+        events = {s.name: [(e.seq, e.type, e.body) for e in k.ledger.events(s.name)
+                           if e.type not in ("input.rejected", "fs.unreadable")]
+                  for s in k.ledger.sessions(include_removed=True)}
+    return {"files": files, "stats": stats, "events": events}
+
+
+def one_line_refusal(res: subprocess.CompletedProcess, args: tuple) -> None:
+    lines = res.stderr.splitlines()
+    assert res.returncode in BAD_INPUT_CODES, (args, res.returncode, res.stderr)
+    assert len(lines) == 1 and lines[0].startswith("ksfs: error: "), (args, res.stderr)
+    assert len(lines[0]) < 400, (args, lines[0])
+
+
+# --- the command line ------------------------------------------------------------------------
+
+COMMANDS = {
+    # command -> how many free-text arguments it takes (sessions, checkpoints, files, names)
+    "cat": 3, "rm": 2, "restore": 2, "fork": 3, "events": 1, "checkpoints": 1, "lineage": 1,
+    "diff": 3, "save": 2, "pause": 1, "resume": 1, "import": 3,
+}
+
+
+def test_cli_arguments(store: Path) -> None:
+    before = snapshot(store)
+    tried = {"n": 0}
+
+    @SAFE_SETTINGS
+    @given(st.sampled_from(sorted(COMMANDS)), st.lists(CLI_TEXT, min_size=3, max_size=3))
+    def fuzz(command: str, words: list[str]) -> None:
+        args = list(words[: COMMANDS[command]])
+        if command == "import":
+            # never an existing file: a random path relative to an empty directory
+            args[2] = f"no-such-dir/{args[2]}"
+        if command in ("rm",) and args[0] in SESSIONS and args[1] in CHECKPOINTS:
+            args[1] += "-not"
+        if command == "import" and args[0] in SESSIONS and args[1] in CHECKPOINTS:
+            args[1] += "-not"
+        res = ksfs(store, command, "--", *args)
+        tried["n"] += 1
+        if command in ("cat", "events", "checkpoints", "lineage", "diff") and \
+                res.returncode == 0:
+            return  # it named real things: reading is not bad input
+        one_line_refusal(res, (command, *args))
+
+    fuzz()
+    # Names that cannot go through argv (NUL) or that click would parse as options.
+    for args in (("cat", "-x", "c1", "memory"), ("rm", "--bogus", "c1"), ("events",),
+                 ("budget", "alpha", "--bogus")):
+        res = ksfs(store, *args)
+        one_line_refusal(res, args)
+        tried["n"] += 1
+    assert snapshot(store) == before
+    test_cli_arguments.tried = tried["n"]
+
+
+def test_session_names_through_every_verb_refused_the_same_way(store: Path) -> None:
+    """The same bad name gets the same sentence and code from each verb (one checker)."""
+    bad = ["..", "a/b", "x" * 300, "tab\there"]
+    for name in bad:
+        codes = set()
+        for cmd in (["events", name], ["checkpoints", name], ["save", name], ["pause", name],
+                    ["rm", name, "c1"], ["cat", name, "c1", "memory"], ["lineage", name]):
+            res = ksfs(store, *cmd)
+            one_line_refusal(res, tuple(cmd))
+            codes.add(res.returncode)
+        assert codes <= {2, 3}, (name, codes)
+
+
+# --- the mount ---------------------------------------------------------------------------------
+
+MOUNT_TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00/"),
+    min_size=1, max_size=30,
+) | st.sampled_from([".", "..", "x" * 256, "é" * 130, "\n", " ", "c1", "alpha"])
+REFUSED = {errno.EINVAL, errno.ENOENT, errno.EEXIST, errno.EPERM, errno.EROFS, errno.EACCES,
+           errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ENOTEMPTY, errno.EBADF}
+
+
+def refused(fn, what: str) -> int:
+    try:
+        fn()
+    except OSError as exc:
+        assert exc.errno in REFUSED, (what, exc)
+        return exc.errno
+    raise AssertionError(f"{what} was accepted")
+
+
+def test_mount_control_files(store: Path) -> None:
+    env = {"KSFS_GUEST": ""}  # no guest template: mkdir sessions/NAME cannot boot anything
+    before = snapshot(store)
+    seen: dict[str, set[int]] = {}
+    with mounted(store, env) as mnt:
+        sessions = mnt / "sessions"
+        cps = sessions / "alpha" / "checkpoints"
+
+        @settings(max_examples=60, deadline=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.sampled_from(["mkdir-session", "mkdir-checkpoint", "mkdir-fork", "rmdir",
+                                "resume-text", "resume-bytes", "write-ro", "create", "unlink"]),
+               MOUNT_TEXT, st.binary(min_size=1, max_size=300))
+        def fuzz(op: str, name: str, data: bytes) -> None:
+            if op == "mkdir-session":
+                if name in SESSIONS:
+                    name += "-x"
+                code = refused(lambda: os.mkdir(sessions / name), op)
+            elif op == "mkdir-checkpoint":
+                code = refused(lambda: os.mkdir(cps / name), op)
+            elif op == "mkdir-fork":
+                code = refused(lambda: os.mkdir(cps / "c1" / "forks" / name), op)
+            elif op == "rmdir":
+                if name in CHECKPOINTS:
+                    name += "-x"
+                code = refused(lambda: os.rmdir(cps / name), op)
+            elif op in ("resume-text", "resume-bytes"):
+                payload = (name + "\n").encode() if op == "resume-text" else data
+
+                def write() -> None:
+                    with open(sessions / "alpha" / "resume", "wb") as f:
+                        f.write(payload)
+                code = refused(write, op)
+            elif op == "write-ro":
+                target = random.Random(name).choice(
+                    [cps / "c1" / "memory", cps / "c1" / "disk.raw", sessions / "alpha" / "status",
+                     sessions / "alpha" / "events", cps / "c1" / "meta.json"])
+
+                def write_ro() -> None:
+                    with open(target, "r+b") as f:
+                        f.write(data or b"x")
+                code = refused(write_ro, op)
+            elif op == "create":
+                code = refused(lambda: open(cps / "c1" / name, "xb").close(), op)
+            else:
+                code = refused(lambda: os.unlink(cps / "c1" / "memory"), op)
+            seen.setdefault(op, set()).add(code)
+
+        fuzz()
+        # Still reads back as it did: the bad input did not disturb the data.
+        assert (cps / "c1" / "memory").stat().st_size == 200_000
+    assert snapshot(store) == before, "bad input changed the store"
+    assert set(seen) >= {"mkdir-session", "mkdir-checkpoint", "rmdir", "resume-text"}
+    assert errno.EIO not in set().union(*seen.values())
