@@ -276,8 +276,14 @@ class DomainController:
         with step(domain, "destroying"):
             if dom.isActive():
                 dom.destroy()
+        try:
+            persistent = dom.isPersistent()
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                return  # it was transient (a fork killed before its define): destroy removed it
+            raise VMError(f"looking up {domain} failed: {exc.get_error_message()}") from exc
         with step(domain, "undefining"):
-            if dom.isPersistent():
+            if persistent:
                 dom.undefineFlags(libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
                                   | libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)
 
