@@ -22,6 +22,10 @@ arg() { sed -n "s/.*[[:space:]]$1=\([^[:space:]]*\).*/\1/p; s/^$1=\([^[:space:]]
 LINEAGE=$(arg ksfs.lineage)
 GATEWAY=$(arg ksfs.gateway)
 EVERY=$(arg ksfs.call_every); EVERY=${EVERY:-10}
+# Per-domain facts from QEMU's fw_cfg, read afresh at every use: a restore or a fork sets them
+# from its new definition, so a forked guest calls its own session's gateway with its own token.
+fwcfg() { f=/sys/firmware/qemu_fw_cfg/by_name/opt/ksfs/$1/raw; [ -r "$f" ] && cat "$f"; }
+gateway() { g=$(fwcfg gateway); echo "${g:-$GATEWAY}"; }
 INTERVAL=$(arg ksfs.interval); INTERVAL=${INTERVAL:-0.3}
 
 i=0
@@ -37,7 +41,7 @@ last=$(tail -n 20 "$T" | grep -o '"seq": *[0-9]*' | tail -n 1 | grep -o '[0-9]*$
 SEQ=${last:-0}
 [ -f /data/agent/calls ] || { echo 0 > /data/agent/calls; sync /data/agent/calls; }
 
-if [ -n "$GATEWAY" ]; then
+if [ -n "$(gateway)" ]; then
   ip link set lo up
   ip link set eth0 up
   ip addr add 10.0.2.15/24 dev eth0
@@ -66,9 +70,15 @@ call_model() {  # one model call, retried until the gateway answers
   key="${LINEAGE:-guest}-call-$n"
   body="{\"model\": \"demo\", \"messages\": [{\"role\": \"user\", \"content\": \"step $SEQ call $n\"}]}"
   while true; do
-    out=$(wget -q -S -O /run/answer --header "Idempotency-Key: $key" \
-      --header "Content-Type: application/json" --post-data "$body" \
-      "$GATEWAY/v1/chat/completions" 2>&1)
+    rm -f /run/answer
+    token=$(fwcfg token)
+    set -- --header "Idempotency-Key: $key" --header "Content-Type: application/json"
+    [ -n "$token" ] && set -- "$@" --header "Authorization: Bearer $token"
+    # A call open across a restore has no connection left on the host side: give up on it and
+    # retry the same call (the gateway serves the retry from its store). Debian's busybox wget
+    # crashes on its own -T, so timeout(1) bounds it.
+    out=$(timeout 12 wget -q -S -O /run/answer "$@" --post-data "$body" \
+      "$(gateway)/v1/chat/completions" 2>&1)
     status=$(echo "$out" | grep -o 'HTTP/[0-9.]* [0-9]*' | tail -n 1 | grep -o '[0-9]*$')
     if [ -s /run/answer ]; then break; fi
     say "call $n failed (${status:-no answer}), retrying"
@@ -94,6 +104,6 @@ while true; do
     *) head -c $((1024 * (step % 7 + 1))) /run/busy > "$f"; op=write ;;
   esac
   append "\"op\": \"$op\", \"file\": \"$f\""
-  if [ -n "$GATEWAY" ] && [ $((step % EVERY)) -eq 0 ]; then call_model; fi
+  if [ $((step % EVERY)) -eq 0 ] && [ -n "$(gateway)" ]; then call_model; fi
   sleep "$INTERVAL"
 done

@@ -44,16 +44,16 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
     # Make (or check) the store before the daemon's log file lands in its directory.
     ctx.store(create=True)
     ctx.close()
+    extra = (["--allow-other"] if allow_other else []) + (
+        ["--upstream", upstream] if upstream else [])
     if foreground:
-        from ksfs.daemon.run import daemon_main
         from ksfs.daemon.run import main as daemon_cli
 
-        del daemon_main
-        sys.exit(daemon_cli([str(store), mountpoint] + (["--allow-other"] if allow_other else [])))
+        sys.exit(daemon_cli([str(store), mountpoint, *extra]))
     log_path = store / "daemon.log"
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "ksfs.daemon.run", str(store), mountpoint, "--ready-fd",
-           str(write_fd)] + (["--allow-other"] if allow_other else [])
+           str(write_fd), *extra]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 pass_fds=(write_fd,), start_new_session=True)

@@ -123,6 +123,7 @@ class MachineVerbs:
                 "memory_mib": memory,
                 "vcpus": vcpus,
                 "transcript_path": spec.get("transcript", DEFAULT_TRANSCRIPT).lstrip("/"),
+                "gateway_port": self.allocate_gateway_port(),
             }
             with self.store.env.begin(write=True) as txn:
                 rec = self.ledger.create_session(txn, name, domain=domain, config=config)
@@ -131,7 +132,7 @@ class MachineVerbs:
                     name, domain, spec["kernel"], spec["initrd"], spec["disk"],
                     memory_mib=memory, vcpus=vcpus,
                     cmdline=spec.get("cmdline", "console=ttyS0 panic=-1 quiet"),
-                    extra_cmdline=self._guest_cmdline(rec),
+                    extra_cmdline=f"ksfs.lineage={rec.lineage}", fw_cfg=self.guest_facts(rec),
                 )
             except BaseException:
                 with self.store.env.begin(write=True) as txn:
@@ -139,13 +140,6 @@ class MachineVerbs:
                 self.vm.remove_files(name)
                 raise
             return rec
-
-    def _guest_cmdline(self, rec: SessionRecord) -> str:
-        extra = f"ksfs.lineage={rec.lineage}"
-        port = self.gateway_port(rec.name) if hasattr(self, "gateway_port") else None
-        if port:
-            extra += f" ksfs.gateway=http://10.0.2.2:{port}"
-        return extra
 
     def _guest_spec(self, guest, kernel, initrd, disk) -> dict[str, Any]:
         if kernel or initrd or disk:
@@ -399,6 +393,8 @@ class MachineVerbs:
             if self.vm.exists(domain):
                 raise AlreadyExists(what="libvirt domain", name=domain)
             config = dict(parent.config)
+            if "gateway_port" in config:  # its own port: the gateway tells sessions apart by it
+                config["gateway_port"] = self.allocate_gateway_port()
             with self.store.env.begin(write=True) as txn:
                 rec = self.ledger.create_session(
                     txn, new, domain=domain,
@@ -408,7 +404,8 @@ class MachineVerbs:
             try:
                 memory, disks = self._checkpoint_readers(target, xml_disks)
                 self.vm.fork(new, domain, memory, disks, xml=target.domain_xml,
-                             lineage=rec.lineage, checkpoint=f"{session}/{checkpoint}")
+                             lineage=rec.lineage, checkpoint=f"{session}/{checkpoint}",
+                             fw_cfg=self.guest_facts(rec))
                 transcript, error = self._transcript_of(target)
                 with self.store.env.begin(write=True) as txn:
                     self.ledger.reconcile(txn, new, target, transcript, error)

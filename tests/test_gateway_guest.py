@@ -1,0 +1,125 @@
+"""End to end with a real guest: the guest calls the gateway through QEMU user networking; the
+upstream answers slowly; a save is taken while the call is open; the session is restored to that
+checkpoint; the guest's retry is served from the store; upstream was asked once for that call;
+`usage` shows one paid call and one replay. Also: a fork's guest talks to its own session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.fake_provider import FakeProvider
+
+ROOT = Path(__file__).resolve().parent.parent
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+pytestmark = pytest.mark.vm
+
+
+def ksfs(store: Path, env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
+                         env=env, timeout=300)
+    if check and res.returncode != 0:
+        raise AssertionError(f"ksfs {' '.join(args)} -> {res.returncode}: {res.stderr}")
+    return res
+
+
+def wait(pred, what: str, timeout: float = 120.0, step: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def calls_asked(up: FakeProvider, n: int) -> int:
+    """How many times upstream was asked for the guest's call number n."""
+    return sum(1 for r in up.requests
+               if r.path.endswith("/chat/completions") and f"call {n}\"".encode() in r.body)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    subprocess.run([str(ROOT / "tools/start-libvirt")], check=True)
+    guest = Path(subprocess.run([str(ROOT / "tools/build-guest")], check=True,
+                                capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    base = tmp_path_factory.mktemp("gwguest")
+    # The same guest, calling the gateway every 4 steps.
+    spec = json.loads((guest / "guest.json").read_text())
+    spec["cmdline"] += " ksfs.call_every=4"
+    gdir = base / "guest"
+    gdir.mkdir()
+    (gdir / "guest.json").write_text(json.dumps(spec))
+    store, mnt = base / "store", base / "mnt"
+    mnt.mkdir()
+    env = dict(os.environ, KSFS_GUEST=str(gdir), KSFS_UPSTREAM_API_KEY="sk-test-SECRET-MARKER")
+    up = FakeProvider(delay=5.0).start()
+    ksfs(store, env, "mount", str(mnt), "--upstream", up.url)
+    try:
+        yield {"store": store, "mnt": mnt, "env": env, "up": up, "tag": uuid.uuid4().hex[:6]}
+    finally:
+        listing = ksfs(store, env, "session", "list", "--json", check=False)
+        for s in json.loads(listing.stdout or "[]"):
+            ksfs(store, env, "session", "rm", s["session"], check=False)
+        if os.path.ismount(mnt):
+            ksfs(store, env, "umount", str(mnt), check=False)
+        up.stop()
+    assert not os.path.ismount(mnt)
+
+
+def usage(mnt: Path, s: str) -> dict:
+    return json.loads((mnt / "sessions" / s / "usage").read_text())
+
+
+def test_call_open_during_save_is_replayed_after_restore(setup) -> None:
+    mnt, up, store, env = setup["mnt"], setup["up"], setup["store"], setup["env"]
+    s = f"gw-{setup['tag']}"
+    sess = mnt / "sessions" / s
+    os.mkdir(sess)
+    # The guest's first call arrives upstream and stays open (the upstream is slow)...
+    wait(lambda: calls_asked(up, 0) == 1, "the guest's first model call")
+    # ...and a checkpoint is taken while it is open.
+    os.mkdir(sess / "checkpoints" / "during-call")
+    assert calls_asked(up, 0) == 1
+    wait(lambda: usage(mnt, s)["paid_calls"] >= 1, "the first call to complete", timeout=60)
+    # Back to the moment the call was open: the guest's retry must come from the store.
+    (sess / "resume").write_text("during-call\n")
+    wait(lambda: usage(mnt, s)["replays"] >= 1, "the guest's retry to be replayed", timeout=90)
+    ksfs(store, env, "pause", s)
+    u = usage(mnt, s)
+    assert calls_asked(up, 0) == 1, "upstream was asked twice for one call"
+    assert u["paid_calls"] == 1 and u["replays"] == 1, u
+    events = [json.loads(x) for x in (sess / "events").read_text().splitlines()]
+    paid = [e for e in events if e["type"] == "gateway.call"]
+    replayed = [e for e in events if e["type"] == "gateway.replay"]
+    assert paid[0]["body"]["key"] == replayed[0]["body"]["key"]
+    # The API key went upstream only: never into events, the daemon log or the store's files.
+    assert all(r.headers.get("authorization") == "Bearer sk-test-SECRET-MARKER"
+               for r in up.requests)
+    marker = b"SECRET-MARKER"
+    assert marker not in (sess / "events").read_bytes()
+    for p in Path(store).rglob("*"):
+        if p.is_file() and p.stat().st_size < 256 << 20 and p.suffix != ".save":
+            assert marker not in p.read_bytes(), p
+    ksfs(store, env, "resume", s)
+
+
+def test_fork_guest_talks_to_its_own_session(setup) -> None:
+    mnt, up = setup["mnt"], setup["up"]
+    s = f"gp-{setup['tag']}"
+    f = f"gf-{setup['tag']}"
+    os.mkdir(mnt / "sessions" / s)
+    wait(lambda: usage(mnt, s)["paid_calls"] >= 1, "the parent's first paid call", timeout=120)
+    os.mkdir(mnt / "sessions" / s / "checkpoints" / "cp")
+    os.mkdir(mnt / "sessions" / s / "checkpoints" / "cp" / "forks" / f)
+    # The fork's guest goes on calling: its calls are counted in its own session.
+    wait(lambda: usage(mnt, f)["paid_calls"] + usage(mnt, f)["replays"] >= 1,
+         "a call from the fork's guest", timeout=120)
