@@ -113,7 +113,7 @@ def test_call_open_during_save_is_replayed_after_restore(setup) -> None:
 
 
 def test_fork_guest_talks_to_its_own_session(setup) -> None:
-    mnt, up = setup["mnt"], setup["up"]
+    mnt = setup["mnt"]
     s = f"gp-{setup['tag']}"
     f = f"gf-{setup['tag']}"
     os.mkdir(mnt / "sessions" / s)
