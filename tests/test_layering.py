@@ -34,6 +34,9 @@ NEVER = {
     "cli": ("libvirt", "pyfuse3"),
 }
 ONLY = {"libvirt": "vm", "click": "cli"}
+# Parts of ksfs a part must not import although they sit above it: the VM controller never sees
+# the store or the ledger (the keeper hands it readers), so it stays usable on its own.
+NEVER_KSFS = {"vm": ("cas", "ledger", "gateway")}
 
 
 def part_of(path: Path) -> str:
@@ -78,6 +81,8 @@ def test_imports_follow_the_layers(path: Path) -> None:
             if target != part and LAYER.get(target, 99) >= LAYER[part]:
                 problems.append(f"line {line}: {part} (layer {LAYER[part]}) imports {name} "
                                 f"(layer {LAYER.get(target)})")
+            if target in NEVER_KSFS.get(part, ()):
+                problems.append(f"line {line}: {part} must never import ksfs.{target}")
             continue
         if top[0] in NEVER.get(part, ()):
             problems.append(f"line {line}: {part} must never import {top[0]}")
