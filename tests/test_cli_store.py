@@ -4,7 +4,6 @@ bad input with its exit code and an unchanged store, and kill -9 of imports."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess

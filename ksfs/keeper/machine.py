@@ -8,6 +8,7 @@ records a ``*.failed`` event with the reason while the guest keeps running.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from ksfs.model import (
     validate_name,
 )
 
+log = logging.getLogger("ksfs.keeper")
 MEMORY_FILE = "memory"
 DEFAULT_TRANSCRIPT = "agent/transcript.jsonl"
 
@@ -233,8 +235,6 @@ class MachineVerbs:
         try:
             frozen = self.vm.snapshot(session, rec.domain)
             record = self._ingest_frozen(rec, name, begin.seq, frozen)
-            self.vm.finish(frozen, checkpoint=f"{session}/{name}")
-            frozen = None
         except BaseException as exc:
             if frozen is not None:
                 try:
@@ -243,6 +243,13 @@ class MachineVerbs:
                     pass
             self._record_failure(session, name, exc)
             raise
+        try:
+            self.vm.finish(frozen, checkpoint=f"{session}/{name}")
+        except KsfsError as exc:
+            # The checkpoint is published; only the chain stays one layer longer, and the next
+            # save reads that layer as changed since the previous finished checkpoint.
+            log.warning("checkpoint %s/%s published, but flattening its layer failed: %s",
+                        session, name, exc)
         return record
 
     def _ingest_frozen(self, rec: SessionRecord, name: str, seq: int, frozen):

@@ -140,7 +140,7 @@ class OfflineVerbs:
     def references(self) -> dict[str, list[str]]:
         """Every manifest in use, with the checkpoint files that use it (for check and gc)."""
         refs: dict[str, list[str]] = {}
-        for s in self.ledger.sessions():
+        for s in self.ledger.sessions(include_removed=True):
             for c in self.ledger.checkpoints(s.name):
                 for f in c.files:
                     refs.setdefault(f.manifest, []).append(f"{s.name}/{c.name}/{f.name}")
@@ -154,11 +154,23 @@ class OfflineVerbs:
         # exclusive lock, so an import that commits while GC waits for the lock is not swept.
         return self.store.gc(self.ledger.live_manifests)
 
+    def set_budget(self, session: str, tokens: int | None = None,
+                   usd: float | None = None) -> dict[str, Any]:
+        """Replace the session's model-call budget (both None: none) and record budget.set."""
+        self.ledger.session(session)
+        if self.gateway is not None:
+            self.gateway.set_budget(session, tokens=tokens, usd=usd)
+        else:
+            from ksfs.gateway import GatewayStore
+
+            GatewayStore(self.store, self.ledger).set_budget(session, tokens=tokens, usd=usd)
+        return self.usage(session)
+
     def stats(self) -> dict[str, Any]:
         figures = dict(self.store.stats())
         logical = 0
         count = 0
-        for s in self.ledger.sessions():
+        for s in self.ledger.sessions(include_removed=True):
             for c in self.ledger.checkpoints(s.name):
                 logical += c.logical_bytes
                 count += 1
