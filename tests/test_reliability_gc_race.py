@@ -1,10 +1,12 @@
 """GC never deletes what a running ingest or a reader needs, proven by racing them.
 
-Each round imports a checkpoint X (session ``old``), then at once: imports Y (session ``new``),
-whose data is mostly X's (so its ingest finds X's chunks already stored and does not write them
-again), deletes X and runs ``ksfs gc``, while reader threads read every checkpoint that is never
-deleted. Import and GC are separate processes, as they are in use (CLI vs daemon). Afterwards
-every checkpoint still listed reads back byte-identical to its source and the store checks clean.
+Each round imports a checkpoint X (session ``old``) and deletes it, then at once imports Y
+(session ``new``), whose disk is mostly X's (so its ingest finds X's chunks still indexed and
+reuses them instead of writing them again) plus a 12 MiB file that keeps the ingest busy, and runs
+``ksfs gc``. Meanwhile a reader thread reads a checkpoint that is never deleted, each read in a
+fresh ``ksfs cat`` process. Import and GC are separate processes, as they are in use (CLI vs
+daemon). Afterwards every Y reads back byte-identical and the store checks clean. Without GC
+listing live manifests under its exclusive lock, the first round already loses Y's chunks.
 """
 
 from __future__ import annotations
