@@ -65,25 +65,24 @@ append() {  # append one transcript line and make it durable before going on
   echo "ksfs-counter $SEQ" > /dev/console
 }
 
-call_model() {  # one model call, retried until the gateway answers
+call_model() {  # one try at the current model call; the loop retries the same call next step
   n=$(cat /data/agent/calls)
   key="${LINEAGE:-guest}-call-$n"
-  body="{\"model\": \"demo\", \"messages\": [{\"role\": \"user\", \"content\": \"step $SEQ call $n\"}]}"
-  while true; do
-    rm -f /run/answer
-    token=$(fwcfg token)
-    set -- --header "Idempotency-Key: $key" --header "Content-Type: application/json"
-    [ -n "$token" ] && set -- "$@" --header "Authorization: Bearer $token"
-    # A call open across a restore has no connection left on the host side: give up on it and
-    # retry the same call (the gateway serves the retry from its store). Debian's busybox wget
-    # crashes on its own -T, so timeout(1) bounds it.
-    out=$(timeout 12 wget -q -S -O /run/answer "$@" --post-data "$body" \
-      "$(gateway)/v1/chat/completions" 2>&1)
-    status=$(echo "$out" | grep -o 'HTTP/[0-9.]* [0-9]*' | tail -n 1 | grep -o '[0-9]*$')
-    if [ -s /run/answer ]; then break; fi
-    say "call $n failed (${status:-no answer}), retrying"
-    sleep 1
-  done
+  body="{\"model\": \"demo\", \"messages\": [{\"role\": \"user\", \"content\": \"call $n\"}]}"
+  rm -f /run/answer
+  token=$(fwcfg token)
+  set -- --header "Idempotency-Key: $key" --header "Content-Type: application/json"
+  [ -n "$token" ] && set -- "$@" --header "Authorization: Bearer $token"
+  # A call open across a restore has no connection left on the host side: give up on it and
+  # retry the same call (the gateway serves the retry from its store). Debian's busybox wget
+  # crashes on its own -T, so timeout(1) bounds it.
+  out=$(timeout 12 wget -q -S -O /run/answer "$@" --post-data "$body" \
+    "$(gateway)/v1/chat/completions" 2>&1)
+  status=$(echo "$out" | grep -o 'HTTP/[0-9.]* [0-9]*' | tail -n 1 | grep -o '[0-9]*$')
+  if [ ! -s /run/answer ]; then
+    say "call $n failed (${status:-no answer}); it is tried again next step"
+    return 1
+  fi
   append "\"op\": \"call\", \"call\": $n, \"status\": ${status:-0}"
   echo $((n + 1)) > /data/agent/calls.new
   sync /data/agent/calls.new
@@ -95,15 +94,18 @@ append "\"op\": \"boot\""
 # a few MiB of memory kept busy: a tmpfs file rewritten in rotating 256 KiB pieces
 dd if=/dev/zero of=/run/busy bs=256k count=16 2>/dev/null
 step=0
+PENDING=0
 while true; do
   step=$((step + 1))
   dd if=/dev/urandom of=/run/busy bs=256k count=1 seek=$((step % 16)) conv=notrunc 2>/dev/null
   f=/data/work/f$((step % 20))
   case $((step % 3)) in
-    0) rm -f /data/work/f$(((step + 10) % 20)); op=delete ;;
+    0) f=/data/work/f$(((step + 10) % 20)); rm -f "$f"; op=delete ;;
     *) head -c $((1024 * (step % 7 + 1))) /run/busy > "$f"; op=write ;;
   esac
   append "\"op\": \"$op\", \"file\": \"$f\""
-  if [ $((step % EVERY)) -eq 0 ] && [ -n "$(gateway)" ]; then call_model; fi
+  if { [ "$PENDING" = 1 ] || [ $((step % EVERY)) -eq 0 ]; } && [ -n "$(gateway)" ]; then
+    if call_model; then PENDING=0; else PENDING=1; fi
+  fi
   sleep "$INTERVAL"
 done

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ksfs.keeper.branching import RestoreVerbs
 from ksfs.keeper.diffing import Diffing
 from ksfs.keeper.guestlink import GuestLink
 from ksfs.keeper.machine import MachineVerbs
@@ -16,7 +17,7 @@ from ksfs.keeper.recovery import Recovery
 from ksfs.keeper.views import Views
 
 
-class Keeper(OfflineVerbs, MachineVerbs, Recovery, GuestLink, Diffing, Views):
+class Keeper(OfflineVerbs, MachineVerbs, RestoreVerbs, Recovery, GuestLink, Diffing, Views):
     """Owns one open store and its ledger; the VM controller and gateway are attached lazily."""
 
     def __init__(self, store_path: str | Path, create: bool = False) -> None:

@@ -1,0 +1,139 @@
+"""Restore and fork: bring a checkpoint back to life, in its own session or as a new one.
+
+Both materialize the checkpoint's disk and memory from the store into the VM controller, reconcile
+the guest's transcript with the host log (one ``reconcile`` event) before the guest runs again,
+and leave either their whole effect or a ``*.failed`` record: a restore saves the current state
+first so nothing is lost, and a fork that cannot start is rolled back.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ksfs.crashpoints import crash_point
+from ksfs.errors import AlreadyExists, KsfsError, NotFound, NotPermitted
+from ksfs.keeper.locks import session_lock
+from ksfs.keeper.machine import MEMORY_FILE, disk_file_name, domain_name_for
+from ksfs.keeper.offline import _reason
+from ksfs.model import CheckpointRecord, ForkPoint, SessionRecord, TranscriptInfo, validate_name
+
+
+class RestoreVerbs:
+    # --- restore and fork -------------------------------------------------------------------
+
+    def _checkpoint_readers(self, record: CheckpointRecord, xml_disks: list) -> tuple[Any, dict]:
+        mem = record.file(MEMORY_FILE)
+        if mem is None:
+            raise NotPermitted(
+                f"checkpoint {record.session}/{record.name} has no memory image to run from"
+            )
+        disks = {}
+        for i, d in enumerate(xml_disks):
+            f = record.file(disk_file_name(i, d.target))
+            if f is None:
+                raise NotPermitted(f"checkpoint {record.session}/{record.name} has no disk "
+                                   f"{d.target}")
+            disks[d.target] = self.store.open_file(f.manifest)
+        return self.store.open_file(mem.manifest), disks
+
+    def _xml_disks(self, record: CheckpointRecord) -> list:
+        from ksfs.vm import domxml
+
+        if not record.domain_xml:
+            raise NotPermitted(f"checkpoint {record.session}/{record.name} has no domain XML")
+        return domxml.disks(record.domain_xml)
+
+    def _transcript_of(self, record: CheckpointRecord) -> tuple[TranscriptInfo | None, str | None]:
+        try:
+            from ksfs.guestfs import read_transcript
+
+            fs = self.guest_fs(record)
+            if fs is None:
+                return None, "the checkpoint has no disk"
+            return read_transcript(fs, self.transcript_path(record.session)), None
+        except NotFound:
+            return None, None  # no transcript file: the "missing" case
+        except KsfsError as exc:
+            return None, str(exc)
+
+    def restore(self, session: str, checkpoint: str) -> dict[str, Any]:
+        """Save the current state, then bring the machine back to ``checkpoint`` and run it."""
+        validate_name(session, "session name")
+        validate_name(checkpoint, "checkpoint name")
+        rec = self._machine(session)
+        with session_lock(self.store_path, session):
+            return self._restore_locked(rec, checkpoint)
+
+    def _restore_locked(self, rec: SessionRecord, checkpoint: str) -> dict[str, Any]:
+        session = rec.name
+        target = self.ledger.checkpoint(session, checkpoint)
+        xml_disks = self._xml_disks(target)
+        saved = None
+        if self.vm.state(rec.domain) in ("running", "paused"):
+            saved = self._save_locked(rec, None, reason=f"before restore to {checkpoint}")
+        begin = self.ledger.record(session, "restore.begin", {
+            "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
+        try:
+            t0 = time.monotonic()
+            memory, disks = self._checkpoint_readers(target, xml_disks)
+            self.vm.restore(session, rec.domain, memory, disks, xml=target.domain_xml,
+                            checkpoint=f"{session}/{checkpoint}")
+            transcript, error = self._transcript_of(target)
+            with self.store.env.begin(write=True) as txn:
+                rec_ev = self.ledger.reconcile(
+                    txn, session, target, transcript, error,
+                    current_transcript_seq=saved.transcript_seq if saved else None,
+                )
+            crash_point("restore.resume")
+            self.vm.resume(rec.domain)
+            done = self.ledger.record(session, "restore.done", {
+                "checkpoint": checkpoint, "begin_seq": begin.seq,
+                "reconcile_seq": rec_ev.seq, "seconds": round(time.monotonic() - t0, 3)})
+        except BaseException as exc:
+            self.ledger.record(session, "restore.failed",
+                               {"checkpoint": checkpoint, "reason": _reason(exc)})
+            raise
+        return {"session": session, "checkpoint": checkpoint, "seq": done.seq,
+                "saved_as": saved.name if saved else None, "reconcile": rec_ev.body}
+
+    def fork(self, session: str, checkpoint: str, new: str) -> SessionRecord:
+        """A new session running from ``checkpoint`` in its own domain; the parent runs on."""
+        validate_name(session, "session name")
+        validate_name(checkpoint, "checkpoint name")
+        validate_name(new, "session name")
+        parent = self.ledger.session(session)
+        target = self.ledger.checkpoint(session, checkpoint)
+        xml_disks = self._xml_disks(target)
+        domain = domain_name_for(new)
+        with session_lock(self.store_path, new):
+            if self.vm.exists(domain):
+                raise AlreadyExists(what="libvirt domain", name=domain)
+            config = dict(parent.config)
+            if "gateway_port" in config:  # its own port: the gateway tells sessions apart by it
+                config["gateway_port"] = self.allocate_gateway_port()
+            with self.store.env.begin(write=True) as txn:
+                rec = self.ledger.create_session(
+                    txn, new, domain=domain,
+                    parent=ForkPoint(session, checkpoint, target.seq, parent.lineage),
+                    config=config,
+                )
+            try:
+                memory, disks = self._checkpoint_readers(target, xml_disks)
+                self.vm.fork(new, domain, memory, disks, xml=target.domain_xml,
+                             lineage=rec.lineage, checkpoint=f"{session}/{checkpoint}",
+                             fw_cfg=self.guest_facts(rec))
+                transcript, error = self._transcript_of(target)
+                with self.store.env.begin(write=True) as txn:
+                    self.ledger.reconcile(txn, new, target, transcript, error)
+                crash_point("fork.resume")
+                self.vm.resume(domain)
+            except BaseException:
+                try:
+                    self.vm.destroy_and_undefine(domain)
+                    self.vm.remove_files(new)
+                finally:
+                    with self.store.env.begin(write=True) as txn:
+                        self.ledger.remove_session(txn, new)
+                raise
+        return rec
