@@ -16,6 +16,7 @@ import errno
 import fcntl
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ from ksfs.crashpoints import crash_point
 from ksfs.errors import ChunkCorrupt, IntegrityError, translate
 
 TARGET_PACK_BYTES = 32 * 1024 * 1024
+PRUNE_EVERY_S = 1.0  # how often readers drop fds of packs another process's GC unlinked
 
 
 def fsync_dir(path: str) -> None:
@@ -187,6 +189,7 @@ class PackHandles:
         self.limit = limit
         self._lock = threading.Lock()
         self._open: OrderedDict[int, _Handle] = OrderedDict()
+        self._pruned = time.monotonic()
 
     def pread(self, no: int, n: int, offset: int) -> bytes:
         """Read from pack ``no``; FileNotFoundError if the pack is gone (GC moved its chunks)."""
@@ -198,6 +201,8 @@ class PackHandles:
 
     def _acquire(self, no: int) -> _Handle:
         with self._lock:
+            if time.monotonic() - self._pruned > PRUNE_EVERY_S:
+                self._prune_unlinked()
             h = self._open.get(no)
             if h is not None:
                 self._open.move_to_end(no)
@@ -228,6 +233,19 @@ class PackHandles:
         h.dead = True
         if h.users == 0:
             os.close(h.fd)
+
+    def _prune_unlinked(self) -> None:
+        """Retire fds of packs another process (a ``ksfs gc``) unlinked: ``forget`` only runs
+        in the process that deleted them, and an idle fd would pin the pack's disk space."""
+        self._pruned = time.monotonic()
+        for no, h in list(self._open.items()):
+            try:
+                gone = os.fstat(h.fd).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                del self._open[no]
+                self._retire(h)
 
     def forget(self, no: int) -> None:
         """Drop the fd of a pack GC deleted, so its space is freed once no reader is inside."""
