@@ -9,56 +9,25 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-KSFS = [sys.executable, "-m", "ksfs.cli"]
+from tests.cli_helpers import daemon_mount, guest_dir, ksfs, transcript
+
 pytestmark = pytest.mark.vm
-
-
-def ksfs(store: Path, env: dict, *args: str) -> str:
-    res = subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
-                         env=env, timeout=300)
-    assert res.returncode == 0, res.stderr
-    return res.stdout
 
 
 @pytest.fixture(scope="module")
 def guest_mount(tmp_path_factory):
-    subprocess.run([str(ROOT / "tools/start-libvirt")], check=True)
-    guest = subprocess.run([str(ROOT / "tools/build-guest")], check=True, capture_output=True,
-                           text=True).stdout.strip().splitlines()[-1]
     base = tmp_path_factory.mktemp("fsguest")
-    store, mnt = base / "store", base / "mnt"
-    mnt.mkdir()
-    env = dict(os.environ, KSFS_GUEST=guest)
-    ksfs(store, env, "mount", str(mnt))
-    s = f"fs-{uuid.uuid4().hex[:6]}"
-    try:
+    env = dict(os.environ, KSFS_GUEST=str(guest_dir()))
+    with daemon_mount(base, env) as (store, mnt):
+        s = f"fs-{uuid.uuid4().hex[:6]}"
         os.mkdir(mnt / "sessions" / s)
         yield store, mnt, env, s, base
-    finally:
-        subprocess.run(KSFS + ["--store", str(store), "session", "rm", s], env=env,
-                       capture_output=True)
-        if os.path.ismount(mnt):
-            subprocess.run(KSFS + ["--store", str(store), "umount", str(mnt)], env=env)
-        subprocess.run(["virsh", "-q", "destroy", f"ksfs-{s}"], capture_output=True)
-        subprocess.run(["virsh", "-q", "undefine", f"ksfs-{s}"], capture_output=True)
-
-
-def transcript(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def expected_changes(lines_a: list[dict], lines_b: list[dict], fs_a: Path) -> set:
@@ -111,7 +80,7 @@ def test_guest_changes_seen_by_diff_r_and_ksfs_diff(guest_mount) -> None:
     seen.discard(("changed", "agent/calls"))  # the gateway call counter, when it moved
     assert seen == want, (seen, want)
 
-    d = json.loads(ksfs(store, env, "diff", s, a, "b", "--json"))
+    d = json.loads(ksfs(store, env, "diff", s, a, "b", "--json").stdout)
     from_ksfs = {(c["kind"], c["path"]) for c in d["files"]} - {("changed", "agent/calls")}
     assert from_ksfs == want
     assert d["disk"]["changed_clusters"] > 0

@@ -8,70 +8,27 @@ import errno
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-KSFS = [sys.executable, "-m", "ksfs.cli"]
+from tests.cli_helpers import KSFS, daemon_mount, guest_dir, ksfs, transcript
+
 pytestmark = pytest.mark.vm
-
-
-def ksfs(store: Path, env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    res = subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
-                         env=env, timeout=300)
-    if check and res.returncode != 0:
-        raise AssertionError(f"ksfs {' '.join(args)} -> {res.returncode}: {res.stderr}")
-    return res
-
-
-def virsh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["virsh", "-q", "-c", "qemu:///system", *args], capture_output=True,
-                          text=True)
 
 
 @pytest.fixture(scope="module")
 def mounted(tmp_path_factory):
-    subprocess.run([str(ROOT / "tools/start-libvirt")], check=True)
-    guest = subprocess.run([str(ROOT / "tools/build-guest")], check=True, capture_output=True,
-                           text=True).stdout.strip().splitlines()[-1]
-    base = tmp_path_factory.mktemp("mountvm")
-    store, mnt = base / "store", base / "mnt"
-    mnt.mkdir()
-    env = dict(os.environ, KSFS_GUEST=guest)
-    ksfs(store, env, "mount", str(mnt))
-    tag = uuid.uuid4().hex[:6]
-    try:
-        yield {"store": store, "mnt": mnt, "env": env, "tag": tag}
-    finally:
-        listing = ksfs(store, env, "session", "list", "--json", check=False)
-        names = [s["session"] for s in json.loads(listing.stdout or "[]")]
-        for name in names:
-            ksfs(store, env, "session", "rm", name, check=False)
-        if os.path.ismount(mnt):
-            ksfs(store, env, "umount", str(mnt), check=False)
-        for name in names:
-            virsh("destroy", f"ksfs-{name}")
-            virsh("undefine", f"ksfs-{name}")
-    assert not os.path.ismount(mnt)
+    env = dict(os.environ, KSFS_GUEST=str(guest_dir()))
+    with daemon_mount(tmp_path_factory.mktemp("mountvm"), env) as (store, mnt):
+        yield {"store": store, "mnt": mnt, "env": env, "tag": uuid.uuid4().hex[:6]}
 
 
 def events(mnt: Path, session: str) -> list[dict]:
     return [json.loads(line) for line in (mnt / "sessions" / session / "events").read_text()
             .splitlines()]
-
-
-def transcript(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def test_lifecycle_through_the_mount(mounted) -> None:

@@ -1,0 +1,78 @@
+"""Helpers for tests that drive ksfs through its real command line and mount daemon.
+
+``ksfs(store, env, *args)`` runs one command in a subprocess; ``daemon_mount(...)`` mounts a fresh
+store with `ksfs mount` for the body of a block and, whatever happens, removes every session it
+holds (so every domain), unmounts, and checks the mount point is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+
+
+def ksfs(store: Path, env: dict | None, *args: str, check: bool = True,
+         timeout: float = 300) -> subprocess.CompletedProcess:
+    res = subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
+                         env=env, timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f"ksfs {' '.join(args)} -> {res.returncode}: {res.stderr}")
+    return res
+
+
+def virsh(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run(["virsh", "-q", "-c", "qemu:///system", *args], capture_output=True,
+                          text=True, check=check)
+
+
+def guest_dir() -> Path:
+    """libvirtd up and the test guest built (both idempotent); the guest's directory."""
+    subprocess.run([str(ROOT / "tools/start-libvirt")], check=True)
+    out = subprocess.run([str(ROOT / "tools/build-guest")], check=True, capture_output=True,
+                         text=True).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
+def remove_sessions(store: Path, env: dict | None, extra: list[str] = ()) -> None:
+    """Remove every session of the store (and so its domain), plus domains named in ``extra``."""
+    listing = ksfs(store, env, "session", "list", "--json", check=False)
+    names = [s["session"] for s in json.loads(listing.stdout or "[]")] \
+        if listing.returncode == 0 else []
+    for name in set(names) | set(extra):
+        ksfs(store, env, "session", "rm", name, check=False)
+        virsh("destroy", f"ksfs-{name}")
+        virsh("undefine", f"ksfs-{name}")
+
+
+@contextlib.contextmanager
+def daemon_mount(base: Path, env: dict, *mount_args: str) -> Iterator[tuple[Path, Path]]:
+    """(store, mnt) of a fresh store mounted by `ksfs mount` under ``base``."""
+    store, mnt = base / "store", base / "mnt"
+    mnt.mkdir()
+    ksfs(store, env, "mount", str(mnt), *mount_args)
+    try:
+        yield store, mnt
+    finally:
+        remove_sessions(store, env)
+        if os.path.ismount(mnt):
+            ksfs(store, env, "umount", str(mnt), check=False)
+    assert not os.path.ismount(mnt), f"{mnt} is still mounted"
+
+
+def transcript(path: Path) -> list[dict]:
+    """The JSON lines of a transcript file; a torn last line is skipped."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
