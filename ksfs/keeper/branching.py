@@ -118,7 +118,7 @@ class RestoreVerbs:
                     parent=ForkPoint(session, checkpoint, target.seq, parent.lineage),
                     config=config,
                 )
-            try:
+            with self._undone_on_failure(new, domain):
                 memory, disks = self._checkpoint_readers(target, xml_disks)
                 self.vm.fork(new, domain, memory, disks, xml=target.domain_xml,
                              lineage=rec.lineage, checkpoint=f"{session}/{checkpoint}",
@@ -128,12 +128,4 @@ class RestoreVerbs:
                     self.ledger.reconcile(txn, new, target, transcript, error)
                 crash_point("fork.resume")
                 self.vm.resume(domain)
-            except BaseException:
-                try:
-                    self.vm.destroy_and_undefine(domain)
-                    self.vm.remove_files(new)
-                finally:
-                    with self.store.env.begin(write=True) as txn:
-                        self.ledger.remove_session(txn, new)
-                raise
         return rec

@@ -7,10 +7,12 @@ records a ``*.failed`` event with the reason while the guest keeps running.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,19 +129,30 @@ class MachineVerbs:
             }
             with self.store.env.begin(write=True) as txn:
                 rec = self.ledger.create_session(txn, name, domain=domain, config=config)
-            try:
+            with self._undone_on_failure(name, domain):
                 self.vm.create(
                     name, domain, spec["kernel"], spec["initrd"], spec["disk"],
                     memory_mib=memory, vcpus=vcpus,
                     cmdline=spec.get("cmdline", "console=ttyS0 panic=-1 quiet"),
                     extra_cmdline=f"ksfs.lineage={rec.lineage}", fw_cfg=self.guest_facts(rec),
                 )
-            except BaseException:
+            return rec
+
+    @contextlib.contextmanager
+    def _undone_on_failure(self, name: str, domain: str | None = None) -> Iterator[None]:
+        """A session whose machine could not be set up is forgotten again, files and all; the
+        domain too when ksfs made it (never an adopted one: that is the user's)."""
+        try:
+            yield
+        except BaseException:
+            try:
+                if domain is not None:
+                    self.vm.destroy_and_undefine(domain)
+                self.vm.remove_files(name)
+            finally:
                 with self.store.env.begin(write=True) as txn:
                     self.ledger.remove_session(txn, name)
-                self.vm.remove_files(name)
-                raise
-            return rec
+            raise
 
     def _guest_spec(self, guest, kernel, initrd, disk) -> dict[str, Any]:
         if kernel or initrd or disk:
@@ -170,13 +183,8 @@ class MachineVerbs:
                     txn, name, domain=domain, config={"transcript_path": DEFAULT_TRANSCRIPT},
                     adopted=True,
                 )
-            try:
+            with self._undone_on_failure(name):
                 self.vm.adopt(name, domain)
-            except BaseException:
-                with self.store.env.begin(write=True) as txn:
-                    self.ledger.remove_session(txn, name)
-                self.vm.remove_files(name)
-                raise
             return rec
 
     def remove_session(self, name: str, keep_checkpoints: bool = False) -> dict[str, Any]:
