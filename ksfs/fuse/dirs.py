@@ -90,7 +90,8 @@ class SessionDir(Dir):
 
         return [
             ("status", dyn("status", lambda: k.status_bytes(s))),
-            ("events", dyn("events", lambda: k.events_bytes(s))),
+            ("events", DynamicFile(k, ("events", lin), s, "events", lambda: k.events_bytes(s),
+                                   append_only=True)),
             ("usage", dyn("usage", lambda: k.usage_bytes(s))),
             ("resume", dyn("resume", lambda: k.resume_result(s), ResumeFile)),
             ("checkpoints", CheckpointsDir(k, lin, s)),

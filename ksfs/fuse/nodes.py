@@ -133,10 +133,11 @@ class DynamicFile(Node):
     attr_timeout = DYNAMIC
 
     def __init__(self, keeper: Any, key: tuple, session: str | None, name: str,
-                 content: Callable[[], bytes]) -> None:
+                 content: Callable[[], bytes], append_only: bool = False) -> None:
         super().__init__(keeper, key, session)
         self.name = name
         self.content = content
+        self.append_only = append_only  # grows only at its end (events): readers may follow it
 
     def size(self) -> int:
         return len(self.content())

@@ -117,7 +117,10 @@ class DynamicHandle(Handle):
         self.data = node.content()
 
     def read(self, offset: int, size: int) -> bytes:
-        if offset >= len(self.data):
+        # Only a log that grows by appending may be refreshed mid-read: a file rewritten whole
+        # (status, usage) refreshed at its end would splice the tail of a newer copy onto the
+        # older one. Those are one snapshot per open.
+        if offset >= len(self.data) and self.node.append_only:
             self.data = self.node.content()
         return self.data[offset : offset + size]
 
