@@ -20,48 +20,29 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-KSFS = [sys.executable, "-m", "ksfs.cli"]
+from tests.cli_helpers import guest_dir, ksfs, remove_sessions, virsh
+
 pytestmark = pytest.mark.vm
 
 
 def run(store: Path, *args: str, check: bool = True, env: dict | None = None,
         timeout: float = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
-                         timeout=timeout, env=env)
-    if check and res.returncode != 0:
-        raise AssertionError(f"ksfs {' '.join(args)} -> {res.returncode}: {res.stderr}")
-    return res
-
-
-def virsh(*args: str, check: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run(["virsh", "-q", "-c", "qemu:///system", *args], capture_output=True,
-                          text=True, check=check)
+    return ksfs(store, env, *args, check=check, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def guest() -> Path:
-    subprocess.run([str(ROOT / "tools/start-libvirt")], check=True)
-    out = subprocess.run([str(ROOT / "tools/build-guest")], check=True, capture_output=True,
-                         text=True).stdout.strip().splitlines()[-1]
-    return Path(out)
+    return guest_dir()
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, guest: Path):
     store = tmp_path_factory.mktemp("vmstore") / "store"
     e = dict(os.environ, KSFS_GUEST=str(guest))
-    tag = uuid.uuid4().hex[:6]
     made: list[str] = []
-    yield {"store": store, "env": e, "tag": tag, "made": made}
+    yield {"store": store, "env": e, "tag": uuid.uuid4().hex[:6], "made": made}
     # Clean up every session (and so domain) this module made, whatever happened.
-    res = run(store, "session", "list", "--json", check=False, env=e)
-    names = [s["session"] for s in json.loads(res.stdout)] if res.returncode == 0 else []
-    for name in set(names) | set(made):
-        run(store, "session", "rm", name, check=False, env=e)
-    for name in set(names) | set(made):
-        virsh("destroy", f"ksfs-{name}")
-        virsh("undefine", f"ksfs-{name}")
+    remove_sessions(store, e, made)
     shutil.rmtree(store, ignore_errors=True)
 
 

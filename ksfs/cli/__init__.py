@@ -55,11 +55,6 @@ class Context:
 pass_ctx = click.make_pass_decorator(Context)
 
 
-def keeper_for(ctx: Context, create: bool = False):
-    """The keeper of the store (opened once per command)."""
-    return ctx.open_keeper(create)
-
-
 def run_verb(ctx: Context, verb: str, **args: Any) -> Any:
     """Run a keeper verb in the running daemon when there is one, else here under the same locks.
 

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ksfs.cli import emit_json, keeper_for, main, pass_ctx
+from ksfs.cli import emit_json, main, pass_ctx
 from ksfs.errors import IntegrityError
 
 
@@ -48,7 +48,7 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
 
     Example: ksfs import demo c1 disk.raw memory
     """
-    keeper = keeper_for(ctx, create=True)
+    keeper = ctx.open_keeper(create=True)
     update, finish = progress_bar(f"import {checkpoint}")
     try:
         record = keeper.import_files(session, checkpoint, files, disks=disks, progress=update)
@@ -74,7 +74,7 @@ def cat(ctx, session: str, checkpoint: str, file: str) -> None:
 
     Example: ksfs cat demo c1 disk.raw | sha256sum
     """
-    keeper = keeper_for(ctx)
+    keeper = ctx.open_keeper()
     reader = keeper.open_file(session, checkpoint, file)
     out = sys.stdout.buffer
     step = 4 << 20
@@ -94,7 +94,7 @@ def stats(ctx, as_json: bool) -> None:
 
     Example: ksfs stats --json | jq .dedup_ratio
     """
-    figures = keeper_for(ctx).stats()
+    figures = ctx.open_keeper().stats()
     if as_json:
         emit_json(figures)
         return
@@ -112,7 +112,7 @@ def check(ctx, read_data: bool, as_json: bool) -> None:
 
     Example: ksfs check --read-data
     """
-    keeper = keeper_for(ctx)
+    keeper = ctx.open_keeper()
     report = keeper.check(read_data=read_data)
     problems = report.lines()
     if as_json:
@@ -134,7 +134,7 @@ def rm(ctx, session: str, checkpoint: str) -> None:
 
     Example: ksfs rm demo c1 && ksfs gc
     """
-    keeper_for(ctx).delete_checkpoint(session, checkpoint)
+    ctx.open_keeper().delete_checkpoint(session, checkpoint)
     click.echo(f"deleted {session}/{checkpoint}")
 
 
@@ -146,7 +146,7 @@ def gc(ctx, as_json: bool) -> None:
 
     Example: ksfs gc --json
     """
-    result = keeper_for(ctx).gc()
+    result = ctx.open_keeper().gc()
     data = result if isinstance(result, dict) else getattr(result, "__dict__", {"result": result})
     if as_json:
         emit_json(data)
@@ -169,7 +169,7 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
 
     Example: ksfs diff agent first second
     """
-    d = keeper_for(ctx).diff(session, a, b)
+    d = ctx.open_keeper().diff(session, a, b)
     if as_json:
         emit_json(d)
         return

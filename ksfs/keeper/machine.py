@@ -21,10 +21,8 @@ from ksfs.errors import (
     AlreadyExists,
     BadInput,
     KsfsError,
-    NoSuchCheckpoint,
     NotFound,
     NotPermitted,
-    VMError,
 )
 from ksfs.keeper.locks import session_lock
 from ksfs.model import (
@@ -326,5 +324,3 @@ class _SourceReader:
     def read(self, offset: int, n: int) -> bytes:
         return self.source.pread(offset, n)
 
-
-__all__ = ["MachineVerbs", "NoSuchCheckpoint", "VMError"]
