@@ -23,6 +23,7 @@ from ksfs.cas import format as fmt
 from ksfs.cas.chunking import FIXED_SIZE, changed_spans, iter_cdc, iter_fixed, open_source
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter
 from ksfs.cas.pagecut import iter_pages, stream_start
+from ksfs.cas.patching import Patcher
 from ksfs.crashpoints import crash_point
 from ksfs.errors import BadInput, IntegrityError, KsfsError
 
@@ -53,6 +54,7 @@ class IngestedFile:
     stored: int
     digest: str
     chunking: str
+    base_bytes_read: int = 0  # stored bytes of base chunks read back to patch changed ranges
 
 
 class Ingest:
@@ -135,7 +137,8 @@ class Ingest:
         else:
             slots, ranges = self._slots_from_base(base, size, changed or [])
             total = sum(e - s for s, e in changed_spans(ranges, size))
-            batches = iter_fixed(src, ranges)
+            patcher = Patcher(self.store, src, slots)
+            batches = patcher.batches(ranges)
         entries: list[fmt.Entry] = []
         stored = 0
         done = 0
@@ -162,7 +165,8 @@ class Ingest:
         mid = fmt.manifest_id(raw)
         self.manifests[mid] = raw
         crash_point("ingest.file")
-        return IngestedFile(mid.hex(), size, stored, fmt.content_digest(raw), chunking)
+        return IngestedFile(mid.hex(), size, stored, fmt.content_digest(raw), chunking,
+                            patcher.base_bytes_read if base is not None else 0)
 
     @staticmethod
     def _cdc_batches(src: Any) -> Iterator[list[tuple[int, bytes]]]:
@@ -198,6 +202,7 @@ class Ingest:
             tail = (min(size, info.size) // FIXED_SIZE) * FIXED_SIZE
             ranges.append((tail, max(size, info.size) - tail))
         slots = old[:count]
+        # (None, 0): no base chunk, a slot the patcher reads whole from the source
         slots.extend([(None, 0)] * (count - len(slots)))
         return slots, ranges
 
@@ -329,3 +334,4 @@ class Ingest:
             raise _lmdb_error("commit the ingest", self.store.path, exc) from exc
         crash_point("index.commit")
         self.committed = True
+

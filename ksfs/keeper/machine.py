@@ -261,7 +261,8 @@ class MachineVerbs:
         session = rec.name
         base = self._base_checkpoint(frozen.base_checkpoint)
         files: list[FileRecord] = []
-        bytes_read = 0
+        bytes_read = 0  # from the frozen disk layers (allocated data; zero clusters cost nothing)
+        base_read = 0  # stored bytes of base chunks read back to patch sub-chunk changes
         with self.store.ingest() as ingest:
             f = ingest.add_file(str(frozen.memory_path), chunking="cdc")
             files.append(FileRecord(MEMORY_FILE, f.manifest, f.size, f.stored, f.chunking,
@@ -270,9 +271,11 @@ class MachineVerbs:
                 fname = disk_file_name(i, disk.target)
                 prev = base.file(fname) if base is not None else None
                 changed = disk.changed if prev is not None else None
+                before = disk.source.bytes_read
                 f = ingest.add_file(disk.source, chunking="fixed",
                                     base=prev.manifest if prev else None, changed=changed)
-                bytes_read += disk.size if changed is None else sum(n for _, n in changed)
+                bytes_read += disk.source.bytes_read - before
+                base_read += f.base_bytes_read
                 files.append(FileRecord(fname, f.manifest, f.size, f.stored, f.chunking,
                                         f.digest))
             transcript = self._frozen_transcript(rec, frozen)
@@ -288,7 +291,7 @@ class MachineVerbs:
                 self.ledger.put_checkpoint(txn, record)
                 body = self._published_body(record)
                 body.update(paused_s=round(frozen.paused_s, 4), disk_bytes_read=bytes_read,
-                            incremental=base is not None)
+                            base_bytes_read=base_read, incremental=base is not None)
                 self.ledger.append(txn, session, "checkpoint.published", body)
         crash_point("record.commit")
         return record

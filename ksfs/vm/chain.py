@@ -45,6 +45,10 @@ def backing_chain(path: Path | str, what: str = "reading backing chain") -> list
 
 def create_overlay(path: Path, backing: Path | str, backing_fmt: str, what: str,
                    cluster_size: int = 65536) -> None:
+    """A new qcow2 overlay; refuses a path that exists (qemu-img would overwrite it, and a
+    file in the way may be a layer some machine still runs on)."""
+    if os.path.lexists(path):
+        raise VMError(f"{what}: {path} already exists; refusing to overwrite it")
     qemu_img("create", "-q", "-f", "qcow2", "-o", f"cluster_size={cluster_size}",
              "-F", backing_fmt, "-b", str(backing), str(path), what=what)
 

@@ -76,14 +76,16 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = Fals
              | libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_NO_METADATA)
     if live:
         flags |= libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_LIVE
+    made: list[Path] = []  # overlays this call created, the only ones it may delete
     if ctl.cluster_size != 65536:
         try:
             for disk in disks:
                 create_overlay(overlays[disk.target], disk.source, disk.fmt,
                                f"creating the overlay of {disk.target} of {domain}",
                                ctl.cluster_size)
+                made.append(overlays[disk.target])
         except VMError:
-            for path in overlays.values():
+            for path in made:
                 path.unlink(missing_ok=True)
             raise
         flags |= libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_REUSE_EXT

@@ -45,6 +45,7 @@ def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
     jobs = [(memory, mem, f"materializing the memory image of {domain}")]
     jobs += [(reader, bases[t], f"materializing disk {t} of {domain}")
              for t, reader in disks.items()]
+    made: list[Path] = []  # overlays created here: a file that was in the way is not ours
     try:
         with ThreadPoolExecutor(max_workers=min(len(jobs), 4)) as pool:
             futures = [pool.submit(materialize, r, p, what) for r, p, what in jobs]
@@ -53,9 +54,10 @@ def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
         for target, base in bases.items():
             create_overlay(overlays[target], base, "raw",
                            f"creating the overlay of {target} of {domain}", ctl.cluster_size)
+            made.append(overlays[target])
         saveimage.read_header(mem)  # fail here, clearly, on a damaged memory image
     except BaseException:
-        for p in (mem, *bases.values(), *overlays.values()):
+        for p in (mem, *bases.values(), *made):
             p.unlink(missing_ok=True)
         raise
     return mem, bases, overlays
