@@ -29,6 +29,11 @@ PAGE_FLAGS = {F_ZERO, F_PAGE, F_ZERO | F_CONT, F_PAGE | F_CONT}
 LIBVIRT_MAGIC = b"LibvirtQemudSave"
 QEMU_MAGIC = b"QEVM"
 _u64 = struct.Struct(">Q")
+# The records of whole aligned groups of zero pages in address order, (address | flags, one 0
+# byte) each: most of a guest's RAM is runs of these, matched with one comparison per run.
+RUN_GROUPS = 8
+_zero_group = struct.Struct(">" + "Qx" * GROUP_PAGES)
+_zero_run = struct.Struct(">" + "Qx" * (GROUP_PAGES * RUN_GROUPS))
 
 
 def stream_start(head: bytes) -> int | None:
@@ -80,7 +85,9 @@ def iter_pages(source: Source, start: int) -> Iterator[Batch]:
     carry = b""
     while pos + len(carry) < size:
         n = min(BATCH_BYTES, size - pos - len(carry))
-        buf = carry + read_exact(source, pos + len(carry), n)
+        # The carried bytes are read again with the new ones rather than prepended: one read
+        # instead of copying the whole 8 MiB buffer; the buffer spans the same bytes either way.
+        buf = read_exact(source, pos, len(carry) + n)
         final = pos + len(buf) >= size
         batch, used, lost = _cut(buf, pos, final)
         if batch:
@@ -123,41 +130,74 @@ def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
     size = len(buf)
     unpack = _u64.unpack_from
     group_bytes = GROUP_PAGES * PAGE
+    run_bytes = group_bytes * RUN_GROUPS
+    zgroup, zgroup_len = _zero_group.pack, _zero_group.size
+    zrun, zrun_len = _zero_run.pack, _zero_run.size
+    top = (1 << 64) - run_bytes
     while p < limit:
         # the two records that make up nearly all of a stream, without a call
         hdr = unpack(buf, p)[0] if p + 8 <= size else 0
         flags = hdr & 0xFFF
-        if flags == F_PAGE | F_CONT and p + 8 + PAGE <= size:
-            rec = (p + 8 + PAGE, hdr - flags, False)
-        elif flags == F_ZERO | F_CONT and p + 9 <= size:
-            rec = (p + 9, hdr - flags, True)
+        if flags == F_ZERO | F_CONT and p + 9 <= size:
+            addr = hdr - flags
+            # Whole zero groups from an aligned address on, walked as the records one by one
+            # would be: each group boundary closes the group before it, nothing else changes.
+            # Every record of a run starts before limit, as the walk requires. The peek at the
+            # last record's flags byte skips building the pattern where data pages interleave.
+            n = 0
+            if not addr % group_bytes and hdr < top:  # top: the pattern's headers fit a u64
+                if (p + zrun_len <= limit and buf[p + zrun_len - 2] == F_ZERO | F_CONT
+                        and buf.startswith(zrun(*range(hdr, hdr + run_bytes, PAGE)), p)):
+                    n = zrun_len
+                elif (p + zgroup_len <= limit and buf[p + zgroup_len - 2] == F_ZERO | F_CONT
+                        and buf.startswith(zgroup(*range(hdr, hdr + group_bytes, PAGE)), p)):
+                    n = zgroup_len
+            if n:
+                g = addr // group_bytes
+                for q in range(p, p + n, zgroup_len):
+                    if g != group:
+                        if group is not None:
+                            if group_zero:  # close_group's zero case, without the call
+                                if q - chunk_start >= PENDING_MAX:
+                                    out.append((base + chunk_start, buf[chunk_start:q]))
+                                    chunk_start = q
+                            else:
+                                close_group(q)
+                        group, group_start, group_zero = g, q, True
+                    g += 1
+                p += n
+                continue
+            end, zero = p + 9, True
+        elif flags == F_PAGE | F_CONT and p + 8 + PAGE <= size:
+            addr, end, zero = hdr - flags, p + 8 + PAGE, False
         else:
             rec = _record_end(buf, p)
-        if rec is None:
-            nxt = _resync(buf, p, p + RESYNC)
-            if nxt is None:
-                if not final and len(buf) - p < RESYNC + PAGE:
-                    break  # maybe records resume in the next buffer
+            if rec is None:
+                nxt = _resync(buf, p, p + RESYNC)
+                if nxt is None:
+                    if not final and len(buf) - p < RESYNC + PAGE:
+                        break  # maybe records resume in the next buffer
+                    if group is not None:
+                        close_group(p)
+                    if p > chunk_start:
+                        out.append((base + chunk_start, buf[chunk_start:p]))
+                    return out, p, p
                 if group is not None:
                     close_group(p)
-                if p > chunk_start:
+                    group = None
+                p = nxt  # the bytes skipped join the pending run
+                if p - chunk_start >= PENDING_MAX:
                     out.append((base + chunk_start, buf[chunk_start:p]))
-                return out, p, p
-            if group is not None:
-                close_group(p)
-                group = None
-            p = nxt  # the bytes skipped join the pending run
-            if p - chunk_start >= PENDING_MAX:
-                out.append((base + chunk_start, buf[chunk_start:p]))
-                chunk_start = p
-            continue
-        end, addr, zero = rec
+                    chunk_start = p
+                continue
+            end, addr, zero = rec
         g = addr // group_bytes
         if g != group:
             if group is not None:
                 close_group(p)
             group, group_start, group_zero = g, p, True
-        group_zero = group_zero and zero
+        if not zero:
+            group_zero = False
         p = end
     if final:
         if group is not None:
