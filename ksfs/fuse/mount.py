@@ -160,8 +160,11 @@ def run_mount(
     try:
         trio.run(_serve, mnt, ready, list(extra_tasks))
     except BaseException:
+        ops.close()
         pyfuse3.close(unmount=False)
         raise
+    if not ops.close():
+        log.warning("a read-ahead thread did not stop; closing the session anyway")
     pyfuse3.close(unmount=is_mounted(mnt))
 
 
