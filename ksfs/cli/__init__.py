@@ -76,7 +76,25 @@ def emit_json(obj: Any) -> None:
 
 class KsfsGroup(click.Group):
     """Turns every KsfsError, and click's own usage errors, into one line on stderr and the
-    error's exit code (usage errors are bad input: 2)."""
+    error's exit code (usage errors are bad input: 2).
+
+    Only the store verbs are registered when ksfs.cli is imported, so ``ksfs cat`` and ``ksfs
+    import`` start without importing the other families (and subprocess, datetime, ...). Looking
+    up any other name, or reading ``commands`` (help, docs, tests), registers the rest first.
+    """
+
+    @property
+    def commands(self) -> dict[str, click.Command]:
+        _register_rest()
+        return self._commands
+
+    @commands.setter
+    def commands(self, value: dict[str, click.Command]) -> None:
+        self._commands = value
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        cmd = self._commands.get(cmd_name)
+        return cmd if cmd is not None else self.commands.get(cmd_name)
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -131,17 +149,35 @@ def main(ctx: click.Context, store_path: str) -> None:
     ctx.obj = Context(store_path)
 
 
-def _register() -> None:
+FAMILIES = ("store_cmds", "ledger_cmds", "vm_cmds", "mount_cmds", "gateway_cmds")
+_registered: list[str] = []
+_loading = False  # a family's import adds commands through ``commands``: that must not recurse
+
+
+def _register(families: tuple[str, ...]) -> None:
     # Each command family registers itself on import; a missing module (work in progress) must not
     # break the others.
     import importlib
 
-    for mod in ("store_cmds", "ledger_cmds", "vm_cmds", "mount_cmds", "gateway_cmds"):
-        try:
-            importlib.import_module(f"ksfs.cli.{mod}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"ksfs.cli.{mod}":
-                raise
+    global _loading
+    _loading = True
+    try:
+        for mod in families:
+            if mod in _registered:
+                continue
+            _registered.append(mod)
+            try:
+                importlib.import_module(f"ksfs.cli.{mod}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"ksfs.cli.{mod}":
+                    raise
+    finally:
+        _loading = False
 
 
-_register()
+def _register_rest() -> None:
+    if not _loading and len(_registered) < len(FAMILIES):
+        _register(FAMILIES)
+
+
+_register(FAMILIES[:1])
