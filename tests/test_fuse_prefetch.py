@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
 
 import pytest
@@ -37,7 +36,7 @@ def pool():
     p = Pool()
     yield p
     assert p.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("ksfs-prefetch")]
+    assert not p.alive()
 
 
 def serve(pf: Prefetcher, reader: FakeReader, off: int, n: int) -> tuple[bytes, bool]:

@@ -156,6 +156,7 @@ def run_mount(
     try:
         pyfuse3.init(ops, mnt, mount_options(allow_other, debug))
     except RuntimeError as exc:  # libfuse says only that mounting failed; its reason is on stderr
+        ops.close()
         raise DaemonError(f"cannot mount on {mnt}: {exc}") from exc
     try:
         trio.run(_serve, mnt, ready, list(extra_tasks))

@@ -45,10 +45,13 @@ class Pool:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._run, name=f"ksfs-prefetch-{i}",
                                           daemon=True) for i in range(threads)]
-        for t in self._threads:
-            t.start()
+        self._started = False  # started at the first job: a mount nobody reads starts none
 
     def submit(self, job: Callable[[], None]) -> None:
+        if not self._started:
+            self._started = True
+            for t in self._threads:
+                t.start()
         self._jobs.put(job)
 
     def _run(self) -> None:
@@ -61,11 +64,16 @@ class Pool:
     def close(self, timeout: float = 10.0) -> bool:
         """Stop the threads after the job each is on; False if one did not stop in time."""
         self.closed = True
+        if not self._started:
+            return True
         for _ in self._threads:
             self._jobs.put(None)
         for t in self._threads:
             t.join(timeout)
-        return not any(t.is_alive() for t in self._threads)
+        return not self.alive()
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
 
 
 class Ahead:
