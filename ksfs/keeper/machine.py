@@ -290,7 +290,8 @@ class MachineVerbs:
                 ingest.commit(txn)
                 self.ledger.put_checkpoint(txn, record)
                 body = self._published_body(record)
-                body.update(paused_s=round(frozen.paused_s, 4), disk_bytes_read=bytes_read,
+                body.update(paused_s=round(frozen.paused_s, 4),
+                            snapshot_s=round(frozen.snapshot_s, 4), disk_bytes_read=bytes_read,
                             base_bytes_read=base_read, incremental=base is not None)
                 self.ledger.append(txn, session, "checkpoint.published", body)
         crash_point("record.commit")

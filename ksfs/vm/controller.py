@@ -190,12 +190,13 @@ class DomainController:
 
     # --- checkpoints (checkpoint.py and restore.py) ------------------------------------------
 
-    def snapshot(self, session: str, domain: str, live: bool = False) -> Frozen:
+    def snapshot(self, session: str, domain: str, live: bool = True) -> Frozen:
         """Atomic external snapshot with memory; see ksfs.vm.checkpoint.snapshot.
 
-        ``live``: copy memory while the guest runs and pause it only for the last dirty pages
-        and the disk switch. The default pauses the guest for the whole memory save, which on
-        2 cores under TCG is shorter overall (docs/performance.md); live suits bigger guests.
+        ``live`` (the default): copy memory while the guest runs and pause it only for the last
+        dirty pages and the disk switch (tens of ms; after LIVE_COPY_LIMIT s of copying the
+        guest is paused so the copy ends). ``live=False`` pauses the guest for the whole memory
+        save (docs/performance.md compares them).
         """
         from ksfs.vm.checkpoint import snapshot
 

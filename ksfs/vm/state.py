@@ -94,7 +94,8 @@ class Frozen:
     xml: str
     disks: list[FrozenDisk]
     base_checkpoint: str | None  # what ``changed`` is relative to; None with changed=None
-    paused_s: float = 0.0  # wall time of the snapshot call (the guest is paused inside it)
+    paused_s: float = 0.0  # how long the guest was paused inside the snapshot call
+    snapshot_s: float = 0.0  # wall time of the snapshot call
     finished: bool = False
 
     def disk(self, target: str) -> FrozenDisk:
