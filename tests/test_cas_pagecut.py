@@ -312,6 +312,23 @@ def test_same_cuts_on_random_bytes(data, seed):
         assert_same_cuts(BytesSource(blob), mp, rng.choice([9000, 8 * 1024 * 1024]))
 
 
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32))
+def test_same_cuts_where_records_almost_start(seed):
+    # junk made of flag-like bytes between runs of records: resynchronising tries nearly every
+    # position, and many of them look like a record for a while
+    rng = random.Random(seed)
+    parts = [b"QEVM\0\0\0\x03"]
+    for _ in range(rng.randrange(1, 12)):
+        parts.append(bytes(rng.choice(b"\x00\x02\x08\x20\x22\x28\x01\x06")
+                           for _ in range(rng.randrange(0, 12_000))))
+        parts += [record(a * PAGE, None if rng.random() < 0.7 else rng.randbytes(PAGE),
+                         first=rng.random() < 0.1) for a in range(rng.randrange(0, 40))]
+    blob = b"".join(parts)
+    with pytest.MonkeyPatch.context() as mp:
+        assert_same_cuts(BytesSource(blob), mp, rng.choice([20_000, 8 * 1024 * 1024]))
+
+
 # --- real memory images --------------------------------------------------------------------------
 
 REAL = [p for p in os.environ.get("KSFS_MEMORY_IMAGES", "").split(os.pathsep) if p]
