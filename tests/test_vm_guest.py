@@ -285,6 +285,29 @@ def test_small_overlay_clusters_give_finer_changed_ranges(
     assert booted.ctl.state(booted.domain) == "running"
 
 
+def test_live_snapshot_pauses_briefly_and_a_long_copy_is_cut_short(
+        booted: Booted, c1: tuple[Checkpoint, dict], monkeypatch) -> None:
+    """Live is the default: the guest is paused only at the end of the memory copy, and the
+    keeper is told how long. A copy that runs past LIVE_COPY_LIMIT gets the guest paused so it
+    ends (here the limit is 0, so the guard always fires), and the guest runs on afterwards."""
+    from ksfs.vm import checkpoint
+
+    frozen = booted.ctl.snapshot(booted.session, booted.domain)
+    booted.ctl.finish(frozen, "live-1")
+    assert 0 < frozen.paused_s <= frozen.snapshot_s and not frozen.pause_forced
+    monkeypatch.setattr(checkpoint, "LIVE_COPY_LIMIT", 0.0)
+    start = counters(booted.log)[-1]
+    frozen = booted.ctl.snapshot(booted.session, booted.domain)
+    try:
+        assert booted.ctl.state(booted.domain) == "running"
+        assert frozen.pause_forced
+        assert 0 < frozen.paused_s <= frozen.snapshot_s
+        assert saveimage.read_header(frozen.memory_path).xml
+    finally:
+        booted.ctl.finish(frozen, "live-2")
+    wait_for_counter(booted.log, at_least=start + 2)  # and the guest keeps working
+
+
 def test_checkpoint_round_trips_through_the_chunk_store(
         booted: Booted, c1: tuple[Checkpoint, dict]) -> None:
     """Ingest a checkpoint into a real ChunkStore, then fork from the store's readers."""

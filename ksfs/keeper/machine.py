@@ -293,6 +293,8 @@ class MachineVerbs:
                 body.update(paused_s=round(frozen.paused_s, 4),
                             snapshot_s=round(frozen.snapshot_s, 4), disk_bytes_read=bytes_read,
                             base_bytes_read=base_read, incremental=base is not None)
+                if frozen.pause_forced:
+                    body["pause_forced"] = True  # the guest dirtied memory faster than the copy
                 self.ledger.append(txn, session, "checkpoint.published", body)
         crash_point("record.commit")
         return record

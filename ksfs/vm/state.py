@@ -96,6 +96,7 @@ class Frozen:
     base_checkpoint: str | None  # what ``changed`` is relative to; None with changed=None
     paused_s: float = 0.0  # how long the guest was paused inside the snapshot call
     snapshot_s: float = 0.0  # wall time of the snapshot call
+    pause_forced: bool = False  # a live copy ran past LIVE_COPY_LIMIT and the guest was paused
     finished: bool = False
 
     def disk(self, target: str) -> FrozenDisk:
