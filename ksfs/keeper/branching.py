@@ -77,19 +77,24 @@ class RestoreVerbs:
         try:
             t0 = time.monotonic()
             memory, disks = self._checkpoint_readers(target, xml_disks)
-            self.vm.restore(session, rec.domain, memory, disks, xml=target.domain_xml,
-                            checkpoint=f"{session}/{checkpoint}")
+            restored = self.vm.restore(session, rec.domain, memory, disks,
+                                       xml=target.domain_xml,
+                                       checkpoint=f"{session}/{checkpoint}")
+            t1 = time.monotonic()
             transcript, error = self._transcript_of(target)
             with self.store.env.begin(write=True) as txn:
                 rec_ev = self.ledger.reconcile(
                     txn, session, target, transcript, error,
                     current_transcript_seq=saved.transcript_seq if saved else None,
                 )
+            t2 = time.monotonic()
             crash_point("restore.resume")
             self.vm.resume(rec.domain)
+            steps = dict(restored.timings, reconcile=t2 - t1, resume=time.monotonic() - t2)
             done = self.ledger.record(session, "restore.done", {
                 "checkpoint": checkpoint, "begin_seq": begin.seq,
-                "reconcile_seq": rec_ev.seq, "seconds": round(time.monotonic() - t0, 3)})
+                "reconcile_seq": rec_ev.seq, "seconds": round(time.monotonic() - t0, 3),
+                "steps": {k: round(v, 3) for k, v in steps.items()}})
         except BaseException as exc:
             self.ledger.record(session, "restore.failed",
                                {"checkpoint": checkpoint, "reason": _reason(exc)})
