@@ -170,6 +170,38 @@ def test_restore_continues_from_the_checkpoint(env, agent: str) -> None:
     kinds = [ev["type"] for ev in events]
     i = len(kinds) - 1 - kinds[::-1].index("restore.begin")
     assert kinds[i:i + 3] == ["restore.begin", "reconcile", "restore.done"]
+    # the target was written out beside the save-first, and only the new chain is left
+    steps = events[i + 2]["body"]["steps"]
+    assert {"save_first", "materialize", "restore"} <= set(steps)
+    vmdir = store / "vm" / agent
+    assert not list((vmdir / "staging").iterdir())
+    assert len(list(vmdir.glob("*-base-*.raw"))) == 1
+
+
+def test_restore_whose_save_first_fails_leaves_no_staged_files(env, agent: str) -> None:
+    """A restore writes the target's files while it saves first; when the save fails the
+    restore does not happen and what it wrote is removed."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    vmdir = store / "vm" / agent
+    counter = json.loads((vmdir / "state.json").read_text())["counter"]
+    # the restore takes number counter+1 for its files, its save-first counter+2: a file in
+    # the way of that save's overlay makes the save, so the restore, fail
+    blocker = vmdir / f"vda-{counter + 2}.qcow2"
+    blocker.write_bytes(b"in the way")
+    try:
+        before = sorted(p.name for p in vmdir.rglob("*"))
+        res = run(store, "restore", agent, cp, check=False, env=e)
+        after = sorted(p.name for p in vmdir.rglob("*"))
+    finally:
+        blocker.unlink()
+    assert res.returncode != 0 and "already exists" in res.stderr
+    assert after == before
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
+              if x]
+    assert events[-1]["type"] == "checkpoint.failed"
+    assert "restore.begin" not in [ev["type"] for ev in events[-3:]]
 
 
 def test_two_forks_diverge_and_parent_undisturbed(env, agent: str) -> None:

@@ -9,6 +9,7 @@ first so nothing is lost, and a fork that cannot start is rolled back.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ksfs.crashpoints import crash_point
@@ -69,17 +70,30 @@ class RestoreVerbs:
         session = rec.name
         target = self.ledger.checkpoint(session, checkpoint)
         xml_disks = self._xml_disks(target)
-        saved = None
-        if self.vm.state(rec.domain) in ("running", "paused"):
-            saved = self._save_locked(rec, None, reason=f"before restore to {checkpoint}")
+        memory, disks = self._checkpoint_readers(target, xml_disks)
+        t0 = time.monotonic()
+        # The target's files are written while the current state is saved: the save waits
+        # mostly on QEMU and libvirt, the writing on the store's decompression.
+        n = self.vm.reserve_restore(session)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="restore-stage")
+        staging = pool.submit(self.vm.stage_restore, session, rec.domain, n, memory, disks)
+        pool.shutdown(wait=False)  # the thread ends with its one job
+        try:
+            saved = None
+            if self.vm.state(rec.domain) in ("running", "paused"):
+                saved = self._save_locked(rec, None, reason=f"before restore to {checkpoint}")
+        except BaseException:
+            _discard(staging)
+            raise
+        t_saved = time.monotonic()
         begin = self.ledger.record(session, "restore.begin", {
             "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
         try:
-            t0 = time.monotonic()
-            memory, disks = self._checkpoint_readers(target, xml_disks)
+            staged = staging.result()
+            t_staged = time.monotonic()
             restored = self.vm.restore(session, rec.domain, memory, disks,
                                        xml=target.domain_xml,
-                                       checkpoint=f"{session}/{checkpoint}")
+                                       checkpoint=f"{session}/{checkpoint}", staged=staged)
             t1 = time.monotonic()
             transcript, error = self._transcript_of(target)
             with self.store.env.begin(write=True) as txn:
@@ -90,7 +104,9 @@ class RestoreVerbs:
             t2 = time.monotonic()
             crash_point("restore.resume")
             self.vm.resume(rec.domain)
-            steps = dict(restored.timings, reconcile=t2 - t1, resume=time.monotonic() - t2)
+            steps = dict(restored.timings, save_first=t_saved - t0,
+                         wait_for_materialize=t_staged - t_saved, reconcile=t2 - t1,
+                         resume=time.monotonic() - t2)
             done = self.ledger.record(session, "restore.done", {
                 "checkpoint": checkpoint, "begin_seq": begin.seq,
                 "reconcile_seq": rec_ev.seq, "seconds": round(time.monotonic() - t0, 3),
@@ -134,3 +150,11 @@ class RestoreVerbs:
                 crash_point("fork.resume")
                 self.vm.resume(domain)
         return rec
+
+
+def _discard(staging: Future) -> None:
+    """Wait for a staging the restore will not use, and remove what it wrote."""
+    try:
+        staging.result().discard()
+    except BaseException:  # noqa: BLE001 - it failed: it removed its own files
+        pass

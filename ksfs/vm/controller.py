@@ -13,6 +13,7 @@ import contextlib
 import shutil
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import libvirt
 
@@ -23,6 +24,9 @@ from ksfs.vm.chain import image_info
 from ksfs.vm.probe import domain_type
 from ksfs.vm.state import DiskState, Frozen, Restored, SessionState, load_state, save_state
 from ksfs.vm.steps import step
+
+if TYPE_CHECKING:
+    from ksfs.vm.restore import Staged
 
 _STATES = {
     libvirt.VIR_DOMAIN_NOSTATE: "nostate",
@@ -215,11 +219,28 @@ class DomainController:
         abort(self, frozen)
 
     def restore(self, session: str, domain: str, memory: object, disks: dict[str, object],
-                xml: str | None = None, checkpoint: str | None = None) -> Restored:
-        """Bring ``domain`` back to a checkpoint, paused; see ksfs.vm.restore.restore."""
+                xml: str | None = None, checkpoint: str | None = None,
+                staged: Staged | None = None) -> Restored:
+        """Bring ``domain`` back to a checkpoint, paused; see ksfs.vm.restore.restore.
+
+        ``staged``: its files already written by ``stage_restore`` (then memory and disks are
+        not read again)."""
         from ksfs.vm.restore import restore
 
-        return restore(self, session, domain, memory, disks, xml, checkpoint)
+        return restore(self, session, domain, memory, disks, xml, checkpoint, staged)
+
+    def reserve_restore(self, session: str) -> int:
+        """A file number for ``stage_restore``; call it from the verb's own thread."""
+        from ksfs.vm.restore import reserve
+
+        return reserve(self, session)
+
+    def stage_restore(self, session: str, domain: str, n: int, memory: object,
+                      disks: dict[str, object]) -> Staged:
+        """Write a checkpoint's files for a later ``restore``; may run beside a save."""
+        from ksfs.vm.restore import stage
+
+        return stage(self, session, domain, n, memory, disks)
 
     def fork(self, new_session: str, new_domain: str, memory: object, disks: dict[str, object],
              xml: str | None = None, lineage: str | None = None,

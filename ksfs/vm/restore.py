@@ -14,6 +14,7 @@ import contextlib
 import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,10 +37,12 @@ def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
     """Write memory and disks into the session's directory: (memory, bases, overlays).
 
     Each file is written by its own thread: the readers (store files) are thread-safe, and
-    hashing and decompression in the store release the GIL.
+    hashing and decompression in the store release the GIL. Touches no state.json, so it may
+    run beside a save of the same session (``stage``). The memory file is not named ``*.save``:
+    a snapshot clears those from staging as leftovers of a dead process.
     """
     d = ctl.session_dir(session)
-    mem = d / "staging" / f"restore-{n}.save"
+    mem = d / "staging" / f"restore-{n}.image"
     bases = {t: d / f"{domxml_safe(t)}-base-{n}.raw" for t in disks}
     overlays = {t: d / f"{domxml_safe(t)}-{n}.qcow2" for t in disks}
     jobs = [(memory, mem, f"materializing the memory image of {domain}")]
@@ -79,25 +82,65 @@ def _check_disks(xml: str, disks: dict[str, object], domain: str) -> None:
 def _session_files_except(ctl: DomainController, session: str, keep: set[Path]) -> list[Path]:
     d = ctl.session_dir(session)
     out = []
-    for p in list(d.glob("*.qcow2")) + list(d.glob("*.raw")):
+    # *.part: a materialized file a killed restore or fork never finished
+    for p in list(d.glob("*.qcow2")) + list(d.glob("*.raw")) + list(d.glob("*.raw.part")):
         if p not in keep:
             out.append(p)
     return out
 
 
-def restore(ctl: DomainController, session: str, domain: str, memory: object,
-            disks: dict[str, object], xml: str | None, checkpoint: str | None) -> Restored:
+@dataclass
+class Staged:
+    """A checkpoint's memory and disks written out for a restore that has not happened yet."""
+
+    session: str
+    n: int
+    targets: list[str]
+    memory: Path
+    bases: dict[str, Path]
+    overlays: dict[str, Path]
+    seconds: float
+
+    def discard(self) -> None:
+        for p in (self.memory, *self.bases.values(), *self.overlays.values()):
+            p.unlink(missing_ok=True)
+
+
+def reserve(ctl: DomainController, session: str) -> int:
+    """Spend a file number for a restore's files (state.json: call it from the verb's thread)."""
     state = ctl.load_state(session)
-    dom = ctl.lookup(domain)
     n = state.next_number()
     ctl.save_state(session, state)
+    return n
+
+
+def stage(ctl: DomainController, session: str, domain: str, n: int, memory: object,
+          disks: dict[str, object]) -> Staged:
+    """Materialize a restore's files under number ``n`` (from ``reserve``). Safe to run on
+    another thread while the same session saves, so a restore's save-first and its
+    materialization overlap."""
     t0 = time.monotonic()
     mem, bases, overlays = _materialize_all(ctl, session, domain, n, memory, disks)
-    timings = {"materialize": time.monotonic() - t0}
+    return Staged(session, n, list(disks), mem, bases, overlays, time.monotonic() - t0)
+
+
+def restore(ctl: DomainController, session: str, domain: str, memory: object,
+            disks: dict[str, object], xml: str | None, checkpoint: str | None,
+            staged: Staged | None = None) -> Restored:
+    if staged is None:
+        staged = stage(ctl, session, domain, reserve(ctl, session), memory, disks)
+    state = ctl.load_state(session)
+    try:
+        dom = ctl.lookup(domain)
+    except BaseException:
+        staged.discard()
+        raise
+    n, mem, bases, overlays = staged.n, staged.memory, staged.bases, staged.overlays
+    timings = {"materialize": staged.seconds}
     try:
         header = saveimage.read_header(mem)
         new_xml = xml or header.xml
-        _check_disks(new_xml, disks, domain)
+        _check_disks(new_xml, dict.fromkeys(staged.targets), domain)
         new_xml = domxml.set_disk_sources(
             new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
         with step(domain, "reading its UUID"):
@@ -132,6 +175,9 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
     state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
     ctl.save_state(session, state)
     keep = set(bases.values()) | set(overlays.values())
+    # memory images of restores that died staging (verbs on a session are serialized)
+    for p in (ctl.session_dir(session) / "staging").glob("restore-*.image*"):
+        p.unlink(missing_ok=True)
     for p in _session_files_except(ctl, session, keep):
         if p in old_roots and state.adopted:
             continue  # an adopted disk in our directory is still the user's
