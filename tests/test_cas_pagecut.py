@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from ksfs.cas import pagecut
 from ksfs.cas.chunking import Batch, Source, iter_cdc, read_exact
+from tests.cas_helpers import BytesSource
 
 # --- the reference: ksfs/cas/pagecut.py before the bulk zero-group matching --------------------
 
@@ -150,15 +151,6 @@ def reference_cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int |
 
 
 # --- comparing -----------------------------------------------------------------------------------
-
-class BytesSource:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.size = len(data)
-
-    def pread(self, offset: int, n: int) -> bytes:
-        return self.data[offset : offset + n]
-
 
 class FileSource:
     def __init__(self, path: str) -> None:

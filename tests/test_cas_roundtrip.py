@@ -24,28 +24,7 @@ from ksfs.cas import ChunkStore, changed_share
 from ksfs.cas import ingest as ingest_module
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.errors import BadInput, ManifestCorrupt, NotAStore
-
-K64 = 64 * 1024
-
-
-class BytesSource:
-    """An in-memory source with .size and .pread, as the vm layer hands over frozen layers."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.size = len(data)
-
-    def pread(self, offset: int, n: int) -> bytes:
-        return self.data[offset : offset + n]
-
-
-def put(store, source, chunking="fixed", **kw):
-    with store.ingest() as ing:
-        f = ing.add_file(source, chunking=chunking, **kw)
-        ing.seal()
-        with store.env.begin(write=True) as txn:
-            ing.commit(txn)
-    return f
+from tests.cas_helpers import K64, BytesSource, put
 
 
 def make_image(rng: random.Random, size: int) -> bytes:

@@ -17,26 +17,7 @@ import pytest
 from ksfs.cas import ChunkStore
 from ksfs.cas import reader as reader_module
 from ksfs.errors import ChunkCorrupt, ChunkMissing
-
-K64 = 64 * 1024
-
-
-class BytesSource:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.size = len(data)
-
-    def pread(self, offset: int, n: int) -> bytes:
-        return self.data[offset : offset + n]
-
-
-def put(store, data, chunking="fixed"):
-    with store.ingest() as ing:
-        f = ing.add_file(BytesSource(data), chunking=chunking)
-        ing.seal()
-        with store.env.begin(write=True) as txn:
-            ing.commit(txn)
-    return f
+from tests.cas_helpers import K64, put
 
 
 def image(rng: random.Random, clusters: int) -> bytes:

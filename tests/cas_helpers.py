@@ -1,0 +1,30 @@
+"""What the chunk store's tests share: an in-memory source and a one-file ingest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+K64 = 64 * 1024
+
+
+class BytesSource:
+    """An in-memory source with .size and .pread, as the vm layer hands over frozen layers."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.size = len(data)
+
+    def pread(self, offset: int, n: int) -> bytes:
+        return self.data[offset : offset + n]
+
+
+def put(store: Any, source: Any, chunking: str = "fixed", **kw: Any) -> Any:
+    """Ingest one file (bytes, a path or a source) and commit it; returns its IngestedFile."""
+    if isinstance(source, bytes | bytearray):
+        source = BytesSource(bytes(source))
+    with store.ingest() as ing:
+        f = ing.add_file(source, chunking=chunking, **kw)
+        ing.seal()
+        with store.env.begin(write=True) as txn:
+            ing.commit(txn)
+    return f
