@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_helpers import guest_dir, ksfs, remove_sessions, virsh
+from tests.cli_helpers import KSFS, guest_dir, ksfs, remove_sessions, virsh
 
 pytestmark = pytest.mark.vm
 
@@ -299,6 +299,65 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
         assert virsh("domstate", f"ksfs-{fork_name}").stdout.strip() == "running"
         c3 = save(store, fork_name, e)
         assert transcript_lines(store, fork_name, c3, e)
+    finally:
+        for s in (fork_name, name):
+            run(store, "session", "rm", s, check=False, env=e)
+        virsh("destroy", dom)
+        virsh("undefine", dom)
+    assert virsh("domstate", dom).returncode != 0
+
+
+def cat(store: Path, e: dict, *args: str) -> bytes:
+    return subprocess.run([*KSFS, "--store", str(store), "cat", *args], capture_output=True,
+                          env=e, check=True, timeout=120).stdout
+
+
+def test_adopt_a_domain_with_two_disks(env, guest: Path, tmp_path: Path) -> None:
+    """A second disk (qcow2 with data, beside a raw system disk) is saved with every checkpoint,
+    comes back on restore and goes with a fork, each with its own 4 KiB-cluster overlay."""
+    store, e = env["store"], env["env"]
+    spec = json.loads((guest / "guest.json").read_text())
+    dom = f"twodisk-{env['tag']}"
+    system = tmp_path / "system.raw"
+    shutil.copyfile(spec["disk"], system)
+    data = tmp_path / "data.qcow2"
+    pattern = bytes(range(256)) * 4096  # 1 MiB the guest never touches
+    raw = tmp_path / "data.raw"
+    raw.write_bytes(bytes(3 << 20) + pattern + bytes(12 << 20))
+    subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(data)], check=True)
+    tmp_path.chmod(0o755)
+    xml = f"""<domain type='qemu'>
+  <name>{dom}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
+  <os><type arch='x86_64'>hvm</type><kernel>{spec['kernel']}</kernel>
+  <initrd>{spec['initrd']}</initrd><cmdline>{spec['cmdline']}</cmdline></os>
+  <devices>
+    <disk type='file' device='disk'><driver name='qemu' type='raw'/>
+      <source file='{system}'/><target dev='vda' bus='virtio'/></disk>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2'/>
+      <source file='{data}'/><target dev='vdb' bus='virtio'/></disk>
+    <serial type='pty'/><console type='pty'/>
+  </devices>
+</domain>"""
+    (tmp_path / "two.xml").write_text(xml)
+    name, fork_name = f"two-{env['tag']}", f"two-fork-{env['tag']}"
+    try:
+        virsh("define", str(tmp_path / "two.xml"), check=True)
+        virsh("start", dom, check=True)
+        run(store, "session", "adopt", name, dom, env=e)
+        env["made"] += [name, fork_name]
+        c1 = wait_transcript(store, name, e, 2)
+        c2 = save(store, name, e)  # incremental for both disks
+        for cp in (c1, c2):
+            assert cat(store, e, name, cp, "disk-vdb.raw") == raw.read_bytes()
+        run(store, "restore", name, c1, env=e)
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        run(store, "fork", name, c2, fork_name, env=e)
+        assert virsh("domstate", f"ksfs-{fork_name}").stdout.strip() == "running"
+        fork_xml = virsh("dumpxml", f"ksfs-{fork_name}").stdout
+        assert "vdb" in fork_xml and str(data) not in fork_xml  # its own copy of vdb
+        c3 = save(store, fork_name, e)
+        assert transcript_lines(store, fork_name, c3, e)
+        assert cat(store, e, fork_name, c3, "disk-vdb.raw") == raw.read_bytes()
     finally:
         for s in (fork_name, name):
             run(store, "session", "rm", s, check=False, env=e)
