@@ -307,6 +307,27 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
     assert virsh("domstate", dom).returncode != 0
 
 
+def test_fork_killed_before_its_define_is_defined_by_recover(env, agent: str) -> None:
+    """kill -9 between the fork's restore and its define leaves a transient domain, which a
+    libvirtd restart would lose: recover defines it, and the fork runs on as a session."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    new = f"transient-{env['tag']}"
+    env["made"].append(new)
+    res = run(store, "fork", agent, cp, new, check=False,
+              env=dict(e, KSFS_CRASH_AT="vm.fork.define"))
+    assert res.returncode == -signal.SIGKILL
+    assert "Persistent:     no" in virsh("dominfo", f"ksfs-{new}").stdout
+    report = json.loads(run(store, "recover", "--json", env=e).stdout)
+    mine = [r for r in report if r["session"] == new]
+    assert mine and any("defined" in a for a in mine[0]["actions"]), report
+    assert "Persistent:     yes" in virsh("dominfo", f"ksfs-{new}").stdout
+    assert virsh("domstate", f"ksfs-{new}").stdout.strip() == "running"
+    save(store, new, e)
+    run(store, "session", "rm", new, env=e)
+    assert virsh("domstate", f"ksfs-{new}").returncode != 0
+
+
 def cat(store: Path, e: dict, *args: str) -> bytes:
     return subprocess.run([*KSFS, "--store", str(store), "cat", *args], capture_output=True,
                           env=e, check=True, timeout=120).stdout

@@ -4,9 +4,10 @@ For every live session: a ``checkpoint.begin`` with no ``published``/``failed`` 
 ``checkpoint.failed`` (its record never committed, so nothing is half visible; the frozen layers
 it left stay in the chain and the next save reads them as changed); a ``restore.begin`` with no
 end gets ``restore.failed``, and if the machine is gone the restore is run again; a fork whose
-machine never came up is rolled back. A machine that is shut off is started again from the
-session's last checkpoint when it has one, else booted. One ``recover`` event per session that
-needed anything says what was done. The daemon runs this at start.
+machine never came up is rolled back, and one whose machine came up but was never defined is
+defined. A machine that is shut off is started again from the session's last checkpoint when it
+has one, else booted. One ``recover`` event per session that needed anything says what was
+done. The daemon runs this at start.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class Recovery:
             state = self.vm.state(rec.domain)
         except KsfsError as exc:
             return actions + [f"machine state unknown: {exc}"]
+        if state in ("running", "paused") and self.vm.persist(rec.name, rec.domain):
+            actions.append("machine was only a transient domain (a fork killed before its "
+                           "define): defined")
         if state == "paused" and not self._paused_by_user(rec.name):
             # A verb killed while the machine was paused (a save's last copy, a restore or fork
             # not yet resumed) must not leave it stopped. A restore killed after libvirt loaded

@@ -281,6 +281,19 @@ class DomainController:
                           f"{exc.get_error_message()}") from exc
         return _STATES.get(st, "unknown")
 
+    def persist(self, session: str, domain: str) -> bool:
+        """Define a running domain ksfs made that libvirt holds only as transient (a fork killed
+        between its restore and its define): it would vanish with the next libvirtd restart.
+        Returns True when it defined it. Adopted domains are left as the user keeps them."""
+        if load_state(self._state_path(session)) is None or self.load_state(session).adopted:
+            return False
+        dom = self.lookup(domain)
+        with step(domain, "defining a transient domain persistently"):
+            if not dom.isActive() or dom.isPersistent():
+                return False
+            self.conn.defineXML(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE))
+        return True
+
     def xml(self, domain: str, inactive: bool = False) -> str:
         flags = libvirt.VIR_DOMAIN_XML_SECURE
         if inactive:

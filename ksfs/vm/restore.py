@@ -225,12 +225,18 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         if fw_cfg is not None:
             new_xml = domxml.set_fw_cfg(new_xml, fw_cfg)
         saveimage.rewrite_xml(mem, new_xml)
+        # Written before the domain exists, so a fork killed between its restore and its
+        # define leaves a machine recover can define and the next save can use.
+        label = checkpoint or f"fork-{n}"
+        state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
+        ctl.save_state(new_session, state)
         crash_point("vm.fork")
         t1 = time.monotonic()
         with step(new_domain, "restoring the fork from the memory image"):
             ctl.conn.restoreFlags(str(mem), None, libvirt.VIR_DOMAIN_SAVE_PAUSED)
             dom = ctl.conn.lookupByName(new_domain)
         t2 = time.monotonic()
+        crash_point("vm.fork.define")
         with step(new_domain, "defining the fork persistently"):
             ctl.conn.defineXML(new_xml)
     except BaseException:
@@ -243,9 +249,6 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         raise
     finally:
         mem.unlink(missing_ok=True)
-    label = checkpoint or f"fork-{n}"
-    state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
-    ctl.save_state(new_session, state)
     timings = {"materialize": t1 - t0, "restore": t2 - t1, "redefine": time.monotonic() - t2}
     return Restored(new_domain, new_session, {t: str(p) for t, p in bases.items()}, label,
                     timings)
