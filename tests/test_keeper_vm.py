@@ -328,6 +328,30 @@ def test_fork_killed_before_its_define_is_defined_by_recover(env, agent: str) ->
     assert virsh("domstate", f"ksfs-{new}").returncode != 0
 
 
+def test_restore_killed_after_the_machine_came_back_is_finished_by_recover(env, agent: str
+                                                                          ) -> None:
+    """kill -9 after the controller restored the machine (at restore.resume: reconciled, not yet
+    resumed): recover records restore.done, not restore.failed, and the guest runs on from the
+    checkpoint."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    res = run(store, "restore", agent, cp, check=False,
+              env=dict(e, KSFS_CRASH_AT="restore.resume"))
+    assert res.returncode == -signal.SIGKILL
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "paused"
+    report = json.loads(run(store, "recover", "--json", env=e).stdout)
+    mine = [r for r in report if r["session"] == agent]
+    assert mine and any("finished" in a for a in mine[0]["actions"]), report
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
+              if x]
+    kinds = [ev["type"] for ev in events]
+    i = len(kinds) - 1 - kinds[::-1].index("restore.begin")
+    assert kinds[i:] == ["restore.begin", "reconcile", "restore.done", "recover"]
+    assert events[i + 2]["body"]["recovered"] is True
+    assert events[i + 2]["body"]["checkpoint"] == cp
+
+
 def cat(store: Path, e: dict, *args: str) -> bytes:
     return subprocess.run([*KSFS, "--store", str(store), "cat", *args], capture_output=True,
                           env=e, check=True, timeout=120).stdout

@@ -2,12 +2,13 @@
 
 For every live session: a ``checkpoint.begin`` with no ``published``/``failed`` after it gets a
 ``checkpoint.failed`` (its record never committed, so nothing is half visible; the frozen layers
-it left stay in the chain and the next save reads them as changed); a ``restore.begin`` with no
-end gets ``restore.failed``, and if the machine is gone the restore is run again; a fork whose
-machine never came up is rolled back, and one whose machine came up but was never defined is
-defined. A machine that is shut off is started again from the session's last checkpoint when it
-has one, else booted. One ``recover`` event per session that needed anything says what was
-done. The daemon runs this at start.
+it left stay in the chain and the next save reads them as changed). A ``restore.begin`` with no
+end gets ``restore.done`` when the machine already holds the target (the kill came after the
+controller's part), else ``restore.failed``, and if the machine is gone the restore is run
+again. A fork whose machine never came up is rolled back, one whose machine came up but was
+never defined is defined. A machine that is shut off is started again from the session's last
+checkpoint when it has one, else booted. One ``recover`` event per session that needed anything
+says what was done. The daemon runs this at start.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class Recovery:
                                    {"name": name, "reason": "interrupted (recovered)",
                                     "begin_seq": ev.seq})
                 actions.append(f"checkpoint {name} begun at seq {ev.seq} marked failed")
+            elif self._finish_restore(rec, ev):
+                actions.append(f"restore to {ev.body.get('checkpoint')} begun at seq {ev.seq} "
+                               "had brought the machine back: finished")
             else:
                 restore_to = ev.body.get("checkpoint")
                 self.ledger.record(rec.name, "restore.failed",
@@ -116,6 +120,43 @@ class Recovery:
         else:
             actions.append("machine is gone and no checkpoint can bring it back")
         return actions
+
+    def _finish_restore(self, rec: Any, begin: Any) -> bool:
+        """A restore killed after the controller had brought the machine back (its chain root
+        holds the target, the domain exists) is finished, not failed: reconciled if it was not
+        yet, resumed, and ``restore.done`` recorded."""
+        target = begin.body.get("checkpoint")
+        if not rec.domain or not target:
+            return False
+        try:
+            if self.vm.holds_checkpoint(rec.name) != f"{rec.name}/{target}" \
+                    or self.vm.state(rec.domain) not in ("running", "paused"):
+                return False
+            record = self.ledger.checkpoint(rec.name, target)
+        except (KsfsError, NotFound):
+            return False
+        later = [ev for ev in self.ledger.events(rec.name, since=begin.seq + 1)
+                 if ev.type == "reconcile"]
+        if later:
+            rec_ev = later[0]
+        else:
+            saved = begin.body.get("saved_as")
+            current = None
+            if saved:
+                try:
+                    current = self.ledger.checkpoint(rec.name, saved).transcript_seq
+                except NotFound:
+                    pass
+            transcript, error = self._transcript_of(record)
+            with self.store.env.begin(write=True) as txn:
+                rec_ev = self.ledger.reconcile(txn, rec.name, record, transcript, error,
+                                               current_transcript_seq=current)
+        if self.vm.state(rec.domain) == "paused" and not self._paused_by_user(rec.name):
+            self.vm.resume(rec.domain)
+        self.ledger.record(rec.name, "restore.done", {
+            "checkpoint": target, "begin_seq": begin.seq, "reconcile_seq": rec_ev.seq,
+            "recovered": True})
+        return True
 
     def _paused_by_user(self, session: str) -> bool:
         """True when the session's last pause/resume event is a ``pause``."""

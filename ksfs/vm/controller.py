@@ -281,6 +281,13 @@ class DomainController:
                           f"{exc.get_error_message()}") from exc
         return _STATES.get(st, "unknown")
 
+    def holds_checkpoint(self, session: str) -> str | None:
+        """The checkpoint label every disk's chain root holds (the last finished save, restore
+        or fork), or None when they differ or nothing is known."""
+        state = load_state(self._state_path(session))
+        labels = {d.base_checkpoint for d in state.disks.values()} if state else set()
+        return labels.pop() if len(labels) == 1 else None
+
     def persist(self, session: str, domain: str) -> bool:
         """Define a running domain ksfs made that libvirt holds only as transient (a fork killed
         between its restore and its define): it would vanish with the next libvirtd restart.
