@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ksfs.cas import format as fmt
 from ksfs.cas.chunking import BATCH_BYTES, FIXED_SIZE, read_exact
+from ksfs.errors import ChunkCorrupt, ChunkMissing
 
 if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
+
+log = logging.getLogger(__name__)
 
 
 class Patcher:
@@ -27,6 +31,7 @@ class Patcher:
         self.src = src
         self.slots = slots
         self.base_bytes_read = 0
+        self.base_unreadable = 0  # base chunks that failed their check: read whole instead
 
     def batches(self, ranges: list[tuple[int, int]]) -> Iterator[list[tuple[int, bytes]]]:
         batch: list[tuple[int, bytes]] = []
@@ -47,7 +52,16 @@ class Patcher:
             buf = bytearray(n)
         else:
             loc = self.store.lookup(cid)
-            buf = bytearray(self.store.read_chunk(cid, loc))
+            try:
+                buf = bytearray(self.store.read_chunk(cid, loc))
+            except (ChunkCorrupt, ChunkMissing) as exc:
+                # The frozen image has every byte: read the chunk whole, as if no base were
+                # known, so damage in the store never stops a running session's saves.
+                # ``check`` still reports the damaged chunk.
+                log.warning("base chunk unreadable, reading the chunk at %d whole: %s",
+                            start, exc)
+                self.base_unreadable += 1
+                return read_exact(self.src, start, n)
             self.base_bytes_read += loc.record_len if loc is not None else 0
         for a, b in parts:
             buf[a - start : b - start] = read_exact(self.src, a, b - a)
