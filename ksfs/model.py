@@ -126,6 +126,9 @@ class CheckpointRecord:
     parent: str | None = None  # the session's previous checkpoint this one was built on
     domain_xml: str | None = None
     transcript_seq: int | None = None  # last transcript seq seen in the guest disk, if read
+    # The session's last host event when the guest froze (a live snapshot runs the guest for a
+    # while after checkpoint.begin): events after it are not in the checkpoint's machine state.
+    frozen_seq: int | None = None
 
     def file(self, name: str) -> FileRecord | None:
         for f in self.files:

@@ -114,6 +114,13 @@ def test_incremental_save_reads_about_what_the_guest_wrote(env, agent: str) -> N
     body = [ev for ev in events if ev["type"] == "checkpoint.published"][-1]["body"]
     assert body["incremental"] is True
     assert written > 0
+    # the guest froze after checkpoint.begin: the record keeps the host seq of that instant
+    code = ("import sys\nfrom ksfs.keeper import Keeper\n"
+            "r = Keeper(sys.argv[1]).ledger.checkpoint(sys.argv[2], sys.argv[3])\n"
+            "print(r.seq, r.frozen_seq)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(store), agent, body["name"]],
+                         capture_output=True, text=True, check=True, env=e).stdout.split()
+    assert int(out[1]) >= int(out[0])
     # 3x leaves room for the fuzz of sampling wr_bytes after, not at, each snapshot
     assert body["disk_bytes_read"] <= 3 * written, (body, written)
     assert body["base_bytes_read"] <= 3 * written + (64 << 10), (body, written)

@@ -7,6 +7,8 @@ of transcript a disk can hold. docs/ledger.md lists the outcomes asserted here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_ledger_helpers import open_store, take_checkpoint
 
@@ -136,6 +138,20 @@ def test_current_transcript_rolled_back(world):
     # with no trustworthy disk transcript, the host's record is the base
     body = _restore(led, cp, None, current_transcript_seq=12)
     assert body["transcript_rolled_back"] == {"from": 11, "to": 12}
+
+
+def test_events_before_the_freeze_are_kept_by_a_live_checkpoint(world):
+    """A live snapshot runs the guest after checkpoint.begin: a model call that finished before
+    the guest froze (seq <= frozen_seq) is in the checkpoint's machine state, so a restore
+    neither rolls it back nor offers it for replay; later ones are rolled back as before."""
+    store, led, cp = world
+    k1 = next(e for e in led.events("r", since=cp.seq + 1) if e.body.get("key") == "k1")
+    live = dataclasses.replace(cp, frozen_seq=k1.seq)
+    body = _restore(led, live, TranscriptInfo(HOST_SEQ, _own(led), 11))
+    assert "k1" not in body["replay"]["keys"] and "k2" in body["replay"]["keys"]
+    assert body["rolled_back"]["from"] > k1.seq
+    whole = _restore(led, cp, TranscriptInfo(HOST_SEQ, _own(led), 11))
+    assert "k1" in whole["replay"]["keys"]
 
 
 def test_fork_accepts_the_parent_lineage_and_rolls_nothing_of_its_own(world):

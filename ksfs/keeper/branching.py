@@ -81,13 +81,16 @@ class RestoreVerbs:
         try:
             saved = None
             if self.vm.state(rec.domain) in ("running", "paused"):
-                saved = self._save_locked(rec, None, reason=f"before restore to {checkpoint}")
+                # Not live: the machine is replaced right after, so a shorter whole save beats
+                # a shorter pause, and the memory copy would compete with the staging.
+                saved = self._save_locked(rec, None, reason=f"before restore to {checkpoint}",
+                                          live=False)
+            t_saved = time.monotonic()
+            begin = self.ledger.record(session, "restore.begin", {
+                "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
         except BaseException:
             _discard(staging)
             raise
-        t_saved = time.monotonic()
-        begin = self.ledger.record(session, "restore.begin", {
-            "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
         try:
             staged = staging.result()
             t_staged = time.monotonic()

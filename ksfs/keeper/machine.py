@@ -229,7 +229,8 @@ class MachineVerbs:
         with session_lock(self.store_path, session):
             return self._save_locked(rec, name, reason="save")
 
-    def _save_locked(self, rec: SessionRecord, name: str | None, reason: str) -> CheckpointRecord:
+    def _save_locked(self, rec: SessionRecord, name: str | None, reason: str,
+                     live: bool = True) -> CheckpointRecord:
         session = rec.name
         if name is not None and name in set(self.ledger.checkpoint_names(session)):
             raise AlreadyExists(what="checkpoint", name=name)
@@ -237,8 +238,14 @@ class MachineVerbs:
         name = name or checkpoint_name_for_seq(begin.seq)
         frozen = None
         try:
-            frozen = self.vm.snapshot(session, rec.domain)
-            record = self._ingest_frozen(rec, name, begin.seq, frozen)
+            # The last host event when the guest froze: events after it (a model call that
+            # finished during a live copy) are not in this checkpoint's machine state.
+            frozen_at: list[int] = []
+            frozen = self.vm.snapshot(
+                session, rec.domain, live=live,
+                on_freeze=lambda: frozen_at.append(self.ledger.last_seq(session)))
+            record = self._ingest_frozen(rec, name, begin.seq, frozen,
+                                         frozen_at[0] if frozen_at else None)
         except BaseException as exc:
             if frozen is not None:
                 try:
@@ -256,7 +263,8 @@ class MachineVerbs:
                         session, name, exc)
         return record
 
-    def _ingest_frozen(self, rec: SessionRecord, name: str, seq: int, frozen):
+    def _ingest_frozen(self, rec: SessionRecord, name: str, seq: int, frozen,
+                       frozen_seq: int | None = None):
         """Store the frozen memory and disks, then publish the record in one transaction."""
         session = rec.name
         base = self._base_checkpoint(frozen.base_checkpoint)
@@ -285,6 +293,7 @@ class MachineVerbs:
                 session=session, name=name, seq=seq, created=time.time(), files=tuple(files),
                 parent=parent.name if parent else None, domain_xml=frozen.xml,
                 transcript_seq=transcript.last_seq if transcript else None,
+                frozen_seq=frozen_seq,
             )
             with self.store.env.begin(write=True) as txn:
                 ingest.commit(txn)

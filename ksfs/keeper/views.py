@@ -82,6 +82,7 @@ class Views:
             "parent": record.parent,
             "created": record.created,
             "transcript_seq": record.transcript_seq,
+            "frozen_seq": record.frozen_seq,
             "logical_bytes": record.logical_bytes,
             "stored_bytes": record.stored_bytes,
             "files": {

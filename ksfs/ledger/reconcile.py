@@ -140,8 +140,9 @@ def record_reconcile(
             if hop.session == checkpoint.session and hop.lineage:
                 cp_lineage = hop.lineage
                 break
+    boundary = checkpoint.seq if checkpoint.frozen_seq is None else checkpoint.frozen_seq
     after = [] if cp_lineage is None else list(
-        ledger.events_in(txn, cp_lineage, checkpoint.seq + 1)
+        ledger.events_in(txn, cp_lineage, boundary + 1)
     )
     body = decide_reconcile(
         checkpoint,

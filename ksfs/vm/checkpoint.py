@@ -10,8 +10,10 @@ writes. Any failure leaves the guest running, removes partial files and raises V
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 from xml.sax.saxutils import quoteattr
@@ -28,6 +30,8 @@ from ksfs.vm.steps import step
 if TYPE_CHECKING:
     from ksfs.vm.controller import DomainController
 
+log = logging.getLogger(__name__)
+
 COMMIT_TIMEOUT = 600.0
 # A live snapshot copies memory while the guest runs; a guest that dirties memory faster than
 # the copy would keep it going for ever, so after this long the guest is paused and the copy
@@ -40,9 +44,11 @@ class _PauseMeter:
     """Measures how long the guest is really paused inside the snapshot call, by polling its
     state: the call's wall time overstates the pause of a live snapshot several times."""
 
-    def __init__(self, dom: libvirt.virDomain, live: bool) -> None:
+    def __init__(self, dom: libvirt.virDomain, live: bool,
+                 on_freeze: Callable[[], None] | None = None) -> None:
         self.dom = dom
         self.live = live
+        self.on_freeze = on_freeze
         self.first: float | None = None
         self.last: float | None = None
         self._done = threading.Event()
@@ -67,13 +73,22 @@ class _PauseMeter:
                 continue
             now = time.monotonic()
             if paused:
-                self.first = self.first if self.first is not None else now
+                if self.first is None:
+                    self.first = now
+                    self._frozen()
                 self.last = now
             if (self.live and not self.forced and self.first is None
                     and now - self.t0 > LIVE_COPY_LIMIT):
                 self.forced = True
                 with contextlib.suppress(libvirt.libvirtError):
                     self.dom.suspend()
+
+    def _frozen(self) -> None:
+        if self.on_freeze is not None:
+            try:
+                self.on_freeze()
+            except Exception:  # noqa: BLE001 - the caller's note must not break the snapshot
+                log.exception("on_freeze callback failed")
 
     @property
     def paused_s(self) -> float:
@@ -107,7 +122,8 @@ def _other_disks(xml: str, kept: set[str]) -> list[str]:
     return out
 
 
-def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True) -> Frozen:
+def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True,
+             on_freeze: Callable[[], None] | None = None) -> Frozen:
     state = ctl.load_state(session)
     dom = ctl.lookup(domain)
     if not dom.isActive():
@@ -143,7 +159,7 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
                 path.unlink(missing_ok=True)
             raise
         flags |= libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_REUSE_EXT
-    meter = _PauseMeter(dom, live)
+    meter = _PauseMeter(dom, live, on_freeze)
     try:
         with meter, step(domain, "taking the external snapshot"):
             dom.snapshotCreateXML(_snapshot_xml(memory, overlays, skip), flags)

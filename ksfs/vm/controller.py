@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -194,17 +195,19 @@ class DomainController:
 
     # --- checkpoints (checkpoint.py and restore.py) ------------------------------------------
 
-    def snapshot(self, session: str, domain: str, live: bool = True) -> Frozen:
+    def snapshot(self, session: str, domain: str, live: bool = True,
+                 on_freeze: Callable[[], None] | None = None) -> Frozen:
         """Atomic external snapshot with memory; see ksfs.vm.checkpoint.snapshot.
 
         ``live`` (the default): copy memory while the guest runs and pause it only for the last
         dirty pages and the disk switch (tens of ms; after LIVE_COPY_LIMIT s of copying the
         guest is paused so the copy ends). ``live=False`` pauses the guest for the whole memory
-        save (docs/performance.md compares them).
+        save (docs/performance.md compares them). ``on_freeze`` is called (on another thread)
+        when the guest is first seen paused: the instant its checkpoint holds.
         """
         from ksfs.vm.checkpoint import snapshot
 
-        return snapshot(self, session, domain, live=live)
+        return snapshot(self, session, domain, live=live, on_freeze=on_freeze)
 
     def finish(self, frozen: Frozen, checkpoint: str | None = None) -> None:
         """Commit the frozen layers into their root and drop the memory staging file."""
