@@ -63,6 +63,25 @@ def test_sequential_reads_are_served_ahead_and_equal_the_file(pool):
     assert len(pf._blocks) == 0  # every block decoded was taken
 
 
+def test_a_second_pass_from_the_start_is_served_ahead_again(pool):
+    """After a far backward seek (a second cmp/cat of the same open file) read-ahead starts
+    again."""
+    data = random.Random(2).randbytes(30 * BLOCK)
+    reader = FakeReader(data)
+    pf = Prefetcher(reader, pool, block=BLOCK, window=8 * BLOCK, inflight=4)
+    for _ in range(2):
+        got, hits = [], 0
+        for off in range(0, len(data), BLOCK):
+            part, hit = serve(pf, reader, off, BLOCK)
+            got.append(part)
+            hits += hit
+        assert b"".join(got) == data
+        assert hits >= 20
+    step = BLOCK + 4096  # READs that straddle block boundaries still get the right bytes
+    got = [serve(pf, reader, off, step)[0] for off in range(0, len(data), step)]
+    assert b"".join(got) == data
+
+
 def test_window_and_slots_bound_what_is_decoded(pool):
     reader = FakeReader(bytes(100 * BLOCK))
     pf = Prefetcher(reader, pool, block=BLOCK, window=6 * BLOCK, inflight=3)

@@ -119,11 +119,12 @@ class Prefetcher:
             # near the furthest READ so far, not exactly after the last one.
             if self._seen - self.window <= off <= self._seen + self.block:
                 self._runs += 1
+                self._seen = max(self._seen, end)
             else:
                 self._runs = 0
                 self._next = None
                 self._blocks.clear()  # their jobs still run; their bytes are dropped
-            self._seen = max(self._seen, end)
+                self._seen = end  # a new stream may start here, behind the old one too
             block = off - off % self.block
             ahead = None
             fut = self._blocks.get(block)
@@ -133,6 +134,9 @@ class Prefetcher:
                     self._claimed.add(fut)
                 if end == min(block + self.block, self.size):
                     del self._blocks[block]  # its last READ: the slot frees up
+            elif fut is not None:
+                # A READ running past this block's end: its tail was the block's last use.
+                del self._blocks[block]
             # Blocks behind the reader will not be asked for again: free their slots.
             for b in [b for b in self._blocks if b + self.block <= off - self.window]:
                 del self._blocks[b]
