@@ -78,10 +78,21 @@ class _PauseMeter:
                     self._frozen()
                 self.last = now
             if (self.live and not self.forced and self.first is None
-                    and now - self.t0 > LIVE_COPY_LIMIT):
+                    and now - self.t0 > LIVE_COPY_LIMIT and self._still_copying()):
                 self.forced = True
                 with contextlib.suppress(libvirt.libvirtError):
                     self.dom.suspend()
+
+    def _still_copying(self) -> bool:
+        """Memory is still being copied (not a pause too short for the polls, already over)."""
+        try:
+            stats = self.dom.jobStats()
+        except libvirt.libvirtError:
+            return True  # no figures: better one forced pause than a copy without end
+        # UNBOUNDED while the job runs (memory_remaining is 0 for a moment at its start, then
+        # counts down); NONE before it starts, COMPLETED once QEMU stopped the guest.
+        return (stats.get("type") == libvirt.VIR_DOMAIN_JOB_UNBOUNDED
+                and stats.get("memory_remaining", 1) > 0)
 
     def _frozen(self) -> None:
         if self.on_freeze is not None:
