@@ -165,12 +165,13 @@ def _register(families: tuple[str, ...]) -> None:
         for mod in families:
             if mod in _registered:
                 continue
-            _registered.append(mod)
             try:
                 importlib.import_module(f"ksfs.cli.{mod}")
             except ModuleNotFoundError as exc:
                 if exc.name != f"ksfs.cli.{mod}":
                     raise
+            # only now: a family whose import failed is tried again, not silently missing
+            _registered.append(mod)
     finally:
         _loading = False
 
