@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ksfs.keeper import Keeper
-from tests.mount_helpers import MIB, REPO, build_store, mounted, write_disk
+from tests.mount_helpers import MIB, REPO, build_store, mounted, write_disk, write_memory
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +274,46 @@ def test_eight_readers_during_import_and_gc(mnt, sources, keeper, tmp_path):
     os.rmdir(cp(mnt, "s1", "during"))
     report = keeper.check(read_data=True)
     assert report.ok, report.lines()
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bigfiles")
+    size = 24 * MIB + 777
+    disk = write_disk(root / "disk.raw", size, 4,
+                      [(0, 5 * MIB), (7 * MIB + 3, 6 * MIB), (20 * MIB, size - 20 * MIB)])
+    memory = write_memory(root / "memory", 17 * MIB + 5, 8)
+    with Keeper(root / "store", create=True) as k:
+        k.import_files("s", "c", [memory], disks=[disk])
+    return {"store": root / "store", "disk.raw": disk, "memory": memory}
+
+
+def test_large_files_read_sequentially_randomly_and_abandoned(big):
+    """Files of tens of MiB through the mount equal the originals and the store's reader: 1 MiB
+    requests, odd sizes, jumps, a reader that stops early."""
+    with mounted(big["store"]) as mnt, Keeper(big["store"]) as k:
+        d = mnt / "sessions" / "s" / "checkpoints" / "c"
+        rnd = random.Random(9)
+        for name in ("disk.raw", "memory"):
+            original = big[name].read_bytes()
+            reader = k.open_file("s", "c", name)
+            # Abandoned: a few sequential reads, then close (the stream must stop, not leak).
+            with open(d / name, "rb", buffering=0) as f:
+                head = f.read(3 * MIB)
+            assert head == original[: 3 * MIB]
+            # Sequential in odd sizes, with random jumps in between.
+            fd = os.open(d / name, os.O_RDONLY)
+            try:
+                off = 0
+                while off < len(original):
+                    n = rnd.choice([4096, 100_000, MIB, 3 * MIB + 1])
+                    got = os.pread(fd, n, off)
+                    assert got == original[off : off + n] == reader.read(off, n), (name, off)
+                    off += len(got)
+                    if rnd.random() < 0.1:
+                        j = rnd.randrange(len(original))
+                        assert os.pread(fd, 5000, j) == original[j : j + 5000]
+            finally:
+                os.close(fd)
+            assert (d / name).read_bytes() == original
+    assert "Traceback" not in mounted.last_log

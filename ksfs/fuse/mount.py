@@ -156,16 +156,12 @@ def run_mount(
     try:
         pyfuse3.init(ops, mnt, mount_options(allow_other, debug))
     except RuntimeError as exc:  # libfuse says only that mounting failed; its reason is on stderr
-        ops.close()
         raise DaemonError(f"cannot mount on {mnt}: {exc}") from exc
     try:
         trio.run(_serve, mnt, ready, list(extra_tasks))
     except BaseException:
-        ops.close()
         pyfuse3.close(unmount=False)
         raise
-    if not ops.close():
-        log.warning("a read-ahead thread did not stop; closing the session anyway")
     pyfuse3.close(unmount=is_mounted(mnt))
 
 

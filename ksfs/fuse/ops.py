@@ -16,16 +16,14 @@ import logging
 import os
 import stat
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import pyfuse3
 import trio
 
 from ksfs.errors import KsfsError, NotFound
-from ksfs.fuse import prefetch
 from ksfs.fuse.nodes import Attr
-from ksfs.fuse.tree import CheckpointTree, Entry, ReaderHandle
+from ksfs.fuse.tree import CheckpointTree, Entry
 
 log = logging.getLogger(__name__)
 
@@ -86,21 +84,6 @@ def handler(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-async def _result(fut: Future) -> Any:
-    """Wait for a worker thread's future without holding a thread of our own meanwhile."""
-    if not fut.done():
-        token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-
-        def wake(_: Future) -> None:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(done.set)
-
-        fut.add_done_callback(wake)
-        await done.wait()
-    return fut.result()
-
-
 def _name(raw: bytes) -> str:
     # Non-UTF-8 names survive as surrogates; validate_name refuses them where they would be kept.
     return os.fsdecode(raw)
@@ -124,16 +107,6 @@ class Operations(pyfuse3.Operations):
         self._verb_limiter = trio.CapacityLimiter(VERB_THREADS)
         self._dirs: dict[int, list[Entry]] = {}
         self._next_dir = 1
-        # Sequential readers of checkpoint files get their next blocks decoded ahead (prefetch.py).
-        self._pool = prefetch.Pool()
-        self._ahead: dict[int, prefetch.Prefetcher] = {}
-
-    def close(self) -> bool:
-        """Stop the read-ahead threads; call once the FUSE loop has ended."""
-        for p in self._ahead.values():
-            p.close()
-        self._ahead.clear()
-        return self._pool.close()
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
@@ -187,8 +160,6 @@ class Operations(pyfuse3.Operations):
     @handler
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
         fh, h = await self._io(self.tree.open, inode, flags)
-        if isinstance(h, ReaderHandle) and h.keep_cache:
-            self._ahead[fh] = prefetch.Prefetcher(h.reader, self._pool)
         return pyfuse3.FileInfo(fh=fh, keep_cache=h.keep_cache, direct_io=h.direct_io)
 
     @handler
@@ -196,12 +167,6 @@ class Operations(pyfuse3.Operations):
         h = self.tree.handle(fh)
         if not h.needs_io:
             return h.read(off, size)
-        p = self._ahead.get(fh)
-        ahead = p.on_read(off, size) if p is not None else None
-        if ahead is not None:
-            data = await _result(ahead.future)
-            if data is not None:
-                return ahead.slice(data)
         return await trio.to_thread.run_sync(h.read, off, size, limiter=self._read_limiter)
 
     @handler
@@ -218,9 +183,6 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def release(self, fh: int) -> None:
-        p = self._ahead.pop(fh, None)
-        if p is not None:
-            p.close()
         self.tree.release(fh)
 
     @handler
