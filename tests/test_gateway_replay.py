@@ -314,3 +314,29 @@ async def test_guest_that_hangs_up_mid_stream_gets_it_whole_on_retry(gw, ledger,
     assert retry.content.startswith(first) and retry.content.endswith(b"data: [DONE]\n\n")
     assert provider.count() == 1
     assert (await call(port, chat_body("still serving"))).status_code == 200
+
+
+async def test_gc_frees_responses_no_session_can_replay(gw, store, ledger, provider, nursery):
+    """`gc` drops the stored responses of a removed session nothing descends from, and keeps
+    those of a removed parent whose fork may still replay them."""
+    from ksfs.keeper import Keeper
+
+    p1 = await nursery.start(gw.serve_session, "s1")
+    p2 = await nursery.start(gw.serve_session, "s2")
+    kept = await call(p1, chat_body("the parent's call"))
+    await call(p2, chat_body("a call of a session that goes"))
+    take_checkpoint(ledger, "s1", "c1")
+    fork(ledger, "s1", "c1", "f1")
+    for name in ("s1", "s2"):
+        with store.env.begin(write=True) as txn:
+            ledger.remove_session(txn, name)
+    with Keeper(store.path) as k:
+        result = k.gc()
+    assert result["gateway_responses_freed"] == 1 and result["gateway_bytes_freed"] > 0
+    asked = provider.count()
+    fport = await nursery.start(gw.serve_session, "f1")
+    again = await call(fport, chat_body("the parent's call"))
+    assert again.content == kept.content and again.headers["x-ksfs-replay"] == "true"
+    assert provider.count() == asked
+    with Keeper(store.path) as k:
+        assert k.gc()["gateway_responses_freed"] == 0

@@ -164,7 +164,8 @@ def rm(ctx, session: str, checkpoint: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print what was freed as JSON.")
 @pass_ctx
 def gc(ctx, as_json: bool) -> None:
-    """Free chunks no checkpoint uses and repack sparse packs.
+    """Free chunks no checkpoint uses, repack sparse packs, and drop the gateway's stored
+    responses that no session can replay any more.
 
     Example: ksfs gc --json
     """

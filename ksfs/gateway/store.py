@@ -19,7 +19,7 @@ import lmdb
 
 from ksfs.errors import BadInput, IntegrityError, KsfsError, NoSpace
 from ksfs.gateway.calls import Usage, derived_key
-from ksfs.ledger.keys import lineage_bytes
+from ksfs.ledger.keys import LINEAGE_BYTES, lineage_bytes
 from ksfs.model import Event
 
 DBS = (b"gw_responses", b"gw_usage", b"gw_budgets")
@@ -156,6 +156,21 @@ class GatewayStore:
                 if limit is None or stored.seq <= limit:
                     return stored
         return None
+
+    def collect(self, live_lineages: set[str]) -> tuple[int, int]:
+        """Delete stored responses of lineages nothing can replay from any more (no session,
+        kept or live, has them in its chain). Returns (responses, bytes) freed. Usage totals
+        and budgets stay: they are small and tell the history."""
+        live = {lineage_bytes(lin) for lin in live_lineages}
+        freed = nbytes = 0
+        with self._write() as txn:
+            dead = [(bytes(k), len(v)) for k, v in txn.cursor(db=self._resp)
+                    if bytes(k[:LINEAGE_BYTES]) not in live]
+            for key, size in dead:
+                if txn.delete(key, db=self._resp):
+                    freed += 1
+                    nbytes += len(key) + size
+        return freed, nbytes
 
     def totals(self, lineage: str) -> Totals:
         with self.env.begin() as txn:

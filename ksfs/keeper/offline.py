@@ -149,10 +149,24 @@ class OfflineVerbs:
     def check(self, read_data: bool = False):
         return self.store.check(read_data=read_data, references=self.references())
 
-    def gc(self):
+    def gc(self) -> dict[str, Any]:
+        """Collect the chunk store (unreferenced chunks, sparse packs), then the gateway's
+        stored responses of lineages no session can replay from any more."""
+        from ksfs.gateway import GatewayStore
+
         # Pass the method, not its result: the store lists live manifests only once it holds the
         # exclusive lock, so an import that commits while GC waits for the lock is not swept.
-        return self.store.gc(self.ledger.live_manifests)
+        result = dict(vars(self.store.gc(self.ledger.live_manifests)))
+        live = set()
+        for rec in self.ledger.sessions(include_removed=True):
+            live.add(rec.lineage)
+            parent = rec.parent  # a fork replays its ancestors' calls up to its fork point
+            while parent is not None and parent.lineage not in live:
+                live.add(parent.lineage)
+                parent = self.ledger.lineage_info(parent.lineage).parent
+        freed, nbytes = GatewayStore(self.store, self.ledger).collect(live)
+        result.update(gateway_responses_freed=freed, gateway_bytes_freed=nbytes)
+        return result
 
     def set_budget(self, session: str, tokens: int | None = None,
                    usd: float | None = None) -> dict[str, Any]:
