@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 K64 = 64 * 1024
@@ -28,3 +29,16 @@ def put(store: Any, source: Any, chunking: str = "fixed", **kw: Any) -> Any:
         with store.env.begin(write=True) as txn:
             ing.commit(txn)
     return f
+
+
+def flip(store: Any, cid: bytes, where: int = 10) -> None:
+    """Flip one bit of a chunk's stored payload (``where`` from its start, or from its end when
+    negative, so inside the record header), as disk rot would."""
+    loc = store.lookup(cid)
+    path = os.path.join(store.packs_dir, f"{loc.pack:08d}.pack")
+    where = where % loc.stored_len if where >= 0 else where  # stay inside this record
+    with open(path, "r+b") as f:
+        f.seek(loc.offset + 52 + where)
+        b = f.read(1)
+        f.seek(loc.offset + 52 + where)
+        f.write(bytes([b[0] ^ 0x40]))

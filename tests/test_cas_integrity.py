@@ -17,7 +17,7 @@ import pytest
 
 from ksfs.cas import ChunkStore
 from ksfs.errors import Busy, ChunkCorrupt, ChunkMissing, ManifestCorrupt
-from tests.cas_helpers import K64, BytesSource, put
+from tests.cas_helpers import K64, BytesSource, flip, put
 
 
 def image(seed: int, clusters: int = 40) -> bytes:
@@ -26,15 +26,6 @@ def image(seed: int, clusters: int = 40) -> bytes:
                     for _ in range(clusters))
 
 
-def flip(store, cid: bytes, where: int = 10) -> None:
-    loc = store.lookup(cid)
-    path = os.path.join(store.packs_dir, f"{loc.pack:08d}.pack")
-    where = where % loc.stored_len if where >= 0 else where  # stay inside this record
-    with open(path, "r+b") as f:
-        f.seek(loc.offset + 52 + where)
-        b = f.read(1)
-        f.seek(loc.offset + 52 + where)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 @pytest.fixture

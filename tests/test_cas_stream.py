@@ -17,7 +17,7 @@ import pytest
 from ksfs.cas import ChunkStore
 from ksfs.cas import reader as reader_module
 from ksfs.errors import ChunkCorrupt, ChunkMissing
-from tests.cas_helpers import K64, put
+from tests.cas_helpers import K64, flip, put
 
 
 def image(rng: random.Random, clusters: int) -> bytes:
@@ -40,15 +40,6 @@ def streamed(reader, offset=0, end=None) -> bytes:
     return b"".join(bytes(p) for pieces in reader.stream(offset, end) for p in pieces)
 
 
-def flip(store, cid: bytes, where: int) -> None:
-    loc = store.lookup(cid)
-    path = os.path.join(store.packs_dir, f"{loc.pack:08d}.pack")
-    where = where % loc.stored_len if where >= 0 else where
-    with open(path, "r+b") as f:
-        f.seek(loc.offset + 52 + where)
-        b = f.read(1)
-        f.seek(loc.offset + 52 + where)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 @pytest.fixture

@@ -269,6 +269,21 @@ def test_kill_9_during_save(env, agent: str) -> None:
     assert run(store, "ledger", "verify", env=e).returncode == 0
 
 
+def plain_domain_xml(dom: str, spec: dict, disks: list[tuple[Path, str, str]]) -> str:
+    """A domain as a user would write it for virsh define: the guest's kernel, plain disks
+    given as (file, format, target), a pty console; nothing ksfs adds."""
+    devices = "".join(
+        f"<disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
+        f"<source file='{path}'/><target dev='{target}' bus='virtio'/></disk>"
+        for path, fmt, target in disks)
+    return f"""<domain type='qemu'>
+  <name>{dom}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
+  <os><type arch='x86_64'>hvm</type><kernel>{spec['kernel']}</kernel>
+  <initrd>{spec['initrd']}</initrd><cmdline>{spec['cmdline']}</cmdline></os>
+  <devices>{devices}<serial type='pty'/><console type='pty'/></devices>
+</domain>"""
+
+
 def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
     """A domain defined with plain libvirt XML, then adopted, can be saved, restored, forked."""
     store, e = env["store"], env["env"]
@@ -277,16 +292,7 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
     disk = tmp_path / "plain.qcow2"
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", spec["disk"], str(disk)], check=True)
     tmp_path.chmod(0o755)
-    xml = f"""<domain type='qemu'>
-  <name>{dom}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
-  <os><type arch='x86_64'>hvm</type><kernel>{spec['kernel']}</kernel>
-  <initrd>{spec['initrd']}</initrd><cmdline>{spec['cmdline']}</cmdline></os>
-  <devices>
-    <disk type='file' device='disk'><driver name='qemu' type='qcow2'/>
-      <source file='{disk}'/><target dev='vda' bus='virtio'/></disk>
-    <serial type='pty'/><console type='pty'/>
-  </devices>
-</domain>"""
+    xml = plain_domain_xml(dom, spec, [(disk, "qcow2", "vda")])
     xml_path = tmp_path / "plain.xml"
     xml_path.write_text(xml)
     name = f"adopted-{env['tag']}"
@@ -378,18 +384,7 @@ def test_adopt_a_domain_with_two_disks(env, guest: Path, tmp_path: Path) -> None
     raw.write_bytes(bytes(3 << 20) + pattern + bytes(12 << 20))
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(data)], check=True)
     tmp_path.chmod(0o755)
-    xml = f"""<domain type='qemu'>
-  <name>{dom}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
-  <os><type arch='x86_64'>hvm</type><kernel>{spec['kernel']}</kernel>
-  <initrd>{spec['initrd']}</initrd><cmdline>{spec['cmdline']}</cmdline></os>
-  <devices>
-    <disk type='file' device='disk'><driver name='qemu' type='raw'/>
-      <source file='{system}'/><target dev='vda' bus='virtio'/></disk>
-    <disk type='file' device='disk'><driver name='qemu' type='qcow2'/>
-      <source file='{data}'/><target dev='vdb' bus='virtio'/></disk>
-    <serial type='pty'/><console type='pty'/>
-  </devices>
-</domain>"""
+    xml = plain_domain_xml(dom, spec, [(system, "raw", "vda"), (data, "qcow2", "vdb")])
     (tmp_path / "two.xml").write_text(xml)
     name, fork_name = f"two-{env['tag']}", f"two-fork-{env['tag']}"
     try:
