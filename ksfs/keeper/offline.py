@@ -157,14 +157,8 @@ class OfflineVerbs:
         # Pass the method, not its result: the store lists live manifests only once it holds the
         # exclusive lock, so an import that commits while GC waits for the lock is not swept.
         result = dict(vars(self.store.gc(self.ledger.live_manifests)))
-        live = set()
-        for rec in self.ledger.sessions(include_removed=True):
-            live.add(rec.lineage)
-            parent = rec.parent  # a fork replays its ancestors' calls up to its fork point
-            while parent is not None and parent.lineage not in live:
-                live.add(parent.lineage)
-                parent = self.ledger.lineage_info(parent.lineage).parent
-        freed, nbytes = GatewayStore(self.store, self.ledger).collect(live)
+        freed, nbytes = GatewayStore(self.store, self.ledger).collect(
+            self.ledger.replayable_lineages())
         result.update(gateway_responses_freed=freed, gateway_bytes_freed=nbytes)
         return result
 

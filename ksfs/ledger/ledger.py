@@ -291,6 +291,16 @@ class Ledger(CheckpointMethods):
             rec = self._need(t, session)
             return self._chain(t, rec.lineage, rec.parent)
 
+    def replayable_lineages(self, txn: lmdb.Transaction | None = None) -> set[str]:
+        """Every session's lineage (live or removed-but-kept) and the ancestors' on its fork
+        chain: the lineages whose gateway responses some session may still replay."""
+        out: set[str] = set()
+        with self._read(txn) as t:
+            for rec in self.sessions(t, include_removed=True):
+                out.add(rec.lineage)
+                out.update(hop.lineage for hop in self._chain(t, rec.lineage, rec.parent))
+        return out
+
     def _chain(
         self, txn: lmdb.Transaction, lineage: str, parent: ForkPoint | None
     ) -> list[ForkPoint]:
