@@ -17,7 +17,14 @@ from ksfs.errors import AlreadyExists, KsfsError, NotFound, NotPermitted
 from ksfs.keeper.locks import session_lock
 from ksfs.keeper.machine import MEMORY_FILE, disk_file_name, domain_name_for
 from ksfs.keeper.offline import _reason
-from ksfs.model import CheckpointRecord, ForkPoint, SessionRecord, TranscriptInfo, validate_name
+from ksfs.model import (
+    CheckpointRecord,
+    Event,
+    ForkPoint,
+    SessionRecord,
+    TranscriptInfo,
+    validate_name,
+)
 
 
 class RestoreVerbs:
@@ -57,6 +64,15 @@ class RestoreVerbs:
             return None, None  # no transcript file: the "missing" case
         except KsfsError as exc:
             return None, str(exc)
+
+    def _reconcile_to(self, session: str, target: CheckpointRecord,
+                      current_transcript_seq: int | None = None) -> Event:
+        """Read the target's transcript from its disk and record the one ``reconcile`` event
+        of bringing ``session`` to it."""
+        transcript, error = self._transcript_of(target)
+        with self.store.env.begin(write=True) as txn:
+            return self.ledger.reconcile(txn, session, target, transcript, error,
+                                         current_transcript_seq=current_transcript_seq)
 
     def restore(self, session: str, checkpoint: str) -> dict[str, Any]:
         """Save the current state, then bring the machine back to ``checkpoint`` and run it."""
@@ -98,12 +114,8 @@ class RestoreVerbs:
                                        xml=target.domain_xml,
                                        checkpoint=f"{session}/{checkpoint}", staged=staged)
             t1 = time.monotonic()
-            transcript, error = self._transcript_of(target)
-            with self.store.env.begin(write=True) as txn:
-                rec_ev = self.ledger.reconcile(
-                    txn, session, target, transcript, error,
-                    current_transcript_seq=saved.transcript_seq if saved else None,
-                )
+            rec_ev = self._reconcile_to(session, target,
+                                        saved.transcript_seq if saved else None)
             t2 = time.monotonic()
             crash_point("restore.resume")
             self.vm.resume(rec.domain)
@@ -147,9 +159,7 @@ class RestoreVerbs:
                 self.vm.fork(new, domain, memory, disks, xml=target.domain_xml,
                              lineage=rec.lineage, checkpoint=f"{session}/{checkpoint}",
                              fw_cfg=self.guest_facts(rec))
-                transcript, error = self._transcript_of(target)
-                with self.store.env.begin(write=True) as txn:
-                    self.ledger.reconcile(txn, new, target, transcript, error)
+                self._reconcile_to(new, target)
                 crash_point("fork.resume")
                 self.vm.resume(domain)
         return rec

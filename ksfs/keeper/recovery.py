@@ -147,10 +147,7 @@ class Recovery:
                     current = self.ledger.checkpoint(rec.name, saved).transcript_seq
                 except NotFound:
                     pass
-            transcript, error = self._transcript_of(record)
-            with self.store.env.begin(write=True) as txn:
-                rec_ev = self.ledger.reconcile(txn, rec.name, record, transcript, error,
-                                               current_transcript_seq=current)
+            rec_ev = self._reconcile_to(rec.name, record, current)
         if self.vm.state(rec.domain) == "paused" and not self._paused_by_user(rec.name):
             self.vm.resume(rec.domain)
         self.ledger.record(rec.name, "restore.done", {
