@@ -113,9 +113,13 @@ def changed_spans(ranges: Iterable[tuple[int, int]], size: int) -> list[tuple[in
         start = off - off % FIXED_SIZE
         end = min(size, -(-(off + length) // FIXED_SIZE) * FIXED_SIZE)
         spans.append((start, end))
-    spans.sort()
+    return merge_spans(spans)
+
+
+def merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) spans sorted, with overlapping and touching ones merged."""
     merged: list[tuple[int, int]] = []
-    for s, e in spans:
+    for s, e in sorted(spans):
         if merged and s <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], e))
         else:

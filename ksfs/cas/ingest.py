@@ -334,4 +334,3 @@ class Ingest:
             raise _lmdb_error("commit the ingest", self.store.path, exc) from exc
         crash_point("index.commit")
         self.committed = True
-

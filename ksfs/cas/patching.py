@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ksfs.cas import format as fmt
-from ksfs.cas.chunking import BATCH_BYTES, FIXED_SIZE, read_exact
+from ksfs.cas.chunking import BATCH_BYTES, FIXED_SIZE, merge_spans, read_exact
 from ksfs.errors import ChunkCorrupt, ChunkMissing
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ class Patcher:
         self.src = src
         self.slots = slots
         self.base_bytes_read = 0
-        self.base_unreadable = 0  # base chunks that failed their check: read whole instead
 
     def batches(self, ranges: list[tuple[int, int]]) -> Iterator[list[tuple[int, bytes]]]:
         batch: list[tuple[int, bytes]] = []
@@ -60,7 +59,6 @@ class Patcher:
                 # ``check`` still reports the damaged chunk.
                 log.warning("base chunk unreadable, reading the chunk at %d whole: %s",
                             start, exc)
-                self.base_unreadable += 1
                 return read_exact(self.src, start, n)
             self.base_bytes_read += loc.record_len if loc is not None else 0
         for a, b in parts:
@@ -71,14 +69,8 @@ class Patcher:
 def _per_chunk(ranges: list[tuple[int, int]], size: int
                ) -> Iterator[tuple[int, list[tuple[int, int]]]]:
     """Group (offset, length) ranges by 64 KiB chunk: (chunk start, merged [a, b) parts)."""
-    spans = sorted((off, min(off + length, size)) for off, length in ranges
-                   if length > 0 and off < size)
-    merged: list[list[int]] = []
-    for a, b in spans:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
+    merged = merge_spans((off, min(off + length, size)) for off, length in ranges
+                         if length > 0 and off < size)
     current = -1
     parts: list[tuple[int, int]] = []
     for a, b in merged:
