@@ -93,11 +93,9 @@ def _session_files_except(ctl: DomainController, session: str, keep: set[Path]) 
 class Staged:
     """A checkpoint's memory and disks written out for a restore that has not happened yet."""
 
-    session: str
     n: int
-    targets: list[str]
     memory: Path
-    bases: dict[str, Path]
+    bases: dict[str, Path]  # disk target -> materialized base
     overlays: dict[str, Path]
     seconds: float
 
@@ -121,7 +119,7 @@ def stage(ctl: DomainController, session: str, domain: str, n: int, memory: obje
     materialization overlap."""
     t0 = time.monotonic()
     mem, bases, overlays = _materialize_all(ctl, session, domain, n, memory, disks)
-    return Staged(session, n, list(disks), mem, bases, overlays, time.monotonic() - t0)
+    return Staged(n, mem, bases, overlays, time.monotonic() - t0)
 
 
 def restore(ctl: DomainController, session: str, domain: str, memory: object,
@@ -140,7 +138,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
     try:
         header = saveimage.read_header(mem)
         new_xml = xml or header.xml
-        _check_disks(new_xml, dict.fromkeys(staged.targets), domain)
+        _check_disks(new_xml, bases, domain)
         new_xml = domxml.set_disk_sources(
             new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
         with step(domain, "reading its UUID"):
