@@ -7,6 +7,7 @@ at the end, even on failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -284,6 +286,27 @@ def plain_domain_xml(dom: str, spec: dict, disks: list[tuple[Path, str, str]]) -
 </domain>"""
 
 
+@contextlib.contextmanager
+def adopted(env: dict, xml_path: Path, xml: str, dom: str, name: str,
+            fork_name: str) -> Iterator[None]:
+    """Define and start ``dom`` from ``xml`` as a user would, adopt it as session ``name``;
+    afterwards remove both sessions, destroy and undefine the domain, and check it is gone."""
+    store, e = env["store"], env["env"]
+    xml_path.write_text(xml)
+    try:
+        virsh("define", str(xml_path), check=True)
+        virsh("start", dom, check=True)
+        run(store, "session", "adopt", name, dom, env=e)
+        env["made"] += [name, fork_name]
+        yield
+    finally:
+        for s in (fork_name, name):
+            run(store, "session", "rm", s, check=False, env=e)
+        virsh("destroy", dom)
+        virsh("undefine", dom)
+    assert virsh("domstate", dom).returncode != 0
+
+
 def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
     """A domain defined with plain libvirt XML, then adopted, can be saved, restored, forked."""
     store, e = env["store"], env["env"]
@@ -293,15 +316,9 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", spec["disk"], str(disk)], check=True)
     tmp_path.chmod(0o755)
     xml = plain_domain_xml(dom, spec, [(disk, "qcow2", "vda")])
-    xml_path = tmp_path / "plain.xml"
-    xml_path.write_text(xml)
     name = f"adopted-{env['tag']}"
     fork_name = f"adopted-fork-{env['tag']}"
-    try:
-        virsh("define", str(xml_path), check=True)
-        virsh("start", dom, check=True)
-        run(store, "session", "adopt", name, dom, env=e)
-        env["made"] += [name, fork_name]
+    with adopted(env, tmp_path / "plain.xml", xml, dom, name, fork_name):
         defined = virsh("dumpxml", dom).stdout
         assert spec["kernel"] in defined and "<cmdline>" in defined
         c1 = wait_transcript(store, name, e, 2)
@@ -312,12 +329,6 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
         assert virsh("domstate", f"ksfs-{fork_name}").stdout.strip() == "running"
         c3 = save(store, fork_name, e)
         assert transcript_lines(store, fork_name, c3, e)
-    finally:
-        for s in (fork_name, name):
-            run(store, "session", "rm", s, check=False, env=e)
-        virsh("destroy", dom)
-        virsh("undefine", dom)
-    assert virsh("domstate", dom).returncode != 0
 
 
 def test_fork_killed_before_its_define_is_defined_by_recover(env, agent: str) -> None:
@@ -385,13 +396,8 @@ def test_adopt_a_domain_with_two_disks(env, guest: Path, tmp_path: Path) -> None
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(data)], check=True)
     tmp_path.chmod(0o755)
     xml = plain_domain_xml(dom, spec, [(system, "raw", "vda"), (data, "qcow2", "vdb")])
-    (tmp_path / "two.xml").write_text(xml)
     name, fork_name = f"two-{env['tag']}", f"two-fork-{env['tag']}"
-    try:
-        virsh("define", str(tmp_path / "two.xml"), check=True)
-        virsh("start", dom, check=True)
-        run(store, "session", "adopt", name, dom, env=e)
-        env["made"] += [name, fork_name]
+    with adopted(env, tmp_path / "two.xml", xml, dom, name, fork_name):
         c1 = wait_transcript(store, name, e, 2)
         c2 = save(store, name, e)  # incremental for both disks
         for cp in (c1, c2):
@@ -405,12 +411,6 @@ def test_adopt_a_domain_with_two_disks(env, guest: Path, tmp_path: Path) -> None
         c3 = save(store, fork_name, e)
         assert transcript_lines(store, fork_name, c3, e)
         assert cat(store, e, fork_name, c3, "disk-vdb.raw") == raw.read_bytes()
-    finally:
-        for s in (fork_name, name):
-            run(store, "session", "rm", s, check=False, env=e)
-        virsh("destroy", dom)
-        virsh("undefine", dom)
-    assert virsh("domstate", dom).returncode != 0
 
 
 def test_console_counter_continues_after_restore(env, agent: str) -> None:
