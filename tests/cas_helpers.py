@@ -1,11 +1,14 @@
-"""What the chunk store's tests share: an in-memory source and a one-file ingest."""
+"""What the chunk store's tests share: an in-memory source, a one-file ingest, bit rot, and the
+page records of QEMU's migration stream."""
 
 from __future__ import annotations
 
 import os
+import struct
 from typing import Any
 
 K64 = 64 * 1024
+F_ZERO, F_PAGE, F_CONT = 0x02, 0x08, 0x20  # page record flags of QEMU's RAM section
 
 
 class BytesSource:
@@ -42,3 +45,11 @@ def flip(store: Any, cid: bytes, where: int = 10) -> None:
         b = f.read(1)
         f.seek(loc.offset + 52 + where)
         f.write(bytes([b[0] ^ 0x40]))
+
+
+def record(addr: int, data: bytes | None, first: bool = False, fill: int = 0,
+           block: bytes = b"pc.ram") -> bytes:
+    """One page record: data None is a zero page (with this fill byte), else the 4 KiB page."""
+    flags = (F_ZERO if data is None else F_PAGE) | (0 if first else F_CONT)
+    out = struct.pack(">Q", addr % 2**64 | flags) + (bytes([len(block)]) + block if first else b"")
+    return out + (bytes([fill]) if data is None else data)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from ksfs.cas import pagecut
 from ksfs.cas.chunking import Batch, Source, iter_cdc, read_exact
-from tests.cas_helpers import BytesSource
+from tests.cas_helpers import BytesSource, record
 
 # --- the reference: ksfs/cas/pagecut.py before the bulk zero-group matching --------------------
 
@@ -181,14 +181,6 @@ def assert_same_cuts(source: Source, monkeypatch: pytest.MonkeyPatch, batch_byte
 
 
 # --- synthetic streams ---------------------------------------------------------------------------
-
-def record(addr: int, data: bytes | None, first: bool = False, fill: int = 0,
-           block: bytes = b"pc.ram") -> bytes:
-    """One page record: data None is a zero page (with this fill byte), else the 4 KiB page."""
-    flags = (F_ZERO if data is None else F_PAGE) | (0 if first else F_CONT)
-    out = struct.pack(">Q", addr % 2**64 | flags) + (bytes([len(block)]) + block if first else b"")
-    return out + (bytes([fill]) if data is None else data)
-
 
 def stream(rng: random.Random, pages: int, data_share: float, run: int = 24,
            base: int = 0, odd: float = 0.0, libvirt: bool = True) -> bytes:

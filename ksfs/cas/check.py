@@ -128,6 +128,7 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
             by_pack.setdefault(loc.pack, []).append((cid, loc))
     for no, items in by_pack.items():
         _check_pack(store, no, items, read_data, rep)
+    _check_bases(chunks, rep)
 
     # manifests: intact, and every chunk they name is indexed and sound
     indexed = {cid for cid, _ in chunks}
@@ -202,7 +203,7 @@ def _check_pack(store: ChunkStore, no: int, items: list[tuple[bytes, fmt.Locatio
             raw = os.pread(fd, end - start, start)
             jobs = [(cid, loc, raw[loc.offset - start : loc.offset - start + loc.record_len])
                     for cid, loc in items[i:j]]
-            for found in store.run_split(_verify_records, jobs):
+            for found in store.run_split(lambda part: _verify_records(store, part), jobs):
                 for h, why in found:
                     rep.damaged_chunks[h] = f"pack {no}: {why}"
             i = j
@@ -219,14 +220,37 @@ def _header_problem(head_raw: bytes, cid: bytes, loc: fmt.Location) -> str | Non
     return None
 
 
-def _verify_records(jobs: list[tuple[bytes, fmt.Location, bytes]]) -> list[tuple[str, str]]:
+def _check_bases(chunks: list[tuple[bytes, fmt.Location]], rep: CheckReport) -> None:
+    """Every delta's base is indexed, not a delta itself, and sound: else the delta is lost too."""
+    locs = dict(chunks)
+    for cid, loc in chunks:
+        if loc.base is None:
+            continue
+        base = locs.get(loc.base)
+        why = None
+        if base is None:
+            why = "it is not in the index"
+        elif base.codec == fmt.CODEC_DELTA:
+            why = "it is a delta itself"
+        elif loc.base.hex() in rep.damaged_chunks or loc.base.hex() in rep.missing_chunks:
+            why = "it is damaged or missing"
+        if why:
+            rep.damaged_chunks.setdefault(cid.hex(), f"its base chunk {loc.base.hex()}: {why}")
+
+
+def _verify_records(store: ChunkStore, jobs: list[tuple[bytes, fmt.Location, bytes]]
+                    ) -> list[tuple[str, str]]:
     d = zstandard.ZstdDecompressor()
     found = []
     for cid, loc, rec in jobs:
         why = _header_problem(rec[: fmt.HEADER_SIZE], cid, loc)
+        if why is None and loc.base is not None and \
+                rec[fmt.HEADER_SIZE : fmt.HEADER_SIZE + fmt.BASE_ID_SIZE] != loc.base:
+            why = "its record names another base than the index"
         if why is None:
             try:
-                decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, d)
+                decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, d,
+                               store.read_base)
             except IntegrityError as exc:
                 why = exc.fields.get("why", str(exc))
         if why:

@@ -8,7 +8,12 @@ A pack record is a 52-byte header followed by the stored payload::
     magic "KSC1" | chunk id (32) | plain len u32 | stored len u32 | codec u8 | pad 3 | crc32 u32
 
 The header's crc32 covers the 48 bytes before it, so a check can walk and judge a pack without
-the index. The payload is zstd (codec 1) or raw bytes (codec 0, when zstd does not shrink it).
+the index. The payload is zstd (codec 1), raw bytes (codec 0, when zstd does not shrink it), or a
+delta (codec 2): the 32-byte id of a base chunk, then zstd compressed with the base's plain bytes
+as its dictionary, so the pages a new version of a memory group or disk cluster shares with the
+old one cost almost nothing. A base is never itself a delta: a read needs at most one other chunk.
+Index values of deltas carry the base id after the fixed fields, so GC marks bases without
+reading packs.
 
 A manifest is ``"KSM1" | chunking u8 | pad 3 | size u64 | count u64`` then ``count`` 40-byte
 entries ``length u64 | id (32)``; the top bit of length marks a hole (id all zero). Adjacent
@@ -30,8 +35,11 @@ RECORD_HEADER = struct.Struct("<4s32sIIB3xI")
 HEADER_SIZE = RECORD_HEADER.size  # 52
 CODEC_RAW = 0
 CODEC_ZSTD = 1
+CODEC_DELTA = 2
+CODECS = (CODEC_RAW, CODEC_ZSTD, CODEC_DELTA)
+BASE_ID_SIZE = 32
 
-INDEX_VALUE = struct.Struct("<IQIIB")  # pack, record offset, stored len, plain len, codec
+INDEX_VALUE = struct.Struct("<IQIIB")  # pack, record offset, stored len, plain len, codec[, base]
 PACK_VALUE = struct.Struct("<QQ")  # committed size of the pack file, live record bytes
 
 MANIFEST_MAGIC = b"KSM1"
@@ -62,33 +70,36 @@ def decode_record_header(raw: bytes) -> tuple[bytes, int, int, int] | str:
         return "bad record magic"
     if zlib.crc32(memoryview(raw)[: HEADER_SIZE - 4]) != crc:
         return "record header checksum mismatch"
-    if codec not in (CODEC_RAW, CODEC_ZSTD):
+    if codec not in CODECS:
         return f"unknown codec {codec}"
     return cid, plain_len, stored_len, codec
 
 
 @dataclass(frozen=True)
 class Location:
-    """Where a chunk lives: its record starts at ``offset`` in pack ``pack``."""
+    """Where a chunk lives: its record starts at ``offset`` in pack ``pack``. ``base``: the id
+    of the chunk a delta (codec 2) is decoded against, None for any other codec."""
 
     pack: int
     offset: int
     stored_len: int
     plain_len: int
     codec: int
+    base: bytes | None = None
 
     @property
     def record_len(self) -> int:
         return HEADER_SIZE + self.stored_len
 
     def encode(self) -> bytes:
-        return INDEX_VALUE.pack(
-            self.pack, self.offset, self.stored_len, self.plain_len, self.codec
-        )
+        fixed = INDEX_VALUE.pack(self.pack, self.offset, self.stored_len, self.plain_len,
+                                 self.codec)
+        return fixed if self.base is None else fixed + self.base
 
     @classmethod
     def decode(cls, raw: bytes) -> Location:
-        return cls(*INDEX_VALUE.unpack(raw))
+        base = bytes(raw[INDEX_VALUE.size :]) or None
+        return cls(*INDEX_VALUE.unpack_from(raw), base=base)
 
 
 def pack_key(no: int) -> bytes:

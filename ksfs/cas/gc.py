@@ -57,6 +57,10 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
         for mid in live:
             info = store.load_manifest(mid.hex(), txn)
             marked.update(cid for cid, _ in info.entries if cid is not None)
+        # a live delta keeps its base (bases are never deltas: one pass marks them all)
+        bases = [bytes(v[fmt.INDEX_VALUE.size :]) for k, v in txn.cursor(db=db["chunks"])
+                 if len(v) > fmt.INDEX_VALUE.size and bytes(k) in marked]
+        marked.update(bases)
     # sweep, in one transaction
     with store.env.begin(write=True) as txn:
         dead_manifests = [bytes(k) for k in txn.cursor(db=db["manifests"]).iternext(values=False)
@@ -140,7 +144,7 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
             done.append(no)
         for w in writers:
             w.sync()
-            w.verify(dctx, store.run_split)
+            w.verify(dctx, store.run_split, store.read_base)
         gone = sorted(set(done) | empty)
         with store.env.begin(write=True) as txn:
             for cid, loc in moved:
@@ -187,7 +191,8 @@ def _copy_pack(store: ChunkStore, no: int, items: list[tuple[bytes, fmt.Location
             for cid, loc in items:
                 rec = os.pread(fd, loc.record_len, loc.offset)
                 try:
-                    decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, dctx)
+                    decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, dctx,
+                                   store.read_base)
                 except IntegrityError as exc:
                     res.skipped_packs[no] = str(exc)
                     return None

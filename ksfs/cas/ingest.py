@@ -10,6 +10,7 @@ commits, and an abandoned ingest leaves only unindexed pack bytes, which GC recl
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -19,19 +20,22 @@ from typing import TYPE_CHECKING, Any, Self
 import lmdb
 import zstandard
 
+from ksfs.cas import delta
 from ksfs.cas import format as fmt
 from ksfs.cas.chunking import FIXED_SIZE, changed_spans, iter_cdc, iter_fixed, open_source
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.cas.patching import Patcher
 from ksfs.crashpoints import crash_point
-from ksfs.errors import BadInput, IntegrityError, KsfsError
+from ksfs.errors import BadInput, ChunkCorrupt, ChunkMissing, IntegrityError, KsfsError
 
 if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
 
+log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 PAGE_CUTTER = True  # False: memory images go through plain FastCDC too (for the benchmark)
+BASES_KEPT = 64 * 1024 * 1024  # plain bytes of delta bases an ingest keeps for its seal
 _zeros: dict[int, bytes] = {}
 
 
@@ -70,6 +74,11 @@ class Ingest:
         self.sealed = True
         self.committed = False
         self._local = threading.local()
+        # bases the deltas were made against, checked when read: seal verifies the deltas
+        # against these instead of reading every base from its pack again
+        self._bases: dict[bytes, bytes] = {}
+        self._bases_bytes = 0
+        self._mutex_bases = threading.Lock()
         self._lock_fd = store.lock(exclusive=False)
         self._mutex = threading.Lock()  # add_file from two threads would interleave packs
 
@@ -109,7 +118,16 @@ class Ingest:
 
     def add_file(self, source: Any, chunking: str = "fixed", base: str | None = None,
                  changed: list[tuple[int, int]] | None = None,
-                 progress: Progress | None = None) -> IngestedFile:
+                 progress: Progress | None = None, like: str | None = None) -> IngestedFile:
+        """Store one file; its manifest is committed with the ingest.
+
+        ``base`` + ``changed``: an incremental ingest of a fixed-chunked file that differs from
+        manifest ``base`` only in the ``changed`` (offset, length) ranges. ``like``: the manifest
+        of an earlier version of this file (the same file in the checkpoint before): new chunks
+        are stored as deltas against their old versions where that saves bytes (``delta``). An
+        incremental ingest uses its base for this. A ``like`` that is missing or cut another way
+        only means no deltas.
+        """
         if chunking not in fmt.CHUNKINGS:
             raise BadInput(f"chunking must be 'fixed' or 'cdc', not {chunking!r}")
         if (base is None) != (changed is None):
@@ -122,32 +140,37 @@ class Ingest:
         try:
             with self._mutex:
                 self.sealed = False
-                return self._add(src, chunking, base, changed, progress)
+                return self._add(src, chunking, base, changed, progress, like)
         finally:
             if opened:
                 src.close()
 
     def _add(self, src: Any, chunking: str, base: str | None,
-             changed: list[tuple[int, int]] | None, progress: Progress | None) -> IngestedFile:
+             changed: list[tuple[int, int]] | None, progress: Progress | None,
+             like: str | None) -> IngestedFile:
         size = src.size
         if base is None:
             slots: list[fmt.Entry] | None = None
             batches = iter_fixed(src) if chunking == "fixed" else self._cdc_batches(src)
             total = size
+            ref = self._reference(like, chunking, size) if like else None
         else:
             slots, ranges = self._slots_from_base(base, size, changed or [])
             total = sum(e - s for s, e in changed_spans(ranges, size))
             patcher = Patcher(self.store, src, slots)
             batches = patcher.batches(ranges)
+            ref = delta.Reference(list(slots), fixed=True)
         entries: list[fmt.Entry] = []
         stored = 0
         done = 0
-        for results in self._pipeline(batches):
+        base_read = 0
+        for results in self._pipeline(batches, ref):
             for off, cid, length, payload in results:
                 if payload is not None and cid not in self.new:
-                    codec, data = payload
+                    codec, data, read_back = payload
                     loc = self._append(cid, data, length, codec)
                     stored += loc.record_len
+                    base_read += read_back
                 if slots is None:
                     entries.append((cid, length))
                 else:
@@ -165,8 +188,9 @@ class Ingest:
         mid = fmt.manifest_id(raw)
         self.manifests[mid] = raw
         crash_point("ingest.file")
-        return IngestedFile(mid.hex(), size, stored, fmt.content_digest(raw), chunking,
-                            patcher.base_bytes_read if base is not None else 0)
+        if base is not None:
+            base_read += patcher.base_bytes_read
+        return IngestedFile(mid.hex(), size, stored, fmt.content_digest(raw), chunking, base_read)
 
     @staticmethod
     def _cdc_batches(src: Any) -> Iterator[list[tuple[int, bytes]]]:
@@ -175,6 +199,17 @@ class Ingest:
         if start is not None and PAGE_CUTTER:
             return iter_pages(src, start)
         return iter_cdc(src)
+
+    def _reference(self, like: str, chunking: str, size: int) -> delta.Reference | None:
+        """The earlier version to take delta bases from, or None when it cannot serve."""
+        try:
+            if chunking == "fixed":
+                slots, _ = self._slots_from_base(like, size, [])
+                return delta.Reference(slots, fixed=True)
+            info = self.store.load_manifest(like)
+        except KsfsError:  # gone, damaged, or not cut at 64 KiB: store this file without deltas
+            return None
+        return delta.Reference(info.entries, fixed=False) if info.chunking == chunking else None
 
     def _slots_from_base(self, base: str, size: int, changed: list[tuple[int, int]]
                          ) -> tuple[list[fmt.Entry], list[tuple[int, int]]]:
@@ -206,46 +241,94 @@ class Ingest:
         slots.extend([(None, 0)] * (count - len(slots)))
         return slots, ranges
 
-    def _pipeline(self, batches: Iterator[list[tuple[int, bytes]]]
+    def _pipeline(self, batches: Iterator[list[tuple[int, bytes]]], ref: delta.Reference | None
                   ) -> Iterator[list[tuple[int, bytes | None, int, Any]]]:
         """Hash and compress batch k on the workers while batch k+1 is read."""
         pending: list[Any] | None = None
         for batch in batches:
-            futs = self._submit(batch)
+            futs = self._submit(batch, ref)
             if pending is not None:
                 yield [r for f in pending for r in f.result()]
             pending = futs
         if pending is not None:
             yield [r for f in pending for r in f.result()]
 
-    def _submit(self, batch: list[tuple[int, bytes]]) -> list[Any]:
+    def _submit(self, batch: list[tuple[int, bytes]], ref: delta.Reference | None) -> list[Any]:
         pool = self.store.pool
         if len(batch) < 2:
-            return [pool.submit(self._digest, batch)]
+            return [pool.submit(self._digest, batch, ref)]
         mid = len(batch) // 2
-        return [pool.submit(self._digest, batch[:mid]), pool.submit(self._digest, batch[mid:])]
+        return [pool.submit(self._digest, batch[:mid], ref),
+                pool.submit(self._digest, batch[mid:], ref)]
 
-    def _digest(self, part: list[tuple[int, bytes]]) -> list[tuple[int, bytes | None, int, Any]]:
-        """On a worker: hole or id, and the compressed payload of chunks nobody has yet."""
+    def _digest(self, part: list[tuple[int, bytes]], ref: delta.Reference | None
+                ) -> list[tuple[int, bytes | None, int, Any]]:
+        """On a worker: hole or id, and the payload (codec, stored bytes, base bytes read) of
+        chunks nobody has yet, as a delta against their old version where that is smaller."""
         cctx = getattr(self._local, "cctx", None)
         if cctx is None:
             cctx = self._local.cctx = zstandard.ZstdCompressor(level=self.level)
+        ids: list[bytes | None] = []
+        for _, data in part:
+            ids.append(None if data == _zero(len(data)) else fmt.chunk_id(data))
+        olds = ref.candidates([off for off, _ in part], ids, FIXED_SIZE) if ref else None
         out = []
-        env, chunks_db = self.store.env, self.store.db["chunks"]
-        with env.begin(db=chunks_db) as txn:
-            for off, data in part:
-                n = len(data)
-                if data == _zero(n):
-                    out.append((off, None, n, None))
-                    continue
-                cid = fmt.chunk_id(data)
-                if cid in self.new or txn.get(cid) is not None:
+        bases: dict[bytes, tuple[bytes, int] | None] = {}  # this part's base reads
+        with self.store.env.begin(db=self.store.db["chunks"]) as txn:
+            for k, (off, data) in enumerate(part):
+                cid, n = ids[k], len(data)
+                if cid is None or cid in self.new or txn.get(cid) is not None:
                     out.append((off, cid, n, None))
                     continue
-                comp = cctx.compress(data)
-                payload = (fmt.CODEC_ZSTD, comp) if len(comp) < n else (fmt.CODEC_RAW, data)
+                old = olds[k] if olds else None
+                payload = self._delta(txn, old, data, bases) if old not in (None, cid) else None
+                if payload is None or not delta.clearly_small(len(payload[1]), n):
+                    comp = cctx.compress(data)
+                    alone = (fmt.CODEC_ZSTD, comp, 0) if len(comp) < n else (fmt.CODEC_RAW, data, 0)
+                    if payload is None or not delta.worth_it(len(payload[1]), len(alone[1])):
+                        payload = alone
                 out.append((off, cid, n, payload))
         return out
+
+    def _delta(self, txn: lmdb.Transaction, old: bytes, data: bytes,
+               bases: dict[bytes, tuple[bytes, int] | None]) -> tuple | None:
+        """The delta payload of data against its old version's base, or None if none."""
+        raw = txn.get(old)
+        if raw is None:
+            return None
+        loc = fmt.Location.decode(raw)
+        base_id = loc.base or old  # bases are never deltas: follow one hop
+        if base_id not in bases:
+            bases[base_id] = self._read_base(txn, base_id, loc if loc.base is None else None)
+        got = bases[base_id]
+        if got is None:
+            return None
+        plain, cost = got
+        bases[base_id] = (plain, 0)  # a base read is charged to the first delta that used it
+        return fmt.CODEC_DELTA, base_id + delta.compress(data, plain), cost
+
+    def _read_base(self, txn: lmdb.Transaction, base_id: bytes, loc: fmt.Location | None
+                   ) -> tuple[bytes, int] | None:
+        if loc is None:
+            raw = txn.get(base_id)
+            loc = None if raw is None else fmt.Location.decode(raw)
+        if loc is None or loc.codec == fmt.CODEC_DELTA:
+            return None
+        try:
+            plain = self.store.read_chunk(base_id, loc)
+        except (ChunkCorrupt, ChunkMissing) as exc:  # damage never stops a save: store it alone
+            log.warning("base chunk %s unreadable, storing without a delta: %s",
+                        base_id.hex(), exc)
+            return None
+        if self._bases_bytes < BASES_KEPT:
+            with self._mutex_bases:
+                self._bases[base_id] = plain
+                self._bases_bytes += len(plain)
+        return plain, loc.record_len
+
+    def _base(self, base_id: bytes) -> bytes:
+        plain = self._bases.get(base_id)
+        return self.store.read_base(base_id) if plain is None else plain
 
     def _append(self, cid: bytes, data: bytes, plain_len: int, codec: int) -> fmt.Location:
         w = self.writer
@@ -294,7 +377,7 @@ class Ingest:
                 if w.written and not w.synced:
                     w.sync()
             for w in self.writers:
-                w.verify(self.store.dctx, self.store.run_split)
+                w.verify(self.store.dctx, self.store.run_split, self._base)
             self.sealed = True
 
     def commit(self, txn: lmdb.Transaction) -> None:

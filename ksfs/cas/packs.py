@@ -22,9 +22,10 @@ from collections.abc import Callable
 
 import zstandard
 
+from ksfs.cas import delta
 from ksfs.cas import format as fmt
 from ksfs.crashpoints import crash_point
-from ksfs.errors import ChunkCorrupt, IntegrityError, translate
+from ksfs.errors import ChunkCorrupt, ChunkMissing, IntegrityError, translate
 
 TARGET_PACK_BYTES = 32 * 1024 * 1024
 PRUNE_EVERY_S = 1.0  # how often readers drop fds of packs another process's GC unlinked
@@ -38,10 +39,28 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+Bases = Callable[[bytes], bytes]  # base chunk id -> its plain bytes, checked (ChunkStore.read_base)
+
+
 def decode_payload(cid: bytes, payload: bytes | memoryview, codec: int, plain_len: int,
-                   dctx: zstandard.ZstdDecompressor) -> bytes:
-    """Decompress a record's payload and check it against its id; ChunkCorrupt if it differs."""
-    if codec == fmt.CODEC_ZSTD:
+                   dctx: zstandard.ZstdDecompressor, bases: Bases | None = None) -> bytes:
+    """Decompress a record's payload and check it against its id; ChunkCorrupt if it differs.
+
+    A delta's base is fetched through ``bases``; a base that cannot be read makes the delta
+    unreadable too, reported as this chunk's damage naming the base.
+    """
+    if codec == fmt.CODEC_DELTA:
+        base_id = bytes(payload[: fmt.BASE_ID_SIZE])
+        if bases is None or len(base_id) != fmt.BASE_ID_SIZE:
+            raise ChunkCorrupt(chunk=cid.hex(), why="a delta record without its base")
+        try:
+            base = bases(base_id)
+        except (ChunkCorrupt, ChunkMissing) as exc:
+            why = exc.fields.get("why") or str(exc)
+            raise ChunkCorrupt(chunk=cid.hex(),
+                               why=f"its base chunk {base_id.hex()} is unreadable: {why}") from None
+        plain = delta.decompress(cid, payload[fmt.BASE_ID_SIZE :], base, plain_len)
+    elif codec == fmt.CODEC_ZSTD:
         try:
             plain = dctx.decompress(payload, max_output_size=plain_len)
         except zstandard.ZstdError as exc:
@@ -121,7 +140,8 @@ class PackWriter:
                 if m <= 0:
                     raise OSError(errno.EIO, "short write to pack", self.path)
                 n += m
-        loc = fmt.Location(self.no, self.end, len(stored), plain_len, codec)
+        base = bytes(stored[: fmt.BASE_ID_SIZE]) if codec == fmt.CODEC_DELTA else None
+        loc = fmt.Location(self.no, self.end, len(stored), plain_len, codec, base)
         self.end += n
         self.written.append((cid, loc))
         self.synced = False
@@ -140,7 +160,8 @@ class PackWriter:
         self.synced = True
 
     def verify(self, dctx: zstandard.ZstdDecompressor,
-               run: Callable[[Callable[[list], None], list], None] | None = None) -> None:
+               run: Callable[[Callable[[list], None], list], None] | None = None,
+               bases: Bases | None = None) -> None:
         """Re-read every record this writer appended and check it decompresses to its id."""
         if not self.written:
             return
@@ -159,7 +180,7 @@ class PackWriter:
                 head = fmt.decode_record_header(rec[: fmt.HEADER_SIZE])
                 if isinstance(head, str) or head[0] != cid:
                     raise ChunkCorrupt(chunk=cid.hex(), why=f"re-read after write: {head!r:.60}")
-                decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, d)
+                decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, d, bases)
 
         if run is None:
             check(jobs)

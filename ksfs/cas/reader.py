@@ -141,7 +141,7 @@ class FileReader:
                     locs.append(None)
                 else:
                     raw = txn.get(cid)
-                    locs.append(None if raw is None else INDEX_VALUE.unpack(raw))
+                    locs.append(None if raw is None else INDEX_VALUE.unpack_from(raw))
         out: list[bytes | memoryview] = []
         n = len(task)
         k = 0
@@ -237,7 +237,8 @@ def _check_record(cid: bytes, loc: tuple, span: memoryview, span_off: int,
     if decode_record_header(rec) != (cid, plain_len, stored_len, codec):
         return None
     try:
-        return decode_payload(cid, rec[HEADER_SIZE:], codec, plain_len, store.dctx)
+        return decode_payload(cid, rec[HEADER_SIZE:], codec, plain_len, store.dctx,
+                              store.read_base)
     except KsfsError:
         return None
 

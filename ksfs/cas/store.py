@@ -240,7 +240,15 @@ class ChunkStore:
             raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack}: header disagrees with "
                                "the index")
         payload = memoryview(raw)[fmt.HEADER_SIZE :]  # no copy of the payload before zstd
-        return decode_payload(cid, payload, loc.codec, loc.plain_len, self.dctx)
+        return decode_payload(cid, payload, loc.codec, loc.plain_len, self.dctx, self.read_base)
+
+    def read_base(self, cid: bytes) -> bytes:
+        """The plain bytes of a delta's base chunk, which must not be a delta itself: one hop
+        at most, so a damaged index can never send a read round a cycle."""
+        loc = self.lookup(cid)
+        if loc is not None and loc.codec == fmt.CODEC_DELTA:
+            raise ChunkCorrupt(chunk=cid.hex(), why="a delta's base is itself a delta")
+        return self.read_chunk(cid, loc)
 
     # --- manifests -----------------------------------------------------------------------
 

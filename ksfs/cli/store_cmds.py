@@ -45,7 +45,9 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
     """Store FILES as checkpoint CHECKPOINT of SESSION (created offline when missing).
 
     Each file is stored under its base name. disk*.raw, *.img and --disk files are chunked at
-    fixed 64 KiB boundaries, everything else by content (FastCDC).
+    fixed 64 KiB boundaries, memory images at their page records, everything else by content
+    (FastCDC). Chunks that changed since the file of the same name in SESSION's latest
+    checkpoint are stored as deltas against their old versions where that saves bytes.
 
     Example: ksfs import demo c1 disk.raw memory
     """

@@ -272,7 +272,9 @@ class MachineVerbs:
         bytes_read = 0  # from the frozen disk layers (allocated data; zero clusters cost nothing)
         base_read = 0  # stored bytes of base chunks read back to patch sub-chunk changes
         with self.store.ingest() as ingest:
-            f = ingest.add_file(str(frozen.memory_path), chunking="cdc")
+            prev_memory = base.file(MEMORY_FILE) if base is not None else None
+            f = ingest.add_file(str(frozen.memory_path), chunking="cdc",
+                                like=prev_memory.manifest if prev_memory else None)
             files.append(FileRecord(MEMORY_FILE, f.manifest, f.size, f.stored, f.chunking,
                                     f.digest))
             for i, disk in enumerate(frozen.disks):

@@ -73,11 +73,15 @@ class OfflineVerbs:
                     progress(done + n, total)
 
             try:
+                # new chunks are stored as deltas against the session's last checkpoint
+                before = self.ledger.latest_checkpoint(session)
                 with self.store.ingest() as ingest:
                     records = []
                     for p in paths:
                         chunking = "fixed" if (p in disk_set or is_disk_image(p.name)) else "cdc"
-                        f = ingest.add_file(str(p), chunking=chunking, progress=step)
+                        prev = before.file(p.name) if before is not None else None
+                        f = ingest.add_file(str(p), chunking=chunking, progress=step,
+                                            like=prev.manifest if prev else None)
                         done += f.size
                         records.append(
                             FileRecord(p.name, f.manifest, f.size, f.stored, f.chunking, f.digest)

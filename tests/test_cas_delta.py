@@ -1,0 +1,289 @@
+"""Delta chunks: a new version of a chunk stored against its old version as zstd dictionary.
+
+Successive memory images and disk images of one machine are ingested with ``like`` (the earlier
+version); the tests show the new versions read back byte-identical, cost a fraction of what they
+cost alone, always decode against a plain base (one hop), and that GC, repack and check treat a
+base as the live, movable, checkable dependency it is.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import subprocess
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ksfs.cas import ChunkStore
+from ksfs.cas import format as fmt
+from ksfs.errors import ChunkCorrupt
+from tests.cas_helpers import K64, flip, put, record
+from tests.cli_helpers import KSFS, ksfs
+
+PAGE = 4096
+
+
+def memory_image(pages: dict[int, bytes | None]) -> bytes:
+    """A libvirt save image whose RAM section holds ``pages`` (address -> page, None: zero)."""
+    out = bytearray(b"QEVM\0\0\0\x03\x01\x00\x00\x00\x02")
+    for i, addr in enumerate(sorted(pages)):
+        out += record(addr, pages[addr], first=(i == 0))
+    out += struct.pack(">Q", 0x10) + b"device state " * 200
+    xml = b"<domain/>\0"
+    head = b"LibvirtQemudSave" + struct.pack("<5I", 2, len(xml), 1, 0, 0) + bytes(56)
+    return head + xml + bytes(out)
+
+
+def guest_pages(rng: random.Random, n: int = 2048) -> dict[int, bytes | None]:
+    """8 MiB of guest RAM: runs of zero pages and of pages of random bytes."""
+    pages: dict[int, bytes | None] = {}
+    data = False
+    for i in range(n):
+        if rng.random() < 1 / 16:
+            data = rng.random() < 0.4
+        pages[i * PAGE] = rng.randbytes(PAGE) if data else None
+    return pages
+
+
+def evolve(rng: random.Random, pages: dict[int, bytes | None], changes: int = 40
+           ) -> dict[int, bytes | None]:
+    """The next save of the same guest: pages rewritten, half-rewritten, freed (turned zero) and
+    allocated (zero turned data), so the stream's offsets shift as in a real one."""
+    new = dict(pages)
+    for addr in rng.sample(sorted(pages), changes):
+        old = pages[addr]
+        kind = rng.random()
+        if kind < 0.5:
+            new[addr] = rng.randbytes(PAGE)
+        elif kind < 0.7:
+            new[addr] = None
+        else:
+            new[addr] = (old or bytes(PAGE))[: PAGE // 2] + rng.randbytes(PAGE // 2)
+    return new
+
+
+def disk_image(rng: random.Random, clusters: int = 48) -> bytes:
+    return b"".join(rng.choice([bytes(K64), rng.randbytes(K64)]) for _ in range(clusters))
+
+
+def touch(rng: random.Random, image: bytes, writes: int = 12) -> tuple[bytes, list]:
+    """The disk after a guest wrote ``writes`` 512-byte blocks: (image, changed ranges)."""
+    buf = bytearray(image)
+    changed = []
+    for _ in range(writes):
+        off = rng.randrange(len(buf) // 512) * 512
+        buf[off : off + 512] = rng.randbytes(512)
+        changed.append((off, 512))
+    return bytes(buf), changed
+
+
+def locations(store: ChunkStore, manifest: str) -> dict[bytes, fmt.Location]:
+    info = store.load_manifest(manifest)
+    return {cid: store.lookup(cid) for cid, _ in info.entries if cid is not None}
+
+
+def read_back(store: ChunkStore, manifest: str, want: bytes, rng: random.Random) -> None:
+    reader = store.open_file(manifest)
+    assert reader.read(0, len(want) + 1) == want
+    for _ in range(60):
+        off = rng.randrange(len(want))
+        n = rng.randrange(1, 3 * K64)
+        assert reader.read(off, n) == want[off : off + n]
+    assert b"".join(bytes(p) for part in store.open_file(manifest).stream() for p in part) == want
+
+
+@pytest.fixture
+def stores(tmp_path):
+    opened = []
+
+    def make(name: str) -> ChunkStore:
+        s = ChunkStore.open(tmp_path / name, create=True)
+        opened.append(s)
+        return s
+
+    yield make
+    for s in opened:
+        s.close()
+
+
+def test_memory_versions_are_deltas_read_back_and_cost_a_fraction(stores):
+    rng = random.Random(7)
+    versions = [guest_pages(rng)]
+    for _ in range(3):
+        versions.append(evolve(rng, versions[-1]))
+    images = [memory_image(p) for p in versions]
+    with_like, alone = stores("like"), stores("alone")
+    prev = None
+    later = {"like": 0, "alone": 0}
+    made = []
+    for i, image in enumerate(images):
+        f = put(with_like, image, "cdc", like=prev)
+        g = put(alone, image, "cdc")
+        made.append(f)
+        prev = f.manifest
+        if i:
+            later["like"] += f.stored
+            later["alone"] += g.stored
+    for f, image in zip(made, images, strict=True):
+        read_back(with_like, f.manifest, image, rng)
+    # every changed page costs a 32 KiB page group alone, about itself as a delta
+    assert later["like"] < 0.5 * later["alone"], later
+    deltas = [loc for f in made[1:] for loc in locations(with_like, f.manifest).values()
+              if loc.codec == fmt.CODEC_DELTA]
+    assert len(deltas) >= 20
+    for loc in deltas:  # one hop: a base is always a plain chunk
+        base = with_like.lookup(loc.base)
+        assert base is not None and base.codec != fmt.CODEC_DELTA
+    assert with_like.check(read_data=True).ok
+
+
+def test_disk_versions_are_deltas_whole_and_incremental(stores):
+    rng = random.Random(11)
+    v0 = disk_image(rng)
+    v1, changed1 = touch(rng, v0)
+    v2, changed2 = touch(rng, v1)
+    store, alone = stores("like"), stores("alone")
+    f0 = put(store, v0)
+    f1 = put(store, v1, like=f0.manifest)  # a whole image, as `ksfs import` reads it
+    f2 = put(store, v2, base=f1.manifest, changed=changed2)  # a save's changed ranges
+    put(alone, v0)
+    g1 = put(alone, v1)
+    assert f1.stored < 0.2 * g1.stored, (f1.stored, g1.stored)
+    assert f2.stored < 0.2 * g1.stored
+    assert f2.base_bytes_read > 0  # the bases it read are counted
+    for f, want in ((f0, v0), (f1, v1), (f2, v2)):
+        read_back(store, f.manifest, want, rng)
+    # v2's new chunks go back past v1's deltas to their plain bases (v0's, or v1's where v0
+    # had a hole)
+    plain = {cid for f in (f0, f1) for cid, loc in locations(store, f.manifest).items()
+             if loc.codec != fmt.CODEC_DELTA}
+    v1_deltas = {cid for cid, loc in locations(store, f1.manifest).items()
+                 if loc.codec == fmt.CODEC_DELTA}
+    assert v1_deltas
+    for cid, loc in locations(store, f2.manifest).items():
+        if cid not in v1_deltas and loc.codec == fmt.CODEC_DELTA:
+            assert loc.base in plain
+
+
+def test_gc_keeps_the_bases_of_live_deltas_and_frees_the_rest(stores):
+    rng = random.Random(3)
+    store = stores("s")
+    pages0 = guest_pages(rng)
+    m0, m1 = memory_image(pages0), memory_image(evolve(rng, pages0))
+    f0 = put(store, m0, "cdc")
+    f1 = put(store, m1, "cdc", like=f0.manifest)
+    locs1 = locations(store, f1.manifest)
+    bases = {loc.base for loc in locs1.values() if loc.base is not None}
+    assert bases
+    ids0 = set(locations(store, f0.manifest))
+    res = store.gc([f1.manifest], threshold=0.0)
+    assert res.chunks_freed == len(ids0 - set(locs1) - bases)
+    for b in bases:
+        assert store.lookup(b) is not None
+    read_back(store, f1.manifest, m1, rng)
+    # repack everything: bases and deltas move to new packs and still decode
+    res = store.gc([f1.manifest], threshold=1.0)
+    assert res.packs_repacked
+    read_back(store, f1.manifest, m1, rng)
+    assert store.check(read_data=True).ok
+    store.gc([], threshold=0.5)
+    assert store.stats()["chunks"] == 0
+
+
+def test_a_damaged_or_lost_base_is_named_with_its_deltas(stores):
+    rng = random.Random(5)
+    store = stores("s")
+    v0 = disk_image(rng)
+    v1, _ = touch(rng, v0, writes=10)
+    f0 = put(store, v0)
+    f1 = put(store, v1, like=f0.manifest)
+    deltas = {cid: loc for cid, loc in locations(store, f1.manifest).items()
+              if loc.codec == fmt.CODEC_DELTA}
+    cid, loc = next(iter(deltas.items()))
+    flip(store, loc.base)
+    reader = store.open_file(f1.manifest)
+    start = next(s for s, _, c in reader.stored_extents() if c == cid)
+    with pytest.raises(ChunkCorrupt) as err:
+        reader.read(start, 100)
+    assert err.value.fields["chunk"] == cid.hex() and loc.base.hex() in str(err.value)
+    report = store.check(read_data=True)
+    assert loc.base.hex() in report.damaged_chunks
+    assert loc.base.hex() in report.damaged_chunks[cid.hex()]
+    assert {f0.manifest, f1.manifest} <= set(report.affected_manifests)
+
+    # a base gone from the index: check names the delta without reading any data
+    with store.env.begin(write=True) as txn:
+        txn.delete(loc.base, db=store.db["chunks"])
+    report = store.check(read_data=False)
+    assert "not in the index" in report.damaged_chunks[cid.hex()]
+    assert f1.manifest in report.affected_manifests
+
+
+def test_a_reference_that_cannot_serve_only_means_no_deltas(stores):
+    rng = random.Random(9)
+    store = stores("s")
+    v0 = disk_image(rng, 8)
+    v1, _ = touch(rng, v0)
+    mem = put(store, memory_image(guest_pages(rng, 64)), "cdc")
+    for like in ("00" * 32, mem.manifest):  # unknown; cut another way
+        f = put(store, v1, like=like)
+        assert all(loc.codec != fmt.CODEC_DELTA for loc in locations(store, f.manifest).values())
+        read_back(store, f.manifest, v1, rng)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32), edits=st.lists(
+    st.tuples(st.floats(0, 1), st.integers(0, 3000), st.integers(0, 3)), max_size=12))
+def test_edited_files_round_trip_as_deltas(tmp_path_factory, seed, edits):
+    """Overwrites, inserts and deletes at any place: every version reads back exactly."""
+    rng = random.Random(seed)
+    text = b" ".join(b"w%d" % rng.randrange(5000) for _ in range(60_000))
+    data = bytearray(text[: 200_000] + rng.randbytes(60_000) + bytes(70_000) + text[200_000:])
+    for where, n, kind in edits:
+        at = int(where * len(data))
+        if kind == 0:
+            data[at : at + n] = rng.randbytes(n)
+        elif kind == 1:
+            data[at:at] = rng.randbytes(n)
+        elif kind == 2:
+            del data[at : at + n]
+        else:
+            data[at : at + n] = bytes(n)
+    store = ChunkStore.open(tmp_path_factory.mktemp("h") / "s", create=True)
+    try:
+        f0 = put(store, text, "cdc")
+        f1 = put(store, bytes(data), "cdc", like=f0.manifest)
+        read_back(store, f1.manifest, bytes(data), rng)
+        read_back(store, f0.manifest, text, rng)
+    finally:
+        store.close()
+
+
+def test_ksfs_import_stores_against_the_sessions_last_checkpoint(tmp_path):
+    rng = random.Random(13)
+    pages = guest_pages(rng)
+    images = [memory_image(pages), memory_image(evolve(rng, pages))]
+    paths = []
+    for i, image in enumerate(images):
+        p = tmp_path / f"c{i}" / "memory"
+        p.parent.mkdir()
+        p.write_bytes(image)
+        paths.append(p)
+    store, plain = tmp_path / "store", tmp_path / "plain"
+
+    def stored(where, *args: str) -> int:
+        files = json.loads(ksfs(where, None, "import", "--json", *args).stdout)["files"]
+        return sum(f["stored"] for f in files)
+
+    assert stored(store, "s", "c0", str(paths[0])) > 0
+    second = stored(store, "s", "c1", str(paths[1]))
+    stored(plain, "a", "c0", str(paths[0]))
+    alone = stored(plain, "b", "c1", str(paths[1]))  # another session: nothing to go by
+    assert second < 0.5 * alone, (second, alone)
+    cat = subprocess.run([*KSFS, "--store", str(store), "cat", "s", "c1", "memory"],
+                         capture_output=True, check=True).stdout
+    assert cat == images[1]
+    assert ksfs(store, None, "check", "--read-data").returncode == 0
