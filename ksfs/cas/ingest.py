@@ -157,7 +157,7 @@ class Ingest:
         else:
             slots, ranges = self._slots_from_base(base, size, changed or [])
             total = sum(e - s for s, e in changed_spans(ranges, size))
-            patcher = Patcher(self.store, src, slots)
+            patcher = Patcher(self.store, src, slots, keep=self._keep_base)
             batches = patcher.batches(ranges)
             ref = delta.Reference(list(slots), fixed=True)
         entries: list[fmt.Entry] = []
@@ -309,6 +309,9 @@ class Ingest:
 
     def _read_base(self, txn: lmdb.Transaction, base_id: bytes, loc: fmt.Location | None
                    ) -> tuple[bytes, int] | None:
+        kept = self._bases.get(base_id)
+        if kept is not None:  # the patcher read it already (and counted it)
+            return kept, 0
         if loc is None:
             raw = txn.get(base_id)
             loc = None if raw is None else fmt.Location.decode(raw)
@@ -320,11 +323,16 @@ class Ingest:
             log.warning("base chunk %s unreadable, storing without a delta: %s",
                         base_id.hex(), exc)
             return None
+        self._keep_base(base_id, plain)
+        return plain, loc.record_len
+
+    def _keep_base(self, base_id: bytes, plain: bytes) -> None:
+        """Remember a checked plain base chunk for later deltas and for the seal's verify."""
         if self._bases_bytes < BASES_KEPT:
             with self._mutex_bases:
-                self._bases[base_id] = plain
-                self._bases_bytes += len(plain)
-        return plain, loc.record_len
+                if base_id not in self._bases:
+                    self._bases[base_id] = plain
+                    self._bases_bytes += len(plain)
 
     def _base(self, base_id: bytes) -> bytes:
         plain = self._bases.get(base_id)

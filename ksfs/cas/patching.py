@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ksfs.cas import format as fmt
@@ -26,10 +26,12 @@ class Patcher:
     image, not whole chunks around each written block.
     """
 
-    def __init__(self, store: ChunkStore, src: Any, slots: list[fmt.Entry]) -> None:
+    def __init__(self, store: ChunkStore, src: Any, slots: list[fmt.Entry],
+                 keep: Callable[[bytes, bytes], None] | None = None) -> None:
         self.store = store
         self.src = src
         self.slots = slots
+        self.keep = keep  # told each plain base chunk read, so a delta against it reads none
         self.base_bytes_read = 0
 
     def batches(self, ranges: list[tuple[int, int]]) -> Iterator[list[tuple[int, bytes]]]:
@@ -52,7 +54,7 @@ class Patcher:
         else:
             loc = self.store.lookup(cid)
             try:
-                buf = bytearray(self.store.read_chunk(cid, loc))
+                base = self.store.read_chunk(cid, loc)
             except (ChunkCorrupt, ChunkMissing) as exc:
                 # The frozen image has every byte: read the chunk whole, as if no base were
                 # known, so damage in the store never stops a running session's saves.
@@ -61,6 +63,9 @@ class Patcher:
                             start, exc)
                 return read_exact(self.src, start, n)
             self.base_bytes_read += loc.record_len if loc is not None else 0
+            if self.keep is not None and loc is not None and loc.codec != fmt.CODEC_DELTA:
+                self.keep(cid, base)
+            buf = bytearray(base)
         for a, b in parts:
             buf[a - start : b - start] = read_exact(self.src, a, b - a)
         return bytes(buf)
