@@ -21,6 +21,7 @@ CDC_MAX = 64 * 1024
 BATCH_BYTES = 8 * 1024 * 1024  # read this much per batch: big sequential reads, bounded memory
 
 Batch = list[tuple[int, bytes]]
+ZERO_CHUNK = bytes(FIXED_SIZE)
 
 
 class Source(Protocol):
@@ -98,7 +99,16 @@ def iter_fixed(
         while pos < end:
             n = min(BATCH_BYTES, end - pos)
             data = read_exact(source, pos, n)
-            yield [(pos + i, data[i : i + FIXED_SIZE]) for i in range(0, n, FIXED_SIZE)]
+            batch = []
+            for i in range(0, n, FIXED_SIZE):
+                # A disk image is mostly zeros: a zero chunk is found by memcmp in place and
+                # handed on as one shared object, not as a fresh 64 KiB slice to allocate
+                # (page faults in a fresh process) and compare again.
+                if data.startswith(ZERO_CHUNK, i, i + FIXED_SIZE):
+                    batch.append((pos + i, ZERO_CHUNK))
+                else:
+                    batch.append((pos + i, data[i : i + FIXED_SIZE]))
+            yield batch
             pos += n
 
 

@@ -22,7 +22,14 @@ import zstandard
 
 from ksfs.cas import delta
 from ksfs.cas import format as fmt
-from ksfs.cas.chunking import FIXED_SIZE, changed_spans, iter_cdc, iter_fixed, open_source
+from ksfs.cas.chunking import (
+    FIXED_SIZE,
+    ZERO_CHUNK,
+    changed_spans,
+    iter_cdc,
+    iter_fixed,
+    open_source,
+)
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.cas.patching import Patcher
@@ -36,7 +43,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 PAGE_CUTTER = True  # False: memory images go through plain FastCDC too (for the benchmark)
 BASES_KEPT = 64 * 1024 * 1024  # plain bytes of delta bases an ingest keeps for its seal
-_zeros: dict[int, bytes] = {}
+_zeros: dict[int, bytes] = {FIXED_SIZE: ZERO_CHUNK}  # the chunker's own: compared by identity
 
 
 def _zero(n: int) -> bytes:
