@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ksfs.cas import ChunkStore
 from ksfs.cas import format as fmt
-from ksfs.errors import ChunkCorrupt
+from ksfs.errors import ChunkCorrupt, NotAStore
 from tests.cas_helpers import K64, flip, put, record
 from tests.cli_helpers import KSFS, ksfs
 
@@ -287,3 +287,29 @@ def test_ksfs_import_stores_against_the_sessions_last_checkpoint(tmp_path):
                          capture_output=True, check=True).stdout
     assert cat == images[1]
     assert ksfs(store, None, "check", "--read-data").returncode == 0
+
+
+def test_a_version_1_store_is_read_and_marked_2_before_its_first_delta(tmp_path):
+    """Stores from before deltas open as they are; an ingest raises the marker first, so an
+    older ksfs refuses the store instead of taking its deltas for damage. An unknown version is
+    refused and left alone."""
+    rng = random.Random(17)
+    v0 = disk_image(rng, 8)
+    path = tmp_path / "s"
+    with ChunkStore.open(path, create=True) as store:
+        f0 = put(store, v0)
+    marker = path / "ksfs.json"
+    old = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**old, "version": 1}))
+    with ChunkStore.open(path) as store:
+        assert store.open_file(f0.manifest).read(0, len(v0)) == v0
+        assert json.loads(marker.read_text())["version"] == 1  # reading changes nothing
+        v1, _ = touch(rng, v0)
+        put(store, v1, like=f0.manifest)
+    assert json.loads(marker.read_text()) == {**old, "version": 2}
+    assert sorted(p.name for p in path.iterdir() if p.name.startswith("ksfs.json")) == [
+        "ksfs.json"]
+    marker.write_text(json.dumps({**old, "version": 3}))
+    with pytest.raises(NotAStore, match="version 3"):
+        ChunkStore.open(path)
+    assert json.loads(marker.read_text())["version"] == 3

@@ -39,7 +39,11 @@ from ksfs.errors import (
 
 MARKER = "ksfs.json"
 FORMAT = "ksfs-store"
-VERSION = 1
+# 1: no delta chunks. 2: delta chunks (codec 2). An ingest raises a version-1 store's marker to
+# 2 before it writes anything, so a ksfs that knows only 1 refuses the store with a clear reason
+# instead of reporting every delta as damage.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 LAYOUT = ("index", "packs", "staging", "vm")
 MAP_SIZE = 1 << 40 if sys.maxsize > 2**32 else 1 << 30  # sparse: LMDB only maps, never fills
 MAX_DBS = 32
@@ -122,9 +126,10 @@ class ChunkStore:
             raise NotAStore(path=path, why=f"its {MARKER} marker is unreadable: {exc}") from None
         if not isinstance(marker, dict) or marker.get("format") != FORMAT:
             raise NotAStore(path=path, why=f"its {MARKER} marker is not a ksfs-store marker")
-        if marker.get("version") != VERSION:
+        if marker.get("version") not in READABLE_VERSIONS:
+            known = " or ".join(map(str, READABLE_VERSIONS))
             raise NotAStore(path=path, why=f"store format version {marker.get('version')!r} "
-                            f"is not {VERSION}")
+                            f"is not one this ksfs reads ({known})")
         if not os.path.isdir(os.path.join(path, "index")):
             raise NotAStore(path=path, why="its index/ directory is missing")
         return cls(path, marker, level)
@@ -286,7 +291,16 @@ class ChunkStore:
     def ingest(self) -> Any:
         from ksfs.cas.ingest import Ingest
 
+        self._raise_version()
         return Ingest(self)
+
+    def _raise_version(self) -> None:
+        """Mark an older store as this version before the first write that may need it."""
+        if self.marker.get("version") == VERSION:
+            return
+        with translate("upgrade the store marker", self.path):
+            _write_marker(self.path, {**self.marker, "version": VERSION})
+        self.marker = {**self.marker, "version": VERSION}
 
     def check(self, read_data: bool = False,
               references: dict[str, list[str]] | None = None) -> Any:
@@ -324,7 +338,8 @@ class ChunkStore:
 def _create_layout(path: str) -> None:
     """Make a new store's directories; the marker comes last, so a half-made store is none."""
     if os.path.isdir(path):
-        extra = set(os.listdir(path)) - set(LAYOUT) - {"lock", MARKER + ".tmp"}
+        extra = {n for n in os.listdir(path) if not n.startswith(MARKER + ".")}
+        extra -= set(LAYOUT) | {"lock"}
         if extra:
             raise NotAStore(path=path, why="it is a non-empty directory without a ksfs marker")
     with translate("create the store", path):
@@ -338,11 +353,14 @@ def _create_layout(path: str) -> None:
                 env.open_db(name.encode())
         finally:
             _close_env(os.path.realpath(os.path.join(path, "index")))
-        marker = {"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex}
-        tmp = os.path.join(path, MARKER + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(path, MARKER))
-        fsync_dir(path)
+        _write_marker(path, {"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex})
+
+
+def _write_marker(path: str, marker: dict[str, Any]) -> None:
+    tmp = os.path.join(path, f"{MARKER}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(path, MARKER))
+    fsync_dir(path)
