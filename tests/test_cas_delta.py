@@ -14,10 +14,11 @@ import struct
 import subprocess
 
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ksfs.cas import ChunkStore
+from ksfs.cas import ChunkStore, delta
 from ksfs.cas import format as fmt
 from ksfs.errors import ChunkCorrupt, NotAStore
 from tests.cas_helpers import K64, flip, put, record
@@ -313,3 +314,77 @@ def test_a_version_1_store_is_read_and_marked_2_before_its_first_delta(tmp_path)
     with pytest.raises(NotAStore, match="version 3"):
         ChunkStore.open(path)
     assert json.loads(marker.read_text())["version"] == 3
+
+
+def test_old_versions_are_found_by_byte_distance_across_zero_runs():
+    """The reference merges a zero run into one hole entry; the new file has a chunk per 64 KiB
+    of it. Chunks after the run still map to their own old versions, from the nearer anchor."""
+    a, b, c, d, x = (bytes([i]) * 32 for i in range(1, 6))
+    ref = delta.Reference([(a, 1000), (None, 5 * K64), (b, 3000), (c, 2000), (d, 500)],
+                          fixed=False)
+    offsets = [0, 1000] + [1000 + i * K64 for i in range(1, 5)] + [1000 + 5 * K64]
+    offsets += [offsets[-1] + 3000, offsets[-1] + 5000]
+    ids = [a] + [None] * 5 + [x, x + b"2", d]  # b and c rewritten, d kept
+    got = delta.Reference.candidates(ref, offsets, ids, K64)
+    assert got[6] == b and got[7] == c
+    assert got[1:6] == [None] * 5 and got[0] is None and got[8] is None
+    # an id held twice in the old file anchors nothing
+    twice = delta.Reference([(a, 100), (b, 100), (a, 100), (c, 100)], fixed=False)
+    assert twice.candidates([0, 100], [a, x], K64) == [None, None]
+    assert twice.candidates([0, 100], [b, x], K64) == [None, a]
+
+
+def test_a_delta_is_kept_only_when_a_tenth_smaller_than_the_chunk_alone(stores):
+    rng = random.Random(19)
+    store = stores("s")
+    pages = guest_pages(rng)
+    for k in list(pages)[::7]:  # pages that compress well alone, changed or not
+        pages[k] = (b"%d " % k * PAGE)[: PAGE // 2] + bytes(PAGE // 2)
+    f0 = put(store, memory_image(pages), "cdc")
+    f1 = put(store, memory_image(evolve(rng, pages, 80)), "cdc", like=f0.manifest)
+    alone = zstandard.ZstdCompressor(level=3)
+    kept = 0
+    for cid, loc in locations(store, f1.manifest).items():
+        if loc.codec == fmt.CODEC_DELTA:
+            plain = store.read_chunk(cid)
+            assert loc.stored_len < 0.9 * min(len(alone.compress(plain)), len(plain))
+            kept += 1
+    assert kept
+
+
+def test_check_names_an_index_entry_whose_codec_and_base_disagree(stores):
+    rng = random.Random(23)
+    store = stores("s")
+    v0 = disk_image(rng, 16)
+    f0 = put(store, v0)
+    f1 = put(store, touch(rng, v0)[0], like=f0.manifest)
+    cid, loc = next((c, lo) for c, lo in locations(store, f1.manifest).items()
+                    if lo.codec == fmt.CODEC_DELTA)
+    with store.env.begin(write=True) as txn:  # the base id lost from the index entry
+        txn.put(cid, fmt.Location(loc.pack, loc.offset, loc.stored_len, loc.plain_len,
+                                  loc.codec).encode(), db=store.db["chunks"])
+    assert "disagree" in store.check().damaged_chunks[cid.hex()]
+    with store.env.begin(write=True) as txn:  # an index entry naming another base
+        txn.put(cid, fmt.Location(loc.pack, loc.offset, loc.stored_len, loc.plain_len,
+                                  loc.codec, base=bytes(32)).encode(), db=store.db["chunks"])
+    with pytest.raises(ChunkCorrupt, match="another base"):
+        store.read_chunk(cid)
+    assert cid.hex() in store.check().damaged_chunks
+
+
+def test_racing_marker_upgrades_leave_one_whole_marker(tmp_path):
+    import threading
+
+    from ksfs.cas import store as store_mod
+
+    path = tmp_path / "s"
+    ChunkStore.open(path, create=True).close()
+    old = json.loads((path / "ksfs.json").read_text())
+    threads = [threading.Thread(target=store_mod._write_marker,
+                                args=(str(path), {**old, "n": i})) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert json.loads((path / "ksfs.json").read_text())["id"] == old["id"]
+    assert [p.name for p in path.iterdir() if p.name.startswith("ksfs.json")] == ["ksfs.json"]

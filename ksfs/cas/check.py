@@ -224,6 +224,10 @@ def _check_bases(chunks: list[tuple[bytes, fmt.Location]], rep: CheckReport) -> 
     """Every delta's base is indexed, not a delta itself, and sound: else the delta is lost too."""
     locs = dict(chunks)
     for cid, loc in chunks:
+        if (loc.base is None) != (loc.codec != fmt.CODEC_DELTA):
+            # GC keeps the base the index names: an entry that disagrees could lose one
+            rep.damaged_chunks.setdefault(cid.hex(), "its index entry's codec and base disagree")
+            continue
         if loc.base is None:
             continue
         base = locs.get(loc.base)

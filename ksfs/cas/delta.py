@@ -7,14 +7,15 @@ zstd dictionary, the unchanged pages become back-references costing a few bytes.
 
 The previous version is found through a reference manifest (the same file in the checkpoint
 before): for fixed chunking the chunk at the same offset; for content-defined or page-cut files
-the chunk as far from the nearest unchanged chunk (an "anchor", found in the reference by id) in
-the old file as the new chunk is in the new one, since both list their pieces in the same order.
+the chunk as many bytes from the nearest unchanged chunk (an "anchor", found in the reference by
+id) in the old file as the new chunk is in the new one, since both hold their pieces in order.
 Bases are always plain chunks (if the old version is itself a delta, its base is used), so a
 read never follows more than one hop, and a delta is kept only when it saves a tenth of the bytes.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import zstandard
@@ -54,22 +55,35 @@ def worth_it(stored_len: int, alone_len: int) -> bool:
     return stored_len < alone_len * KEEP_RATIO
 
 
-def clearly_small(stored_len: int, plain_len: int) -> bool:
-    """A delta this small wins without compressing the chunk alone to compare (saves the time):
-    zstd alone rarely gets a memory or disk chunk under a quarter of its size."""
-    return stored_len * 4 < plain_len
-
-
 class Reference:
-    """The chunk ids of an earlier version of a file, to find each new chunk's old version."""
+    """The chunk ids of an earlier version of a file, to find each new chunk's old version.
+
+    Fixed chunking: one id per 64 KiB slot, the old version is the slot at the same offset.
+    Otherwise the old version is the old chunk at the same distance from the nearest anchor
+    (a chunk both versions hold, found by id) in bytes, not in entries: a run of zero chunks is
+    one hole entry in the old manifest but many chunks in the new file.
+    """
 
     def __init__(self, entries: Sequence[fmt.Entry], fixed: bool) -> None:
         self.fixed = fixed
         self.ids = [cid for cid, _ in entries]
-        self.index: dict[bytes, int] = {}
-        for k, cid in enumerate(self.ids):
+        self.starts: list[int] = []
+        self.size = 0
+        self.offset_of: dict[bytes, int] = {}  # anchor id -> old offset, ids seen once only
+        if fixed:
+            return
+        pos = 0
+        seen_twice: set[bytes] = set()
+        for cid, length in entries:
+            self.starts.append(pos)
             if cid is not None:
-                self.index.setdefault(cid, k)
+                if cid in self.offset_of:
+                    seen_twice.add(cid)
+                self.offset_of[cid] = pos
+            pos += length
+        self.size = pos
+        for cid in seen_twice:  # an id in two places says nothing about where a chunk was
+            del self.offset_of[cid]
 
     def candidates(self, offsets: Sequence[int], ids: Sequence[bytes | None],
                    fixed_size: int) -> list[bytes | None]:
@@ -77,28 +91,35 @@ class Reference:
 
         ``offsets`` and ``ids`` are the run's chunks in file order (None for a hole).
         """
+        if self.fixed:
+            return [self._at(off // fixed_size) for off in offsets]
         n = len(ids)
-        if self.fixed:  # the reference's ids are one per fixed-size slot
-            out = []
-            for off in offsets:
-                k = off // fixed_size
-                out.append(self.ids[k] if k < len(self.ids) else None)
-            return out
-        old_at = [None if cid is None else self.index.get(cid) for cid in ids]
-        out = [None] * n
-        last = None  # (position in the run, index in the reference) of the nearest anchor before
+        anchor = [None if cid is None else self.offset_of.get(cid) for cid in ids]
+        before: list[int | None] = [None] * n  # position of the nearest anchor at or before k
+        last = None
         for k in range(n):
-            if old_at[k] is not None:
-                last = (k, old_at[k])
-            elif last is not None:
-                out[k] = self._at(last[1] + k - last[0])
-        nxt = None  # chunks before the run's first anchor map back from the anchor after them
+            if anchor[k] is not None:
+                last = k
+            before[k] = last
+        out: list[bytes | None] = [None] * n
+        after = None
         for k in range(n - 1, -1, -1):
-            if old_at[k] is not None:
-                nxt = (k, old_at[k])
-            elif out[k] is None and nxt is not None:
-                out[k] = self._at(nxt[1] - (nxt[0] - k))
+            if anchor[k] is not None:
+                after = k
+                continue
+            b = before[k]
+            near = b if after is None or (b is not None and
+                                          offsets[k] - offsets[b] <= offsets[after] - offsets[k]
+                                          ) else after
+            if near is not None:
+                out[k] = self._covering(anchor[near] + offsets[k] - offsets[near])
         return out
 
     def _at(self, k: int) -> bytes | None:
         return self.ids[k] if 0 <= k < len(self.ids) else None
+
+    def _covering(self, old_offset: int) -> bytes | None:
+        """The id of the old chunk holding byte old_offset (None: a hole, or outside)."""
+        if old_offset < 0 or old_offset >= self.size:
+            return None
+        return self._at(bisect.bisect_right(self.starts, old_offset) - 1)

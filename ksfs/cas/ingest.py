@@ -287,32 +287,33 @@ class Ingest:
                 if cid is None or cid in self.new or txn.get(cid) is not None:
                     out.append((off, cid, n, None))
                     continue
+                comp = cctx.compress(data)
+                payload = (fmt.CODEC_ZSTD, comp) if len(comp) < n else (fmt.CODEC_RAW, data)
                 old = olds[k] if olds else None
-                payload = self._delta(txn, old, data, bases) if old not in (None, cid) else None
-                if payload is None or not delta.clearly_small(len(payload[1]), n):
-                    comp = cctx.compress(data)
-                    alone = (fmt.CODEC_ZSTD, comp, 0) if len(comp) < n else (fmt.CODEC_RAW, data, 0)
-                    if payload is None or not delta.worth_it(len(payload[1]), len(alone[1])):
-                        payload = alone
-                out.append((off, cid, n, payload))
+                diff, read_back = (None, 0) if old in (None, cid) else \
+                    self._delta(txn, old, data, bases)
+                if diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
+                    payload = diff
+                out.append((off, cid, n, (*payload, read_back)))
         return out
 
     def _delta(self, txn: lmdb.Transaction, old: bytes, data: bytes,
-               bases: dict[bytes, tuple[bytes, int] | None]) -> tuple | None:
-        """The delta payload of data against its old version's base, or None if none."""
+               bases: dict[bytes, tuple[bytes, int] | None]) -> tuple[tuple | None, int]:
+        """(codec, stored bytes) of data as a delta against its old version's base, or None;
+        and the stored bytes of the base read for it (each base is charged once)."""
         raw = txn.get(old)
         if raw is None:
-            return None
+            return None, 0
         loc = fmt.Location.decode(raw)
         base_id = loc.base or old  # bases are never deltas: follow one hop
         if base_id not in bases:
             bases[base_id] = self._read_base(txn, base_id, loc if loc.base is None else None)
         got = bases[base_id]
         if got is None:
-            return None
+            return None, 0
         plain, cost = got
-        bases[base_id] = (plain, 0)  # a base read is charged to the first delta that used it
-        return fmt.CODEC_DELTA, base_id + delta.compress(data, plain), cost
+        bases[base_id] = (plain, 0)
+        return (fmt.CODEC_DELTA, base_id + delta.compress(data, plain)), cost
 
     def _read_base(self, txn: lmdb.Transaction, base_id: bytes, loc: fmt.Location | None
                    ) -> tuple[bytes, int] | None:

@@ -141,7 +141,8 @@ class FileReader:
                     locs.append(None)
                 else:
                     raw = txn.get(cid)
-                    locs.append(None if raw is None else INDEX_VALUE.unpack_from(raw))
+                    locs.append(None if raw is None else
+                                (*INDEX_VALUE.unpack_from(raw), raw[INDEX_VALUE.size :]))
         out: list[bytes | memoryview] = []
         n = len(task)
         k = 0
@@ -230,12 +231,14 @@ def _check_record(cid: bytes, loc: tuple, span: memoryview, span_off: int,
                   store: ChunkStore) -> bytes | None:
     """The plain bytes of the record at loc within span, checked like ``ChunkStore._read_at``
     (header against the index, header crc, length, id); None when anything is off."""
-    pack, off, stored_len, plain_len, codec = loc
+    pack, off, stored_len, plain_len, codec, base = loc
     rec = span[off - span_off : off - span_off + HEADER_SIZE + stored_len]
     if len(rec) != HEADER_SIZE + stored_len:
         return None
     if decode_record_header(rec) != (cid, plain_len, stored_len, codec):
         return None
+    if base and rec[HEADER_SIZE : HEADER_SIZE + len(base)] != base:
+        return None  # the record names another base than the index: read_chunk says so
     try:
         return decode_payload(cid, rec[HEADER_SIZE:], codec, plain_len, store.dctx,
                               store.read_base)

@@ -9,11 +9,13 @@ checked against their id.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -245,6 +247,10 @@ class ChunkStore:
             raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack}: header disagrees with "
                                "the index")
         payload = memoryview(raw)[fmt.HEADER_SIZE :]  # no copy of the payload before zstd
+        if loc.base is not None and payload[: fmt.BASE_ID_SIZE] != loc.base:
+            # GC keeps the base the index names; decoding against another would hide that
+            raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack}: its record names another "
+                               "base than the index")
         return decode_payload(cid, payload, loc.codec, loc.plain_len, self.dctx, self.read_base)
 
     def read_base(self, cid: bytes) -> bytes:
@@ -357,10 +363,17 @@ def _create_layout(path: str) -> None:
 
 
 def _write_marker(path: str, marker: dict[str, Any]) -> None:
-    tmp = os.path.join(path, f"{MARKER}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(marker, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, os.path.join(path, MARKER))
+    """Replace the marker atomically: a temp file of its own (writers may race), then rename."""
+    fd, tmp = tempfile.mkstemp(prefix=MARKER + ".", suffix=".tmp", dir=path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, os.path.join(path, MARKER))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path)

@@ -270,11 +270,12 @@ class MachineVerbs:
         base = self._base_checkpoint(frozen.base_checkpoint)
         files: list[FileRecord] = []
         bytes_read = 0  # from the frozen disk layers (allocated data; zero clusters cost nothing)
-        base_read = 0  # stored bytes of base chunks read back to patch sub-chunk changes
+        base_read = 0  # stored bytes of base chunks read back to patch changes and for deltas
         with self.store.ingest() as ingest:
             prev_memory = base.file(MEMORY_FILE) if base is not None else None
             f = ingest.add_file(str(frozen.memory_path), chunking="cdc",
                                 like=prev_memory.manifest if prev_memory else None)
+            base_read += f.base_bytes_read
             files.append(FileRecord(MEMORY_FILE, f.manifest, f.size, f.stored, f.chunking,
                                     f.digest))
             for i, disk in enumerate(frozen.disks):
