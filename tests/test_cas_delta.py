@@ -9,9 +9,12 @@ base as the live, movable, checkable dependency it is.
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import struct
 import subprocess
+import sys
 
 import pytest
 import zstandard
@@ -169,25 +172,89 @@ def test_disk_versions_are_deltas_whole_and_incremental(stores):
             assert loc.base in plain
 
 
-def test_gc_keeps_the_bases_of_live_deltas_and_frees_the_rest(stores):
+def disk_versions(store: ChunkStore, rng: random.Random):
+    """Version 0 of a disk and versions 1 to 4, each rewriting a 512-byte block in the same 4
+    clusters, each stored against the one before: (IngestedFiles, images, the 4 bases)."""
+    image = disk_image(random.Random(1), 16)
+    clusters = [i for i in range(16) if image[i * K64 : i * K64 + 8] != bytes(8)][:4]
+    versions, made = [image], [put(store, image)]
+    for _ in range(4):
+        buf = bytearray(versions[-1])
+        for c in clusters:
+            off = c * K64 + rng.randrange(K64 // 512) * 512
+            buf[off : off + 512] = rng.randbytes(512)
+        versions.append(bytes(buf))
+        made.append(put(store, versions[-1], like=made[-1].manifest))
+    bases = {loc.base for f in made[1:] for loc in locations(store, f.manifest).values()
+             if loc.base is not None}
+    assert len(bases) == len(clusters)
+    return made, versions, bases
+
+
+def test_gc_keeps_bases_that_pay_and_stores_deltas_whole_where_that_is_smaller(stores):
+    """Versions 1 to 4 of a disk each rewrite a block of the same clusters: their deltas all go
+    back to version 0's chunks. Deleting version 0 keeps those bases (one base + four small
+    deltas beat four whole chunks); deleting all but version 1 rewrites version 1's deltas whole
+    and frees the bases (one whole chunk beats base + delta)."""
     rng = random.Random(3)
+    store = stores("s")
+    made, versions, bases = disk_versions(store, rng)
+    ids0 = set(locations(store, made[0].manifest))
+    live = {cid for f in made[1:] for cid in locations(store, f.manifest)}
+
+    res = store.gc([f.manifest for f in made[1:]], threshold=0.0)
+    assert res.deltas_flattened == 0 and all(store.lookup(b) for b in bases)
+    assert res.chunks_freed == len(ids0 - live - bases)
+    for f, want in zip(made[1:], versions[1:], strict=True):
+        read_back(store, f.manifest, want, rng)
+
+    before = store.stats()["stored_bytes"]
+    res = store.gc([made[1].manifest], threshold=0.0)
+    assert res.deltas_flattened == len(bases)
+    assert not any(store.lookup(b) for b in bases)
+    assert all(loc.codec != fmt.CODEC_DELTA for loc in locations(store, made[1].manifest).values())
+    assert store.stats()["stored_bytes"] < before
+    read_back(store, made[1].manifest, versions[1], rng)
+    assert store.check(read_data=True).ok
+
+
+GC = ("import sys; from ksfs.cas import ChunkStore; "
+      "print(ChunkStore.open(sys.argv[1]).gc(sys.argv[2:], threshold=0.0).deltas_flattened)")
+
+
+@pytest.mark.parametrize("point", ["gc.flatten", "gc.sweep"])
+def test_gc_killed_around_flattening_loses_nothing(stores, point):
+    rng = random.Random(8)
+    store = stores("s")
+    made, versions, bases = disk_versions(store, rng)
+    live = [made[1].manifest]
+    env = {**os.environ, "KSFS_CRASH_AT": point}
+    res = subprocess.run([sys.executable, "-c", GC, store.path, *live], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    read_back(store, made[1].manifest, versions[1], rng)
+    assert store.check(read_data=True).ok
+    env.pop("KSFS_CRASH_AT")
+    res = subprocess.run([sys.executable, "-c", GC, store.path, *live], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    # killed before its commit, flattening is done again; killed after it, only the sweep is
+    assert int(res.stdout) == (len(bases) if point == "gc.flatten" else 0)
+    assert not any(store.lookup(b) for b in bases)
+    read_back(store, made[1].manifest, versions[1], rng)
+    report = store.check(read_data=True)
+    assert report.ok and not report.orphan_packs and report.orphan_bytes == 0
+
+
+def test_repack_moves_bases_and_deltas(stores):
+    rng = random.Random(4)
     store = stores("s")
     pages0 = guest_pages(rng)
     m0, m1 = memory_image(pages0), memory_image(evolve(rng, pages0))
     f0 = put(store, m0, "cdc")
     f1 = put(store, m1, "cdc", like=f0.manifest)
-    locs1 = locations(store, f1.manifest)
-    bases = {loc.base for loc in locs1.values() if loc.base is not None}
-    assert bases
-    ids0 = set(locations(store, f0.manifest))
-    res = store.gc([f1.manifest], threshold=0.0)
-    assert res.chunks_freed == len(ids0 - set(locs1) - bases)
-    for b in bases:
-        assert store.lookup(b) is not None
-    read_back(store, f1.manifest, m1, rng)
-    # repack everything: bases and deltas move to new packs and still decode
-    res = store.gc([f1.manifest], threshold=1.0)
-    assert res.packs_repacked
+    put(store, rng.randbytes(300_000), "cdc")  # garbage, so the pack is thin
+    res = store.gc([f0.manifest, f1.manifest], threshold=1.0)
+    assert res.packs_repacked and res.deltas_flattened == 0
     read_back(store, f1.manifest, m1, rng)
     assert store.check(read_data=True).ok
     store.gc([], threshold=0.5)

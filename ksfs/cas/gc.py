@@ -1,5 +1,9 @@
 """Garbage collection: mark from the live manifests, sweep the rest, repack thin packs.
 
+Marking keeps the base of every live delta, except where storing that base's deltas whole is
+smaller than keeping it (a base no live manifest names, after its checkpoint was deleted):
+those deltas are rewritten as plain chunks first (``flatten``) and the base is swept.
+
 GC holds the store lock exclusively, so it never runs beside an ingest (which could be about to
 commit chunks GC sees as unreferenced). Repacking copies live chunks to a new pack, fsyncs and
 verifies it, and only then points the index at the copies and unlinks the old pack. A reader
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING
 import zstandard
 
 from ksfs.cas import format as fmt
+from ksfs.cas.flatten import commit_writers, flatten
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, decode_payload, fsync_dir
 from ksfs.crashpoints import crash_point
 from ksfs.errors import IntegrityError, translate
@@ -36,6 +41,7 @@ class GCResult:
     packs_written: list[int] = field(default_factory=list)
     disk_bytes_reclaimed: int = 0  # pack file bytes given back to the filesystem
     skipped_packs: dict[int, str] = field(default_factory=dict)  # not repacked: damage found
+    deltas_flattened: int = 0  # deltas stored whole again so their base could go
 
 
 def collect(store: ChunkStore, live_manifests: Iterable[str] | Callable[[], Iterable[str]],
@@ -58,9 +64,12 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
             info = store.load_manifest(mid.hex(), txn)
             marked.update(cid for cid, _ in info.entries if cid is not None)
         # a live delta keeps its base (bases are never deltas: one pass marks them all)
-        bases = [bytes(v[fmt.INDEX_VALUE.size :]) for k, v in txn.cursor(db=db["chunks"])
-                 if len(v) > fmt.INDEX_VALUE.size and bytes(k) in marked]
-        marked.update(bases)
+        bases = {bytes(v[fmt.INDEX_VALUE.size :]) for k, v in txn.cursor(db=db["chunks"])
+                 if len(v) > fmt.INDEX_VALUE.size and bytes(k) in marked}
+        first_no = _first_pack_no(txn, store)
+    # ... unless its deltas cost less stored whole than with it
+    unneeded, res.deltas_flattened = flatten(store, marked, first_no)
+    marked |= bases - unneeded
     # sweep, in one transaction
     with store.env.begin(write=True) as txn:
         dead_manifests = [bytes(k) for k in txn.cursor(db=db["manifests"]).iternext(values=False)
@@ -89,6 +98,14 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
     _drop_orphans(store, res)
     _repack(store, threshold, res)
     return res
+
+
+def _first_pack_no(txn, store: ChunkStore) -> int:
+    """The lowest number a pack GC writes may take: past every pack listed and next_pack."""
+    raw_next = txn.get(b"next_pack", db=store.db["cas_meta"])
+    listed = [int.from_bytes(k, "big") + 1
+              for k in txn.cursor(db=store.db["packs"]).iternext(values=False)]
+    return max([int(raw_next) if raw_next else 1, *listed])
 
 
 def _drop_orphans(store: ChunkStore, res: GCResult) -> None:
@@ -124,10 +141,9 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
                 loc = fmt.Location.decode(v)
                 if loc.pack in thin:
                     moving.setdefault(loc.pack, []).append((bytes(k), loc))
-        raw_next = txn.get(b"next_pack", db=db["cas_meta"])
+        first_no = _first_pack_no(txn, store)
     if not thin and not empty:
         return
-    first_no = max([int(raw_next) if raw_next else 1, *(n + 1 for n in packs)])
     writers: list[PackWriter] = []
     moved: list[tuple[bytes, fmt.Location]] = []
     done: list[int] = []
@@ -151,15 +167,7 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
                 txn.put(cid, loc.encode(), db=db["chunks"])
             for no in gone:
                 txn.delete(fmt.pack_key(no), db=db["packs"])
-            top = 0
-            for w in writers:
-                top = max(top, w.no)
-                if w.written:
-                    live = sum(loc.record_len for _, loc in w.written)
-                    txn.put(fmt.pack_key(w.no), fmt.PACK_VALUE.pack(w.end, live), db=db["packs"])
-            raw_next = txn.get(b"next_pack", db=db["cas_meta"])
-            if top + 1 > (int(raw_next) if raw_next else 1):
-                txn.put(b"next_pack", str(top + 1).encode(), db=db["cas_meta"])
+            commit_writers(txn, store, writers)
             crash_point("gc.repack")
     finally:
         for w in writers:

@@ -1,0 +1,108 @@
+"""Turning deltas back into plain chunks once their base is kept for them alone.
+
+A delta keeps its base alive. While the checkpoint that first stored the base lives, that is
+free; once it is deleted, the base stays only for the deltas, and delta plus base can cost more
+than the deltas' chunks stored whole. GC then rewrites those deltas as plain chunks (zstd alone)
+and lets the base go, for each base where that stores fewer bytes. Like repack, the new records
+are written to a new pack, fsynced and verified before the index points at them, so a crash
+leaves either the deltas or the plain copies indexed, never neither.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import zstandard
+
+from ksfs.cas import format as fmt
+from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter
+from ksfs.crashpoints import crash_point
+from ksfs.errors import IntegrityError
+
+if TYPE_CHECKING:
+    from ksfs.cas.store import ChunkStore
+
+Plain = tuple[bytes, fmt.Location, int, bytes, int]  # id, old location, codec, stored, plain len
+
+
+def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> tuple[set[bytes], int]:
+    """Rewrite the deltas whose base no live manifest names, where that saves bytes.
+
+    ``direct``: the chunks live manifests name. Returns the bases no longer needed and the
+    number of deltas rewritten; the caller's sweep frees those bases.
+    """
+    db = store.db
+    groups: dict[bytes, list[tuple[bytes, fmt.Location]]] = {}
+    with store.env.begin(db=db["chunks"]) as txn:
+        for k, v in txn.cursor():
+            if len(v) > fmt.INDEX_VALUE.size and bytes(k) in direct:
+                loc = fmt.Location.decode(v)
+                if loc.base not in direct:
+                    groups.setdefault(loc.base, []).append((bytes(k), loc))
+        base_locs = {b: fmt.Location.decode(raw) for b in groups
+                     if (raw := txn.get(b)) is not None}
+    cctx = zstandard.ZstdCompressor(level=store.level)
+    plans: dict[bytes, list[Plain]] = {}
+    for base, deltas in groups.items():
+        bloc = base_locs.get(base)
+        if bloc is None:
+            continue  # check reports the missing base
+        try:
+            plain = [_alone(cctx, cid, loc, store.read_chunk(cid, loc)) for cid, loc in deltas]
+        except IntegrityError:
+            continue  # damaged: left as it is, for check to name
+        kept = bloc.record_len + sum(loc.record_len for _, loc in deltas)
+        if sum(fmt.HEADER_SIZE + len(p[3]) for p in plain) < kept:
+            plans[base] = plain
+    if not plans:
+        return set(), 0
+    writers: list[PackWriter] = []
+    try:
+        moved = []
+        for plain in plans.values():
+            for cid, old, codec, stored, plain_len in plain:
+                if not writers or writers[-1].size >= TARGET_PACK_BYTES:
+                    start = max(first_no, *(w.no + 1 for w in writers)) if writers else first_no
+                    writers.append(PackWriter.create(store.packs_dir, start))
+                moved.append((cid, old, writers[-1].append(cid, stored, plain_len, codec)))
+        for w in writers:
+            w.sync()
+            w.verify(store.dctx, store.run_split, store.read_base)
+        with store.env.begin(write=True) as txn:
+            dead: dict[int, int] = {}
+            for cid, old, new in moved:
+                txn.put(cid, new.encode(), db=db["chunks"])
+                dead[old.pack] = dead.get(old.pack, 0) + old.record_len
+            for no, n in dead.items():
+                key = fmt.pack_key(no)
+                raw = txn.get(key, db=db["packs"])
+                if raw is not None:
+                    size, live = fmt.PACK_VALUE.unpack(raw)
+                    txn.put(key, fmt.PACK_VALUE.pack(size, max(0, live - n)), db=db["packs"])
+            commit_writers(txn, store, writers)
+            crash_point("gc.flatten")
+    finally:
+        for w in writers:
+            w.close()
+    return set(plans), len(moved)
+
+
+def _alone(cctx: zstandard.ZstdCompressor, cid: bytes, loc: fmt.Location, plain: bytes) -> Plain:
+    comp = cctx.compress(plain)
+    if len(comp) < len(plain):
+        return cid, loc, fmt.CODEC_ZSTD, comp, len(plain)
+    return cid, loc, fmt.CODEC_RAW, plain, len(plain)
+
+
+def commit_writers(txn, store: ChunkStore, writers: list[PackWriter]) -> None:
+    """Record the packs GC wrote (size, live bytes) and move ``next_pack`` past them."""
+    db = store.db
+    top = 0
+    for w in writers:
+        top = max(top, w.no)
+        if w.written:
+            live = sum(loc.record_len for _, loc in w.written)
+            txn.put(fmt.pack_key(w.no), fmt.PACK_VALUE.pack(w.end, live), db=db["packs"])
+    raw_next = txn.get(b"next_pack", db=db["cas_meta"])
+    if top + 1 > (int(raw_next) if raw_next else 1):
+        txn.put(b"next_pack", str(top + 1).encode(), db=db["cas_meta"])
