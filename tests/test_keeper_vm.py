@@ -126,6 +126,8 @@ def test_incremental_save_reads_about_what_the_guest_wrote(env, agent: str) -> N
     # 3x leaves room for the fuzz of sampling wr_bytes after, not at, each snapshot
     assert body["disk_bytes_read"] <= 3 * written, (body, written)
     assert body["base_bytes_read"] <= 3 * written + (64 << 10), (body, written)
+    # the memory image is stored against the last one: its old chunks were read (and counted)
+    assert body["memory_base_bytes_read"] > 0, body
 
 
 def test_save_prints_name_and_publishes(env, agent: str) -> None:

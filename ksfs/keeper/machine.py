@@ -270,12 +270,12 @@ class MachineVerbs:
         base = self._base_checkpoint(frozen.base_checkpoint)
         files: list[FileRecord] = []
         bytes_read = 0  # from the frozen disk layers (allocated data; zero clusters cost nothing)
-        base_read = 0  # stored bytes of base chunks read back to patch changes and for deltas
+        base_read = 0  # stored bytes of the disks' base chunks read back to patch changes
         with self.store.ingest() as ingest:
             prev_memory = base.file(MEMORY_FILE) if base is not None else None
             f = ingest.add_file(str(frozen.memory_path), chunking="cdc",
                                 like=prev_memory.manifest if prev_memory else None)
-            base_read += f.base_bytes_read
+            memory_base_read = f.base_bytes_read  # the old versions its deltas were made against
             files.append(FileRecord(MEMORY_FILE, f.manifest, f.size, f.stored, f.chunking,
                                     f.digest))
             for i, disk in enumerate(frozen.disks):
@@ -304,7 +304,8 @@ class MachineVerbs:
                 body = self._published_body(record)
                 body.update(paused_s=round(frozen.paused_s, 4),
                             snapshot_s=round(frozen.snapshot_s, 4), disk_bytes_read=bytes_read,
-                            base_bytes_read=base_read, incremental=base is not None)
+                            base_bytes_read=base_read, memory_base_bytes_read=memory_base_read,
+                            incremental=base is not None)
                 if frozen.pause_forced:
                     body["pause_forced"] = True  # the guest dirtied memory faster than the copy
                 self.ledger.append(txn, session, "checkpoint.published", body)
