@@ -201,19 +201,37 @@ def test_gc_keeps_bases_that_pay_and_stores_deltas_whole_where_that_is_smaller(s
     made, versions, bases = disk_versions(store, rng)
     ids0 = set(locations(store, made[0].manifest))
     live = {cid for f in made[1:] for cid in locations(store, f.manifest)}
+    garbage = set(locations(store, put(store, rng.randbytes(200_000), "cdc").manifest))
 
     res = store.gc([f.manifest for f in made[1:]], threshold=0.0)
     assert res.deltas_flattened == 0 and all(store.lookup(b) for b in bases)
-    assert res.chunks_freed == len(ids0 - live - bases)
+    assert res.chunks_freed == len(ids0 - live - bases) + len(garbage)
+    # the bases only deltas keep alive move with a repack (the garbage made the pack thin)
+    res = store.gc([f.manifest for f in made[1:]], threshold=1.0)
+    assert res.packs_repacked and all(store.lookup(b) for b in bases)
     for f, want in zip(made[1:], versions[1:], strict=True):
         read_back(store, f.manifest, want, rng)
 
+    v1 = locations(store, made[1].manifest)
+    rest = {cid: loc for f in made[2:] for cid, loc in locations(store, f.manifest).items()
+            if cid not in v1}
+    base_bytes = sum(store.lookup(b).record_len for b in bases)
     before = store.stats()["stored_bytes"]
     res = store.gc([made[1].manifest], threshold=0.0)
     assert res.deltas_flattened == len(bases)
     assert not any(store.lookup(b) for b in bases)
-    assert all(loc.codec != fmt.CODEC_DELTA for loc in locations(store, made[1].manifest).values())
-    assert store.stats()["stored_bytes"] < before
+    after = locations(store, made[1].manifest)
+    flattened = [cid for cid, loc in v1.items() if loc.codec == fmt.CODEC_DELTA]
+    assert len(flattened) == len(bases)
+    assert all(loc.codec != fmt.CODEC_DELTA for loc in after.values())
+    # freed: the other versions' chunks, the bases and v1's delta records; v1's chunks whole
+    # were written instead, and they are smaller than base + delta
+    freed = sum(loc.record_len for loc in rest.values()) + base_bytes + \
+        sum(v1[c].record_len for c in flattened)
+    whole = sum(after[c].record_len for c in flattened)
+    assert res.bytes_freed == freed
+    assert store.stats()["stored_bytes"] == before - freed + whole
+    assert whole < base_bytes + sum(v1[c].record_len for c in flattened)
     read_back(store, made[1].manifest, versions[1], rng)
     assert store.check(read_data=True).ok
 
@@ -455,3 +473,30 @@ def test_racing_marker_upgrades_leave_one_whole_marker(tmp_path):
         t.join()
     assert json.loads((path / "ksfs.json").read_text())["id"] == old["id"]
     assert [p.name for p in path.iterdir() if p.name.startswith("ksfs.json")] == ["ksfs.json"]
+
+
+def test_a_failing_flatten_leaves_nothing_and_gc_goes_on(stores, monkeypatch):
+    """A full disk while the deltas are rewritten: the packs begun are removed, the deltas and
+    their bases stay as they were, and the sweep still frees the garbage."""
+    import errno
+
+    from ksfs.cas import flatten
+
+    rng = random.Random(21)
+    store = stores("s")
+    made, versions, bases = disk_versions(store, rng)
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(flatten.PackWriter, "append", full)
+    packs = sorted(p.name for p in os.scandir(store.packs_dir))
+    res = store.gc([made[1].manifest], threshold=0.0)
+    assert "No space left" in res.flatten_skipped and res.deltas_flattened == 0
+    assert res.chunks_freed > 0 and all(store.lookup(b) for b in bases)
+    assert sorted(p.name for p in os.scandir(store.packs_dir)) == packs
+    read_back(store, made[1].manifest, versions[1], rng)
+    report = store.check(read_data=True)
+    assert report.ok and not report.orphan_packs
+    monkeypatch.undo()
+    assert store.gc([made[1].manifest], threshold=0.0).deltas_flattened == len(bases)

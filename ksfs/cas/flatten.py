@@ -10,6 +10,9 @@ leaves either the deltas or the plain copies indexed, never neither.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zstandard
@@ -23,13 +26,22 @@ if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
 
 Plain = tuple[bytes, fmt.Location, int, bytes, int]  # id, old location, codec, stored, plain len
+PLAN_BYTES = 256 * 1024 * 1024  # rewritten bytes held per GC run; the rest waits for the next
 
 
-def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> tuple[set[bytes], int]:
+@dataclass
+class Flattened:
+    bases: set[bytes] = field(default_factory=set)  # no longer needed: the sweep frees them
+    deltas: int = 0
+    delta_bytes: int = 0  # record bytes of the deltas rewritten, now dead in their packs
+    packs: list[int] = field(default_factory=list)
+
+
+def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> Flattened:
     """Rewrite the deltas whose base no live manifest names, where that saves bytes.
 
-    ``direct``: the chunks live manifests name. Returns the bases no longer needed and the
-    number of deltas rewritten; the caller's sweep frees those bases.
+    ``direct``: the chunks live manifests name. On failure nothing is committed and the packs
+    this wrote are removed before the error is raised.
     """
     db = store.db
     groups: dict[bytes, list[tuple[bytes, fmt.Location]]] = {}
@@ -43,7 +55,10 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> tuple[set[b
                      if (raw := txn.get(b)) is not None}
     cctx = zstandard.ZstdCompressor(level=store.level)
     plans: dict[bytes, list[Plain]] = {}
+    planned = 0
     for base, deltas in groups.items():
+        if planned > PLAN_BYTES:
+            break
         bloc = base_locs.get(base)
         if bloc is None:
             continue  # check reports the missing base
@@ -52,11 +67,15 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> tuple[set[b
         except IntegrityError:
             continue  # damaged: left as it is, for check to name
         kept = bloc.record_len + sum(loc.record_len for _, loc in deltas)
-        if sum(fmt.HEADER_SIZE + len(p[3]) for p in plain) < kept:
+        whole = sum(fmt.HEADER_SIZE + len(p[3]) for p in plain)
+        if whole < kept:
             plans[base] = plain
+            planned += whole
+    done = Flattened()
     if not plans:
-        return set(), 0
+        return done
     writers: list[PackWriter] = []
+    committed = False
     try:
         moved = []
         for plain in plans.values():
@@ -81,10 +100,18 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> tuple[set[b
                     txn.put(key, fmt.PACK_VALUE.pack(size, max(0, live - n)), db=db["packs"])
             commit_writers(txn, store, writers)
             crash_point("gc.flatten")
+        committed = True
     finally:
         for w in writers:
             w.close()
-    return set(plans), len(moved)
+            if not committed:  # nothing names these records: give the space back now
+                with contextlib.suppress(OSError):
+                    os.unlink(w.path)
+    done.bases = set(plans)
+    done.deltas = len(moved)
+    done.delta_bytes = sum(old.record_len for _, old, _ in moved)
+    done.packs = [w.no for w in writers if w.written]
+    return done
 
 
 def _alone(cctx: zstandard.ZstdCompressor, cid: bytes, loc: fmt.Location, plain: bytes) -> Plain:

@@ -14,6 +14,7 @@ before deleting anything if a live manifest is missing or damaged.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,13 +23,15 @@ from typing import TYPE_CHECKING
 import zstandard
 
 from ksfs.cas import format as fmt
-from ksfs.cas.flatten import commit_writers, flatten
+from ksfs.cas.flatten import Flattened, commit_writers, flatten
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, decode_payload, fsync_dir
 from ksfs.crashpoints import crash_point
-from ksfs.errors import IntegrityError, translate
+from ksfs.errors import IntegrityError, KsfsError, translate
 
 if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +45,7 @@ class GCResult:
     disk_bytes_reclaimed: int = 0  # pack file bytes given back to the filesystem
     skipped_packs: dict[int, str] = field(default_factory=dict)  # not repacked: damage found
     deltas_flattened: int = 0  # deltas stored whole again so their base could go
+    flatten_skipped: str = ""  # why flattening failed and was left for the next GC
 
 
 def collect(store: ChunkStore, live_manifests: Iterable[str] | Callable[[], Iterable[str]],
@@ -67,9 +71,17 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
         bases = {bytes(v[fmt.INDEX_VALUE.size :]) for k, v in txn.cursor(db=db["chunks"])
                  if len(v) > fmt.INDEX_VALUE.size and bytes(k) in marked}
         first_no = _first_pack_no(txn, store)
-    # ... unless its deltas cost less stored whole than with it
-    unneeded, res.deltas_flattened = flatten(store, marked, first_no)
-    marked |= bases - unneeded
+    # ... unless its deltas cost less stored whole than with it. Flattening only saves bytes:
+    # when it fails (a full disk, most likely) GC goes on without it and frees what it can.
+    try:
+        flat = flatten(store, marked, first_no)
+    except (OSError, KsfsError) as exc:
+        log.warning("gc: not flattening deltas this time: %s", exc)
+        res.flatten_skipped = str(exc)
+        flat = Flattened()
+    res.deltas_flattened = flat.deltas
+    res.packs_written.extend(flat.packs)
+    marked |= bases - flat.bases
     # sweep, in one transaction
     with store.env.begin(write=True) as txn:
         dead_manifests = [bytes(k) for k in txn.cursor(db=db["manifests"]).iternext(values=False)
@@ -93,7 +105,7 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
                 size, live_bytes = fmt.PACK_VALUE.unpack(raw)
                 txn.put(key, fmt.PACK_VALUE.pack(size, max(0, live_bytes - n)), db=db["packs"])
         res.chunks_freed = len(dead_chunks)
-        res.bytes_freed = sum(freed.values())
+        res.bytes_freed = sum(freed.values()) + flat.delta_bytes
         crash_point("gc.sweep")
     _drop_orphans(store, res)
     _repack(store, threshold, res)
@@ -184,7 +196,7 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
     fsync_dir(store.packs_dir)
     res.packs_repacked = done
     res.packs_removed.extend(sorted(empty))
-    res.packs_written = [w.no for w in writers if w.written]
+    res.packs_written.extend(w.no for w in writers if w.written)
 
 
 def _copy_pack(store: ChunkStore, no: int, items: list[tuple[bytes, fmt.Location]],
