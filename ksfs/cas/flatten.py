@@ -92,12 +92,7 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> Flattened:
             for cid, old, new in moved:
                 txn.put(cid, new.encode(), db=db["chunks"])
                 dead[old.pack] = dead.get(old.pack, 0) + old.record_len
-            for no, n in dead.items():
-                key = fmt.pack_key(no)
-                raw = txn.get(key, db=db["packs"])
-                if raw is not None:
-                    size, live = fmt.PACK_VALUE.unpack(raw)
-                    txn.put(key, fmt.PACK_VALUE.pack(size, max(0, live - n)), db=db["packs"])
+            release(txn, store, dead)
             commit_writers(txn, store, writers)
             crash_point("gc.flatten")
         committed = True
@@ -119,6 +114,16 @@ def _alone(cctx: zstandard.ZstdCompressor, cid: bytes, loc: fmt.Location, plain:
     if len(comp) < len(plain):
         return cid, loc, fmt.CODEC_ZSTD, comp, len(plain)
     return cid, loc, fmt.CODEC_RAW, plain, len(plain)
+
+
+def release(txn, store: ChunkStore, dead: dict[int, int]) -> None:
+    """Take ``dead`` record bytes (pack number -> bytes) off their packs' live figures."""
+    for no, n in dead.items():
+        key = fmt.pack_key(no)
+        raw = txn.get(key, db=store.db["packs"])
+        if raw is not None:
+            size, live = fmt.PACK_VALUE.unpack(raw)
+            txn.put(key, fmt.PACK_VALUE.pack(size, max(0, live - n)), db=store.db["packs"])
 
 
 def commit_writers(txn, store: ChunkStore, writers: list[PackWriter]) -> None:

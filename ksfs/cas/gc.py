@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import zstandard
 
 from ksfs.cas import format as fmt
-from ksfs.cas.flatten import Flattened, commit_writers, flatten
+from ksfs.cas.flatten import Flattened, commit_writers, flatten, release
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, decode_payload, fsync_dir
 from ksfs.crashpoints import crash_point
 from ksfs.errors import IntegrityError, KsfsError, translate
@@ -98,12 +98,7 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
                 freed[loc.pack] = freed.get(loc.pack, 0) + loc.record_len
         for k in dead_chunks:
             txn.delete(k, db=db["chunks"])
-        for no, n in freed.items():
-            key = fmt.pack_key(no)
-            raw = txn.get(key, db=db["packs"])
-            if raw is not None:
-                size, live_bytes = fmt.PACK_VALUE.unpack(raw)
-                txn.put(key, fmt.PACK_VALUE.pack(size, max(0, live_bytes - n)), db=db["packs"])
+        release(txn, store, freed)
         res.chunks_freed = len(dead_chunks)
         res.bytes_freed = sum(freed.values()) + flat.delta_bytes
         crash_point("gc.sweep")
