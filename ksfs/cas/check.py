@@ -248,13 +248,10 @@ def _verify_records(store: ChunkStore, jobs: list[tuple[bytes, fmt.Location, byt
     found = []
     for cid, loc, rec in jobs:
         why = _header_problem(rec[: fmt.HEADER_SIZE], cid, loc)
-        if why is None and loc.base is not None and \
-                rec[fmt.HEADER_SIZE : fmt.HEADER_SIZE + fmt.BASE_ID_SIZE] != loc.base:
-            why = "its record names another base than the index"
         if why is None:
             try:
                 decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, d,
-                               store.read_base)
+                               store.read_base, loc.base)
             except IntegrityError as exc:
                 why = exc.fields.get("why", str(exc))
         if why:

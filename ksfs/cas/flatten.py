@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import zstandard
 
 from ksfs.cas import format as fmt
-from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter
+from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, encode_alone
 from ksfs.crashpoints import crash_point
 from ksfs.errors import IntegrityError
 
@@ -110,10 +110,7 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> Flattened:
 
 
 def _alone(cctx: zstandard.ZstdCompressor, cid: bytes, loc: fmt.Location, plain: bytes) -> Plain:
-    comp = cctx.compress(plain)
-    if len(comp) < len(plain):
-        return cid, loc, fmt.CODEC_ZSTD, comp, len(plain)
-    return cid, loc, fmt.CODEC_RAW, plain, len(plain)
+    return cid, loc, *encode_alone(cctx, plain), len(plain)
 
 
 def release(txn, store: ChunkStore, dead: dict[int, int]) -> None:

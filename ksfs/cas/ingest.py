@@ -30,7 +30,7 @@ from ksfs.cas.chunking import (
     iter_fixed,
     open_source,
 )
-from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter
+from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, encode_alone
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.cas.patching import Patcher
 from ksfs.crashpoints import crash_point
@@ -287,8 +287,7 @@ class Ingest:
                 if cid is None or cid in self.new or txn.get(cid) is not None:
                     out.append((off, cid, n, None))
                     continue
-                comp = cctx.compress(data)
-                payload = (fmt.CODEC_ZSTD, comp) if len(comp) < n else (fmt.CODEC_RAW, data)
+                payload = encode_alone(cctx, data)
                 old = olds[k] if olds else None
                 diff, read_back = (None, 0) if old in (None, cid) else \
                     self._delta(txn, old, data, bases)

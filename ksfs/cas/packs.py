@@ -39,16 +39,27 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def encode_alone(cctx: zstandard.ZstdCompressor, plain: bytes) -> tuple[int, bytes]:
+    """(codec, stored bytes) of a chunk stored on its own: zstd, or raw when zstd does not
+    shrink it."""
+    comp = cctx.compress(plain)
+    return (fmt.CODEC_ZSTD, comp) if len(comp) < len(plain) else (fmt.CODEC_RAW, plain)
+
+
 Bases = Callable[[bytes], bytes]  # base chunk id -> its plain bytes, checked (ChunkStore.read_base)
 
 
 def decode_payload(cid: bytes, payload: bytes | memoryview, codec: int, plain_len: int,
-                   dctx: zstandard.ZstdDecompressor, bases: Bases | None = None) -> bytes:
+                   dctx: zstandard.ZstdDecompressor, bases: Bases | None = None,
+                   index_base: bytes | None = None) -> bytes:
     """Decompress a record's payload and check it against its id; ChunkCorrupt if it differs.
 
     A delta's base is fetched through ``bases``; a base that cannot be read makes the delta
-    unreadable too, reported as this chunk's damage naming the base.
+    unreadable too, reported as this chunk's damage naming the base. ``index_base``: the base
+    the index names for this chunk, which the record must name too (GC keeps the index's).
     """
+    if index_base is not None and payload[: fmt.BASE_ID_SIZE] != index_base:
+        raise ChunkCorrupt(chunk=cid.hex(), why="its record names another base than the index")
     if codec == fmt.CODEC_DELTA:
         base_id = bytes(payload[: fmt.BASE_ID_SIZE])
         if bases is None or len(base_id) != fmt.BASE_ID_SIZE:

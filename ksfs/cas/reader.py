@@ -237,11 +237,9 @@ def _check_record(cid: bytes, loc: tuple, span: memoryview, span_off: int,
         return None
     if decode_record_header(rec) != (cid, plain_len, stored_len, codec):
         return None
-    if base and rec[HEADER_SIZE : HEADER_SIZE + len(base)] != base:
-        return None  # the record names another base than the index: read_chunk says so
     try:
         return decode_payload(cid, rec[HEADER_SIZE:], codec, plain_len, store.dctx,
-                              store.read_base)
+                              store.read_base, base or None)
     except KsfsError:
         return None
 

@@ -247,11 +247,8 @@ class ChunkStore:
             raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack}: header disagrees with "
                                "the index")
         payload = memoryview(raw)[fmt.HEADER_SIZE :]  # no copy of the payload before zstd
-        if loc.base is not None and payload[: fmt.BASE_ID_SIZE] != loc.base:
-            # GC keeps the base the index names; decoding against another would hide that
-            raise ChunkCorrupt(chunk=cid.hex(), why=f"pack {loc.pack}: its record names another "
-                               "base than the index")
-        return decode_payload(cid, payload, loc.codec, loc.plain_len, self.dctx, self.read_base)
+        return decode_payload(cid, payload, loc.codec, loc.plain_len, self.dctx, self.read_base,
+                              loc.base)
 
     def read_base(self, cid: bytes) -> bytes:
         """The plain bytes of a delta's base chunk, which must not be a delta itself: one hop
