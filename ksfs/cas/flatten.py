@@ -80,10 +80,8 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> Flattened:
         moved = []
         for plain in plans.values():
             for cid, old, codec, stored, plain_len in plain:
-                if not writers or writers[-1].size >= TARGET_PACK_BYTES:
-                    start = max(first_no, *(w.no + 1 for w in writers)) if writers else first_no
-                    writers.append(PackWriter.create(store.packs_dir, start))
-                moved.append((cid, old, writers[-1].append(cid, stored, plain_len, codec)))
+                new = append_to(writers, store, first_no, cid, stored, plain_len, codec)
+                moved.append((cid, old, new))
         for w in writers:
             w.sync()
             w.verify(store.dctx, store.run_split, store.read_base)
@@ -111,6 +109,16 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> Flattened:
 
 def _alone(cctx: zstandard.ZstdCompressor, cid: bytes, loc: fmt.Location, plain: bytes) -> Plain:
     return cid, loc, *encode_alone(cctx, plain), len(plain)
+
+
+def append_to(writers: list[PackWriter], store: ChunkStore, first_no: int, cid: bytes,
+              stored: bytes, plain_len: int, codec: int) -> fmt.Location:
+    """Append a record GC writes to its newest pack, starting one (numbered from first_no)
+    when there is none or it is full."""
+    if not writers or writers[-1].size >= TARGET_PACK_BYTES:
+        start = max(first_no, *(w.no + 1 for w in writers)) if writers else first_no
+        writers.append(PackWriter.create(store.packs_dir, start))
+    return writers[-1].append(cid, stored, plain_len, codec)
 
 
 def release(txn, store: ChunkStore, dead: dict[int, int]) -> None:

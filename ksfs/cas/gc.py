@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import zstandard
 
 from ksfs.cas import format as fmt
-from ksfs.cas.flatten import Flattened, commit_writers, flatten, release
-from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, decode_payload, fsync_dir
+from ksfs.cas.flatten import Flattened, append_to, commit_writers, flatten, release
+from ksfs.cas.packs import PackWriter, decode_payload, fsync_dir
 from ksfs.crashpoints import crash_point
 from ksfs.errors import IntegrityError, KsfsError, translate
 
@@ -216,8 +216,6 @@ def _copy_pack(store: ChunkStore, no: int, items: list[tuple[bytes, fmt.Location
             os.close(fd)
     copies = []
     for cid, loc, payload in records:
-        if not writers or writers[-1].size >= TARGET_PACK_BYTES:
-            start = max(first_no, *(w.no + 1 for w in writers)) if writers else first_no
-            writers.append(PackWriter.create(store.packs_dir, start))
-        copies.append((cid, writers[-1].append(cid, payload, loc.plain_len, loc.codec)))
+        copies.append((cid, append_to(writers, store, first_no, cid, payload, loc.plain_len,
+                                      loc.codec)))
     return copies
