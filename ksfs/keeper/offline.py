@@ -73,13 +73,14 @@ class OfflineVerbs:
                     progress(done + n, total)
 
             try:
-                # new chunks are stored as deltas against the session's last checkpoint
-                before = self.ledger.latest_checkpoint(session)
+                # the record's parent, and what new chunks are stored as deltas against (the
+                # session lock keeps it the latest until this commits)
+                parent = self.ledger.latest_checkpoint(session)
                 with self.store.ingest() as ingest:
                     records = []
                     for p in paths:
                         chunking = "fixed" if (p in disk_set or is_disk_image(p.name)) else "cdc"
-                        prev = before.file(p.name) if before is not None else None
+                        prev = parent.file(p.name) if parent is not None else None
                         f = ingest.add_file(str(p), chunking=chunking, progress=step,
                                             like=prev.manifest if prev else None)
                         done += f.size
@@ -87,7 +88,6 @@ class OfflineVerbs:
                             FileRecord(p.name, f.manifest, f.size, f.stored, f.chunking, f.digest)
                         )
                     ingest.seal()
-                    parent = self.ledger.latest_checkpoint(session)
                     record = CheckpointRecord(
                         session=session,
                         name=name,
