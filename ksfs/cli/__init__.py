@@ -146,6 +146,9 @@ def main(ctx: click.Context, store_path: str) -> None:
     6 damaged data, 7 chunker unavailable, 8 busy, 9 no space, 10 virtual machine error,
     11 gateway/budget, 12 read-only or not permitted, 13 daemon error.
     """
+    from ksfs.heap import tune_for_bulk_reads
+
+    tune_for_bulk_reads()  # imports, saves and reads stream 8 MiB batches: see ksfs/heap.py
     ctx.obj = Context(store_path)
 
 
