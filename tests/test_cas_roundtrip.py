@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from ksfs.cas import ChunkStore, changed_share
 from ksfs.cas import ingest as ingest_module
+from ksfs.cas.chunking import ZERO_CHUNK, FileSource, iter_fixed
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.errors import BadInput, ManifestCorrupt, NotAStore
 from tests.cas_helpers import K64, BytesSource, put
@@ -103,6 +104,40 @@ def test_small_and_odd_sizes(store, tmp_path, chunking, size):
     assert r.read(size, 10) == b""
     if size:
         assert r.read(size - 1, 10) == data[-1:]
+
+
+@settings(max_examples=25, deadline=None)
+@given(segments=st.lists(st.tuples(st.booleans(), st.integers(1, 3 * K64)), max_size=8),
+       ranges=st.none() | st.lists(st.tuples(st.integers(0, 2_000_000), st.integers(0, 300_000)),
+                                   max_size=4))
+def test_mapped_fixed_chunks_equal_read_ones(tmp_path_factory, segments, ranges):
+    # A file path is chunked through a read-only mapping, any other source by pread: the two
+    # must cut the same chunks, zero ones as the one shared ZERO_CHUNK, a short tail whole.
+    data = b"".join(bytes(n) if zero else random.Random(n).randbytes(n) for zero, n in segments)
+    path = tmp_path_factory.mktemp("map") / "disk.raw"
+    path.write_bytes(data)
+    src = FileSource(path)
+    try:
+        assert (src.mapping() is not None) == bool(data)
+        mapped = [c for batch in iter_fixed(src, ranges) for c in batch]
+    finally:
+        src.close()
+    read = [c for batch in iter_fixed(BytesSource(data), ranges) for c in batch]
+    assert [(off, bytes(chunk)) for off, chunk in mapped] == [
+        (off, bytes(chunk)) for off, chunk in read]
+    for (_, a), (_, b) in zip(mapped, read, strict=True):
+        assert (a is ZERO_CHUNK) == (b is ZERO_CHUNK)
+        assert isinstance(a, bytes)
+
+
+def test_unmappable_file_is_read_instead(tmp_path):
+    # /proc files say size 0 and cannot be mapped: nothing breaks, they are read as empty
+    src = FileSource("/proc/self/status")
+    try:
+        assert src.mapping() is None
+        assert list(iter_fixed(src)) == []
+    finally:
+        src.close()
 
 
 def test_zero_runs_are_holes_not_chunks(store):

@@ -8,6 +8,7 @@ the fallback loads we refuse with ChunkerUnavailable rather than crawl.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
@@ -38,12 +39,34 @@ class FileSource:
             self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             self.size = os.fstat(self.fd).st_size
         self.path = os.fspath(path)
+        self._map: mmap.mmap | None = None
+        self._unmappable = False
 
     def pread(self, offset: int, n: int) -> bytes:
         with translate("read source file", self.path):
             return os.pread(self.fd, n, offset)
 
+    def mapping(self) -> mmap.mmap | None:
+        """The file mapped read-only (made once), or None where it cannot be mapped.
+
+        A disk image is mostly zeros: scanning them in the page cache through a mapping skips
+        copying every byte into a buffer first (a third of an import's disk time). The price: a
+        file truncated by another process while it is read kills the reader with SIGBUS, where
+        pread would fail cleanly; either way the import stores nothing (docs/limits.md).
+        """
+        if self._map is None and self.size and not self._unmappable:
+            try:
+                self._map = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
+            except (OSError, ValueError):  # not mappable (a pipe, /proc): pread serves
+                self._unmappable = True
+        return self._map
+
     def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a chunker's view outlived this (an error in flight): GC unmaps
+                pass
         os.close(self.fd)
 
 
@@ -94,6 +117,10 @@ def iter_fixed(
         spans = [(0, size)]
     else:
         spans = changed_spans(ranges, size)
+    mapping = source.mapping() if isinstance(source, FileSource) else None
+    if mapping is not None:
+        yield from _iter_fixed_mapped(mapping, spans)
+        return
     for start, end in spans:
         pos = start
         while pos < end:
@@ -110,6 +137,27 @@ def iter_fixed(
                     batch.append((pos + i, data[i : i + FIXED_SIZE]))
             yield batch
             pos += n
+
+
+def _iter_fixed_mapped(mapping: mmap.mmap, spans: list[tuple[int, int]]) -> Iterator[Batch]:
+    """iter_fixed over a mapped file: zero chunks are compared where they lie in the page cache
+    and only the others are copied out (as bytes: workers may hold them past the mapping;
+    a shorter last chunk always goes out whole and the workers see whether it is zero)."""
+    view = memoryview(mapping)
+    try:
+        for start, end in spans:
+            for pos in range(start, end, BATCH_BYTES):
+                batch = []
+                for off in range(pos, min(end, pos + BATCH_BYTES), FIXED_SIZE):
+                    piece = view[off : off + FIXED_SIZE]
+                    if len(piece) == FIXED_SIZE and ZERO_CHUNK.startswith(piece):
+                        batch.append((off, ZERO_CHUNK))
+                    else:
+                        batch.append((off, mapping[off : off + FIXED_SIZE]))
+                    piece.release()
+                yield batch
+    finally:
+        view.release()
 
 
 def changed_spans(ranges: Iterable[tuple[int, int]], size: int) -> list[tuple[int, int]]:
