@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    from ksfs.heap import tune_for_bulk_reads
+
+    tune_for_bulk_reads()  # every READ builds a 1 MiB reply: see ksfs/heap.py
     return daemon_main(args.store, args.mountpoint, args.allow_other, args.ready_fd,
                        args.upstream)
 

@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from ksfs.heap import tune_for_bulk_reads
+
+    tune_for_bulk_reads()  # every READ builds a 1 MiB reply: see ksfs/heap.py
     from ksfs.keeper import Keeper
 
     with Keeper(args.store) as keeper:
