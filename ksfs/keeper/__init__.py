@@ -27,6 +27,7 @@ class Keeper(OfflineVerbs, MachineVerbs, RestoreVerbs, Recovery, GuestLink, Diff
         self.store_path = Path(store_path)
         self.store = ChunkStore.open(self.store_path, create=create)
         self.ledger = Ledger(self.store)
+        self._init_views()
         self._vm = None
         self.gateway = None  # set by the daemon when it runs one
 

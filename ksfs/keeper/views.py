@@ -7,19 +7,58 @@ loaded to list or describe a checkpoint).
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from ksfs.errors import KsfsError
-from ksfs.model import CheckpointRecord
+from ksfs.model import CheckpointRecord, Event
 
 CHECKPOINT_VIRTUAL_FILES = ("domain.xml", "meta.json", "transcript")
+EVENT_LOGS_KEPT = 64  # lineages whose rendered event log is kept between stats
 
 
 def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
+def _event_line(e: Event) -> bytes:
+    return (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode()
+
+
+class EventLogView:
+    """A lineage's ``events`` file and ``resume`` answer, brought up to date by reading only the
+    events after the last one seen: a lineage's log is append-only and gapless, and the mount
+    asks for both at every getattr (their sizes must be true), which for a long-running session
+    would otherwise re-read and re-render its whole log each time."""
+
+    def __init__(self) -> None:
+        self.next_seq = 0
+        self.data = b""
+        self.resume = b"none\n"
+
+    def catch_up(self, events: Any) -> None:
+        lines = []
+        for e in events:
+            lines.append(_event_line(e))
+            self.next_seq = e.seq + 1
+            if e.type in ("restore.done", "restore.failed"):
+                word = "ok" if e.type == "restore.done" else "failed"
+                text = f"{word} {e.body.get('checkpoint', '')} seq={e.seq}"
+                if e.type == "restore.failed":
+                    text += f": {e.body.get('reason', '')}"
+                self.resume = (text + "\n").encode()
+            elif e.type == "input.rejected" and e.body.get("file") == "resume":
+                self.resume = f"rejected: {e.body.get('why', '')}\n".encode()
+        if lines:
+            self.data += b"".join(lines)
+
+
 class Views:
+    def _init_views(self) -> None:
+        self._event_logs: OrderedDict[str, EventLogView] = OrderedDict()
+        self._event_logs_lock = threading.Lock()
+
     def session_names(self) -> list[str]:
         return [s.name for s in self.ledger.sessions()]
 
@@ -43,10 +82,22 @@ class Views:
         return _json_bytes(self.status(session))
 
     def events_bytes(self, session: str, since: int = 0) -> bytes:
-        return b"".join(
-            (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode()
-            for e in self.ledger.events(session, since)
-        )
+        if since:
+            return b"".join(_event_line(e) for e in self.ledger.events(session, since))
+        return self._event_log(session).data
+
+    def _event_log(self, session: str) -> EventLogView:
+        """The session's lineage's view, caught up with the ledger (see EventLogView)."""
+        lineage = self.ledger.session(session).lineage
+        # One lock for all: catching up is short, and two threads appending the same events to
+        # one view would duplicate them.
+        with self._event_logs_lock:
+            view = self._event_logs.pop(lineage, None) or EventLogView()
+            self._event_logs[lineage] = view
+            while len(self._event_logs) > EVENT_LOGS_KEPT:
+                self._event_logs.popitem(last=False)
+            view.catch_up(self.ledger.lineage_events(lineage, view.next_seq))
+            return view
 
     def usage(self, session: str) -> dict[str, Any]:
         self.ledger.session(session)
@@ -126,17 +177,7 @@ class Views:
 
     def resume_result(self, session: str) -> bytes:
         """What reading ``resume`` tells: the last restore's outcome, one line."""
-        self.ledger.session(session)
-        for ev in reversed(list(self.ledger.events(session))):
-            if ev.type in ("restore.done", "restore.failed"):
-                word = "ok" if ev.type == "restore.done" else "failed"
-                text = f"{word} {ev.body.get('checkpoint', '')} seq={ev.seq}"
-                if ev.type == "restore.failed":
-                    text += f": {ev.body.get('reason', '')}"
-                return (text + "\n").encode()
-            if ev.type == "input.rejected" and ev.body.get("file") == "resume":
-                return f"rejected: {ev.body.get('why', '')}\n".encode()
-        return b"none\n"
+        return self._event_log(session).resume
 
     def reject(self, session: str | None, file: str, value: str, why: str) -> None:
         """Record that input to ``file`` was refused, in the session's log when there is one."""
