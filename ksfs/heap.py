@@ -6,7 +6,7 @@ first frees) and gives freed heap back to the kernel, so every batch is faulted 
 again: half of a short import's system time on this kind of VM. Fixed thresholds above the batch
 size let the heap be reused from the first batch on. The cost is that up to TRIM_THRESHOLD of
 freed heap stays mapped in a process (a long-running daemon included) instead of going back to
-the kernel. Measured in docs/performance.md ("Import start-up and malloc").
+the kernel. Measured in docs/performance.md ("import start-up", fourth session).
 """
 
 from __future__ import annotations

@@ -20,11 +20,12 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ksfs.cas import ChunkStore, changed_share
+from ksfs.cas import ChunkStore, changed_share, chunking
 from ksfs.cas import ingest as ingest_module
 from ksfs.cas.chunking import ZERO_CHUNK, FileSource, iter_fixed
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.errors import BadInput, ManifestCorrupt, NotAStore
+from ksfs.keeper import Keeper
 from tests.cas_helpers import K64, BytesSource, put
 
 
@@ -111,33 +112,73 @@ def test_small_and_odd_sizes(store, tmp_path, chunking, size):
        ranges=st.none() | st.lists(st.tuples(st.integers(0, 2_000_000), st.integers(0, 300_000)),
                                    max_size=4))
 def test_mapped_fixed_chunks_equal_read_ones(tmp_path_factory, segments, ranges):
-    # A file path is chunked through a read-only mapping, any other source by pread: the two
-    # must cut the same chunks, zero ones as the one shared ZERO_CHUNK, a short tail whole.
+    # A path ``ksfs import`` maps is chunked through a read-only mapping, any other source by
+    # pread: the two must give the same batches (small ones here, so files span several), zero
+    # chunks as the one shared ZERO_CHUNK, a short tail whole, every chunk as bytes.
     data = b"".join(bytes(n) if zero else random.Random(n).randbytes(n) for zero, n in segments)
     path = tmp_path_factory.mktemp("map") / "disk.raw"
     path.write_bytes(data)
-    src = FileSource(path)
-    try:
-        assert (src.mapping() is not None) == bool(data)
-        mapped = [c for batch in iter_fixed(src, ranges) for c in batch]
-    finally:
-        src.close()
-    read = [c for batch in iter_fixed(BytesSource(data), ranges) for c in batch]
-    assert [(off, bytes(chunk)) for off, chunk in mapped] == [
-        (off, bytes(chunk)) for off, chunk in read]
-    for (_, a), (_, b) in zip(mapped, read, strict=True):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chunking, "BATCH_BYTES", 3 * K64)
+        src = FileSource(path, mappable=True)
+        try:
+            assert (src.mapping() is not None) == bool(data)
+            mapped = list(iter_fixed(src, ranges))
+        finally:
+            src.close()
+        read = list(iter_fixed(BytesSource(data), ranges))
+    assert [[(off, bytes(c)) for off, c in b] for b in mapped] == [
+        [(off, bytes(c)) for off, c in b] for b in read]
+    flat_mapped = [chunk for batch in mapped for _, chunk in batch]
+    flat_read = [chunk for batch in read for _, chunk in batch]
+    for a, b in zip(flat_mapped, flat_read, strict=True):
         assert (a is ZERO_CHUNK) == (b is ZERO_CHUNK)
         assert isinstance(a, bytes)
 
 
-def test_unmappable_file_is_read_instead(tmp_path):
-    # /proc files say size 0 and cannot be mapped: nothing breaks, they are read as empty
-    src = FileSource("/proc/self/status")
+def test_unmappable_files_are_read_instead(tmp_path, monkeypatch):
+    # /proc files say size 0: read as empty
+    src = FileSource("/proc/self/status", mappable=True)
     try:
         assert src.mapping() is None
         assert list(iter_fixed(src)) == []
     finally:
         src.close()
+    # a file the kernel will not map: pread serves, with the same chunks
+    data = bytes(K64) + b"x" * (K64 + 5)
+    (tmp_path / "d").write_bytes(data)
+
+    def refuse(*_a, **_k):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(chunking.mmap, "mmap", refuse)
+    src = FileSource(tmp_path / "d", mappable=True)
+    try:
+        assert src.mapping() is None
+        assert [(o, bytes(c)) for b in iter_fixed(src) for o, c in b] == [
+            (0, bytes(K64)), (K64, b"x" * K64), (2 * K64, b"xxxxx")]
+    finally:
+        src.close()
+
+
+def test_only_an_import_process_maps_its_files(tmp_path, monkeypatch):
+    # The daemon imports through the same keeper verb; a mapping there would let a file cut
+    # short under it kill the mount (SIGBUS). Only ``map_files=True`` (``ksfs import``) maps.
+    (tmp_path / "disk.raw").write_bytes(b"d" * (3 * K64))
+    calls = []
+    real = chunking.mmap.mmap
+
+    def spy(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(chunking.mmap, "mmap", spy)
+    with Keeper(tmp_path / "store", create=True) as k:
+        k.import_files("s", "c1", [tmp_path / "disk.raw"])
+        assert calls == []
+        k.import_files("s", "c2", [tmp_path / "disk.raw"], map_files=True)
+        assert len(calls) == 1
+        assert k.open_file("s", "c2", "disk.raw").read(0, 4 * K64) == b"d" * (3 * K64)
 
 
 def test_zero_runs_are_holes_not_chunks(store):

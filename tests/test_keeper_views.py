@@ -112,3 +112,35 @@ def test_readers_in_threads_while_events_are_added(keeper):
     seqs = [json.loads(line)["seq"] for line in final.splitlines()]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # gapless, nothing twice
     assert all(final.startswith(s) for s in seen)  # every snapshot a prefix of the log
+
+
+def test_a_log_dropped_from_the_cache_is_read_again_whole(keeper, tmp_path, monkeypatch):
+    from ksfs.keeper import views
+
+    monkeypatch.setattr(views, "EVENT_LOGS_KEPT", 1)
+    keeper.import_files("t", "c1", [tmp_path / "a"])
+    first = keeper.events_bytes("s")
+    assert keeper.events_bytes("t") == fresh_events(keeper, "t")  # pushes "s" out
+    assert len(keeper._event_logs) == 1
+    keeper.ledger.record("s", "restore.done", {"checkpoint": "c1"})
+    again = keeper.events_bytes("s")
+    assert again.startswith(first) and again == fresh_events(keeper, "s")
+    assert keeper.resume_result("s").startswith(b"ok c1 ")
+
+
+def test_a_failed_read_leaves_no_hole(keeper, monkeypatch):
+    keeper.events_bytes("s")
+    for i in range(3):
+        keeper.ledger.record("s", "input.rejected", {"file": "status", "why": f"try {i}"})
+    real = keeper.ledger.lineage_events
+
+    def breaks_midway(lineage, since=0, until=None):
+        events = real(lineage, since, until)
+        yield next(events)
+        raise OSError(5, "injected read failure")
+
+    monkeypatch.setattr(keeper.ledger, "lineage_events", breaks_midway)
+    with pytest.raises(OSError):
+        keeper.events_bytes("s")
+    monkeypatch.setattr(keeper.ledger, "lineage_events", real)
+    assert keeper.events_bytes("s") == fresh_events(keeper, "s")

@@ -32,15 +32,16 @@ class Source(Protocol):
 
 
 class FileSource:
-    """A regular file opened for reading; ``size`` is taken once at open."""
+    """A regular file opened for reading; ``size`` is taken once at open. ``mappable``: fixed
+    chunking may read it through a mapping (see ``mapping``)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], mappable: bool = False) -> None:
         with translate("open source file", path):
             self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             self.size = os.fstat(self.fd).st_size
         self.path = os.fspath(path)
         self._map: mmap.mmap | None = None
-        self._unmappable = False
+        self._unmappable = not mappable
 
     def pread(self, offset: int, n: int) -> bytes:
         with translate("read source file", self.path):
@@ -51,13 +52,17 @@ class FileSource:
 
         A disk image is mostly zeros: scanning them in the page cache through a mapping skips
         copying every byte into a buffer first (a third of an import's disk time). The price: a
-        file truncated by another process while it is read kills the reader with SIGBUS, where
-        pread would fail cleanly; either way the import stores nothing (docs/limits.md).
+        file truncated by another process (or failing with an I/O error) while it is read kills
+        the reading process with SIGBUS, where pread would fail cleanly. So only a process that
+        is nothing but this one import asks for it (``ksfs import``, not the daemon that also
+        serves the mount); see docs/limits.md.
         """
         if self._map is None and self.size and not self._unmappable:
             try:
                 self._map = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
-            except (OSError, ValueError):  # not mappable (a pipe, /proc): pread serves
+                self._map.madvise(mmap.MADV_SEQUENTIAL)  # read ahead when not in page cache
+            except (OSError, ValueError, OverflowError):  # a pipe, /proc, 2 GiB on 32 bits
+                self._map = None
                 self._unmappable = True
         return self._map
 
@@ -70,10 +75,10 @@ class FileSource:
         os.close(self.fd)
 
 
-def open_source(source: Any) -> tuple[Source, bool]:
+def open_source(source: Any, mappable: bool = False) -> tuple[Source, bool]:
     """Return (source, opened_here): a path becomes a FileSource the caller must close."""
     if isinstance(source, str | bytes | os.PathLike):
-        return FileSource(source), True
+        return FileSource(source, mappable), True
     if not hasattr(source, "size") or not hasattr(source, "pread"):
         raise BadInput("a source must be a path or have .size and .pread(offset, n)")
     return source, False

@@ -125,7 +125,8 @@ class Ingest:
 
     def add_file(self, source: Any, chunking: str = "fixed", base: str | None = None,
                  changed: list[tuple[int, int]] | None = None,
-                 progress: Progress | None = None, like: str | None = None) -> IngestedFile:
+                 progress: Progress | None = None, like: str | None = None,
+                 map_source: bool = False) -> IngestedFile:
         """Store one file; its manifest is committed with the ingest.
 
         ``base`` + ``changed``: an incremental ingest of a fixed-chunked file that differs from
@@ -133,7 +134,8 @@ class Ingest:
         of an earlier version of this file (the same file in the checkpoint before): new chunks
         are stored as deltas against their old versions where that saves bytes (``delta``). An
         incremental ingest uses its base for this. A ``like`` that is missing or cut another way
-        only means no deltas.
+        only means no deltas. ``map_source``: a path chunked at fixed 64 KiB may be read through
+        a mapping (faster; SIGBUS if the file shrinks meanwhile: ``FileSource.mapping``).
         """
         if chunking not in fmt.CHUNKINGS:
             raise BadInput(f"chunking must be 'fixed' or 'cdc', not {chunking!r}")
@@ -143,7 +145,7 @@ class Ingest:
             raise BadInput("an incremental ingest (base + changed) needs fixed chunking")
         if self._lock_fd < 0:
             raise KsfsError("this ingest is closed; start a new one")
-        src, opened = open_source(source)
+        src, opened = open_source(source, mappable=map_source)
         try:
             with self._mutex:
                 self.sealed = False
@@ -171,20 +173,28 @@ class Ingest:
         stored = 0
         done = 0
         base_read = 0
-        for results in self._pipeline(batches, ref):
-            for off, cid, length, payload in results:
-                if payload is not None and cid not in self.new:
-                    codec, data, read_back = payload
-                    loc = self._append(cid, data, length, codec)
-                    stored += loc.record_len
-                    base_read += read_back
-                if slots is None:
-                    entries.append((cid, length))
-                else:
-                    slots[off // FIXED_SIZE] = (cid, length)
-                done += length
-            if progress is not None:
-                progress(done, total)
+        pipeline = self._pipeline(batches, ref)
+        try:
+            for results in pipeline:
+                for off, cid, length, payload in results:
+                    if payload is not None and cid not in self.new:
+                        codec, data, read_back = payload
+                        loc = self._append(cid, data, length, codec)
+                        stored += loc.record_len
+                        base_read += read_back
+                    if slots is None:
+                        entries.append((cid, length))
+                    else:
+                        slots[off // FIXED_SIZE] = (cid, length)
+                    done += length
+                if progress is not None:
+                    progress(done, total)
+        finally:
+            # On failure too: a chunker holding a view of a mapped source lets go of it here,
+            # before add_file closes the source.
+            pipeline.close()
+            if hasattr(batches, "close"):
+                batches.close()
         if slots is not None:
             entries = slots
         raw = fmt.encode_manifest(entries, chunking)

@@ -54,7 +54,9 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
     keeper = ctx.open_keeper(create=True)
     update, finish = progress_bar(f"import {checkpoint}")
     try:
-        record = keeper.import_files(session, checkpoint, files, disks=disks, progress=update)
+        # this process is only this import: disk images may be mapped (ksfs/cas/chunking.py)
+        record = keeper.import_files(session, checkpoint, files, disks=disks, progress=update,
+                                     map_files=True)
     finally:
         finish()
     if as_json:

@@ -41,8 +41,12 @@ class OfflineVerbs:
         files: Iterable[str | os.PathLike],
         disks: Iterable[str | os.PathLike] = (),
         progress: Progress | None = None,
+        map_files: bool = False,
     ) -> CheckpointRecord:
-        """Store ``files`` (each under its base name) as one offline checkpoint of ``session``."""
+        """Store ``files`` (each under its base name) as one offline checkpoint of ``session``.
+
+        ``map_files``: disk images may be read through a mapping (see ``FileSource.mapping``);
+        only for a process that does nothing else, since a file cut short under it kills it."""
         validate_name(session, "session name")
         if checkpoint is not None:
             validate_name(checkpoint, "checkpoint name")
@@ -82,7 +86,8 @@ class OfflineVerbs:
                         chunking = "fixed" if (p in disk_set or is_disk_image(p.name)) else "cdc"
                         prev = parent.file(p.name) if parent is not None else None
                         f = ingest.add_file(str(p), chunking=chunking, progress=step,
-                                            like=prev.manifest if prev else None)
+                                            like=prev.manifest if prev else None,
+                                            map_source=map_files)
                         done += f.size
                         records.append(
                             FileRecord(p.name, f.manifest, f.size, f.stored, f.chunking, f.digest)

@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from ksfs.errors import KsfsError
+from ksfs.errors import IntegrityError, KsfsError
 from ksfs.model import CheckpointRecord, Event
 
 CHECKPOINT_VIRTUAL_FILES = ("domain.xml", "meta.json", "transcript")
@@ -36,22 +36,29 @@ class EventLogView:
         self.next_seq = 0
         self.data = b""
         self.resume = b"none\n"
+        self.lock = threading.Lock()  # one catch-up at a time: two would append events twice
 
     def catch_up(self, events: Any) -> None:
-        lines = []
+        """Append ``events`` (those from ``next_seq`` on). Nothing is kept unless all of them
+        were read, so a failed read cannot leave a hole that later catch-ups would skip."""
+        next_seq, resume, lines = self.next_seq, self.resume, []
         for e in events:
+            if e.seq != next_seq and (lines or self.data):
+                raise IntegrityError(f"event log of lineage has seq {e.seq} where {next_seq} "
+                                     "was expected")
             lines.append(_event_line(e))
-            self.next_seq = e.seq + 1
+            next_seq = e.seq + 1
             if e.type in ("restore.done", "restore.failed"):
                 word = "ok" if e.type == "restore.done" else "failed"
                 text = f"{word} {e.body.get('checkpoint', '')} seq={e.seq}"
                 if e.type == "restore.failed":
                     text += f": {e.body.get('reason', '')}"
-                self.resume = (text + "\n").encode()
+                resume = (text + "\n").encode()
             elif e.type == "input.rejected" and e.body.get("file") == "resume":
-                self.resume = f"rejected: {e.body.get('why', '')}\n".encode()
+                resume = f"rejected: {e.body.get('why', '')}\n".encode()
         if lines:
             self.data += b"".join(lines)
+            self.next_seq, self.resume = next_seq, resume
 
 
 class Views:
@@ -89,15 +96,14 @@ class Views:
     def _event_log(self, session: str) -> EventLogView:
         """The session's lineage's view, caught up with the ledger (see EventLogView)."""
         lineage = self.ledger.session(session).lineage
-        # One lock for all: catching up is short, and two threads appending the same events to
-        # one view would duplicate them.
-        with self._event_logs_lock:
+        with self._event_logs_lock:  # the table only: a long first catch-up blocks no other log
             view = self._event_logs.pop(lineage, None) or EventLogView()
             self._event_logs[lineage] = view
             while len(self._event_logs) > EVENT_LOGS_KEPT:
                 self._event_logs.popitem(last=False)
+        with view.lock:
             view.catch_up(self.ledger.lineage_events(lineage, view.next_seq))
-            return view
+        return view
 
     def usage(self, session: str) -> dict[str, Any]:
         self.ledger.session(session)
