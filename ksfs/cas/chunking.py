@@ -123,46 +123,34 @@ def iter_fixed(
     else:
         spans = changed_spans(ranges, size)
     mapping = source.mapping() if isinstance(source, FileSource) else None
-    if mapping is not None:
-        yield from _iter_fixed_mapped(mapping, spans)
-        return
-    for start, end in spans:
-        pos = start
-        while pos < end:
-            n = min(BATCH_BYTES, end - pos)
-            data = read_exact(source, pos, n)
-            batch = []
-            for i in range(0, n, FIXED_SIZE):
-                # A disk image is mostly zeros: a zero chunk is found by memcmp in place and
-                # handed on as one shared object, not as a fresh 64 KiB slice to allocate
-                # (page faults in a fresh process) and compare again.
-                if data.startswith(ZERO_CHUNK, i, i + FIXED_SIZE):
-                    batch.append((pos + i, ZERO_CHUNK))
-                else:
-                    batch.append((pos + i, data[i : i + FIXED_SIZE]))
-            yield batch
-            pos += n
-
-
-def _iter_fixed_mapped(mapping: mmap.mmap, spans: list[tuple[int, int]]) -> Iterator[Batch]:
-    """iter_fixed over a mapped file: zero chunks are compared where they lie in the page cache
-    and only the others are copied out (as bytes: workers may hold them past the mapping;
-    a shorter last chunk always goes out whole and the workers see whether it is zero)."""
-    view = memoryview(mapping)
+    view = memoryview(mapping) if mapping is not None else None
     try:
         for start, end in spans:
             for pos in range(start, end, BATCH_BYTES):
-                batch = []
-                for off in range(pos, min(end, pos + BATCH_BYTES), FIXED_SIZE):
-                    piece = view[off : off + FIXED_SIZE]
-                    if len(piece) == FIXED_SIZE and ZERO_CHUNK.startswith(piece):
-                        batch.append((off, ZERO_CHUNK))
-                    else:
-                        batch.append((off, mapping[off : off + FIXED_SIZE]))
-                    piece.release()
-                yield batch
+                n = min(BATCH_BYTES, end - pos)
+                # mapped: the page cache itself, nothing copied but the chunks kept below
+                data = view[pos : pos + n] if view is not None else \
+                    memoryview(read_exact(source, pos, n))
+                yield _fixed_batch(data, pos)
     finally:
-        view.release()
+        if view is not None:
+            view.release()
+
+
+def _fixed_batch(data: memoryview, pos: int) -> Batch:
+    """The 64 KiB chunks of data (read at pos). A disk image is mostly zeros: a zero chunk is
+    compared where it lies (memcmp) and handed on as the one shared ZERO_CHUNK, not copied out
+    (page faults in a fresh process) and compared again; the others are copied out as bytes,
+    which workers may hold past the buffer or mapping. A shorter last chunk always goes out
+    whole, and the workers see whether it is zero."""
+    batch = []
+    for i in range(0, len(data), FIXED_SIZE):
+        piece = data[i : i + FIXED_SIZE]
+        if len(piece) == FIXED_SIZE and ZERO_CHUNK.startswith(piece):
+            batch.append((pos + i, ZERO_CHUNK))
+        else:
+            batch.append((pos + i, bytes(piece)))
+    return batch
 
 
 def changed_spans(ranges: Iterable[tuple[int, int]], size: int) -> list[tuple[int, int]]:
