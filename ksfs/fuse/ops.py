@@ -29,10 +29,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 BLOCK = 512
-# Reads of stored files decompress and hash under the GIL: measured here, two or more threads
-# cost ~40% more CPU per MiB than one (contention), and the trio loop already overlaps the FUSE
-# work with the one reading thread. Metadata and verbs get threads of their own, so neither a
-# long read nor a long save holds up an ls.
+# Reads of stored files are answered on the loop itself (tree.ReaderHandle explains why); this
+# thread is for the reads of files made from the ledger (events, status, resume). Metadata and
+# verbs get threads of their own, so a long save never holds up an ls.
 READ_THREADS = 1
 META_THREADS = 4
 VERB_THREADS = 4

@@ -81,7 +81,18 @@ class Handle:
 
 
 class ReaderHandle(Handle):
-    """A stored checkpoint file: reads go to the store's thread-safe random-access reader."""
+    """A stored checkpoint file: reads go to the store's thread-safe random-access reader.
+
+    Answered on the FUSE loop's own thread (``needs_io`` False), like borg mount does: a READ
+    decodes at most one request's chunks (1 MiB and a chunk either side) from packs, takes no
+    lock that a verb holds for long, and never waits on the loop. Measured on fresh mounts,
+    alternating (docs/mount.md, "Performance"), this answers a first ``cat`` ~1.5x faster than
+    handing each READ to a worker thread, whose two hand-offs per request cost more than the
+    decode they overlap. The price: other requests wait for the READ in progress (about a
+    millisecond with the packs in page cache).
+    """
+
+    needs_io = False
 
     def __init__(self, reader: Any) -> None:
         self.reader = reader
