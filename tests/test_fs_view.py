@@ -145,3 +145,25 @@ def test_unreadable_disk_gives_empty_fs_and_an_event(tmp_path: Path) -> None:
                   .splitlines()]
         bad = [e for e in events if e["type"] == "fs.unreadable"]
         assert bad and bad[0]["body"]["checkpoint"] == "bad" and bad[0]["body"]["why"]
+
+
+def test_guest_files_read_on_a_thread_stored_files_on_the_loop(store_with_two) -> None:
+    """A guest file's reads may wait on its filesystem's locks, so they keep the FUSE worker
+    thread; the checkpoint's own stored files are answered on the loop (tree.ReaderHandle)."""
+    from ksfs.fuse.tree import ROOT_INODE, CheckpointTree
+
+    store, a, _ = store_with_two
+    with Keeper(store) as k:
+        tree = CheckpointTree(k)
+        ino = ROOT_INODE
+        for name in ("sessions", "s", "checkpoints", "A"):
+            ino = tree.lookup(ino, name).ino
+        fh, h = tree.open(tree.lookup(ino, "disk.raw").ino, os.O_RDONLY)
+        assert not h.needs_io
+        tree.release(fh)
+        for name in ("fs", "work", "small.txt"):
+            ino = tree.lookup(ino, name).ino
+        fh, h = tree.open(ino, os.O_RDONLY)
+        assert h.needs_io
+        assert tree.read(fh, 0, 100) == (a / "work" / "small.txt").read_bytes()
+        tree.release(fh)

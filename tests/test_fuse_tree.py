@@ -95,10 +95,11 @@ def test_attributes(keeper):
     assert resume.mode == 0o644
     fh, h = tree.open(walk(tree, "sessions", "s", "checkpoints", "c1", "a"), os.O_RDONLY)
     assert h.keep_cache and not h.direct_io
+    assert not h.needs_io  # a stored file's READs are answered on the FUSE loop itself
     assert tree.read(fh, 4995, 100) == b"alpha"
     tree.release(fh)
     fh, h = tree.open(walk(tree, "sessions", "s", "events"), os.O_RDONLY)
-    assert h.direct_io and not h.keep_cache
+    assert h.direct_io and not h.keep_cache and h.needs_io
     tree.release(fh)
 
 

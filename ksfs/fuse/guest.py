@@ -78,6 +78,8 @@ class GuestDir(GuestNode, Dir):
 class GuestFile(GuestNode, StoredFile):
     """A guest file: its bytes are read on demand from the disk image through the store."""
 
+    reads_inline = False  # an extent walk may wait on the guest filesystem's locks
+
     def size(self) -> int:
         return self.st.size
 

@@ -168,6 +168,8 @@ class ResumeFile(DynamicFile):
 class StoredFile(Node):
     """A file of a checkpoint held in the chunk store: immutable, true size, blocks = own bytes."""
 
+    reads_inline = True  # answered on the FUSE loop: tree.ReaderHandle says why
+
     def __init__(self, keeper: Any, key: tuple, session: str, checkpoint: CheckpointRecord,
                  name: str, size: int, stored: int) -> None:
         super().__init__(keeper, key, session)

@@ -83,19 +83,19 @@ class Handle:
 class ReaderHandle(Handle):
     """A stored checkpoint file: reads go to the store's thread-safe random-access reader.
 
-    Answered on the FUSE loop's own thread (``needs_io`` False), like borg mount does: a READ
-    decodes at most one request's chunks (1 MiB and a chunk either side) from packs, takes no
-    lock that a verb holds for long, and never waits on the loop. Measured on fresh mounts,
-    alternating (docs/mount.md, "Performance"), this answers a first ``cat`` ~1.5x faster than
-    handing each READ to a worker thread, whose two hand-offs per request cost more than the
-    decode they overlap. The price: other requests wait for the READ in progress (about a
-    millisecond with the packs in page cache).
+    With ``inline`` its READs are answered on the FUSE loop's own thread, as borg mount answers
+    all of its own: a READ decodes at most one request's chunks (1 MiB and a chunk either side)
+    from packs, takes no lock that a verb holds for long, and never waits on the loop. Measured
+    on fresh mounts, alternating (docs/mount.md, "Performance"), this answers a first ``cat``
+    ~1.5x faster than handing each READ to a worker thread, whose two hand-offs per request cost
+    more than the decode they overlap. The price: other requests wait for the READ in progress
+    (about a millisecond with the packs in page cache). Readers that may wait longer (a guest
+    file's, which shares its filesystem's caches and locks with listings) keep the thread.
     """
 
-    needs_io = False
-
-    def __init__(self, reader: Any) -> None:
+    def __init__(self, reader: Any, inline: bool) -> None:
         self.reader = reader
+        self.needs_io = not inline
 
     def read(self, offset: int, size: int) -> bytes:
         end = min(offset + size, self.reader.size)
@@ -319,7 +319,7 @@ class CheckpointTree:
             self._rejecting(session, "/".join(parts[2:]) or "/".join(parts), "", no)
             raise AssertionError("unreachable")
         elif isinstance(node, StoredFile):
-            handle = ReaderHandle(self._reader(node))
+            handle = ReaderHandle(self._reader(node), inline=node.reads_inline)
         elif isinstance(node, RecordFile):
             handle = BytesHandle(node.data())
         elif isinstance(node, DynamicFile):
