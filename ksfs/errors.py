@@ -203,8 +203,49 @@ def translate(what: str, path: object = "") -> Iterator[None]:
     except KsfsError:
         raise
     except OSError as exc:
-        if exc.errno in (_errno.ENOSPC, _errno.EDQUOT):
-            raise NoSpace(path=path or exc.filename, why=f"{what}: {exc.strerror}") from exc
-        if exc.errno == _errno.ENOENT:
-            raise NoSuchFile(what=what, name=str(exc.filename or path)) from exc
-        raise KsfsError(f"{what} failed: {exc.strerror or exc}") from exc
+        raise from_os_error(exc, what, path) from exc
+
+
+def from_os_error(exc: OSError, what: str, path: object = "") -> KsfsError:
+    """The ksfs error for an OSError met while doing ``what`` (see ``translate``)."""
+    if exc.errno in (_errno.ENOSPC, _errno.EDQUOT):
+        return NoSpace(path=path or exc.filename, why=f"{what}: {exc.strerror}")
+    if exc.errno == _errno.ENOENT:
+        return NoSuchFile(what=what, name=str(exc.filename or path))
+    if exc.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS):
+        return NotPermitted(f"{what} failed: {exc.strerror} ({exc.filename or path})")
+    return KsfsError(f"{what} failed: {exc.strerror or exc}")
+
+
+# LMDB's own classes (by name: this module imports no storage library) that mean the index's
+# bytes are damaged, not that an operation failed.
+_LMDB_DAMAGE = {"CorruptedError", "PageNotFoundError", "InvalidError", "BadRslotError",
+                "VersionMismatchError", "PanicError", "BadDbiError", "BadTxnError"}
+
+
+def from_foreign(exc: BaseException, where: object = "the store") -> KsfsError | None:
+    """The ksfs error for an error a lower library raised past its layer's ``translate``, or
+    None when it is not one ksfs knows (a bug, to be reported as one).
+
+    The last line of defence of the command line and the daemon: a damaged LMDB index is
+    damage (exit 6), a full disk is NoSpace, a refused permission is NotPermitted, a ledger
+    value that no longer decodes is damage; never a traceback.
+    """
+    if isinstance(exc, KsfsError):
+        return exc
+    if isinstance(exc, OSError):
+        return from_os_error(exc, "a file operation", where)
+    if type(exc).__module__ == "lmdb":
+        text = str(exc)
+        if "No space" in text or type(exc).__name__ == "MapFullError":
+            return NoSpace(path=where, why=f"the index: {text}")
+        if "Permission denied" in text:
+            return NotPermitted(f"the index of {where} cannot be opened: permission denied")
+        if type(exc).__name__ in _LMDB_DAMAGE:
+            return IntegrityError(f"the index of {where} is damaged ({text}); its packs are "
+                                  "untouched: restore the index from a backup")
+        return KsfsError(f"the index of {where} failed: {text}")
+    if isinstance(exc, UnicodeDecodeError):
+        return IntegrityError(f"a record in the index of {where} is damaged (it no longer "
+                              f"decodes: {exc.reason})")
+    return None

@@ -41,6 +41,12 @@ EVENT_TYPES = frozenset(
 )
 
 
+# Files a checkpoint directory shows beside its stored files, made from its record; with its
+# subdirectories, names an imported file may not take.
+CHECKPOINT_VIRTUAL_FILES = ("domain.xml", "meta.json", "transcript")
+CHECKPOINT_RESERVED_NAMES = (*CHECKPOINT_VIRTUAL_FILES, "forks", "fs")
+
+
 def validate_name(name: str, what: str = "name") -> str:
     """Return ``name`` if it can name a session, checkpoint or file; raise BadName otherwise.
 

@@ -97,6 +97,8 @@ def test_import_cat_stats_round_trip(store: Path, tmp_path: Path) -> None:
         (["import", "s1", "", "FILE"], 2, "empty"),
         (["import", "s1", "x" * 256, "FILE"], 2, "255"),
         (["import", "s1", "c1", "FILE"], 4, "already exists"),
+        (["import", "s1", "c9", "/dev/null"], 2, "not a regular file"),
+        (["import", "s1", "c9", "DIR"], 2, "is a directory"),
     ],
 )
 def test_bad_input_one_line_exit_code_nothing_changed(
@@ -106,7 +108,7 @@ def test_bad_input_one_line_exit_code_nothing_changed(
     f.write_bytes(b"hello" * 1000)
     ksfs(store, "import", "s1", "c1", str(f))
     before = store_snapshot(store)
-    args = [str(f) if a == "FILE" else a for a in args]
+    args = [str(f) if a == "FILE" else str(tmp_path) if a == "DIR" else a for a in args]
     res = ksfs(store, *args, check=False)
     err = res.stderr.decode()
     assert res.returncode == code, err
@@ -123,6 +125,65 @@ def test_not_a_store(tmp_path: Path) -> None:
     assert res.returncode == 5
     assert "not a ksfs store" in res.stderr.decode()
     assert sorted(p.name for p in plain.iterdir()) == ["somefile"]
+
+
+@pytest.mark.parametrize("verb", ["stats", "import"])
+def test_a_file_is_not_a_store(tmp_path: Path, verb: str) -> None:
+    """A store path that is a file (or under one) is not a store: exit 5, the file untouched."""
+    f = tmp_path / "afile"
+    f.write_text("mine")
+    src = tmp_path / "memory"
+    src.write_bytes(b"x" * 100)
+    args = ["stats"] if verb == "stats" else ["import", "s", "c", str(src)]
+    for where in (f, f / "sub"):
+        res = ksfs(where, *args, check=False)
+        err = res.stderr.decode()
+        assert res.returncode == 5, err
+        assert len(err.strip().splitlines()) == 1 and "not a ksfs store" in err, err
+    assert f.read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", ["domain.xml", "meta.json", "transcript", "forks", "fs"])
+def test_import_refuses_the_names_a_checkpoint_directory_reserves(
+        store: Path, tmp_path: Path, name: str) -> None:
+    """These names are the checkpoint directory's own entries on the mount: a stored file of
+    that name would clash with them, so import refuses it (exit 2) and changes nothing."""
+    ok = tmp_path / "memory"
+    ok.write_bytes(b"m" * 5000)
+    ksfs(store, "import", "s1", "c1", str(ok))
+    before = store_snapshot(store)
+    bad = tmp_path / name
+    bad.write_bytes(b"clash")
+    res = ksfs(store, "import", "s1", "c2", str(ok), str(bad), check=False)
+    err = res.stderr.decode()
+    assert res.returncode == 2, err
+    assert len(err.strip().splitlines()) == 1 and "reserved" in err, err
+    assert store_snapshot(store) == before
+
+
+def test_a_damaged_ledger_record_is_exit_6_not_a_traceback(store: Path, tmp_path: Path) -> None:
+    """A ledger value whose bytes no longer decode (damage) is an integrity error: one line,
+    exit 6, from every command that reads it."""
+    import lmdb
+
+    f = tmp_path / "memory"
+    f.write_bytes(b"hello" * 1000)
+    ksfs(store, "import", "s1", "c1", str(f))
+    env = lmdb.open(str(store / "index"), max_dbs=32, subdir=True)
+    try:
+        sessions = env.open_db(b"sessions", create=False)
+        with env.begin(write=True, db=sessions) as txn:
+            keys = [bytes(k) for k in txn.cursor().iternext(values=False)]
+            assert keys
+            for k in keys:
+                txn.put(k, b"\xff\xfe not json")
+    finally:
+        env.close()
+    for args in (["checkpoints", "s1"], ["events", "s1"], ["check"]):
+        res = ksfs(store, *args, check=False)
+        err = res.stderr.decode()
+        assert res.returncode == 6, (args, err)
+        assert len(err.strip().splitlines()) == 1 and "damaged" in err, (args, err)
 
 
 def test_kill_9_during_import_leaves_a_clean_store(store: Path, tmp_path: Path) -> None:

@@ -99,6 +99,46 @@ def test_import_on_a_full_disk(tmp_path: Path) -> None:
         assert_clean(store)
 
 
+
+def fill(fs: Path) -> Path:
+    """Take every free byte of fs with one file; returns it (delete it to give them back)."""
+    filler = fs / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for size in (1 << 20, 4096, 1):  # down to the last byte
+            with contextlib.suppress(OSError):
+                while f.write(b"\1" * size):
+                    pass
+    return filler
+
+
+def test_gc_on_a_full_disk_is_no_space_and_changes_nothing(tmp_path: Path) -> None:
+    rnd = random.Random(11)
+    shared = rnd.randbytes(2 << 20)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(shared + rnd.randbytes(2 << 20))
+    b.write_bytes(shared + rnd.randbytes(2 << 20))
+    with small_fs("24m") as fs:
+        store = fs / "store"
+        for name, src in (("c1", a), ("c2", b)):
+            res = ksfs(store, "import", "s", name, str(src))
+            assert res.returncode == 0, res.stderr
+        assert ksfs(store, "rm", "s", "c1").returncode == 0
+        filler = fill(fs)
+        res = ksfs(store, "gc")
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 9, (res.returncode, res.stderr)
+        assert len(lines) == 1 and "no space left" in lines[0], res.stderr
+        filler.unlink()
+        assert_clean(store)
+        out = subprocess.run(KSFS + ["--store", str(store), "cat", "s", "c2", "b"],
+                             capture_output=True)
+        assert out.returncode == 0 and out.stdout == b.read_bytes()
+        res = ksfs(store, "gc", "--json")  # with room again it frees what c1 alone held
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["bytes_freed"] > 1 << 20, res.stdout
+        assert_clean(store)
+
+
 @pytest.mark.vm
 def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
     sys.path.insert(0, str(Path(__file__).parent))

@@ -16,6 +16,7 @@ import zstandard
 
 from ksfs.cas import format as fmt
 from ksfs.cas.packs import decode_payload
+from ksfs.cas.store import index_errors
 from ksfs.errors import IntegrityError, ManifestCorrupt
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ def check_store(store: ChunkStore, read_data: bool, references: dict[str, list[s
 def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]]) -> CheckReport:
     rep = CheckReport(data_read=read_data)
     db = store.db
-    with store.env.begin() as txn:
+    # a damaged index cannot be listed: that is one IntegrityError naming it, not a traceback
+    with index_errors("read the index", store.path), store.env.begin() as txn:
         packs = {int.from_bytes(k, "big"): fmt.PACK_VALUE.unpack(v)
                  for k, v in txn.cursor(db=db["packs"])}
         chunks = [(bytes(k), fmt.Location.decode(v)) for k, v in txn.cursor(db=db["chunks"])]

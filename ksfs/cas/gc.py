@@ -25,6 +25,7 @@ import zstandard
 from ksfs.cas import format as fmt
 from ksfs.cas.flatten import Flattened, append_to, commit_writers, flatten, release
 from ksfs.cas.packs import PackWriter, decode_payload, fsync_dir
+from ksfs.cas.store import index_errors
 from ksfs.crashpoints import crash_point
 from ksfs.errors import IntegrityError, KsfsError, translate
 
@@ -53,7 +54,10 @@ def collect(store: ChunkStore, live_manifests: Iterable[str] | Callable[[], Iter
     lock = store.lock(exclusive=True, timeout=timeout)
     try:
         live = live_manifests() if callable(live_manifests) else live_manifests
-        return _collect(store, {bytes.fromhex(m) for m in live}, threshold)
+        # an LMDB error (a full disk at the sweep's commit, most likely) aborts the sweep's
+        # transaction whole: nothing is deleted, and it is reported as a ksfs error
+        with index_errors("gc", store.path):
+            return _collect(store, {bytes.fromhex(m) for m in live}, threshold)
     finally:
         os.close(lock)
 

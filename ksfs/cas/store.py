@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
@@ -36,6 +36,9 @@ from ksfs.errors import (
     ManifestCorrupt,
     NoSpace,
     NotAStore,
+    NotPermitted,
+    from_foreign,
+    from_os_error,
     translate,
 )
 
@@ -83,7 +86,20 @@ def _close_env(path: str) -> None:
 def _lmdb_error(what: str, path: str, exc: lmdb.Error) -> KsfsError:
     if isinstance(exc, lmdb.MapFullError) or "No space" in str(exc):
         return NoSpace(path=path, why=f"{what}: {exc}")
+    known = from_foreign(exc, path)  # damage, permissions
+    if known is not None and type(known) is not KsfsError:
+        return known
     return KsfsError(f"{what} failed in the LMDB index at {path}: {exc}")
+
+
+@contextlib.contextmanager
+def index_errors(what: str, path: str) -> Iterator[None]:
+    """Re-raise an LMDB error from the block as a ksfs error naming ``what`` (a full disk is
+    NoSpace, damage is IntegrityError)."""
+    try:
+        yield
+    except lmdb.Error as exc:
+        raise _lmdb_error(what, path, exc) from exc
 
 
 class ChunkStore:
@@ -118,7 +134,8 @@ class ChunkStore:
         if create and not os.path.exists(marker_path):
             _create_layout(path)
         if not os.path.isdir(path):
-            raise NotAStore(path=path, why="no such directory")
+            why = "it is not a directory" if os.path.lexists(path) else "no such directory"
+            raise NotAStore(path=path, why=why)
         try:
             with open(marker_path, encoding="utf-8") as f:
                 marker = json.load(f)
@@ -340,13 +357,23 @@ class ChunkStore:
 
 def _create_layout(path: str) -> None:
     """Make a new store's directories; the marker comes last, so a half-made store is none."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise NotAStore(path=path, why="it is not a directory")
     if os.path.isdir(path):
-        extra = {n for n in os.listdir(path) if not n.startswith(MARKER + ".")}
-        extra -= set(LAYOUT) | {"lock"}
+        with translate("list the store directory", path):
+            names = os.listdir(path)
+        extra = {n for n in names if not n.startswith(MARKER + ".")} - (set(LAYOUT) | {"lock"})
         if extra:
             raise NotAStore(path=path, why="it is a non-empty directory without a ksfs marker")
-    with translate("create the store", path):
+    try:
         os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        err = from_os_error(exc, "create the store", path)
+        if isinstance(err, (NoSpace, NotPermitted)):
+            raise err from exc
+        # ENOTDIR, EEXIST, ENOENT under /proc...: a place no store can be made
+        raise NotAStore(path=path, why=f"it cannot be created: {exc.strerror}") from exc
+    with translate("create the store", path):
         for sub in LAYOUT:
             os.makedirs(os.path.join(path, sub), exist_ok=True)
         open(os.path.join(path, "lock"), "a").close()

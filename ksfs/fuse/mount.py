@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # The largest request the kernel takes (FUSE_MAX_MAX_PAGES = 256 pages); libfuse 3.14 negotiates
 # max_pages from it. Readahead is raised on the mount's bdi to keep several such reads in flight.
 MAX_READ = 1024 * 1024
-READ_AHEAD_KB = 2048  # two 1 MiB requests in flight, one per read thread
+READ_AHEAD_KB = 2048  # two 1 MiB requests in flight: the next one is queued while one is answered
 
 
 def mount_options(allow_other: bool = False, debug: bool = False) -> set[str]:

@@ -9,9 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from ksfs.crashpoints import crash_point
-from ksfs.errors import AlreadyExists, BadInput, NoSuchFile, NoSuchSession
+from ksfs.errors import AlreadyExists, BadInput, BadName, NoSuchFile, NoSuchSession
 from ksfs.keeper.locks import session_lock
-from ksfs.model import CheckpointRecord, FileRecord, checkpoint_name_for_seq, validate_name
+from ksfs.model import (
+    CHECKPOINT_RESERVED_NAMES,
+    CheckpointRecord,
+    FileRecord,
+    checkpoint_name_for_seq,
+    validate_name,
+)
 
 Progress = Callable[[int, int], None]
 
@@ -57,7 +63,12 @@ class OfflineVerbs:
         names = [p.name for p in paths]
         for p in paths:
             validate_name(p.name, "file name")
+            if p.name in CHECKPOINT_RESERVED_NAMES:
+                raise BadName(name=p.name, why="a checkpoint directory shows its own entry by "
+                              f"that name (reserved: {', '.join(CHECKPOINT_RESERVED_NAMES)})")
             if not p.is_file():
+                if p.exists():
+                    raise BadInput(f"{p} is not a regular file: only regular files are imported")
                 raise NoSuchFile(what="file to import", name=str(p))
         if len(set(names)) != len(names):
             raise BadInput("two files to import share one base name")

@@ -12,9 +12,8 @@ from collections import OrderedDict
 from typing import Any
 
 from ksfs.errors import IntegrityError, KsfsError
-from ksfs.model import CheckpointRecord, Event
+from ksfs.model import CHECKPOINT_VIRTUAL_FILES, CheckpointRecord, Event
 
-CHECKPOINT_VIRTUAL_FILES = ("domain.xml", "meta.json", "transcript")
 EVENT_LOGS_KEPT = 64  # lineages whose rendered event log is kept between stats
 
 
@@ -121,12 +120,12 @@ class Views:
 
     def checkpoint_files(self, record: CheckpointRecord) -> list[str]:
         names = [f.name for f in record.files]
-        extra = [n for n in CHECKPOINT_VIRTUAL_FILES if n not in names]
+        skip = set(names)  # a stored file of a reserved name (stores made before the rule) wins
         if not record.domain_xml:
-            extra.remove("domain.xml")
+            skip.add("domain.xml")
         if not self._has_disk(record):
-            extra.remove("transcript")
-        return names + extra
+            skip.add("transcript")
+        return names + [n for n in CHECKPOINT_VIRTUAL_FILES if n not in skip]
 
     def _has_disk(self, record: CheckpointRecord) -> bool:
         return record.file("disk.raw") is not None

@@ -13,7 +13,7 @@ import secrets
 import struct
 from typing import Any
 
-from ksfs.errors import BadInput
+from ksfs.errors import BadInput, IntegrityError
 
 LINEAGE_BYTES = 16
 SEQ = struct.Struct(">Q")
@@ -100,4 +100,8 @@ def dumps(obj: Any) -> bytes:
 
 
 def loads(raw: bytes) -> Any:
-    return json.loads(bytes(raw).decode("utf-8"))
+    """A ledger value; damage (bytes that no longer decode) is an IntegrityError, not a crash."""
+    try:
+        return json.loads(bytes(raw).decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise IntegrityError(f"a ledger record is damaged: it no longer decodes ({exc})") from None
