@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from ksfs.daemon.protocol import check_verb, encode, error_reply, to_jsonable
-from ksfs.errors import BadInput, KsfsError
+from ksfs.errors import BadInput, KsfsError, from_foreign
 
 log = logging.getLogger("ksfs.daemon")
 
@@ -75,6 +75,9 @@ def _dispatch(keeper: Any, raw: bytes) -> dict[str, Any]:
         return error_reply(exc)
     except TypeError as exc:
         return error_reply(BadInput(f"bad arguments: {exc}"))
-    except Exception as exc:  # a bug: log it, answer, keep serving
-        log.exception("control verb failed")
+    except Exception as exc:
+        known = from_foreign(exc, keeper.store_path)  # a damaged index, a full disk, ...
+        if known is not None:
+            return error_reply(known)
+        log.exception("control verb failed")  # a bug: log it, answer, keep serving
         return error_reply(KsfsError(f"internal error: {type(exc).__name__}: {exc}"))

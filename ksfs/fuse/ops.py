@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from ksfs.errors import KsfsError, NotFound
+from ksfs.errors import KsfsError, NotFound, from_foreign
 from ksfs.fuse.nodes import Attr
 from ksfs.fuse.tree import CheckpointTree, Entry
 
@@ -69,7 +69,11 @@ async def _answer(what: str) -> AsyncIterator[None]:
     except KsfsError as exc:
         log.info("%s refused: %s", what, exc)
         raise pyfuse3.FUSEError(exc.errno) from None
-    except Exception:
+    except Exception as exc:
+        known = from_foreign(exc)  # a damaged index, a full disk: its own errno, no traceback
+        if known is not None:
+            log.warning("%s failed: %s", what, known)
+            raise pyfuse3.FUSEError(known.errno) from None
         log.exception("%s failed; answering EIO", what)
         raise pyfuse3.FUSEError(errno.EIO) from None
 
