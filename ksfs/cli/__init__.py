@@ -7,15 +7,16 @@ line on stderr and its class's exit code.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
-from ksfs.errors import KsfsError
+from ksfs.errors import BadInput, KsfsError
 
 
 def default_store() -> str:
@@ -74,6 +75,74 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, sort_keys=True))
 
 
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+#: A whole number the store packs as an unsigned 64-bit integer (a seq): anything outside
+#: 0..2**64-1 is refused while parsing, before it can reach struct.pack.
+U64 = click.IntRange(min=0, max=2**64 - 1)
+
+#: Key of ``click.Context.meta`` (shared by every context of one run): what a command already
+#: changed before printing its report, so a failed write of that report does not read as if
+#: nothing happened.
+DONE_NOTE = "ksfs.done"
+
+
+def _writes_stdout(exc: OSError) -> bool:
+    """Whether ``exc`` was raised writing standard output: by click.echo to stdout or by a
+    command writing fd 1 itself (cat). Judged from the frame that raised it, since click.echo
+    flushes after every call: any other OSError is not an output error and keeps its traceback.
+    """
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    for name in ("file", "out", "fd"):
+        target = tb.tb_frame.f_locals.get(name)
+        if target is None:
+            continue
+        if isinstance(target, int) and not isinstance(target, bool):
+            if target == 1:
+                return True
+            continue
+        try:
+            if target.fileno() == 1:
+                return True
+        except (AttributeError, OSError, ValueError):  # not a file (click's test runner)
+            continue
+    return False
+
+
+def _stdout_to_devnull() -> None:
+    # What is still buffered in sys.stdout is flushed again when Python exits; onto a broken fd
+    # that prints "Exception ignored ... BrokenPipeError" (or ENOSPC) after our own line.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+def _output_failed(ctx: click.Context | None, exc: OSError) -> NoReturn:
+    _stdout_to_devnull()
+    if exc.errno == errno.EPIPE:
+        # The reader went away (head, a pager closed early): it has all it wanted, so this is
+        # not an error of ours, and every command ends the same way, quietly, as cat always did.
+        sys.exit(0)
+    done = ctx.meta.get(DONE_NOTE) if ctx is not None else None
+    click.echo(f"ksfs: error: cannot write to standard output: {exc.strerror or exc}"
+               + (f" ({done})" if done else ""), err=True)
+    sys.exit(1)
+
+
 class KsfsGroup(click.Group):
     """Turns every KsfsError, and click's own usage errors, into one line on stderr and the
     error's exit code (usage errors are bad input: 2).
@@ -96,6 +165,39 @@ class KsfsGroup(click.Group):
         cmd = self._commands.get(cmd_name)
         return cmd if cmd is not None else self.commands.get(cmd_name)
 
+    _argv: tuple[str, list[str]] = ("ksfs", [])
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        if parent is None and not extra.get("resilient_parsing"):
+            # kept to name the sub-command in a usage error click raises without a context
+            self._argv = (info_name or "ksfs", list(args))
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except OSError as exc:  # --help or --version written to a full disk or a closed pipe
+            if not _writes_stdout(exc):
+                raise
+            _output_failed(None, exc)
+
+    def _command_path(self) -> str:
+        """The deepest command the recorded argv names, found the way shell completion does:
+        parsing again without callbacks or errors (resilient_parsing)."""
+        prog, args = self._argv
+        try:
+            ctx = self.make_context(prog, list(args), resilient_parsing=True)
+            while isinstance(ctx.command, click.Group):
+                # click keeps the sub-command's name apart (protected_args, deprecated to read)
+                rest = [*getattr(ctx, "_protected_args", []), *ctx.args]
+                if not rest:
+                    break
+                name, cmd, rest = ctx.command.resolve_command(ctx, rest)
+                if cmd is None:
+                    break
+                ctx = cmd.make_context(name, rest, parent=ctx, resilient_parsing=True)
+            return ctx.command_path
+        except (click.ClickException, click.exceptions.Exit):
+            return prog
+
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
@@ -105,15 +207,25 @@ class KsfsGroup(click.Group):
             exc.show()  # a bare group: its help, as click shows it
             sys.exit(exc.exit_code)
         except click.UsageError as exc:
-            where = exc.ctx.command_path if exc.ctx else "ksfs"
-            click.echo(f"ksfs: error: {exc.format_message()} (see '{where} --help')", err=True)
+            # click raises some parse errors of a sub-command (an option missing its value)
+            # with no context, or the root's: the hint must still name the sub-command.
+            if exc.ctx is not None and exc.ctx.parent is not None:
+                where = exc.ctx.command_path
+            else:
+                where = self._command_path()
+            message = exc.format_message()
+            if isinstance(exc, click.BadParameter) and isinstance(exc.param, click.Option):
+                message = f"{'/'.join(exc.param.opts)}: {exc.message}"  # the option first
+            click.echo(f"ksfs: error: {message} (see '{where} --help')", err=True)
             sys.exit(2)
         except click.ClickException as exc:
             click.echo(f"ksfs: error: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
         except click.Abort:
+            if sys.stderr is not None and sys.stderr.isatty():
+                click.echo(err=True)  # ends the terminal's "^C" line; piped, one line only
             click.echo("ksfs: error: aborted", err=True)
-            sys.exit(1)
+            sys.exit(130)  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
         sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -122,6 +234,13 @@ class KsfsGroup(click.Group):
         except KsfsError as exc:
             click.echo(f"ksfs: error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            # raised as Abort here so click does not first print a blank line of its own
+            raise click.Abort() from None
+        except OSError as exc:
+            if not _writes_stdout(exc):
+                raise
+            _output_failed(ctx, exc)
         finally:
             obj = ctx.find_object(Context)
             if obj is not None:
@@ -144,8 +263,21 @@ def main(ctx: click.Context, store_path: str) -> None:
 
     Exit codes: 0 ok, 1 other error, 2 bad input, 3 not found, 4 already exists, 5 not a store,
     6 damaged data, 7 chunker unavailable, 8 busy, 9 no space, 10 virtual machine error,
-    11 gateway/budget, 12 read-only or not permitted, 13 daemon error.
+    11 gateway/budget, 12 read-only or not permitted, 13 daemon error, 130 interrupted (Ctrl-C).
+
+    \b
+    Example:
+      ksfs --store /srv/ksfs import demo c1 disk.raw memory
+      ksfs --store /srv/ksfs checkpoints demo
     """
+    if sys.stdout is None:
+        # fd 1 was closed when we started: the next file we open (the store's) would get fd 1
+        # and our output would land in it, or be dropped unseen. Refuse before opening anything.
+        raise BadInput("standard output is closed")
+    if not store_path:
+        # an empty --store would silently mean the current directory; an empty $KSFS_STORE
+        # never gets here (click treats it as unset and default_store skips it)
+        raise BadInput("--store is empty: name the store directory")
     from ksfs.heap import tune_for_bulk_reads
 
     tune_for_bulk_reads()  # imports, saves and reads stream 8 MiB batches: see ksfs/heap.py

@@ -12,8 +12,8 @@ from typing import Any
 
 import click
 
-from ksfs.cli import emit_json, main, pass_ctx
-from ksfs.errors import BadInput, IntegrityError
+from ksfs.cli import U64, emit_json, human_bytes, main, pass_ctx
+from ksfs.errors import IntegrityError
 
 
 def iso(t: float) -> str:
@@ -21,38 +21,18 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
-def parse_seq(text: str) -> int:
-    try:
-        seq = int(text, 10)
-    except ValueError:
-        raise BadInput(f"--since takes a seq (a whole number >= 0), not {text!r}") from None
-    if seq < 0:
-        raise BadInput(f"--since takes a seq >= 0, not {seq}")
-    return seq
-
-
 @main.command()
 @click.argument("session")
-@click.option("--since", "since", default="0", metavar="SEQ",
+@click.option("--since", "since", type=U64, default=0, metavar="SEQ",
               help="Show events with seq >= SEQ (default 0: all).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @pass_ctx
-def events(ctx, session: str, since: str, as_json: bool) -> None:
+def events(ctx, session: str, since: int, as_json: bool) -> None:
     """The host event log of SESSION: one line per event (seq, UTC time, type, body).
 
     Example: ksfs events demo --since 40 --json
     """
-    seq = parse_seq(since)
-    for ev in ctx.ledger().events(session, seq):
+    for ev in ctx.ledger().events(session, since):
         if as_json:
             emit_json(ev.to_dict())
         else:
@@ -123,7 +103,10 @@ def lineage(ctx, session: str, as_json: bool) -> None:
 
 @main.group("ledger")
 def ledger_group() -> None:
-    """The host ledger of the store: sessions, lineages, event logs, checkpoint records."""
+    """The host ledger of the store: sessions, lineages, event logs, checkpoint records.
+
+    Example: ksfs ledger verify
+    """
 
 
 @ledger_group.command()

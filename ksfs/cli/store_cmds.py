@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ksfs.cli import emit_json, main, pass_ctx
+from ksfs.cli import DONE_NOTE, emit_json, human_bytes, main, pass_ctx
 from ksfs.errors import IntegrityError
 
 
@@ -59,6 +59,8 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
                                      map_files=True)
     finally:
         finish()
+    # committed: a report that cannot be written must not read as if the import failed
+    click.get_current_context().meta[DONE_NOTE] = f"checkpoint {session}/{record.name} was stored"
     if as_json:
         emit_json(record.to_dict())
     else:
@@ -87,16 +89,15 @@ def cat(ctx, session: str, checkpoint: str, file: str) -> None:
         fd = out.fileno()
     except (AttributeError, OSError, ValueError):  # not a file (click's test runner): write()
         fd = None
-    try:
-        for pieces in reader.stream():
-            if fd is None:
-                for piece in pieces:
-                    out.write(piece)
-            else:
-                write_all(fd, pieces)
-        out.flush()
-    except BrokenPipeError:
-        sys.stderr.close()  # the reader went away (head, cmp): not an error of ours
+    # A write that fails (a full disk, the reader gone) is the root group's to report: see
+    # ksfs/cli/__init__.py
+    for pieces in reader.stream():
+        if fd is None:
+            for piece in pieces:
+                out.write(piece)
+        else:
+            write_all(fd, pieces)
+    out.flush()
 
 
 def write_all(fd: int, pieces: list) -> None:
@@ -177,8 +178,28 @@ def gc(ctx, as_json: bool) -> None:
     data = result if isinstance(result, dict) else getattr(result, "__dict__", {"result": result})
     if as_json:
         emit_json(data)
-    else:
-        click.echo(" ".join(f"{k}={v}" for k, v in data.items()))
+        return
+    for line in gc_summary(data):
+        click.echo(line)
+
+
+def gc_summary(d: dict) -> list[str]:
+    """What a gc did, for people: one line, plus one per thing it left for later."""
+    freed = d.get("bytes_freed", 0)
+    lines = [f"gc: freed {freed} bytes ({human_bytes(freed)}) in {d.get('chunks_freed', 0)} "
+             f"chunks; removed {len(d.get('packs_removed') or ())} packs, repacked "
+             f"{len(d.get('packs_repacked') or ())}; "
+             f"{human_bytes(d.get('disk_bytes_reclaimed', 0))} of disk given back"]
+    if d.get("deltas_flattened"):
+        lines.append(f"gc: {d['deltas_flattened']} deltas stored whole so their bases could go")
+    if d.get("gateway_responses_freed"):
+        lines.append(f"gc: dropped {d['gateway_responses_freed']} stored model responses "
+                     f"({human_bytes(d.get('gateway_bytes_freed', 0))})")
+    for pack, why in sorted((d.get("skipped_packs") or {}).items()):
+        lines.append(f"gc: pack {pack} left as it was: {why} (see ksfs check)")
+    if d.get("flatten_skipped"):
+        lines.append(f"gc: deltas not flattened, left for the next gc: {d['flatten_skipped']}")
+    return lines
 
 
 @main.command()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from ksfs.cli import emit_json, main, pass_ctx, run_verb
+from ksfs.cli import DONE_NOTE, emit_json, main, pass_ctx, run_verb
 
 
 def _json_option(f):
@@ -17,7 +17,13 @@ def _json_option(f):
 
 @main.group()
 def session() -> None:
-    """Create, adopt, list and remove sessions (a machine and its records)."""
+    """Create, adopt, list and remove sessions (a machine and its records).
+
+    \b
+    Example:
+      ksfs session new agent --guest /var/cache/ksfs/guest
+      ksfs session list
+    """
 
 
 @session.command("new")
@@ -100,6 +106,9 @@ def save(ctx, session_name, name, as_json) -> None:
     Example: ksfs save agent before-upgrade
     """
     rec = run_verb(ctx, "save", session=session_name, name=name)
+    # taken: a report that cannot be written must not read as if the save failed
+    click.get_current_context().meta[DONE_NOTE] = \
+        f"checkpoint {session_name}/{rec['name']} was stored"
     if as_json:
         emit_json(rec)
         return

@@ -1,0 +1,243 @@
+"""Where the command line's output goes wrong, through the real command line (a subprocess per
+call): standard output closed, full, or a pipe whose reader went away; Ctrl-C; option values out
+of range or missing; an empty --store; gc's human report; examples in every group's help."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli_store import ksfs, store_snapshot
+
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+FULL = "cannot write to standard output: No space left on device"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    """A fresh store holding s/c1 (one file, 'memory', 200 KB)."""
+    store = tmp_path / "store"
+    f = tmp_path / "memory"
+    f.write_bytes(os.urandom(100_000) * 2)
+    ksfs(store, "import", "s", "c1", str(f))
+    return store
+
+
+def one_line(res: subprocess.CompletedProcess) -> str:
+    err = res.stderr.decode() if isinstance(res.stderr, bytes) else res.stderr
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ksfs: error: "), err
+    return lines[0]
+
+
+def with_stdout(stdout, store: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(KSFS + ["--store", str(store), *args], stdout=stdout,
+                          stderr=subprocess.PIPE, timeout=120, **kw)
+
+
+# --- 1. an integer packed as u64 ---------------------------------------------------------------
+
+
+def test_since_beyond_u64_is_one_line_exit_2(store: Path) -> None:
+    for bad in (str(2**64), str(2**70), "-1", "x"):
+        res = ksfs(store, "events", "s", "--since", bad, check=False)
+        assert res.returncode == 2, res.stderr
+        assert "--since" in one_line(res) and b"Traceback" not in res.stderr
+    assert ksfs(store, "events", "s", "--since", str(2**64 - 1)).stdout == b""
+    assert ksfs(store, "events", "s", "--since", "1").stdout.split()[0] == b"1"
+
+
+# --- 2. standard output: full, closed, or its reader gone ---------------------------------------
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["cat", "s", "c1", "memory"], ["stats"], ["stats", "--json"],
+                                  ["events", "s"], ["checkpoints", "s"], ["--help"]])
+def test_a_full_stdout_is_one_line_exit_1(store: Path, args: list[str]) -> None:
+    with open("/dev/full", "wb") as full:
+        res = with_stdout(full, store, *args)
+    assert res.returncode == 1, res.stderr
+    assert one_line(res) == f"ksfs: error: {FULL}"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_stdout_after_import_says_the_checkpoint_was_stored(store: Path,
+                                                                   tmp_path: Path) -> None:
+    f = tmp_path / "memory"
+    with open("/dev/full", "wb") as full:
+        res = with_stdout(full, store, "import", "s", "c2", str(f))
+    assert res.returncode == 1, res.stderr
+    assert one_line(res) == f"ksfs: error: {FULL} (checkpoint s/c2 was stored)"
+    names = [c["name"] for c in json.loads(ksfs(store, "checkpoints", "s", "--json").stdout)]
+    assert names == ["c1", "c2"]
+
+
+@pytest.mark.parametrize("args", [["cat", "s", "c1", "memory"], ["stats"], ["events", "s"],
+                                  ["import", "s", "c2", "FILE"], ["rm", "s", "c1"], ["gc"]])
+def test_a_closed_stdout_is_refused_before_anything(store: Path, tmp_path: Path,
+                                                    args: list[str]) -> None:
+    args = [str(tmp_path / "memory") if a == "FILE" else a for a in args]
+    before = store_snapshot(store)
+    res = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", *KSFS, "--store", str(store), *args],
+                         capture_output=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert one_line(res) == "ksfs: error: standard output is closed"
+    assert store_snapshot(store) == before
+
+
+@pytest.mark.parametrize("args", [["cat", "s", "c1", "memory"], ["stats"], ["stats", "--json"],
+                                  ["events", "s"], ["checkpoints", "s"], ["gc"],
+                                  ["import", "s", "c2", "FILE"]])
+def test_a_reader_gone_is_quiet_exit_0(store: Path, tmp_path: Path, args: list[str]) -> None:
+    """The pipe's read end is closed before ksfs writes: every write fails with EPIPE. Every
+    command ends the same way: nothing on stderr (no "Exception ignored"), exit 0."""
+    args = [str(tmp_path / "memory") if a == "FILE" else a for a in args]
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        res = with_stdout(w, store, *args)
+    finally:
+        os.close(w)
+    assert (res.returncode, res.stderr) == (0, b"")
+    if args[0] == "import":
+        assert "c2" in ksfs(store, "checkpoints", "s").stdout.decode()
+
+
+def test_a_reader_that_stops_early_is_quiet(store: Path) -> None:
+    """`ksfs cat ... | head -c1`: the reader takes one byte and goes."""
+    proc = subprocess.Popen(KSFS + ["--store", str(store), "cat", "s", "c1", "memory"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(proc.stdout.read(1)) == 1
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=60), err) == (0, b"")
+
+
+# --- 3. an empty --store ------------------------------------------------------------------------
+
+
+def test_an_empty_store_option_is_bad_input(store: Path, tmp_path: Path) -> None:
+    """Run from inside a store, --store "" would have meant that store: refused, unchanged."""
+    before = store_snapshot(store)
+    for args in (["stats"], ["import", "s", "c2", str(tmp_path / "memory")], ["rm", "s", "c1"]):
+        res = subprocess.run(KSFS + ["--store", "", *args], capture_output=True, cwd=store,
+                             timeout=120)
+        assert res.returncode == 2, res.stderr
+        assert "--store is empty" in one_line(res)
+    assert store_snapshot(store) == before
+
+
+def test_an_empty_ksfs_store_variable_still_means_the_default(tmp_path: Path) -> None:
+    env = dict(os.environ, KSFS_STORE="", HOME=str(tmp_path))
+    res = subprocess.run(KSFS + ["stats"], capture_output=True, env=env, cwd=tmp_path,
+                         timeout=120)
+    assert res.returncode == 5, res.stderr
+    assert str(tmp_path / ".local/share/ksfs") in one_line(res)
+
+
+# --- 4. gc's human report -----------------------------------------------------------------------
+
+
+def test_gc_prints_a_short_summary_and_json_as_before(store: Path, tmp_path: Path) -> None:
+    ksfs(store, "rm", "s", "c1")
+    out = ksfs(store, "gc").stdout.decode().splitlines()
+    assert len(out) == 1 and out[0].startswith("gc: freed "), out
+    assert " in " in out[0] and "chunks" in out[0] and "packs" in out[0]
+    assert "=" not in out[0] and "[" not in out[0], out
+    freed = int(out[0].split()[2])
+    assert freed > 100_000  # the 200 KB file (100 KB stored twice over, compressed or not)
+    data = json.loads(ksfs(store, "gc", "--json").stdout)
+    assert {"chunks_freed", "bytes_freed", "packs_removed", "packs_repacked"} <= set(data)
+    assert data["bytes_freed"] == 0  # nothing left to free
+
+
+# --- 5. Ctrl-C ----------------------------------------------------------------------------------
+
+INTERRUPT = """
+import os, signal, sys
+from {module} import {cls} as patched
+method = patched.{method}
+def interrupted(self, *a, **k):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the command works
+    return method(self, *a, **k)
+patched.{method} = interrupted
+from ksfs.cli import main
+main(sys.argv[1:], prog_name="ksfs")
+"""
+
+
+def interrupted(store: Path, where: tuple[str, str, str],
+                *args: str) -> subprocess.CompletedProcess:
+    module, cls, method = where
+    code = INTERRUPT.format(module=module, cls=cls, method=method)
+    return subprocess.run([sys.executable, "-c", code, "--store", str(store), *args],
+                          capture_output=True, timeout=120)
+
+
+def test_ctrl_c_during_import_exits_130_and_records_the_failure(store: Path,
+                                                                tmp_path: Path) -> None:
+    res = interrupted(store, ("ksfs.cas.ingest", "Ingest", "add_file"),
+                      "import", "s", "c2", str(tmp_path / "memory"))
+    assert res.returncode == 128 + signal.SIGINT, res.stderr
+    assert res.stderr.decode() == "ksfs: error: aborted\n"
+    names = [c["name"] for c in json.loads(ksfs(store, "checkpoints", "s", "--json").stdout)]
+    assert names == ["c1"]
+    events = [json.loads(ln) for ln in ksfs(store, "events", "s", "--json").stdout.splitlines()]
+    assert events[-1]["type"] == "checkpoint.failed"
+    assert events[-1]["body"] == {"name": "c2", "reason": "interrupted"}
+    assert ksfs(store, "check").returncode == 0
+
+
+def test_ctrl_c_in_a_reading_command_exits_130(store: Path) -> None:
+    res = interrupted(store, ("ksfs.keeper", "Keeper", "stats"), "stats")
+    assert res.returncode == 130, res.stderr
+    assert res.stderr.decode() == "ksfs: error: aborted\n"
+
+
+# --- 6. usage errors name the sub-command's help -----------------------------------------------
+
+
+@pytest.mark.parametrize("args,where", [
+    (["events", "s", "--since"], "events"),
+    (["import", "s", "c", "--disk"], "import"),
+    (["session", "new", "x", "--memory"], "session new"),
+    (["ledger", "verify", "--bogus"], "ledger verify"),
+    (["events"], "events"),
+    (["--bogus"], ""),
+    (["nosuch"], ""),
+])
+def test_usage_errors_point_at_the_right_help(store: Path, args: list[str], where: str) -> None:
+    res = ksfs(store, *args, check=False)
+    assert res.returncode == 2, res.stderr
+    line = one_line(res)
+    assert line.endswith(f"(see 'python -m ksfs.cli {where} --help')".replace("  ", " ")), line
+
+
+# --- 7. every group's help has an example -------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [[], ["ledger"], ["session"], ["gateway"]])
+def test_every_group_help_has_an_example(store: Path, group: list[str]) -> None:
+    out = ksfs(store, *group, "--help").stdout.decode()
+    example = out[out.index("Example:"):].splitlines()
+    assert any(ln.removeprefix("Example:").strip().startswith("ksfs ") for ln in example[:3]), out
+
+
+def test_every_command_and_group_has_an_example() -> None:
+    import click
+
+    from ksfs.cli import main
+
+    def walk(cmd: click.Command, path: list[str]):
+        yield path, cmd
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                yield from walk(sub, path + [name])
+
+    missing = [" ".join(p) for p, cmd in walk(main, ["ksfs"]) if "Example:" not in cmd.help]
+    assert missing == []
