@@ -84,3 +84,33 @@ def test_a_store_the_user_may_not_write_is_exit_12(tmp_path: Path) -> None:
     assert res.returncode == 12, res.stderr
     assert len(lines) == 1 and "Permission denied" in lines[0], res.stderr
     assert list(locked.iterdir()) == []
+
+
+def test_the_command_line_answers_a_foreign_error_with_its_class(tmp_path: Path) -> None:
+    """An LMDB error that escaped every layer (here raised by a patched stats) still ends the
+    command with one line and the exit code of damage, not a traceback; a plain bug does not
+    pass for damage."""
+    driver = (
+        "import sys, lmdb\n"
+        "from ksfs.cas.store import ChunkStore\n"
+        "MODE = sys.argv[1]\n"
+        "def bad(self, *a, **k):\n"
+        "    raise (lmdb.CorruptedError('MDB_CORRUPTED: Located page was wrong')\n"
+        "           if MODE == 'lmdb' else RuntimeError('a bug'))\n"
+        "ChunkStore.stats = bad\n"
+        "from ksfs.cli import main\n"
+        "sys.argv = ['ksfs', '--store', sys.argv[2], 'stats']\n"
+        "main()\n")
+    store = tmp_path / "store"
+    src = tmp_path / "memory"
+    src.write_bytes(b"x" * 1000)
+    subprocess.run([sys.executable, "-m", "ksfs.cli", "--store", str(store), "import", "s",
+                    "c", str(src)], check=True, capture_output=True)
+    res = subprocess.run([sys.executable, "-c", driver, "lmdb", str(store)],
+                         capture_output=True, text=True)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 6, res.stderr
+    assert len(lines) == 1 and "damaged" in lines[0], res.stderr
+    res = subprocess.run([sys.executable, "-c", driver, "bug", str(store)],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and "Traceback" in res.stderr, res.stderr

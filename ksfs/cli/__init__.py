@@ -238,13 +238,29 @@ class KsfsGroup(click.Group):
             # raised as Abort here so click does not first print a blank line of its own
             raise click.Abort() from None
         except OSError as exc:
-            if not _writes_stdout(exc):
-                raise
-            _output_failed(ctx, exc)
+            if _writes_stdout(exc):
+                _output_failed(ctx, exc)
+            else:
+                _foreign(ctx, exc)
+        except Exception as exc:
+            _foreign(ctx, exc)
         finally:
             obj = ctx.find_object(Context)
             if obj is not None:
                 obj.close()
+
+
+def _foreign(ctx: click.Context, exc: Exception) -> None:
+    """An error a lower library raised past its layer: its ksfs class when it is one ksfs knows
+    (a damaged index, a full disk, a refused permission), else a bug, raised as it is."""
+    from ksfs.errors import from_foreign
+
+    obj = ctx.find_object(Context)
+    known = from_foreign(exc, obj.store_path if obj is not None else "the store")
+    if known is None:
+        raise exc
+    click.echo(f"ksfs: error: {known}", err=True)
+    sys.exit(known.exit_code)
 
 
 @click.group(cls=KsfsGroup, context_settings={"help_option_names": ["-h", "--help"]})
