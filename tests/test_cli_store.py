@@ -218,3 +218,21 @@ def test_kill_9_during_import_leaves_a_clean_store(store: Path, tmp_path: Path) 
         for name, want in published.items():
             assert ksfs(store, "cat", "s", name, "disk.raw").stdout == want
     assert ksfs(store, "ledger", "verify").returncode == 0
+
+
+def test_cat_reads_the_files_a_checkpoint_makes_from_its_record(store: Path,
+                                                               tmp_path: Path) -> None:
+    """meta.json (and transcript, domain.xml where the checkpoint has them) are files of the
+    checkpoint on the mount; ``ksfs cat`` reads the same bytes."""
+    from ksfs.keeper import Keeper
+
+    f = tmp_path / "memory"
+    f.write_bytes(b"hello" * 1000)
+    ksfs(store, "import", "s1", "c1", str(f))
+    meta = ksfs(store, "cat", "s1", "c1", "meta.json").stdout
+    with Keeper(store) as k:
+        assert meta == k.meta_bytes(k.ledger.checkpoint("s1", "c1"))
+    assert json.loads(meta)["name"] == "c1"
+    for absent in ("domain.xml", "transcript"):  # no VM, no disk: the checkpoint has neither
+        res = ksfs(store, "cat", "s1", "c1", absent, check=False)
+        assert res.returncode == 3, res.stderr

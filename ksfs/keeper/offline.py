@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,12 +150,16 @@ class OfflineVerbs:
                 self.ledger.delete_checkpoint(txn, session, checkpoint)
 
     def open_file(self, session: str, checkpoint: str, filename: str):
-        """A random-access reader of one stored file of a checkpoint (``.size``, ``.read``)."""
+        """A random-access reader (``.size``, ``.read``, ``.stream``) of one file of a
+        checkpoint: a stored file, or one the checkpoint directory makes from its record
+        (meta.json, domain.xml, transcript), so ``ksfs cat`` reads what the mount shows."""
         record = self.ledger.checkpoint(session, checkpoint)
         f = record.file(filename)
-        if f is None:
-            raise NoSuchFile(what=f"file of checkpoint {session}/{checkpoint}", name=filename)
-        return self.store.open_file(f.manifest)
+        if f is not None:
+            return self.store.open_file(f.manifest)
+        if filename in self.checkpoint_files(record):
+            return BytesReader(self.checkpoint_virtual_file(record, filename))
+        raise NoSuchFile(what=f"file of checkpoint {session}/{checkpoint}", name=filename)
 
     def references(self) -> dict[str, list[str]]:
         """Every manifest in use, with the checkpoint files that use it (for check and gc)."""
@@ -214,3 +218,19 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
     return str(exc) or type(exc).__name__
+
+
+class BytesReader:
+    """A file made from a record, read like a stored one (the ``FileReader`` surface)."""
+
+    manifest = None
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.size = len(data)
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.data[offset : offset + n]
+
+    def stream(self, offset: int = 0, end: int | None = None) -> Iterator[list[bytes]]:
+        yield [self.data[offset:end]]
