@@ -236,3 +236,25 @@ def test_cat_reads_the_files_a_checkpoint_makes_from_its_record(store: Path,
     for absent in ("domain.xml", "transcript"):  # no VM, no disk: the checkpoint has neither
         res = ksfs(store, "cat", "s1", "c1", absent, check=False)
         assert res.returncode == 3, res.stderr
+
+
+def test_an_automatic_name_a_user_took_gets_a_suffix(store: Path, tmp_path: Path) -> None:
+    """An unnamed checkpoint is named after its begin event (c_NNNN); a checkpoint the user
+    already named so must not make it fail: it becomes c_NNNN-2."""
+    from ksfs.keeper import Keeper
+    from ksfs.model import checkpoint_name_for_seq
+
+    assert checkpoint_name_for_seq(7) == "c_0007"
+    assert checkpoint_name_for_seq(7, {"c_0007", "c_0007-2"}) == "c_0007-3"
+    f = tmp_path / "memory"
+    f.write_bytes(b"data" * 100)
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "first", [f])
+        last = list(k.ledger.events("s", 0))[-1].seq
+        # the user takes the name the next unnamed checkpoint would get (its begin event comes
+        # after the two events of this import: begin and published)
+        taken = f"c_{last + 3:04d}"
+        k.import_files("s", taken, [f])
+        rec = k.import_files("s", None, [f])
+        assert rec.name == taken + "-2", (rec.name, taken)
+        assert list(k.ledger.checkpoint_names("s")).count(taken) == 1

@@ -235,7 +235,8 @@ class MachineVerbs:
         if name is not None and name in set(self.ledger.checkpoint_names(session)):
             raise AlreadyExists(what="checkpoint", name=name)
         begin = self.ledger.record(session, "checkpoint.begin", {"name": name, "reason": reason})
-        name = name or checkpoint_name_for_seq(begin.seq)
+        name = name or checkpoint_name_for_seq(begin.seq,
+                                               set(self.ledger.checkpoint_names(session)))
         frozen = None
         try:
             # The last host event when the guest froze: events after it (a model call that

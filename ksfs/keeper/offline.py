@@ -79,7 +79,8 @@ class OfflineVerbs:
             begin = self.ledger.record(
                 session, "checkpoint.begin", {"name": checkpoint, "source": "import"}
             )
-            name = checkpoint or checkpoint_name_for_seq(begin.seq)
+            name = checkpoint or checkpoint_name_for_seq(
+                begin.seq, set(self.ledger.checkpoint_names(session)))
             total = sum(p.stat().st_size for p in paths)
             done = 0
 
