@@ -123,3 +123,39 @@ def test_mounting_on_a_non_directory_is_a_clear_error(small_store, tmp_path):
         for target in (tmp_path / "missing", disk):
             with pytest.raises(DaemonError, match="not a directory"):
                 run_mount(k, target)
+
+
+def test_a_mount_whose_server_was_killed_says_how_to_clear_it(small_store, tmp_path):
+    """kill -9 of the mount's server leaves a dead mount: ``ksfs mount`` on it is refused with
+    the way out (``ksfs umount``), which clears it; then it mounts again."""
+    import subprocess
+    import sys
+
+    store, disk, memory = small_store
+    skip_without_fuse()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = start_mount(store, mnt, log=tmp_path / "log")
+    try:
+        wait_for_mount(proc, mnt, log=tmp_path / "log")
+        proc.kill()
+        proc.wait(30)
+        cli = [sys.executable, "-m", "ksfs.cli", "--store", str(store)]
+        res = subprocess.run(cli + ["mount", str(mnt)], capture_output=True, text=True,
+                             timeout=60)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2, res.stderr
+        assert len(lines) == 1 and f"ksfs umount {mnt}" in lines[0], res.stderr
+        res = subprocess.run(cli + ["umount", str(mnt)], capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert not os.path.ismount(mnt)
+    finally:
+        if os.path.ismount(mnt) or proc.poll() is None:
+            subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+            proc.kill()
+    proc = start_mount(store, mnt, log=tmp_path / "log2")
+    wait_for_mount(proc, mnt, log=tmp_path / "log2")
+    assert (mnt / "sessions" / "s" / "checkpoints" / "c" / "memory").read_bytes() == \
+        memory.read_bytes()
+    umount(proc, mnt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -36,10 +37,18 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
 
     Example: ksfs mount /mnt/ksfs && ls /mnt/ksfs/sessions
     """
-    if not os.path.isdir(mountpoint):
+    clear = f"`ksfs umount {mountpoint}` clears a ksfs mount whose daemon died"
+    try:
+        is_dir = stat.S_ISDIR(os.stat(mountpoint).st_mode)
+    except FileNotFoundError:
+        is_dir = False
+    except OSError as exc:  # ENOTCONN: a FUSE mount whose server is gone
+        raise BadInput(f"mount point {mountpoint} cannot be used ({exc.strerror}); {clear}"
+                       ) from None
+    if not is_dir:
         raise BadInput(f"mount point {mountpoint} is not a directory")
     if _is_mounted(mountpoint):
-        raise BadInput(f"{mountpoint} is already a mount point")
+        raise BadInput(f"{mountpoint} is already a mount point ({clear})")
     store = Path(ctx.store_path)
     # Make (or check) the store before the daemon's log file lands in its directory.
     ctx.store(create=True)
