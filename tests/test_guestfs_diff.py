@@ -87,6 +87,21 @@ def test_diff_trees_equals_diff_of_loop_mounts(trees: tuple[Path, Path, Path, Pa
         assert {(c.kind, c.path) for c in ours(a_img, b_img)} == diff_rq(ma, mb)
 
 
+def test_diff_trees_with_attrs_adds_mode_and_owner_changes(
+        trees: tuple[Path, Path, Path, Path]) -> None:
+    a, b, a_img, b_img = trees
+    plain = ours(a_img, b_img)
+    with FileImageReader(a_img) as ra, FileImageReader(b_img) as rb:
+        full = diff_trees(GuestFS.open(ra), GuestFS.open(rb), attrs=True)
+    extra = [c for c in full if c.kind == "attrs"]
+    assert [c.path for c in extra] == ["nomode", "owned"]
+    assert extra[0].attrs == {"mode": [0, 0o644]} and extra[0].size_a == extra[0].size_b
+    assert extra[1].attrs == {"uid": [1234, 1], "gid": [5678, 1]}
+    assert [c for c in full if c.kind != "attrs"] == plain  # the rest is diff -rq, unchanged
+    assert extra[0].to_dict()["attrs"] == {"mode": [0, 0o644]}
+    assert all(c.attrs == {} for c in plain)
+
+
 def test_no_changes_between_equal_images(trees: tuple[Path, Path, Path, Path]) -> None:
     assert ours(trees[2], trees[2]) == []
     assert diff_rq_equal(trees[0], trees[0])

@@ -211,9 +211,22 @@ def gc_summary(d: dict) -> list[str]:
 def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
     """What changed from checkpoint A to checkpoint B of SESSION.
 
-    Files inside the guest (added, removed, changed, with sizes), changed disk clusters, the
-    share of memory chunks that differ, and the events between them. Name a checkpoint of
+    Files inside the guest (added +, removed -, changed M with sizes; a change of mode or owner
+    alone is M too, as "mode 644 -> 600" or "owner 0:0 -> 1000:1000"), changed disk clusters,
+    the share of memory chunks that differ, and the events between them. Name a checkpoint of
     another session (a fork's parent, say) as OTHER/CHECKPOINT.
+
+    Events between: those after A's checkpoint.published up to and including B's (so B's own
+    checkpoint.begin and .published are in, A's are not; A against itself has none; with B
+    before A, the same events as from B to A). Across a fork they are the events along the
+    fork tree's path: each fork log A is in, from its start up to A; the log both share, from
+    the earlier place to the later (a fork counts as at the checkpoint it was made from); each
+    fork log B is in, from its start to B. Each line then names its session, and "along:" lists
+    the stretches. Sessions of unrelated lineages have no events between.
+
+    A name with control characters, a backslash, a double quote or bytes that are not UTF-8 is
+    printed in double quotes with C escapes (\\n, \\t, \\ooo), as git quotes paths; --json
+    gives names exactly.
 
     Example: ksfs diff agent first second
     """
@@ -225,18 +238,60 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
     if d["files"] is None:
         click.echo(f"files: not compared ({d['files_error'] or 'no disk image'})")
     else:
-        mark = {"added": "+", "removed": "-", "changed": "M"}
-        for c in d["files"]:
-            sizes = f"{c['size_a'] if c['size_a'] is not None else '-'} -> " \
-                    f"{c['size_b'] if c['size_b'] is not None else '-'}"
-            click.echo(f"{mark[c['kind']]} {c['path']}  ({c['type_b'] or c['type_a']}, {sizes})")
-        click.echo(f"files: {len(d['files'])} changed")
+        mark = {"added": "+", "removed": "-", "changed": "M", "attrs": "M"}
+        only_attrs = d.get("attr_changes") or []
+        # one list in diff -r's order: each directory's names sorted bytewise, depth first
+        for c in sorted(d["files"] + only_attrs, key=lambda c: [
+                part.encode("utf-8", "surrogateescape") for part in c["path"].split("/")]):
+            what = []
+            if c["kind"] != "attrs":
+                what.append(f"{c['type_b'] or c['type_a']}, "
+                            f"{c['size_a'] if c['size_a'] is not None else '-'} -> "
+                            f"{c['size_b'] if c['size_b'] is not None else '-'}")
+            moved = c.get("attrs") or {}
+            if "mode" in moved:
+                what.append(f"mode {moved['mode'][0]:o} -> {moved['mode'][1]:o}")
+            if "uid" in moved:
+                (ua, ub), (ga, gb) = moved["uid"], moved["gid"]
+                what.append(f"owner {ua}:{ga} -> {ub}:{gb}")
+            click.echo(f"{mark[c['kind']]} {quote_name(c['path'])}  ({'; '.join(what)})")
+        click.echo(f"files: {len(d['files']) + len(only_attrs)} changed" + (
+            f" ({len(only_attrs)} in mode or owner only)" if only_attrs else ""))
     if d["disk"]:
         click.echo(f"disk: {d['disk']['changed_clusters']} of {d['disk']['clusters']} "
                    f"64 KiB clusters changed")
     if d["memory"]:
         click.echo(f"memory: {d['memory']['share_differing']:.1%} of chunks differ "
                    f"({d['memory']['differing_chunks']} of {d['memory']['chunks']})")
+    path = d.get("events_path")
+    if path is None:
+        click.echo("events between: none (the two sessions share no lineage)")
+        return
     click.echo(f"events between: {len(d['events'])}")
+    if len(path) > 1:
+        click.echo("  along: " + ", ".join(
+            f"{p['session']} seq {p['from_seq']}..{p['to_seq']}" for p in path))
     for e in d["events"]:
-        click.echo(f"  {e['seq']:>6} {e['type']}")
+        where = f"{e['session']} " if len(path) > 1 else ""
+        click.echo(f"  {where}{e['seq']:>6} {e['type']}")
+
+
+_C_ESCAPES = {"\a": "\\a", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\v": "\\v",
+              "\f": "\\f", "\r": "\\r", '"': '\\"', "\\": "\\\\"}
+
+
+def quote_name(name: str) -> str:
+    """A guest path for a human line: as it is when plain, otherwise in double quotes with C
+    escapes (control characters, non-printable characters and bytes that are not UTF-8 as
+    octal \\ooo of their bytes), the way git quotes paths. Used by ``diff``'s human output."""
+    if all(c.isprintable() and c not in '"\\' for c in name):
+        return name
+    out = []
+    for c in name:
+        if c in _C_ESCAPES:
+            out.append(_C_ESCAPES[c])
+        elif c.isprintable():
+            out.append(c)
+        else:  # a control character, or a byte surrogateescape kept from a non-UTF-8 name
+            out.append("".join(f"\\{b:03o}" for b in c.encode("utf-8", "surrogateescape")))
+    return '"' + "".join(out) + '"'

@@ -3,7 +3,10 @@
 A path only on one side is one change (a directory is not descended into); a path on both sides
 is changed when its type differs, when a regular file's bytes differ, when a symlink's target
 differs, or when a device's numbers differ. Modes, owners and times alone are not changes, as for
-``diff -r``. Content is compared cheaply where it can be proven equal without reading: both
+``diff -r``, unless ``attrs=True`` is asked for: then a path on both sides with the same type whose
+permission bits (``S_IMODE``) or owner (uid, gid) differ is a change of kind ``"attrs"``, and a
+``"changed"`` path says in ``attrs`` which of those moved too. Times are never compared (every
+write moves them). Content is compared cheaply where it can be proven equal without reading: both
 ranges are holes, or both lie at the same place of two store files whose chunk ids there are the
 same (BLAKE3 ids: equal ids mean equal bytes). Everything else is read and compared.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import stat as st
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ksfs.guestfs import layout
@@ -31,12 +34,15 @@ class Change:
     """One difference. ``path`` is relative to the root ("work/a.txt"); sizes are None for
     directories and for the side a path is missing from."""
 
-    kind: str  # "added" | "removed" | "changed"
+    kind: str  # "added" | "removed" | "changed" | "attrs" (mode/owner only, with attrs=True)
     path: str
     type_a: str | None
     type_b: str | None
     size_a: int | None
     size_b: int | None
+    # With attrs=True: what moved besides content, {"mode"|"uid"|"gid": [a, b]}: "mode" (the
+    # S_IMODE permission bits, as ints) when it differs, "uid" and "gid" when the owner does.
+    attrs: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def type(self) -> str:
@@ -56,15 +62,29 @@ def _size(s: GuestStat | None) -> int | None:
     return None if s is None or s.is_dir else s.size
 
 
-def diff_trees(fs_a: GuestFS, fs_b: GuestFS) -> list[Change]:
-    """Every difference between the two trees, sorted by path (as ``diff -rq`` orders them)."""
+def attr_changes(sa: GuestStat, sb: GuestStat) -> dict[str, list[int]]:
+    """What moved of the permission bits and the owner between two stats, as {name: [a, b]}:
+    "mode" when the bits differ, "uid" and "gid" both when either differs."""
+    out: dict[str, list[int]] = {}
+    if st.S_IMODE(sa.mode) != st.S_IMODE(sb.mode):
+        out["mode"] = [st.S_IMODE(sa.mode), st.S_IMODE(sb.mode)]
+    if (sa.uid, sa.gid) != (sb.uid, sb.gid):
+        out["uid"], out["gid"] = [sa.uid, sb.uid], [sa.gid, sb.gid]
+    return out
+
+
+def diff_trees(fs_a: GuestFS, fs_b: GuestFS, *, attrs: bool = False) -> list[Change]:
+    """Every difference between the two trees, sorted by path (as ``diff -rq`` orders them).
+
+    With ``attrs=True`` mode and owner changes are reported too (kind ``"attrs"`` when nothing
+    else changed); without it the result is exactly what ``diff -rq --no-dereference`` says."""
     changes: list[Change] = []
-    _diff_dir(fs_a, ROOT_INO, fs_b, ROOT_INO, "", changes)
+    _diff_dir(fs_a, ROOT_INO, fs_b, ROOT_INO, "", changes, attrs)
     return changes
 
 
 def _diff_dir(fs_a: GuestFS, dir_a: int, fs_b: GuestFS, dir_b: int, prefix: str,
-              out: list[Change]) -> None:
+              out: list[Change], attrs: bool = False) -> None:
     a = {name: ino for name, ino, _ in fs_a.listdir_ino(dir_a)}
     b = {name: ino for name, ino, _ in fs_b.listdir_ino(dir_b)}
     # diff sorts names bytewise (LC_ALL=C): surrogateescape'd str would not, bytes do
@@ -78,10 +98,18 @@ def _diff_dir(fs_a: GuestFS, dir_a: int, fs_b: GuestFS, dir_b: int, prefix: str,
             out.append(Change("removed", path, kind_of(sa), None, _size(sa), None))
         elif kind_of(sa) != kind_of(sb):
             out.append(Change("changed", path, kind_of(sa), kind_of(sb), _size(sa), _size(sb)))
-        elif sa.is_dir:
-            _diff_dir(fs_a, sa.ino, fs_b, sb.ino, path + "/", out)
-        elif not _same(fs_a, sa, fs_b, sb):
-            out.append(Change("changed", path, kind_of(sa), kind_of(sb), sa.size, sb.size))
+        else:
+            moved = attr_changes(sa, sb) if attrs else {}
+            if sa.is_dir:
+                if moved:  # the directory itself, before what changed inside it
+                    out.append(Change("attrs", path, "dir", "dir", None, None, moved))
+                _diff_dir(fs_a, sa.ino, fs_b, sb.ino, path + "/", out, attrs)
+            elif not _same(fs_a, sa, fs_b, sb):
+                out.append(Change("changed", path, kind_of(sa), kind_of(sb), sa.size, sb.size,
+                                  moved))
+            elif moved:
+                out.append(Change("attrs", path, kind_of(sa), kind_of(sb), _size(sa), _size(sb),
+                                  moved))
 
 
 def _same(fs_a: GuestFS, sa: GuestStat, fs_b: GuestFS, sb: GuestStat) -> bool:
