@@ -1,6 +1,7 @@
 """A small real model provider on 127.0.0.1 for tests: OpenAI-style chat completions (JSON and
-server-sent events, with usage), a models list, a configurable delay and error mode, and counters
-of what it was asked.
+server-sent events, with usage), embeddings, the Responses API (``/v1/responses``, JSON and its
+typed server-sent events, usage as input/output tokens), a models list, a configurable delay and
+error mode, and counters of what it was asked.
 
 It is deliberately built on the standard library's http.server (a thread per connection), not on
 the gateway's own stack, so a test of the gateway never checks that stack against itself. It never
@@ -152,7 +153,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = self._read()
         serial = self._seen(body)
         fake = self.fake
-        if self.path != "/v1/chat/completions":
+        route = self.path.split("?")[0]
+        if route not in ("/v1/chat/completions", "/v1/embeddings", "/v1/responses"):
             self._json(404, {"error": {"type": "not_found", "message": self.path}})
             return
         if fake.delay:
@@ -170,6 +172,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         req = json.loads(body)
         model = req.get("model", "unknown")
+        if route == "/v1/embeddings":
+            self._embeddings(req, model)
+            return
+        if route == "/v1/responses":
+            self._responses(req, model, serial)
+            return
         words = sum(len(str(m.get("content", "")).split()) for m in req.get("messages", []))
         usage = {"prompt_tokens": words, "completion_tokens": len(COMPLETION_WORDS),
                  "total_tokens": words + len(COMPLETION_WORDS)}
@@ -202,6 +210,59 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if self.fake.chunk_delay:
                 self.fake.sleep(self.fake.chunk_delay)
         self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+    def _embeddings(self, req: dict, model: str) -> None:
+        # As the real endpoint: one vector per input string, usage with prompt and total only.
+        inputs = req.get("input", "")
+        inputs = [inputs] if isinstance(inputs, str) else list(inputs)
+        tokens = sum(len(str(i).split()) for i in inputs)
+        self._json(200, {
+            "object": "list", "model": model,
+            "data": [{"object": "embedding", "index": n,
+                      "embedding": [round(0.001 * (n + 1) * (d + 1), 6) for d in range(8)]}
+                     for n in range(len(inputs))],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        })
+
+    def _responses(self, req: dict, model: str, serial: int) -> None:
+        # The Responses API: usage says input_tokens/output_tokens; a stream is typed events
+        # ("event: NAME" + "data: {...}") ending in response.completed, with no [DONE].
+        given = req.get("input", "")
+        if isinstance(given, list):
+            given = " ".join(str(m.get("content", "")) if isinstance(m, dict) else str(m)
+                             for m in given)
+        words = len(str(given).split())
+        rid = f"resp_{serial}_{time.monotonic_ns()}"
+        text = " ".join(COMPLETION_WORDS)
+        usage = {"input_tokens": words, "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": len(COMPLETION_WORDS),
+                 "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": words + len(COMPLETION_WORDS)}
+        message = {"type": "message", "id": f"msg_{serial}", "status": "completed",
+                   "role": "assistant",
+                   "content": [{"type": "output_text", "text": text, "annotations": []}]}
+        done = {"id": rid, "object": "response", "created_at": int(time.time()),
+                "status": "completed", "model": model, "output": [message], "usage": usage}
+        if not req.get("stream"):
+            self._json(200, done)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        started = dict(done, status="in_progress", output=[], usage=None)
+        events = [{"type": "response.created", "response": started}]
+        events += [{"type": "response.output_text.delta", "item_id": f"msg_{serial}",
+                    "output_index": 0, "content_index": 0, "delta": w + " "}
+                   for w in COMPLETION_WORDS]
+        events.append({"type": "response.completed", "response": done})
+        for n, ev in enumerate(events):
+            ev = dict(ev, sequence_number=n)
+            self._chunk(f"event: {ev['type']}\n".encode() + b"data: "
+                        + json.dumps(ev).encode() + b"\n\n")
+            if self.fake.chunk_delay:
+                self.fake.sleep(self.fake.chunk_delay)
         self._chunk(b"")
 
     def _chunk(self, data: bytes) -> None:

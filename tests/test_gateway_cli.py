@@ -133,3 +133,31 @@ def test_cli_errors_and_help(tmp_path, provider):
     for cmd in (["gateway", "serve"], ["usage"], ["budget"]):
         text = ksfs(store, *cmd, "--help").stdout
         assert "Example:" in text and f"ksfs {' '.join(cmd)} " in text
+
+
+def post_to(port: int, path: str, body: dict) -> httpx.Response:
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as c:
+        return c.post(path, json=body, headers={"authorization": "Bearer guest"})
+
+
+def test_standalone_gateway_holds_every_paid_route_to_the_budget(served, provider):
+    # QA F4: embeddings and responses went upstream past the budget and were not counted.
+    store, port, proc = served
+    emb = post_to(port, "/v1/embeddings", {"model": "text-embedding-3-small",
+                                           "input": "one two three"})
+    resp = post_to(port, "/v1/responses", {"model": "gpt-4o-mini", "input": "four five"})
+    assert emb.status_code == resp.status_code == 200
+    u = json.loads(ksfs(store, "usage", "default", "--json").stdout)
+    assert (u["paid_calls"], u["total_tokens"]) == (2, 3 + (2 + 7))
+    assert u["by_model"]["text-embedding-3-small"]["priced"] is True
+    assert u["unknown_usage_calls"] == 0
+
+    ksfs(store, "budget", "default", "--tokens", "10")
+    asked = len(provider.requests)
+    for path, body in (("/v1/chat/completions", chat_body("over now")),
+                       ("/v1/embeddings", {"model": "text-embedding-3-small", "input": "x"}),
+                       ("/v1/responses", {"model": "gpt-4o-mini", "input": "x"})):
+        r = post_to(port, path, body)
+        assert r.status_code == 402 and r.json()["error"]["type"] == "budget_exceeded", path
+    assert len(provider.requests) == asked
+    assert json.loads(ksfs(store, "usage", "default", "--json").stdout)["refused"] == 3

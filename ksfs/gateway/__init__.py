@@ -1,5 +1,5 @@
-"""The model-call gateway: OpenAI-style chat completions on loopback, bought once, replayed after
-a save, counted per session and held to a budget.
+"""The model-call gateway: OpenAI-style chat completions (and every other call that can cost
+money) on loopback, bought once, replayed after a save, counted per session and held to a budget.
 
 Layer 5: imports ksfs.errors, ksfs.model, ksfs.cas, ksfs.ledger, trio and its HTTP stack
 (hypercorn, httpx); never pyfuse3, libvirt or click. See docs/gateway.md.

@@ -1,8 +1,10 @@
-"""The raw ASGI app of one session's server: routes chat completions to the gateway and passes
-every other path through to the provider.
+"""The raw ASGI app of one session's server: routes every call that can cost money to the
+gateway and passes the rest (bodyless GETs and the like, e.g. ``GET /v1/models``) through to the
+provider.
 
 Kept apart from the service so the HTTP plumbing (lifespan, body limits, status mapping) reads on
-its own. It never decides anything about replay or money: ``Gateway.chat`` does.
+its own. It never decides anything about replay or money, only which requests are paid:
+``Gateway.paid_call`` does the rest.
 """
 
 from __future__ import annotations
@@ -11,10 +13,22 @@ import hmac
 from typing import Any
 
 from ksfs.errors import BadInput, KsfsError, NotFound, ReadOnly
+from ksfs.gateway.calls import CHAT_PATH
 from ksfs.gateway.inflight import StreamThrough
 from ksfs.gateway.upstream import Reply, error_reply, send_reply
 
-CHAT_PATH = "/v1/chat/completions"
+__all__ = ["CHAT_PATH", "asgi_app", "is_paid"]
+
+
+def is_paid(method: str, body: bytes) -> bool:
+    """Whether a request may cost money, so must pass the budget and be counted.
+
+    Every POST, and anything else that carries a body: which endpoints bill is the provider's
+    choice and changes over time (chat, embeddings, responses, images, audio, ...), so a list of
+    paid paths would let each new one bypass the budget. A bodyless GET/HEAD/DELETE (a model list,
+    a file's metadata) is passed through unchecked.
+    """
+    return method == "POST" or bool(body)
 
 
 async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
@@ -41,9 +55,10 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
                                            f"request body over {gw.max_body} bytes"))
         return
     method, path = scope["method"], scope["path"]
-    if method == "POST" and path == CHAT_PATH:
+    if is_paid(method, body):
         try:
-            answer, extra = await gw.chat(served, headers, body)
+            answer, extra = await gw.paid_call(served, method, path,
+                                               scope.get("query_string", b""), headers, body)
         except KsfsError as exc:
             answer, extra = ksfs_error_reply(exc), []
         if isinstance(answer, StreamThrough):

@@ -1,9 +1,11 @@
-"""What the gateway reads out of a chat-completion call: its idempotency key and its usage.
+"""What the gateway reads out of a paid call: its idempotency key and its usage.
 
 Pure functions over bytes, no I/O. The key decides whether a call was already bought, so its
 derivation is fixed here in one place: a header key is used as given (hashed to a fixed width),
-a derived key is BLAKE3 of the lineage id and the canonical JSON of the request body. Nothing here
-may keep or return the request text itself.
+a derived key is BLAKE3 of the lineage id and the canonical JSON of the request body. A call to
+any other route than ``POST /v1/chat/completions`` has its method, path and query mixed into both
+(``route_scope``), so one body sent to two endpoints is two calls. Nothing here may keep or return
+the request text itself.
 """
 
 from __future__ import annotations
@@ -18,6 +20,37 @@ from ksfs.errors import BadInput
 
 KEY_BYTES = 32
 HEADER_KEY_MAX = 1024
+CHAT_PATH = "/v1/chat/completions"
+
+
+def route_scope(method: str, path: str, query: bytes = b"") -> bytes:
+    """The prefix that keeps one route's keys and digests apart from every other route's.
+
+    Empty for ``POST /v1/chat/completions``: its keys are the ones it had before other routes were
+    bought through the gateway, so responses stored then still replay.
+    """
+    if method == "POST" and path == CHAT_PATH and not query:
+        return b""
+    return (b"ksfs-route\0" + method.encode("ascii", "replace") + b" "
+            + path.encode("utf-8", "surrogateescape") + b"?" + query + b"\0")
+
+
+def paid_body(scope: bytes, body: bytes, content_type: str | None
+              ) -> tuple[bytes, dict[str, Any]]:
+    """(canonical bytes, parsed JSON object or {}) of a paid call on the route of ``scope``.
+
+    Chat completions must be a JSON object (BadInput otherwise, as always). Any other route may
+    carry what its API takes (a multipart upload, audio, an empty POST): such a body stands for
+    itself, exact bytes and content type, since there is no canonical form to find.
+    """
+    if not scope:
+        return canonical_body(body)
+    try:
+        canon, obj = canonical_body(body)
+    except BadInput:
+        return (scope + b"raw\0" + (content_type or "").encode("latin-1", "replace") + b"\0"
+                + body, {})
+    return scope + b"json\0" + canon, obj
 
 
 def canonical_body(body: bytes) -> tuple[bytes, dict[str, Any]]:
@@ -36,11 +69,11 @@ def canonical_body(body: bytes) -> tuple[bytes, dict[str, Any]]:
     return canon.encode("utf-8"), obj
 
 
-def header_key(value: str) -> bytes:
-    """The 32-byte store key of an ``Idempotency-Key`` header value."""
+def header_key(value: str, scope: bytes = b"") -> bytes:
+    """The 32-byte store key of an ``Idempotency-Key`` header value on the route of ``scope``."""
     if not value or len(value) > HEADER_KEY_MAX:
         raise BadInput(f"Idempotency-Key must be 1 to {HEADER_KEY_MAX} characters")
-    return blake3.blake3(b"ksfs-idempotency-header\0" + value.encode("utf-8")).digest()
+    return blake3.blake3(b"ksfs-idempotency-header\0" + scope + value.encode("utf-8")).digest()
 
 
 def derived_key(lineage: str, canon: bytes) -> bytes:
@@ -67,9 +100,15 @@ class Usage:
 
 
 def _usage_from(obj: Any, model: str | None) -> Usage | None:
+    """The usage an OpenAI-style object carries: its own ``usage``, else that of the
+    ``response`` it wraps (the events of a streamed /v1/responses call). Chat completions and
+    embeddings count prompt_tokens/completion_tokens; /v1/responses says input_tokens/
+    output_tokens for the same two things."""
     if not isinstance(obj, dict):
         return None
     u = obj.get("usage")
+    if not isinstance(u, dict) and isinstance(obj.get("response"), dict):
+        u = obj["response"].get("usage")
     if not isinstance(u, dict):
         return None
 
@@ -77,27 +116,37 @@ def _usage_from(obj: Any, model: str | None) -> Usage | None:
         v = u.get(name)
         return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
-    prompt, completion = num("prompt_tokens"), num("completion_tokens")
+    prompt = num("prompt_tokens") or num("input_tokens")
+    completion = num("completion_tokens") or num("output_tokens")
     total = num("total_tokens") or prompt + completion
     return Usage(model, prompt, completion, total, True)
 
 
+def _model_of(obj: Any) -> str | None:
+    if not isinstance(obj, dict):
+        return None
+    for holder in (obj, obj.get("response")):
+        if isinstance(holder, dict) and isinstance(holder.get("model"), str) and holder["model"]:
+            return holder["model"]
+    return None
+
+
 def usage_of_json(body: bytes, request_model: str | None) -> Usage:
-    """Usage of a JSON chat completion (the response's ``model`` wins over the request's)."""
+    """Usage of a JSON response (the response's ``model`` wins over the request's)."""
     try:
         obj = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return Usage(request_model)
-    model = obj.get("model") if isinstance(obj, dict) else None
-    model = model if isinstance(model, str) and model else request_model
+    model = _model_of(obj) or request_model
     return _usage_from(obj, model) or Usage(model)
 
 
 def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
-    """Usage of a streamed completion: the last ``data:`` chunk that carries a usage object.
+    """Usage of a streamed response: the last ``data:`` chunk that carries a usage object.
 
-    OpenAI-style providers send it in a final chunk when asked (``stream_options``); without it
-    the call counts 0 tokens and is marked unknown.
+    OpenAI-style chat streams send it in a final chunk when asked (``stream_options``); a
+    /v1/responses stream in its ``response.completed`` event. Without one the call counts 0
+    tokens and is marked unknown.
     """
     model = request_model
     found: Usage | None = None
@@ -111,8 +160,7 @@ def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
             obj = json.loads(data)
         except ValueError:
             continue
-        if isinstance(obj, dict) and isinstance(obj.get("model"), str) and obj["model"]:
-            model = obj["model"]
+        model = _model_of(obj) or model
         u = _usage_from(obj, model)
         if u is not None:
             found = u

@@ -1,8 +1,9 @@
 """The gateway service: one HTTP server per session, on its own loopback port, over one store.
 
 ``Gateway.serve_session`` runs hypercorn (trio worker) with a small raw-ASGI app for one session;
-the daemon runs one per session in its nursery, the CLI one for a standalone gateway. A chat
-completion is looked up in the store first (a replay costs nothing), then checked against the
+the daemon runs one per session in its nursery, the CLI one for a standalone gateway. A paid call
+(a chat completion, or any other request that may cost money: every POST and every request with
+a body) is looked up in the store first (a replay costs nothing), then checked against the
 budget, then bought from the provider exactly once per key: the upstream call runs as a task of
 the session's nursery, not of the request, so a guest that drops its connection (a save, a
 restore) does not lose a response it already paid for, and duplicates wait on it. This module
@@ -25,12 +26,13 @@ import hypercorn.trio
 import trio
 
 from ksfs.errors import BadInput
-from ksfs.gateway.app import CHAT_PATH, asgi_app
+from ksfs.gateway.app import asgi_app
 from ksfs.gateway.calls import (
-    canonical_body,
     derived_key,
     header_key,
+    paid_body,
     request_digest,
+    route_scope,
     usage_of_json,
     usage_of_sse,
 )
@@ -70,6 +72,15 @@ class Served:
     nursery: trio.Nursery
     upstream: Upstream
     token: str | None = None  # when set, every request must carry "Authorization: Bearer TOKEN"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a paid call goes upstream: method, path and raw query, as the guest sent them."""
+
+    method: str
+    path: str
+    query: bytes = b""
 
 
 class Gateway:
@@ -148,15 +159,22 @@ class Gateway:
             with trio.CancelScope(shield=True):
                 await upstream.aclose()
 
-    # --- one chat completion ------------------------------------------------------------------
+    # --- one paid call ------------------------------------------------------------------------
 
-    async def chat(self, served: Served, headers: Headers, body: bytes
-                   ) -> tuple[Reply | StreamThrough, Headers]:
-        """The answer to one chat completion, and the ksfs headers that go with it."""
+    async def paid_call(self, served: Served, method: str, path: str, query: bytes,
+                        headers: Headers, body: bytes) -> tuple[Reply | StreamThrough, Headers]:
+        """The answer to one call that may cost money, and the ksfs headers that go with it.
+
+        Chat completions and every other paid route take the same path (store, budget, buy
+        once), so no endpoint can spend past a budget or go uncounted; the route is part of the
+        key, so one body sent to two endpoints is two calls.
+        """
+        route = Route(method, path, query)
+        scope = route_scope(method, path, query)
         try:
-            canon, obj = canonical_body(body)
+            canon, obj = paid_body(scope, body, header(headers, "content-type"))
             hval = header(headers, "idempotency-key")
-            hkey = header_key(hval) if hval is not None else None
+            hkey = header_key(hval, scope) if hval is not None else None
         except BadInput as exc:
             return error_reply(400, "invalid_request_error", str(exc)), []
         view = self.db.view(served.session)
@@ -176,11 +194,12 @@ class Gateway:
                     return await self._replay(view, key, stored, digest)
                 over = self.db.over_budget(view.lineage)
                 if over is not None:
-                    return await self._refuse(view, key, model, *over), ksfs_headers(key, "refused")
+                    return (await self._refuse(view, key, model, path, *over),
+                            ksfs_headers(key, "refused"))
                 call = self._inflight[ikey] = Call()
                 mine = True
-                served.nursery.start_soon(self._buy, call, served, view, key, ikey, headers,
-                                          body, model, stream, digest)
+                served.nursery.start_soon(self._buy, call, served, view, key, ikey, route,
+                                          headers, body, model, stream, digest)
                 if stream:
                     return StreamThrough(call, key), []
             await call.done.wait()
@@ -200,10 +219,10 @@ class Gateway:
                                       stored)
         return reply_of(stored), ksfs_headers(key, "true")
 
-    async def _refuse(self, view: View, key: bytes, model: str | None,
+    async def _refuse(self, view: View, key: bytes, model: str | None, path: str,
                       budget: dict[str, Any], used: dict[str, Any]) -> Reply:
         await trio.to_thread.run_sync(self.db.record_refusal, view.session, view.lineage, key,
-                                      model, budget, used)
+                                      model, budget, used, path)
         return error_reply(
             402, "budget_exceeded",
             f"session {view.session!r} has used {used['tokens']} tokens and "
@@ -212,20 +231,21 @@ class Gateway:
             session=view.session, budget=budget, used=used)
 
     async def _buy(self, call: Call, served: Served, view: View, key: bytes, ikey: bytes,
-                   headers: Headers, body: bytes, model: str | None, stream: bool,
+                   route: Route, headers: Headers, body: bytes, model: str | None, stream: bool,
                    digest: str) -> None:
         """Call upstream once, commit a completed response with its event, wake the waiters."""
         try:
-            got = await served.upstream.fetch("POST", CHAT_PATH, headers, body,
-                                              call.on_start, call.on_chunk)
+            got = await served.upstream.fetch(route.method, route.path, headers, body,
+                                              call.on_start, call.on_chunk, route.query)
             if isinstance(got, Reply) or not 200 <= got.status < 300:
                 call.error = got if isinstance(got, Reply) else _passed_back(got)
                 why = _error_type(call.error)
                 await trio.to_thread.run_sync(self.db.record_upstream_error, view.session,
-                                              view.lineage, key, model, call.error.status, why)
+                                              view.lineage, key, model, call.error.status, why,
+                                              route.path)
                 return
             call.stored = await trio.to_thread.run_sync(
-                self._commit, view, key, got, model, stream, digest)
+                self._commit, view, key, got, model, stream, digest, route.path)
         except Exception as exc:  # a bug or a store failure must not take the server down
             log.error("gateway call for session %s failed: %s", view.session, exc)
             if call.error is None:
@@ -240,7 +260,7 @@ class Gateway:
             call.notify()
 
     def _commit(self, view: View, key: bytes, got: Fetched, model: str | None, stream: bool,
-                digest: str) -> StoredResponse:
+                digest: str, path: str) -> StoredResponse:
         ctype = header(got.headers, "content-type") or ""
         sse = stream or ctype.startswith("text/event-stream")
         usage = (usage_of_sse if sse else usage_of_json)(got.body, model)
@@ -250,7 +270,8 @@ class Gateway:
             lineage=view.lineage, session=view.session, key=key.hex(), seq=-1,
             status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=got.body,
             model=usage.model, stream=sse, request_digest=digest, created=_now())
-        return self.db.commit_call(view.session, view.lineage, key, resp, usage, cost, priced)
+        return self.db.commit_call(view.session, view.lineage, key, resp, usage, cost, priced,
+                                   path)
 
 
 # --- small helpers ----------------------------------------------------------------------------

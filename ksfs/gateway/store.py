@@ -18,7 +18,7 @@ from typing import Any
 import lmdb
 
 from ksfs.errors import BadInput, IntegrityError, KsfsError, NoSpace
-from ksfs.gateway.calls import Usage, derived_key
+from ksfs.gateway.calls import CHAT_PATH, Usage, derived_key
 from ksfs.ledger.keys import LINEAGE_BYTES, lineage_bytes
 from ksfs.model import Event
 
@@ -218,7 +218,8 @@ class GatewayStore:
     # --- writing (each with its event, in one transaction) ------------------------------------
 
     def commit_call(self, session: str, lineage: str, key: bytes, response: StoredResponse,
-                    usage: Usage, cost: float, priced: bool) -> StoredResponse:
+                    usage: Usage, cost: float, priced: bool,
+                    path: str = CHAT_PATH) -> StoredResponse:
         """Store a completed response under (lineage, key) with its ``gateway.call`` event.
 
         If the key is already stored (a second process raced us) the first response is kept and
@@ -227,7 +228,8 @@ class GatewayStore:
         body = {"key": key.hex(), "model": usage.model, "status": response.status,
                 "stream": response.stream, "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens, "total_tokens": usage.total_tokens,
-                "usage_known": usage.known, "cost_usd": cost, "priced": priced, "stored": True}
+                "usage_known": usage.known, "cost_usd": cost, "priced": priced, "stored": True,
+                "path": path}
         dbkey = lineage_bytes(lineage) + key
         with self._write() as txn:
             existing = txn.get(dbkey, db=self._resp)
@@ -254,19 +256,20 @@ class GatewayStore:
             return event
 
     def record_refusal(self, session: str, lineage: str, key: bytes, model: str | None,
-                       budget: dict[str, Any], used: dict[str, Any]) -> Event:
-        body = {"key": key.hex(), "model": model, "budget": budget, "used": used}
+                       budget: dict[str, Any], used: dict[str, Any],
+                       path: str = CHAT_PATH) -> Event:
+        body = {"key": key.hex(), "model": model, "budget": budget, "used": used, "path": path}
         with self._write() as txn:
             event = self.ledger.append(txn, session, "budget.refused", body)
             self._bump(txn, lineage, "refused")
             return event
 
     def record_upstream_error(self, session: str, lineage: str, key: bytes, model: str | None,
-                              status: int, error: str) -> Event:
+                              status: int, error: str, path: str = CHAT_PATH) -> Event:
         """A call that did not complete: counted, logged as ``gateway.call`` with stored=False."""
         body = {"key": key.hex(), "model": model, "status": status, "error": error,
                 "stored": False, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-                "cost_usd": 0.0}
+                "cost_usd": 0.0, "path": path}
         with self._write() as txn:
             event = self.ledger.append(txn, session, "gateway.call", body)
             self._bump(txn, lineage, "upstream_errors")

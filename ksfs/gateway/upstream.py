@@ -94,7 +94,8 @@ class Upstream:
 
     async def fetch(self, method: str, path: str, guest_headers: Headers, body: bytes,
                     on_start: Callable[[int, Headers], None] | None = None,
-                    on_chunk: Callable[[bytes], None] | None = None) -> Fetched | Reply:
+                    on_chunk: Callable[[bytes], None] | None = None,
+                    query: bytes = b"") -> Fetched | Reply:
         """The whole response, or the error Reply (502/504) when none came in time.
 
         ``on_start(status, headers)`` and ``on_chunk(bytes)`` see the response as it arrives
@@ -103,7 +104,8 @@ class Upstream:
         try:
             with trio.fail_after(self.timeout):
                 async with self.client.stream(
-                    method, self.url(path), headers=self.outgoing(guest_headers, identity=True),
+                    method, self.url(path, query),
+                    headers=self.outgoing(guest_headers, identity=True),
                     content=body,
                 ) as resp:
                     headers = list(resp.headers.items())

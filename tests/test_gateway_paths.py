@@ -1,0 +1,201 @@
+"""Paid routes other than chat completions (QA F4): embeddings, the Responses API and any other
+POST or request with a body are held to the budget, counted, and bought once, over real sockets.
+Bodyless GETs still pass straight through."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fake_provider import FakeProvider
+from test_gateway_helpers import (
+    MARKER_KEY,
+    add_sessions,
+    call,
+    chat_body,
+    check_clean,
+    client,
+    events,
+    open_store,
+)
+
+from ksfs.gateway import Gateway, canonical_body, derived_key
+from ksfs.ledger import Ledger
+
+PRICES = """
+[models."test-embed"]
+input = 100.0
+output = 0.0
+
+[models."test-model"]
+input = 1000.0
+output = 2000.0
+"""
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    with FakeProvider() as up:
+        yield up
+
+
+@pytest.fixture
+def provider(upstream):
+    upstream.reset()
+    yield upstream
+    upstream.reset()
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path / "store")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def ledger(store):
+    led = Ledger(store)
+    add_sessions(led, "s1", "s2")
+    yield led
+    check_clean(store, led)
+
+
+@pytest.fixture
+def gw(store, ledger, provider, tmp_path):
+    prices = tmp_path / "prices.toml"
+    prices.write_text(PRICES)
+    return Gateway(store, ledger, provider.url, prices, api_key=MARKER_KEY, timeout=10)
+
+
+async def post(port: int, path: str, body: dict | None = None, *, raw: bytes | None = None,
+               method: str = "POST", headers: dict[str, str] | None = None):
+    content = raw if raw is not None else json.dumps(body).encode()
+    async with client(port) as c:
+        return await c.request(method, path, content=content,
+                               headers={"content-type": "application/json", **(headers or {})})
+
+
+def embed_body(*texts: str) -> dict:
+    return {"model": "test-embed", "input": list(texts) if len(texts) > 1 else texts[0]}
+
+
+def responses_body(text: str, stream: bool = False) -> dict:
+    body: dict = {"model": "test-model", "input": text}
+    if stream:
+        body["stream"] = True
+    return body
+
+
+# --- over budget: nothing that can cost money reaches the provider ------------------------------
+
+
+async def test_every_paid_route_is_refused_over_budget(gw, ledger, provider, nursery):
+    gw.set_budget("s1", tokens=5)
+    port = await nursery.start(gw.serve_session, "s1")
+    assert (await call(port, chat_body("one two three"))).status_code == 200  # 3 + 7 >= 5
+    asked = len(provider.requests)
+    tries = [
+        ("POST", "/v1/embeddings", json.dumps(embed_body("x")).encode()),
+        ("POST", "/v1/responses", json.dumps(responses_body("x")).encode()),
+        ("POST", "/v1/responses", json.dumps(responses_body("x", stream=True)).encode()),
+        ("POST", "/v1/images/generations", b'{"prompt": "a cat"}'),  # no route is exempt
+        ("POST", "/v1/batches/b1/cancel", b""),  # a POST without a body
+        ("POST", "/v1/audio/transcriptions", b"--b\r\nnot json at all\r\n--b--\r\n"),
+        ("GET", "/v1/embeddings", json.dumps(embed_body("a GET with a body")).encode()),
+    ]
+    for method, path, raw in tries:
+        r = await post(port, path, raw=raw, method=method)
+        assert r.status_code == 402, (method, path, r.status_code)
+        err = r.json()["error"]
+        assert err["type"] == "budget_exceeded" and err["session"] == "s1"
+        assert err["budget"] == {"tokens": 5, "usd": None} and err["used"]["tokens"] == 10
+        assert r.headers["x-ksfs-replay"] == "refused"
+    assert len(provider.requests) == asked  # the provider was asked nothing more
+    refused = events(ledger, "s1", "budget.refused")
+    assert [e.body["path"] for e in refused] == [p for _, p, _ in tries]
+    assert gw.usage("s1")["refused"] == len(tries)
+    # A bodyless GET costs nothing and still passes, over budget or not.
+    async with client(port) as c:
+        assert (await c.get("/v1/models")).status_code == 200
+    assert provider.count("/v1/models") == 1
+
+
+# --- under budget: their usage is counted, and they are bought once ----------------------------
+
+
+async def test_embeddings_and_responses_usage_is_counted(gw, ledger, provider, nursery):
+    port = await nursery.start(gw.serve_session, "s1")
+    emb = await post(port, "/v1/embeddings", embed_body("one two", "three"))
+    assert emb.status_code == 200 and emb.headers["x-ksfs-replay"] == "false"
+    assert len(emb.json()["data"]) == 2 and emb.json()["usage"]["prompt_tokens"] == 3
+    resp = await post(port, "/v1/responses", responses_body("four five"))
+    assert resp.status_code == 200 and resp.json()["usage"]["input_tokens"] == 2
+    async with client(port) as c:
+        async with c.stream("POST", "/v1/responses",
+                            json=responses_body("six seven eight", stream=True)) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            streamed = b"".join([chunk async for chunk in r.aiter_raw()])
+    assert b"event: response.completed" in streamed
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["replays"], u["unknown_usage_calls"]) == (3, 0, 0)
+    assert u["prompt_tokens"] == 3 + 2 + 3
+    assert u["completion_tokens"] == 0 + 7 + 7
+    assert u["total_tokens"] == 3 + 9 + 10
+    assert u["cost_usd"] == pytest.approx((3 * 100 + 5 * 1000 + 14 * 2000) / 1e6)
+    assert u["by_model"]["test-embed"]["calls"] == 1
+    calls = events(ledger, "s1", "gateway.call")
+    assert [e.body["path"] for e in calls] == ["/v1/embeddings", "/v1/responses",
+                                               "/v1/responses"]
+    assert [e.body["total_tokens"] for e in calls] == [3, 9, 10]
+    # The same calls again are replays from the store: the provider is not asked twice.
+    again = await post(port, "/v1/embeddings", embed_body("one two", "three"))
+    assert again.content == emb.content and again.headers["x-ksfs-replay"] == "true"
+    async with client(port) as c:
+        replayed = await c.post("/v1/responses",
+                                json=responses_body("six seven eight", stream=True))
+    assert replayed.content == streamed
+    assert provider.count("/v1/embeddings") == 1 and provider.count("/v1/responses") == 2
+    assert gw.usage("s1")["replays"] == 2 and gw.usage("s1")["total_tokens"] == 22
+
+
+async def test_usage_counted_from_other_routes_reaches_the_budget(gw, provider, nursery):
+    gw.set_budget("s1", tokens=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    assert (await post(port, "/v1/responses", responses_body("a b c"))).status_code == 200
+    r = await call(port, chat_body("now over"))  # 3 + 7 from /v1/responses used it up
+    assert r.status_code == 402 and provider.count() == 0
+
+
+async def test_route_is_part_of_the_key(gw, ledger, provider, nursery):
+    port = await nursery.start(gw.serve_session, "s1")
+    same = {"model": "test-model", "input": "same body"}
+    a = await post(port, "/v1/embeddings", same)
+    b = await post(port, "/v1/responses", same)
+    assert a.status_code == b.status_code == 200
+    assert a.headers["x-ksfs-key"] != b.headers["x-ksfs-key"]
+    assert provider.count("/v1/embeddings") == provider.count("/v1/responses") == 1
+    # One Idempotency-Key on two routes names two calls, not a reuse (no 422).
+    k = {"idempotency-key": "agent-step-1"}
+    c1 = await call(port, chat_body("keyed"), key="agent-step-1")
+    e1 = await post(port, "/v1/embeddings", embed_body("keyed"), headers=k)
+    assert c1.status_code == e1.status_code == 200
+    assert e1.json()["object"] == "list" and c1.json()["object"] == "chat.completion"
+    # Chat completions keep the keys they always had, so responses stored before still replay.
+    canon, _ = canonical_body(json.dumps(chat_body("plain chat")).encode())
+    plain = await call(port, chat_body("plain chat"))
+    assert plain.headers["x-ksfs-key"] == derived_key(ledger.session("s1").lineage, canon).hex()
+
+
+async def test_upstream_errors_on_other_routes_are_passed_back_not_stored(gw, ledger, provider,
+                                                                         nursery):
+    port = await nursery.start(gw.serve_session, "s1")
+    raw = b"--b\r\nnot json\r\n--b--\r\n"  # a non-JSON body goes upstream as it is
+    r = await post(port, "/v1/nothing", raw=raw)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found"
+    assert provider.requests[-1].body == raw
+    r2 = await post(port, "/v1/nothing", raw=raw)
+    assert r2.status_code == 404 and provider.count("/v1/nothing") == 2  # not stored
+    (first, _) = events(ledger, "s1", "gateway.call")
+    assert first.body["stored"] is False and first.body["path"] == "/v1/nothing"
+    assert gw.usage("s1")["upstream_errors"] == 2 and gw.usage("s1")["paid_calls"] == 0
