@@ -258,3 +258,22 @@ def test_an_automatic_name_a_user_took_gets_a_suffix(store: Path, tmp_path: Path
         rec = k.import_files("s", None, [f])
         assert rec.name == taken + "-2", (rec.name, taken)
         assert list(k.ledger.checkpoint_names("s")).count(taken) == 1
+
+
+def test_recover_matches_a_suffixed_automatic_name_to_its_begin(store: Path,
+                                                                tmp_path: Path) -> None:
+    """A published c_NNNN-2 closes its own begin event: recover (run at every daemon start)
+    finds nothing unfinished and marks nothing failed."""
+    from ksfs.keeper import Keeper
+
+    f = tmp_path / "memory"
+    f.write_bytes(b"data" * 100)
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "first", [f])
+        last = list(k.ledger.events("s", 0))[-1].seq
+        k.import_files("s", f"c_{last + 3:04d}", [f])
+        rec = k.import_files("s", None, [f])
+        assert rec.name.endswith("-2")
+        assert k._unfinished("s") == []
+        assert k.recover() == []
+        assert not [e for e in k.ledger.events("s", 0) if e.type == "checkpoint.failed"]

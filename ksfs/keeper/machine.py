@@ -253,7 +253,7 @@ class MachineVerbs:
                     self.vm.abort(frozen)
                 except KsfsError:
                     pass
-            self._record_failure(session, name, exc)
+            self._record_failure(session, name, exc, begin.seq)
             raise
         try:
             self.vm.finish(frozen, checkpoint=f"{session}/{name}")

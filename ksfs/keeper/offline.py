@@ -121,7 +121,7 @@ class OfflineVerbs:
                         )
                     crash_point("record.commit")
             except BaseException as exc:
-                self._record_failure(session, name, exc)
+                self._record_failure(session, name, exc, begin.seq)
                 raise
             return record
 
@@ -134,11 +134,11 @@ class OfflineVerbs:
             "files": [f.name for f in record.files],
         }
 
-    def _record_failure(self, session: str, name: str, exc: BaseException) -> None:
+    def _record_failure(self, session: str, name: str, exc: BaseException,
+                        begin_seq: int) -> None:
         try:
-            self.ledger.record(
-                session, "checkpoint.failed", {"name": name, "reason": _reason(exc)}
-            )
+            self.ledger.record(session, "checkpoint.failed",
+                               {"name": name, "reason": _reason(exc), "begin_seq": begin_seq})
         except Exception:  # the store itself may be what failed; the raise above says why
             pass
 

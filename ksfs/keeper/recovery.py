@@ -24,13 +24,22 @@ OPENERS = {"checkpoint.begin": ("checkpoint.published", "checkpoint.failed"),
 
 class Recovery:
     def _unfinished(self, session: str) -> list[Any]:
-        """Begin events of this session that never got their end event (matched by name)."""
-        open_: dict[tuple[str, str], Any] = {}
+        """Begin events of this session that never got their end event. A checkpoint's end
+        names its begin's seq (published: ``seq``; failed: ``begin_seq``), since an unnamed
+        checkpoint's name is only known at its end (c_NNNN, or c_NNNN-2 when a user took that);
+        logs written before failed events carried ``begin_seq`` are matched by name."""
+        open_: dict[tuple[str, Any], Any] = {}
         for ev in self.ledger.events(session):
             if ev.type == "checkpoint.begin":
-                open_[("checkpoint", ev.body.get("name") or f"c_{ev.seq:04d}")] = ev
+                open_[("checkpoint", ev.seq)] = ev
             elif ev.type in OPENERS["checkpoint.begin"]:
-                open_.pop(("checkpoint", ev.body.get("name")), None)
+                seq = ev.body.get("seq") if ev.type == "checkpoint.published" else \
+                    ev.body.get("begin_seq")
+                if seq is None:
+                    name = ev.body.get("name")
+                    seq = next((k[1] for k, b in open_.items() if k[0] == "checkpoint" and
+                                (b.body.get("name") or f"c_{b.seq:04d}") == name), None)
+                open_.pop(("checkpoint", seq), None)
             elif ev.type == "restore.begin":
                 open_[("restore", ev.body.get("checkpoint"))] = ev
             elif ev.type in OPENERS["restore.begin"]:
