@@ -212,7 +212,9 @@ def from_os_error(exc: OSError, what: str, path: object = "") -> KsfsError:
         return NoSpace(path=path or exc.filename, why=f"{what}: {exc.strerror}")
     if exc.errno == _errno.ENOENT:
         return NoSuchFile(what=what, name=str(exc.filename or path))
-    if exc.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS):
+    if exc.errno == _errno.EROFS:
+        return ReadOnly(what=str(exc.filename or path))
+    if exc.errno in (_errno.EACCES, _errno.EPERM):
         return NotPermitted(f"{what} failed: {exc.strerror} ({exc.filename or path})")
     return KsfsError(f"{what} failed: {exc.strerror or exc}")
 
@@ -220,7 +222,10 @@ def from_os_error(exc: OSError, what: str, path: object = "") -> KsfsError:
 # LMDB's own classes (by name: this module imports no storage library) that mean the index's
 # bytes are damaged, not that an operation failed.
 _LMDB_DAMAGE = {"CorruptedError", "PageNotFoundError", "InvalidError", "BadRslotError",
-                "VersionMismatchError", "PanicError", "BadDbiError", "BadTxnError"}
+                "VersionMismatchError", "BadChecksumError"}
+# What the last line of defence turns into a ksfs error; any other errno escaping every layer
+# is a bug and keeps its traceback.
+_FOREIGN_ERRNOS = {_errno.ENOSPC, _errno.EDQUOT, _errno.EACCES, _errno.EPERM, _errno.EROFS}
 
 
 def from_foreign(exc: BaseException, where: object = "the store") -> KsfsError | None:
@@ -228,12 +233,14 @@ def from_foreign(exc: BaseException, where: object = "the store") -> KsfsError |
     None when it is not one ksfs knows (a bug, to be reported as one).
 
     The last line of defence of the command line and the daemon: a damaged LMDB index is
-    damage (exit 6), a full disk is NoSpace, a refused permission is NotPermitted, a ledger
-    value that no longer decodes is damage; never a traceback.
+    damage (exit 6), a full disk is NoSpace, a refused permission is NotPermitted, a read-only
+    filesystem ReadOnly; never a traceback for those. Anything else stays a bug.
     """
     if isinstance(exc, KsfsError):
         return exc
     if isinstance(exc, OSError):
+        if exc.errno not in _FOREIGN_ERRNOS:
+            return None
         return from_os_error(exc, "a file operation", where)
     if type(exc).__module__ == "lmdb":
         text = str(exc)
@@ -245,7 +252,4 @@ def from_foreign(exc: BaseException, where: object = "the store") -> KsfsError |
             return IntegrityError(f"the index of {where} is damaged ({text}); its packs are "
                                   "untouched: restore the index from a backup")
         return KsfsError(f"the index of {where} failed: {text}")
-    if isinstance(exc, UnicodeDecodeError):
-        return IntegrityError(f"a record in the index of {where} is damaged (it no longer "
-                              f"decodes: {exc.reason})")
-    return None
+    return None  # (a ledger record that no longer decodes is damage raised by ledger.keys)

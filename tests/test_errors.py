@@ -20,6 +20,7 @@ from ksfs.errors import (
     NoSpace,
     NoSuchFile,
     NotPermitted,
+    ReadOnly,
     from_foreign,
     from_os_error,
 )
@@ -30,6 +31,7 @@ from ksfs.errors import (
     (errno.EPERM, NotPermitted, 12),
     (errno.ENOSPC, NoSpace, 9),
     (errno.ENOENT, NoSuchFile, 3),
+    (errno.EROFS, ReadOnly, 12),
 ])
 def test_os_errors_by_errno(code: int, cls: type, exit_code: int) -> None:
     err = from_os_error(OSError(code, os.strerror(code), "/x/y"), "open the thing")
@@ -48,12 +50,14 @@ def test_lmdb_errors_by_kind() -> None:
     assert isinstance(denied, NotPermitted) and denied.exit_code == 12
 
 
-def test_undecodable_record_is_damage_and_bugs_stay_bugs() -> None:
+def test_bugs_stay_bugs() -> None:
+    """Only errors ksfs knows are translated: the rest keep their traceback."""
     try:
         b"\xff".decode("utf-8")
     except UnicodeDecodeError as exc:
-        err = from_foreign(exc, "/s")
-    assert isinstance(err, IntegrityError) and err.exit_code == 6
+        assert from_foreign(exc, "/s") is None
+    assert from_foreign(OSError(errno.EBADF, "Bad file descriptor"), "/s") is None
+    assert from_foreign(lmdb.BadTxnError("x"), "/s").exit_code == 1  # not damage
     assert from_foreign(ValueError("a bug"), "/s") is None
     assert from_foreign(KeyError("a bug"), "/s") is None
 

@@ -188,7 +188,7 @@ class StoredFile(Node):
     def open_reader(self) -> Any:
         reader = self.keeper.open_file(self.session, self.checkpoint.name, self.name)
         expected = self.checkpoint.file(self.name)
-        if getattr(reader, "manifest", None) not in (None, expected.manifest):
+        if expected is None or getattr(reader, "manifest", None) not in (None, expected.manifest):
             # The checkpoint was deleted and its name taken again since this node was made.
             raise NoSuchFile(what=f"file of a deleted checkpoint {self.checkpoint.name!r}",
                              name=self.name)

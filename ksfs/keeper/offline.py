@@ -224,13 +224,17 @@ def _reason(exc: BaseException) -> str:
 class BytesReader:
     """A file made from a record, read like a stored one (the ``FileReader`` surface)."""
 
-    manifest = None
+    # no manifest, and not None: a mount node made for a stored file must never take this
+    # reader for it (nodes.StoredFile.open_reader compares manifests)
+    manifest = ""
 
     def __init__(self, data: bytes) -> None:
         self.data = data
         self.size = len(data)
 
     def read(self, offset: int, n: int) -> bytes:
+        if offset < 0 or n < 0:
+            raise BadInput(f"cannot read {n} bytes at offset {offset}")
         return self.data[offset : offset + n]
 
     def stream(self, offset: int = 0, end: int | None = None) -> Iterator[list[bytes]]:
