@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -134,9 +135,10 @@ def _stdout_to_devnull() -> None:
 def _output_failed(ctx: click.Context | None, exc: OSError) -> NoReturn:
     _stdout_to_devnull()
     if exc.errno == errno.EPIPE:
-        # The reader went away (head, a pager closed early): it has all it wanted, so this is
-        # not an error of ours, and every command ends the same way, quietly, as cat always did.
-        sys.exit(0)
+        # The reader went away (head, a pager closed early): quietly, and the same for every
+        # command, with the status a process killed by SIGPIPE has (141), as GNU tools end:
+        # a `set -o pipefail` script must not take a cut-short `ksfs check` for a whole one.
+        sys.exit(128 + signal.SIGPIPE)
     done = ctx.meta.get(DONE_NOTE) if ctx is not None else None
     click.echo(f"ksfs: error: cannot write to standard output: {exc.strerror or exc}"
                + (f" ({done})" if done else ""), err=True)
@@ -279,7 +281,8 @@ def main(ctx: click.Context, store_path: str) -> None:
 
     Exit codes: 0 ok, 1 other error, 2 bad input, 3 not found, 4 already exists, 5 not a store,
     6 damaged data, 7 chunker unavailable, 8 busy, 9 no space, 10 virtual machine error,
-    11 gateway/budget, 12 read-only or not permitted, 13 daemon error, 130 interrupted (Ctrl-C).
+    11 gateway/budget, 12 read-only or not permitted, 13 daemon error, 130 interrupted (Ctrl-C),
+    141 the reader of the output went away (as if killed by SIGPIPE).
 
     \b
     Example:
