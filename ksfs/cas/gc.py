@@ -54,8 +54,9 @@ def collect(store: ChunkStore, live_manifests: Iterable[str] | Callable[[], Iter
     lock = store.lock(exclusive=True, timeout=timeout)
     try:
         live = live_manifests() if callable(live_manifests) else live_manifests
-        # an LMDB error (a full disk at the sweep's commit, most likely) aborts the sweep's
-        # transaction whole: nothing is deleted, and it is reported as a ksfs error
+        # an LMDB error is reported as a ksfs error (a full disk: NoSpace). Each transaction
+        # is whole or nothing: one failing at the sweep's commit deletes nothing; one failing
+        # later (a repack's) leaves the sweep done and the repack to the next gc
         with index_errors("gc", store.path):
             return _collect(store, {bytes.fromhex(m) for m in live}, threshold)
     finally:
