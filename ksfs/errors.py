@@ -110,6 +110,13 @@ class ManifestCorrupt(IntegrityError):
     """manifest {manifest} is damaged or missing ({why})"""
 
 
+class RecordCorrupt(IntegrityError, ValueError):
+    """a ledger record is damaged: it no longer decodes ({why})"""
+
+    # also a ValueError: the ledger's readers and its verify, which catch undecodable values
+    # as ValueError to report them one by one, keep doing so
+
+
 class GuestFSUnreadable(IntegrityError):
     """guest filesystem cannot be read: {why}"""
 

@@ -13,7 +13,7 @@ import secrets
 import struct
 from typing import Any
 
-from ksfs.errors import BadInput, IntegrityError
+from ksfs.errors import BadInput, RecordCorrupt
 
 LINEAGE_BYTES = 16
 SEQ = struct.Struct(">Q")
@@ -104,4 +104,4 @@ def loads(raw: bytes) -> Any:
     try:
         return json.loads(bytes(raw).decode("utf-8"))
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise IntegrityError(f"a ledger record is damaged: it no longer decodes ({exc})") from None
+        raise RecordCorrupt(why=str(exc)) from None
