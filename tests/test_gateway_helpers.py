@@ -10,6 +10,8 @@ import time
 from typing import Any
 
 import httpx
+import pytest
+from fake_provider import FakeProvider
 
 from ksfs.cas import ChunkStore
 from ksfs.ledger import Ledger
@@ -77,3 +79,36 @@ def check_clean(store: ChunkStore, ledger: Ledger) -> None:
     assert ledger.verify() == []
     report = store.check()
     assert report.ok, report
+
+
+# --- fixtures the gateway test modules share (each imports them by name) ------------------
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    """One fake provider on 127.0.0.1 per test module."""
+    with FakeProvider() as up:
+        yield up
+
+
+@pytest.fixture
+def provider(upstream):
+    upstream.reset()
+    yield upstream
+    upstream.reset()
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path / "store")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def ledger(store):
+    """A ledger with sessions s1 and s2, checked clean after the test."""
+    led = Ledger(store)
+    add_sessions(led, "s1", "s2")
+    yield led
+    check_clean(store, led)

@@ -7,20 +7,19 @@ from __future__ import annotations
 import json
 
 import pytest
-from fake_provider import FakeProvider
-from test_gateway_helpers import (
+from test_gateway_helpers import (  # with the shared fixtures, by name
     MARKER_KEY,
-    add_sessions,
     call,
     chat_body,
-    check_clean,
     client,
     events,
-    open_store,
+    ledger,
+    provider,
+    store,
+    upstream,
 )
 
 from ksfs.gateway import Gateway, canonical_body, derived_key
-from ksfs.ledger import Ledger
 
 PRICES = """
 [models."test-embed"]
@@ -31,34 +30,6 @@ output = 0.0
 input = 1000.0
 output = 2000.0
 """
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    with FakeProvider() as up:
-        yield up
-
-
-@pytest.fixture
-def provider(upstream):
-    upstream.reset()
-    yield upstream
-    upstream.reset()
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = open_store(tmp_path / "store")
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def ledger(store):
-    led = Ledger(store)
-    add_sessions(led, "s1", "s2")
-    yield led
-    check_clean(store, led)
 
 
 @pytest.fixture

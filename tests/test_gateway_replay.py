@@ -9,51 +9,22 @@ from functools import partial
 
 import pytest
 import trio
-from fake_provider import FakeProvider
-from test_gateway_helpers import (
+from test_gateway_helpers import (  # with the shared fixtures, by name
     MARKER_KEY,
-    add_sessions,
     call,
     chat_body,
-    check_clean,
     client,
     events,
     fork,
-    open_store,
+    ledger,
+    provider,
+    store,
     take_checkpoint,
+    upstream,
 )
 
 from ksfs.errors import NoSuchSession
 from ksfs.gateway import Gateway
-from ksfs.ledger import Ledger
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    with FakeProvider() as up:
-        yield up
-
-
-@pytest.fixture
-def provider(upstream):
-    upstream.reset()
-    yield upstream
-    upstream.reset()
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = open_store(tmp_path / "store")
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def ledger(store):
-    led = Ledger(store)
-    add_sessions(led, "s1", "s2")
-    yield led
-    check_clean(store, led)
 
 
 @pytest.fixture
