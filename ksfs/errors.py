@@ -235,7 +235,8 @@ _LMDB_DAMAGE = {"CorruptedError", "PageNotFoundError", "InvalidError", "BadRslot
 _FOREIGN_ERRNOS = {_errno.ENOSPC, _errno.EDQUOT, _errno.EACCES, _errno.EPERM, _errno.EROFS}
 
 
-def from_foreign(exc: BaseException, where: object = "the store") -> KsfsError | None:
+def from_foreign(exc: BaseException, where: object = "the store",
+                 what: str = "an index operation") -> KsfsError | None:
     """The ksfs error for an error a lower library raised past its layer's ``translate``, or
     None when it is not one ksfs knows (a bug, to be reported as one).
 
@@ -249,14 +250,14 @@ def from_foreign(exc: BaseException, where: object = "the store") -> KsfsError |
         if exc.errno not in _FOREIGN_ERRNOS:
             return None
         return from_os_error(exc, "a file operation", where)
-    if type(exc).__module__ == "lmdb":
+    if type(exc).__module__ == "lmdb":  # ``what``: what was being done with the index
         text = str(exc)
         if "No space" in text or type(exc).__name__ == "MapFullError":
-            return NoSpace(path=where, why=f"the index: {text}")
+            return NoSpace(path=where, why=f"{what}: {text}")
         if "Permission denied" in text:
             return NotPermitted(f"the index of {where} cannot be opened: permission denied")
         if type(exc).__name__ in _LMDB_DAMAGE:
             return IntegrityError(f"the index of {where} is damaged ({text}); its packs are "
                                   "untouched: restore the index from a backup")
-        return KsfsError(f"the index of {where} failed: {text}")
+        return KsfsError(f"{what} failed in the LMDB index at {where}: {text}")
     return None  # (a ledger record that no longer decodes is damage raised by ledger.keys)

@@ -84,12 +84,9 @@ def _close_env(path: str) -> None:
 
 
 def _lmdb_error(what: str, path: str, exc: lmdb.Error) -> KsfsError:
-    if isinstance(exc, lmdb.MapFullError) or "No space" in str(exc):
-        return NoSpace(path=path, why=f"{what}: {exc}")
-    known = from_foreign(exc, path)  # damage, permissions
-    if known is not None and type(known) is not KsfsError:
-        return known
-    return KsfsError(f"{what} failed in the LMDB index at {path}: {exc}")
+    """A full disk is NoSpace, damage IntegrityError, a refusal NotPermitted, the rest a
+    KsfsError naming ``what`` (errors.from_foreign knows every LMDB error)."""
+    return from_foreign(exc, path, what)
 
 
 @contextlib.contextmanager
