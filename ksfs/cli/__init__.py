@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import click
 
-from ksfs.errors import BadInput, KsfsError
+from ksfs.errors import BadInput, KsfsError, from_foreign
 
 
 def default_store() -> str:
@@ -255,8 +255,6 @@ class KsfsGroup(click.Group):
 def _foreign(ctx: click.Context, exc: Exception) -> None:
     """An error a lower library raised past its layer: its ksfs class when it is one ksfs knows
     (a damaged index, a full disk, a refused permission), else a bug, raised as it is."""
-    from ksfs.errors import from_foreign
-
     obj = ctx.find_object(Context)
     known = from_foreign(exc, obj.store_path if obj is not None else "the store")
     if known is None:
