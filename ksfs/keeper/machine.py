@@ -232,11 +232,11 @@ class MachineVerbs:
     def _save_locked(self, rec: SessionRecord, name: str | None, reason: str,
                      live: bool = True) -> CheckpointRecord:
         session = rec.name
-        if name is not None and name in set(self.ledger.checkpoint_names(session)):
+        taken = set(self.ledger.checkpoint_names(session))  # stable under the session lock
+        if name is not None and name in taken:
             raise AlreadyExists(what="checkpoint", name=name)
         begin = self.ledger.record(session, "checkpoint.begin", {"name": name, "reason": reason})
-        name = name or checkpoint_name_for_seq(begin.seq,
-                                               set(self.ledger.checkpoint_names(session)))
+        name = name or checkpoint_name_for_seq(begin.seq, taken)
         frozen = None
         try:
             # The last host event when the guest froze: events after it (a model call that

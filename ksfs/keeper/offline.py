@@ -74,13 +74,13 @@ class OfflineVerbs:
             raise BadInput("two files to import share one base name")
         self.ensure_session(session)
         with session_lock(self.store_path, session):
-            if checkpoint is not None and checkpoint in set(self.ledger.checkpoint_names(session)):
+            taken = set(self.ledger.checkpoint_names(session))  # stable under the lock
+            if checkpoint is not None and checkpoint in taken:
                 raise AlreadyExists(what="checkpoint", name=checkpoint)
             begin = self.ledger.record(
                 session, "checkpoint.begin", {"name": checkpoint, "source": "import"}
             )
-            name = checkpoint or checkpoint_name_for_seq(
-                begin.seq, set(self.ledger.checkpoint_names(session)))
+            name = checkpoint or checkpoint_name_for_seq(begin.seq, taken)
             total = sum(p.stat().st_size for p in paths)
             done = 0
 
