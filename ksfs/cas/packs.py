@@ -231,6 +231,14 @@ class PackHandles:
         finally:
             self._release(h)
 
+    def preadv(self, no: int, buffers: list, offset: int) -> int:
+        """Read from pack ``no`` straight into buffers; the byte count, as ``os.preadv``."""
+        h = self._acquire(no)
+        try:
+            return os.preadv(h.fd, buffers, offset)
+        finally:
+            self._release(h)
+
     def _acquire(self, no: int) -> _Handle:
         with self._lock:
             if time.monotonic() - self._pruned > PRUNE_EVERY_S:

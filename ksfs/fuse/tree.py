@@ -96,12 +96,19 @@ class ReaderHandle(Handle):
     def __init__(self, reader: Any, inline: bool) -> None:
         self.reader = reader
         self.needs_io = not inline
+        self._readinto = getattr(reader, "readinto", None)  # stored files have it
 
-    def read(self, offset: int, size: int) -> bytes:
+    def read(self, offset: int, size: int) -> bytes | bytearray:
         end = min(offset + size, self.reader.size)
         if offset >= end:
             return b""
-        return self.reader.read(offset, end - offset)
+        if self._readinto is None:
+            return self.reader.read(offset, end - offset)
+        # Decoded straight into the reply: a fresh bytearray is zeros, so holes cost nothing
+        # and raw chunks are read from their packs into it (FileReader.readinto).
+        buf = bytearray(end - offset)
+        self._readinto(offset, buf, zeroed=True)
+        return buf
 
 
 class BytesHandle(Handle):
