@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -76,8 +77,12 @@ def test_layout_and_sizes(mnt, sources, keeper):
     for name, src in (("disk.raw", sources["disk1"]), ("memory", sources["memory"])):
         st = (cp(mnt, "s1", "c1") / name).stat()
         assert st.st_size == src.stat().st_size
-        assert st.st_blocks == math.ceil(rec.file(name).stored / 512)
+        # st_blocks: the bytes no other checkpoint holds; c2 has the same memory and a disk
+        # that differs in two places (stored as deltas against c1's chunks)
+        assert st.st_blocks == math.ceil(keeper.exclusive_bytes(rec, name) / 512)
         assert st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o444
+    assert (cp(mnt, "s1", "c1") / "memory").stat().st_blocks == 0
+    assert 0 < (cp(mnt, "s1", "c2") / "disk.raw").stat().st_blocks < 2 * 128
     # ls -l tells the true sizes too.
     listing = subprocess.run(["ls", "-l", str(cp(mnt, "s1", "c1"))], capture_output=True,
                              text=True, check=True).stdout
@@ -221,6 +226,28 @@ def test_rmdir_deletes_a_checkpoint(mnt, keeper, tmp_path):
     assert sorted(os.listdir(scratch)) == ["forks", "meta.json", "note"]
     assert (scratch / "note").read_bytes() == b"second version\n"
     os.rmdir(scratch)
+
+
+def test_st_blocks_follow_what_other_checkpoints_hold(mnt, keeper, tmp_path):
+    data = random.Random(4).randbytes(3 * MIB)
+    (tmp_path / "own.img").write_bytes(data)
+    keeper.import_files("held", "x1", [], disks=[tmp_path / "own.img"])
+    keeper.import_files("held", "x2", [], disks=[tmp_path / "own.img"])
+    f = cp(mnt, "held", "x1") / "own.img"
+    assert f.stat().st_blocks == 0  # x2 holds the same chunks
+    keeper.delete_checkpoint("held", "x2")
+    # Attributes of checkpoint files are cached for ever; the mount tells the kernel to drop
+    # them once what other checkpoints hold has changed (within about a second).
+    deadline = time.monotonic() + 15
+    while f.stat().st_blocks == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert f.stat().st_blocks * 512 >= len(data)  # random bytes: stored raw, now x1's alone
+    assert f.stat().st_size == len(data) and f.read_bytes() == data
+    # du of the checkpoint directory tells what deleting it frees
+    du = subprocess.run(["du", "-s", "-B1", str(cp(mnt, "held", "x1"))], capture_output=True,
+                        text=True, check=True).stdout.split()[0]
+    assert int(du) >= len(data)
+    keeper.delete_checkpoint("held", "x1")
 
 
 def test_listing_a_thousand_checkpoints(mnt):

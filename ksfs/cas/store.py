@@ -223,6 +223,28 @@ class ChunkStore:
             raw = txn.get(cid)
         return None if raw is None else fmt.Location.decode(raw)
 
+    def held_chunks(self, manifests: Iterable[str]) -> dict[bytes, int]:
+        """The chunks these manifests hold, each with its record's bytes in its pack; the base
+        of each of their deltas included, since GC keeps a base for its deltas. A chunk the
+        index no longer has holds nothing. ManifestCorrupt for a manifest that is gone."""
+        held: dict[bytes, int] = {}
+        with self.env.begin(db=self.db["chunks"]) as txn:
+            ids: set[bytes] = set()
+            for m in manifests:
+                ids.update(cid for cid, _ in self.load_manifest(m, txn).entries
+                           if cid is not None)
+            for cid in ids:
+                raw = txn.get(cid)
+                if raw is None:
+                    continue
+                held[cid] = fmt.HEADER_SIZE + fmt.INDEX_VALUE.unpack_from(raw)[2]
+                base = bytes(raw[fmt.INDEX_VALUE.size :])
+                if base and base not in held:
+                    braw = txn.get(base)
+                    if braw is not None:
+                        held[base] = fmt.HEADER_SIZE + fmt.INDEX_VALUE.unpack_from(braw)[2]
+        return held
+
     def read_chunk(self, cid: bytes, loc: fmt.Location | None = None) -> bytes:
         """The plain bytes of a chunk, checked against its id.
 

@@ -179,7 +179,7 @@ class CheckpointDir(Dir):
             f = rec.file(fname)
             if f is not None:
                 node: Node = StoredFile(self.keeper, base + (fname,), self.session, rec, fname,
-                                        f.size, f.stored)
+                                        f.size)
             else:
                 node = RecordFile(self.keeper, base + (fname,), self.session, rec, fname)
             out.append((fname, node))

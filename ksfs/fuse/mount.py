@@ -98,6 +98,32 @@ async def _stop_when_unmounted(mountpoint: str, every: float = 1.0) -> None:
             return
 
 
+async def _refresh_stored_blocks(tree: CheckpointTree, every: float = 1.0) -> None:
+    """Tell the kernel to ask again for the attributes of stored files whenever what other
+    checkpoints hold has changed: their st_blocks count the bytes no other checkpoint holds
+    (keeper.exclusive_bytes), yet the kernel keeps their attributes for ever (they are the only
+    attribute that moves, and the page cache is kept: size and mtime never change)."""
+    seen = None
+    while True:
+        await trio.sleep(every)
+        try:
+            version = await trio.to_thread.run_sync(tree.keeper.holdings_version)
+            if version is None or version == seen:
+                continue
+            seen = version
+            await trio.to_thread.run_sync(_invalidate_attrs, tree.stored_file_inodes())
+        except Exception:  # a bug or a damaged store must not end the mount: try again later
+            log.exception("refreshing the st_blocks of stored files failed")
+
+
+def _invalidate_attrs(inodes: list[int]) -> None:
+    for ino in inodes:
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except OSError:
+            pass  # the kernel has already forgotten it: nothing cached to drop
+
+
 async def _stop_on_signals() -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
@@ -151,6 +177,10 @@ def run_mount(
     mnt = os.path.abspath(os.fspath(mountpoint))
     tree = tree or CheckpointTree(keeper, open_reader=faults.reader_from_env())
     ops = Operations(tree)
+
+    async def refresh_stored_blocks() -> None:
+        await _refresh_stored_blocks(tree)
+
     if not os.path.isdir(mnt):
         raise DaemonError(f"cannot mount on {mnt}: it is not a directory")
     try:
@@ -158,7 +188,7 @@ def run_mount(
     except RuntimeError as exc:  # libfuse says only that mounting failed; its reason is on stderr
         raise DaemonError(f"cannot mount on {mnt}: {exc}") from exc
     try:
-        trio.run(_serve, mnt, ready, list(extra_tasks))
+        trio.run(_serve, mnt, ready, [refresh_stored_blocks, *extra_tasks])
     except BaseException:
         pyfuse3.close(unmount=False)
         raise

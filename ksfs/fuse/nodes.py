@@ -166,24 +166,27 @@ class ResumeFile(DynamicFile):
 
 
 class StoredFile(Node):
-    """A file of a checkpoint held in the chunk store: immutable, true size, blocks = own bytes."""
+    """A file of a checkpoint held in the chunk store: immutable bytes and true size; blocks =
+    the stored bytes no other checkpoint holds (ZFS's ``used``, keeper.exclusive_bytes), which
+    move as other checkpoints come and go: the mount then invalidates the kernel's copy of
+    them (fuse.mount), so their attributes can still be cached for ever."""
 
+    needs_io = True  # blocks: the first look reads every live manifest once
     reads_inline = True  # answered on the FUSE loop: tree.ReaderHandle says why
 
     def __init__(self, keeper: Any, key: tuple, session: str, checkpoint: CheckpointRecord,
-                 name: str, size: int, stored: int) -> None:
+                 name: str, size: int) -> None:
         super().__init__(keeper, key, session)
         self.checkpoint = checkpoint
         self.name = name
         self._size = size
-        self._stored = stored
         self.mtime = checkpoint.created
 
     def size(self) -> int:
         return self._size
 
     def blocks(self) -> int:
-        return math.ceil(self._stored / 512)
+        return math.ceil(self.keeper.exclusive_bytes(self.checkpoint, self.name) / 512)
 
     def open_reader(self) -> Any:
         reader = self.keeper.open_file(self.session, self.checkpoint.name, self.name)

@@ -195,6 +195,11 @@ class CheckpointTree:
         except KeyError:
             raise NoSuchFile(what="inode", name=str(ino)) from None
 
+    def stored_file_inodes(self) -> list[int]:
+        """The inodes of every checkpoint file held in the store that the kernel was told of."""
+        with self._lock:
+            return [ino for ino, node in self._nodes.items() if isinstance(node, StoredFile)]
+
     def path(self, ino: int) -> str:
         return "/".join(self._paths.get(ino, ()))
 

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ksfs.errors import IntegrityError, KsfsError
+from ksfs.keeper.holdings import ChunkHolders
 from ksfs.model import CHECKPOINT_VIRTUAL_FILES, CheckpointRecord, Event
 
 EVENT_LOGS_KEPT = 64  # lineages whose rendered event log is kept between stats
@@ -64,6 +65,17 @@ class Views:
     def _init_views(self) -> None:
         self._event_logs: OrderedDict[str, EventLogView] = OrderedDict()
         self._event_logs_lock = threading.Lock()
+        self._holders = ChunkHolders(self.store, self.ledger)
+
+    def exclusive_bytes(self, record: CheckpointRecord, name: str) -> int:
+        """The stored bytes of a checkpoint's file that no other checkpoint holds (what
+        deleting this checkpoint alone frees of it): the mount's st_blocks."""
+        return self._holders.exclusive_bytes(record, name)
+
+    def holdings_version(self) -> int | None:
+        """A number that moves whenever some file's exclusive_bytes may have; None while no
+        one has asked for any (nothing to bring up to date)."""
+        return self._holders.poll()
 
     def session_names(self) -> list[str]:
         return [s.name for s in self.ledger.sessions()]

@@ -133,10 +133,16 @@ class CheckpointMethods:
 
     def live_manifests(self, txn: lmdb.Transaction | None = None) -> set[str]:
         """Every manifest a checkpoint record (of any session, removed-but-kept too) names."""
-        out: set[str] = set()
+        return set().union(*self.manifests_by_checkpoint(txn).values())
+
+    def manifests_by_checkpoint(self, txn: lmdb.Transaction | None = None
+                                ) -> dict[bytes, tuple[str, ...]]:
+        """Each checkpoint record (of any session, removed-but-kept too) by its key, with the
+        manifests its files name in record order: what holds chunks in the store."""
+        out: dict[bytes, tuple[str, ...]] = {}
         with self._read(txn) as t:
             for k, v in t.cursor(db=self._ckpts):
                 if bytes(k)[K.LINEAGE_BYTES : K.LINEAGE_BYTES + 1] == K.CKPT_BY_NAME:
-                    out.update(f["manifest"] for f in K.loads(v)["files"])
+                    out[bytes(k)] = tuple(f["manifest"] for f in K.loads(v)["files"])
         return out
 

@@ -1,0 +1,90 @@
+"""The bytes only one checkpoint holds (keeper.exclusive_bytes, the mount's st_blocks).
+
+Held to what GC frees: a checkpoint's files' exclusive bytes, summed, are exactly the record
+bytes ``gc`` frees once that checkpoint alone is deleted. Shared chunks (another checkpoint's
+copy, a delta's base, a second file of the same checkpoint) are charged once or not at all, and
+the counts follow checkpoints as they come and go without reopening the keeper.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ksfs.keeper import Keeper
+from ksfs.keeper.holdings import ChunkHolders
+
+K64 = 64 * 1024
+
+
+@pytest.fixture
+def keeper(tmp_path):
+    with Keeper(tmp_path / "store", create=True) as k:
+        yield k
+
+
+def put(keeper: Keeper, tmp_path, session: str, checkpoint: str, files: dict[str, bytes]):
+    d = tmp_path / f"{session}-{checkpoint}"
+    d.mkdir()
+    paths = []
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+        paths.append(d / name)
+    return keeper.import_files(session, checkpoint, [], disks=paths)
+
+
+def exclusive(keeper: Keeper, session: str, checkpoint: str) -> dict[str, int]:
+    rec = keeper.ledger.checkpoint(session, checkpoint)
+    return {f.name: keeper.exclusive_bytes(rec, f.name) for f in rec.files}
+
+
+def test_exclusive_bytes_are_what_deleting_the_checkpoint_frees(keeper, tmp_path):
+    rng = random.Random(1)
+    a = rng.randbytes(5 * K64)
+    b = rng.randbytes(4 * K64)
+    b2 = bytearray(b)
+    b2[100:110] = bytes(10)  # one chunk changes a little: stored as a delta against b's
+    own = rng.randbytes(3 * K64)
+    put(keeper, tmp_path, "s", "c1", {"a.img": a, "b.img": b})
+    put(keeper, tmp_path, "s", "c2", {"a.img": a, "b.img": bytes(b2)})
+    put(keeper, tmp_path, "t", "c3", {"x.img": own, "y.img": own + a})
+    put(keeper, tmp_path, "t", "c4", {"z.img": rng.randbytes(2 * K64)})
+
+    c1, c2, c3 = (exclusive(keeper, s, c) for s, c in (("s", "c1"), ("s", "c2"), ("t", "c3")))
+    assert c1 == {"a.img": 0, "b.img": 0}  # c2 holds a, and b's chunks (one as a delta's base)
+    assert c2["a.img"] == 0 and 0 < c2["b.img"] < K64  # only the delta is c2's alone
+    # own's chunks are charged to x.img, the first file of c3 that has them; a's to c1 and c2
+    assert c3["x.img"] >= len(own) and c3["y.img"] == 0
+    assert exclusive(keeper, "s", "c1") == c1  # asked again: the same
+
+    for session, name in (("t", "c3"), ("s", "c2"), ("s", "c1")):
+        expected = sum(exclusive(keeper, session, name).values())
+        # a second keeper's fresh count agrees with the one kept up to date
+        fresh = ChunkHolders(keeper.store, keeper.ledger)
+        rec = keeper.ledger.checkpoint(session, name)
+        assert sum(fresh.exclusive_bytes(rec, f.name) for f in rec.files) == expected
+        keeper.delete_checkpoint(session, name)
+        assert keeper.gc()["bytes_freed"] == expected, name
+        if name == "c2":  # c1 alone holds a and b now
+            after = exclusive(keeper, "s", "c1")
+            assert after["a.img"] >= len(a) and after["b.img"] >= len(b)
+    assert exclusive(keeper, "t", "c4")["z.img"] >= 2 * K64
+
+
+def test_version_moves_only_when_holdings_change(keeper, tmp_path):
+    rng = random.Random(2)
+    assert keeper.holdings_version() is None  # never asked: nothing to keep current
+    put(keeper, tmp_path, "s", "c1", {"a.img": rng.randbytes(K64)})
+    exclusive(keeper, "s", "c1")
+    v1 = keeper.holdings_version()
+    assert v1 is not None and keeper.holdings_version() == v1
+    keeper.set_budget("s", tokens=5)  # a ledger commit that changes no checkpoint
+    assert keeper.holdings_version() == v1
+    put(keeper, tmp_path, "s", "c2", {"b.img": rng.randbytes(K64)})
+    assert keeper.holdings_version() != v1
+
+
+def test_a_file_the_checkpoint_does_not_have_holds_nothing(keeper, tmp_path):
+    put(keeper, tmp_path, "s", "c1", {"a.img": random.Random(3).randbytes(K64)})
+    assert keeper.exclusive_bytes(keeper.ledger.checkpoint("s", "c1"), "nope") == 0
