@@ -74,6 +74,9 @@ def test_import_cat_stats_round_trip(store: Path, tmp_path: Path) -> None:
     assert after["stored_bytes"] - figures["stored_bytes"] < 2 * 65536
     assert ksfs(store, "cat", "s1", "c2", "disk.raw").stdout == bytes(d2)
     assert ksfs(store, "check", "--read-data").returncode == 0
+    clean = json.loads(ksfs(store, "check", "--json").stdout)
+    assert clean["ok"] and clean["findings"] == [] and clean["problems"] == []
+    assert clean["manifests_checked"] >= 2 and not clean["data_read"]
     # rm + gc frees what only c1 held, and c2 still reads back.
     ksfs(store, "rm", "s1", "c1")
     ksfs(store, "gc")

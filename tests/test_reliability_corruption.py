@@ -9,6 +9,7 @@ Every file holds random bytes of its own, so no chunk is shared and "exactly" is
 from __future__ import annotations
 
 import errno
+import json
 import random
 import subprocess
 import sys
@@ -78,6 +79,17 @@ def test_check_names_every_affected_checkpoint_and_file(damaged) -> None:
     assert res.returncode == 6, res.stdout + res.stderr
     named = {line.split(":")[0] for line in res.stdout.splitlines() if ": unreadable" in line}
     assert named == affected, res.stdout
+    # --json: the same findings as records a script can use without parsing sentences
+    res = subprocess.run(KSFS + ["--store", str(store), "check", "--read-data", "--json"],
+                         capture_output=True, text=True)
+    assert res.returncode == 6, res.stderr
+    report = json.loads(res.stdout)
+    assert not report["ok"] and report["data_read"] and report["chunks_checked"] > 0
+    assert len(report["findings"]) == len(report["problems"])
+    kinds = {f["kind"] for f in report["findings"]}
+    assert {"damaged_chunk", "damaged_manifest", "unreadable_file"} <= kinds, kinds
+    assert {f["file"] for f in report["findings"] if f["kind"] == "unreadable_file"} == affected
+    assert all(f["why"] for f in report["findings"] if "why" in f)
     # Without --read-data the moved index entry and the damaged manifest are still found.
     res = subprocess.run(KSFS + ["--store", str(store), "check"], capture_output=True, text=True)
     assert res.returncode == 6

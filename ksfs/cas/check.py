@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zstandard
 
@@ -62,6 +62,23 @@ class CheckReport:
             out.append(f"manifest {m}: depends on {len(c)} bad chunk(s): "
                        f"{', '.join(sorted(c)[:3])}{more}")
         out += [f"{ref}: unreadable ({'; '.join(why)})"
+                for ref, why in sorted(self.affected_references.items())]
+        return out
+
+    def findings(self) -> list[dict[str, Any]]:
+        """The findings of ``lines`` as records for scripts (``ksfs check --json``), in the same
+        order: each has a ``kind`` and names what it is about."""
+        out: list[dict[str, Any]] = [{"kind": "damaged_pack", "pack": no, "why": why}
+                                     for no, why in sorted(self.damaged_packs.items())]
+        out += [{"kind": "damaged_chunk", "chunk": c, "why": why}
+                for c, why in sorted(self.damaged_chunks.items())]
+        out += [{"kind": "missing_chunk", "chunk": c, "why": why}
+                for c, why in sorted(self.missing_chunks.items())]
+        out += [{"kind": "damaged_manifest", "manifest": m, "why": why}
+                for m, why in sorted(self.damaged_manifests.items())]
+        out += [{"kind": "affected_manifest", "manifest": m, "chunks": sorted(c)}
+                for m, c in sorted(self.affected_manifests.items())]
+        out += [{"kind": "unreadable_file", "file": ref, "why": list(why)}
                 for ref, why in sorted(self.affected_references.items())]
         return out
 

@@ -235,13 +235,13 @@ class ChunkStore:
                            if cid is not None)
             for cid in ids:
                 raw = txn.get(cid)
-                if raw is None:
+                if raw is None or len(raw) < fmt.INDEX_VALUE.size:  # lost or damaged: check says
                     continue
                 held[cid] = fmt.HEADER_SIZE + fmt.INDEX_VALUE.unpack_from(raw)[2]
                 base = bytes(raw[fmt.INDEX_VALUE.size :])
                 if base and base not in held:
                     braw = txn.get(base)
-                    if braw is not None:
+                    if braw is not None and len(braw) >= fmt.INDEX_VALUE.size:
                         held[base] = fmt.HEADER_SIZE + fmt.INDEX_VALUE.unpack_from(braw)[2]
         return held
 

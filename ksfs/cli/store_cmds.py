@@ -132,7 +132,9 @@ def stats(ctx, as_json: bool) -> None:
 
 @main.command()
 @click.option("--read-data", is_flag=True, help="Also read, decompress and hash every chunk.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as JSON: ok, findings (one record per finding, with its "
+                   "kind), problems (the same as sentences), summary and the counts checked.")
 @pass_ctx
 def check(ctx, read_data: bool, as_json: bool) -> None:
     """Check the store; exit 0 when clean, else name every damaged chunk, pack and file.
@@ -143,7 +145,10 @@ def check(ctx, read_data: bool, as_json: bool) -> None:
     report = keeper.check(read_data=read_data)
     problems = report.lines()
     if as_json:
-        emit_json({"ok": report.ok, "problems": problems, "summary": report.summary()})
+        emit_json({"ok": report.ok, "problems": problems, "findings": report.findings(),
+                   "summary": report.summary(), "chunks_checked": report.chunks_checked,
+                   "manifests_checked": report.manifests_checked,
+                   "packs_checked": report.packs_checked, "data_read": report.data_read})
     else:
         for line in problems:
             click.echo(line)
