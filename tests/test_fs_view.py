@@ -62,6 +62,9 @@ def store_with_two(tmp_path: Path):
         img = tmp_path / name / "disk.raw"
         img.parent.mkdir()
         build_ext4(src, img, 64)
+        if name == "A":  # mkfs -d keeps whole seconds: give one mtime its nanoseconds
+            subprocess.run(["debugfs", "-w", "-R", f"sif /work/small.txt mtime_extra "
+                            f"{123_456_789 << 2}", str(img)], capture_output=True, check=True)
     store = tmp_path / "store"
     k = Keeper(store, create=True)
     k.import_files("s", "A", [tmp_path / "A" / "disk.raw"])
@@ -84,11 +87,15 @@ def test_fs_view_equals_the_source_tree(store_with_two) -> None:
             got = fs / rel
             s1, s2 = os.lstat(src), os.lstat(got)
             assert (s1.st_mode, s1.st_uid, s1.st_gid) == (s2.st_mode, s2.st_uid, s2.st_gid), rel
-            assert int(s1.st_mtime) == int(s2.st_mtime), rel
+            assert int(s1.st_mtime) == int(s2.st_mtime), rel  # mkfs -d keeps whole seconds
             if src.is_symlink():
                 assert os.readlink(src) == os.readlink(got)
             elif src.is_file():
                 assert s1.st_size == s2.st_size
+        # the nanoseconds debugfs gave small.txt's mtime in A's image come through whole
+        small = os.stat(fs / "work" / "small.txt")
+        assert small.st_mtime_ns == int(os.stat(a / "work" / "small.txt").st_mtime) * 10**9 \
+            + 123_456_789
         # Sparse file: the hole reads as zeros, the data where it was written.
         with open(fs / "work" / "sparse.img", "rb") as f:
             f.seek(5 << 20)

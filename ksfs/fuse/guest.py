@@ -60,7 +60,8 @@ class GuestNode(Node):
         st = self.st
         return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, st.blocks,
                     self.mtime, self.entry_timeout, self.attr_timeout, kind=stat.S_IFMT(st.mode),
-                    uid=st.uid, gid=st.gid, nlink=st.nlink)
+                    uid=st.uid, gid=st.gid, nlink=st.nlink,
+                    times_ns=(st.atime_ns, st.mtime_ns, st.ctime_ns))
 
 
 class GuestDir(GuestNode, Dir):

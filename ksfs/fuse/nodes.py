@@ -62,6 +62,8 @@ class Attr:
     uid: int | None = None
     gid: int | None = None
     nlink: int | None = None
+    # The guest's files keep their own three times to the nanosecond; None: all are mtime.
+    times_ns: tuple[int, int, int] | None = None  # (atime, mtime, ctime)
 
 
 class Node:

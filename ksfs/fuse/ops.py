@@ -52,8 +52,10 @@ def entry_attributes(ino: int, attr: Attr, uid: int, gid: int) -> pyfuse3.EntryA
     e.st_size = attr.size
     e.st_blksize = 128 * 1024
     e.st_blocks = attr.blocks
-    ns = int(attr.mtime * 1e9)
-    e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = ns
+    if attr.times_ns is not None:
+        e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = attr.times_ns
+    else:
+        e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = int(attr.mtime * 1e9)
     return e
 
 
