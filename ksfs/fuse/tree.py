@@ -377,7 +377,8 @@ class CheckpointTree:
         handle = self.handle(fh)
         if isinstance(handle, ResumeHandle):
             node = handle.node
-            value = data.decode("utf-8", "replace").rstrip("\n")
+            value = data.decode("utf-8", "replace")
+            value = value[:-1] if value.endswith("\n") else value  # as restore reads it
             return self._rejecting(node.session, "resume", value,
                                    lambda: handle.write(offset, data))
         return handle.write(offset, data)
