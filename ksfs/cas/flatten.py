@@ -34,6 +34,7 @@ class Flattened:
     bases: set[bytes] = field(default_factory=set)  # no longer needed: the sweep frees them
     deltas: int = 0
     delta_bytes: int = 0  # record bytes of the deltas rewritten, now dead in their packs
+    whole_bytes: int = 0  # record bytes of the same chunks stored whole in their place
     packs: list[int] = field(default_factory=list)
 
 
@@ -103,6 +104,7 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> Flattened:
     done.bases = set(plans)
     done.deltas = len(moved)
     done.delta_bytes = sum(old.record_len for _, old, _ in moved)
+    done.whole_bytes = sum(new.record_len for _, _, new in moved)
     done.packs = [w.no for w in writers if w.written]
     return done
 

@@ -34,11 +34,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+GC_GENERATION = b"gc_generation"  # in cas_meta: moved by every sweep
+
 
 @dataclass
 class GCResult:
     chunks_freed: int = 0
     bytes_freed: int = 0  # stored record bytes no longer referenced
+    # record bytes written to store whole the deltas whose base went (deltas_flattened): what
+    # the store shrank by is bytes_freed - bytes_rewritten
+    bytes_rewritten: int = 0
     manifests_removed: int = 0
     packs_removed: list[int] = field(default_factory=list)
     packs_repacked: list[int] = field(default_factory=list)
@@ -106,6 +111,11 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
         release(txn, store, freed)
         res.chunks_freed = len(dead_chunks)
         res.bytes_freed = sum(freed.values()) + flat.delta_bytes
+        res.bytes_rewritten = flat.whole_bytes
+        # Readers that keep counts derived from what records hold (keeper.holdings) learn here
+        # that holdings may have moved without any record changing (a flattened delta).
+        gen = int(txn.get(GC_GENERATION, b"0", db=db["cas_meta"]))
+        txn.put(GC_GENERATION, str(gen + 1).encode(), db=db["cas_meta"])
         crash_point("gc.sweep")
     _drop_orphans(store, res)
     _repack(store, threshold, res)

@@ -196,7 +196,9 @@ def gc_summary(d: dict) -> list[str]:
              f"{len(d.get('packs_repacked') or ())}; "
              f"{human_bytes(d.get('disk_bytes_reclaimed', 0))} of disk given back"]
     if d.get("deltas_flattened"):
-        lines.append(f"gc: {d['deltas_flattened']} deltas stored whole so their bases could go")
+        lines.append(f"gc: {d['deltas_flattened']} deltas stored whole so their bases could go "
+                     f"({human_bytes(d.get('bytes_rewritten', 0))} written for them: the store "
+                     f"shrank by {human_bytes(freed - d.get('bytes_rewritten', 0))})")
     if d.get("gateway_responses_freed"):
         lines.append(f"gc: dropped {d['gateway_responses_freed']} stored model responses "
                      f"({human_bytes(d.get('gateway_bytes_freed', 0))})")

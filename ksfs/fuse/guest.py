@@ -80,6 +80,7 @@ class GuestFile(GuestNode, StoredFile):
     """A guest file: its bytes are read on demand from the disk image through the store."""
 
     reads_inline = False  # an extent walk may wait on the guest filesystem's locks
+    needs_io = False  # attributes come from the guest inode read at lookup, not the store
 
     def size(self) -> int:
         return self.st.size

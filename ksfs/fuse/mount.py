@@ -104,6 +104,7 @@ async def _refresh_stored_blocks(tree: CheckpointTree, every: float = 1.0) -> No
     (keeper.exclusive_bytes), yet the kernel keeps their attributes for ever (they are the only
     attribute that moves, and the page cache is kept: size and mtime never change)."""
     seen = None
+    failed = ""
     while True:
         await trio.sleep(every)
         try:
@@ -112,8 +113,11 @@ async def _refresh_stored_blocks(tree: CheckpointTree, every: float = 1.0) -> No
                 continue
             seen = version
             await trio.to_thread.run_sync(_invalidate_attrs, tree.stored_file_inodes())
-        except Exception:  # a bug or a damaged store must not end the mount: try again later
-            log.exception("refreshing the st_blocks of stored files failed")
+            failed = ""
+        except Exception as exc:  # a bug or a damaged store must not end the mount
+            if repr(exc) != failed:  # once per distinct failure, not every second
+                log.exception("refreshing the st_blocks of stored files failed")
+            failed = repr(exc)
 
 
 def _invalidate_attrs(inodes: list[int]) -> None:

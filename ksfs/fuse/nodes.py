@@ -173,7 +173,7 @@ class StoredFile(Node):
     move as other checkpoints come and go: the mount then invalidates the kernel's copy of
     them (fuse.mount), so their attributes can still be cached for ever."""
 
-    needs_io = True  # blocks: the first look reads every live manifest once
+    needs_io = True  # blocks: reads this file's manifest (and the earlier files')
     reads_inline = True  # answered on the FUSE loop: tree.ReaderHandle says why
 
     def __init__(self, keeper: Any, key: tuple, session: str, checkpoint: CheckpointRecord,
@@ -188,7 +188,11 @@ class StoredFile(Node):
         return self._size
 
     def blocks(self) -> int:
-        return math.ceil(self.keeper.exclusive_bytes(self.checkpoint, self.name) / 512)
+        n = self.keeper.exclusive_bytes(self.checkpoint, self.name, wait=False)
+        if n is None:  # still counting every checkpoint's chunks: what this file brought in
+            f = self.checkpoint.file(self.name)
+            n = f.stored if f is not None else 0
+        return math.ceil(n / 512)
 
     def open_reader(self) -> Any:
         reader = self.keeper.open_file(self.session, self.checkpoint.name, self.name)

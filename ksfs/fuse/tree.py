@@ -198,7 +198,8 @@ class CheckpointTree:
     def stored_file_inodes(self) -> list[int]:
         """The inodes of every checkpoint file held in the store that the kernel was told of."""
         with self._lock:
-            return [ino for ino, node in self._nodes.items() if isinstance(node, StoredFile)]
+            # not guest files (a StoredFile subclass): their blocks are the guest's own
+            return [ino for ino, node in self._nodes.items() if type(node) is StoredFile]
 
     def path(self, ino: int) -> str:
         return "/".join(self._paths.get(ino, ()))

@@ -32,6 +32,7 @@ class Keeper(OfflineVerbs, MachineVerbs, RestoreVerbs, Recovery, GuestLink, Diff
         self.gateway = None  # set by the daemon when it runs one
 
     def close(self) -> None:
+        self._holders.close()  # a count in progress must not read a closed store
         self.store.close()
 
     def __enter__(self) -> Keeper:

@@ -67,10 +67,13 @@ class Views:
         self._event_logs_lock = threading.Lock()
         self._holders = ChunkHolders(self.store, self.ledger)
 
-    def exclusive_bytes(self, record: CheckpointRecord, name: str) -> int:
+    def exclusive_bytes(self, record: CheckpointRecord, name: str, wait: bool = True
+                        ) -> int | None:
         """The stored bytes of a checkpoint's file that no other checkpoint holds (what
-        deleting this checkpoint alone frees of it): the mount's st_blocks."""
-        return self._holders.exclusive_bytes(record, name)
+        deleting this checkpoint alone frees of it): the mount's st_blocks. Without ``wait``,
+        None while the count of every checkpoint's chunks is first being built (on a thread
+        of its own: seconds for a large store)."""
+        return self._holders.exclusive_bytes(record, name, wait=wait)
 
     def holdings_version(self) -> int | None:
         """A number that moves whenever some file's exclusive_bytes may have; None while no

@@ -11,7 +11,7 @@ from typing import Any
 
 import lmdb
 
-from ksfs.errors import AlreadyExists, BadInput, ManifestCorrupt, NoSuchCheckpoint
+from ksfs.errors import AlreadyExists, BadInput, ManifestCorrupt, NoSuchCheckpoint, RecordCorrupt
 from ksfs.ledger import keys as K
 from ksfs.ledger.records import (
     CHECKPOINT_EVENTS,
@@ -135,14 +135,22 @@ class CheckpointMethods:
         """Every manifest a checkpoint record (of any session, removed-but-kept too) names."""
         return set().union(*self.manifests_by_checkpoint(txn).values())
 
-    def manifests_by_checkpoint(self, txn: lmdb.Transaction | None = None
-                                ) -> dict[bytes, tuple[str, ...]]:
+    def manifests_by_checkpoint(self, txn: lmdb.Transaction | None = None,
+                                skip_damaged: bool = False) -> dict[bytes, tuple[str, ...]]:
         """Each checkpoint record (of any session, removed-but-kept too) by its key, with the
-        manifests its files name in record order: what holds chunks in the store."""
+        manifests its files name in record order: what holds chunks in the store.
+
+        A record that no longer decodes raises RecordCorrupt, unless ``skip_damaged`` (for
+        figures such as st_blocks, which must not fail every file for one damaged record)."""
         out: dict[bytes, tuple[str, ...]] = {}
         with self._read(txn) as t:
             for k, v in t.cursor(db=self._ckpts):
-                if bytes(k)[K.LINEAGE_BYTES : K.LINEAGE_BYTES + 1] == K.CKPT_BY_NAME:
+                if bytes(k)[K.LINEAGE_BYTES : K.LINEAGE_BYTES + 1] != K.CKPT_BY_NAME:
+                    continue
+                try:
                     out[bytes(k)] = tuple(f["manifest"] for f in K.loads(v)["files"])
+                except (RecordCorrupt, KeyError, TypeError):
+                    if not skip_damaged:
+                        raise
         return out
 
