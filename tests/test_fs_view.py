@@ -63,8 +63,9 @@ def store_with_two(tmp_path: Path):
         img.parent.mkdir()
         build_ext4(src, img, 64)
         if name == "A":  # mkfs -d keeps whole seconds: give one mtime its nanoseconds
-            subprocess.run(["debugfs", "-w", "-R", f"sif /work/small.txt mtime_extra "
-                            f"{123_456_789 << 2}", str(img)], capture_output=True, check=True)
+            for field, ns in (("mtime", 123_456_789), ("atime", 5), ("ctime", 999_999_999)):
+                subprocess.run(["debugfs", "-w", "-R", f"sif /work/small.txt {field}_extra "
+                                f"{ns << 2}", str(img)], capture_output=True, check=True)
     store = tmp_path / "store"
     k = Keeper(store, create=True)
     k.import_files("s", "A", [tmp_path / "A" / "disk.raw"])
@@ -93,9 +94,9 @@ def test_fs_view_equals_the_source_tree(store_with_two) -> None:
             elif src.is_file():
                 assert s1.st_size == s2.st_size
         # the nanoseconds debugfs gave small.txt's mtime in A's image come through whole
-        small = os.stat(fs / "work" / "small.txt")
-        assert small.st_mtime_ns == int(os.stat(a / "work" / "small.txt").st_mtime) * 10**9 \
-            + 123_456_789
+        small, src_small = os.stat(fs / "work" / "small.txt"), os.stat(a / "work" / "small.txt")
+        assert small.st_mtime_ns == int(src_small.st_mtime) * 10**9 + 123_456_789
+        assert small.st_atime_ns % 10**9 == 5 and small.st_ctime_ns % 10**9 == 999_999_999
         # Sparse file: the hole reads as zeros, the data where it was written.
         with open(fs / "work" / "sparse.img", "rb") as f:
             f.seek(5 << 20)

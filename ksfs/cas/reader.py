@@ -97,6 +97,7 @@ class FileReader:
         out of its record and copied again into the reply. ``zeroed``: buf is known to hold
         zeros, so holes need no writing. Checked exactly as ``read``: any chunk the fast path
         cannot vouch for goes through ``store.read_chunk``, which raises the integrity errors.
+        When it raises, buf may hold bytes that failed their check: drop it.
         """
         view = memoryview(buf).cast("B")
         if offset < 0:
