@@ -67,6 +67,12 @@ class NoSuchCheckpoint(NotFound):
     """session {session!r} has no checkpoint named {checkpoint!r}"""
 
 
+class CheckpointGone(NotFound):
+    """{what}: checkpoint {checkpoint!r} of {session!r} was deleted and collected while open"""
+
+    errno = _errno.ESTALE  # as NFS answers for a file handle whose file is gone
+
+
 class NoSuchFile(NotFound):
     """{what} not found: {name}"""
 

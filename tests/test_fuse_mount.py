@@ -259,6 +259,22 @@ def test_st_blocks_follow_what_other_checkpoints_hold(mnt, keeper, tmp_path):
     keeper.delete_checkpoint("held", "x1")
 
 
+def test_reading_a_checkpoint_deleted_and_collected_meanwhile_is_estale(mnt, keeper, tmp_path):
+    data = random.Random(8).randbytes(24 * MIB)
+    (tmp_path / "big.img").write_bytes(data)
+    keeper.import_files("gone", "g1", [], disks=[tmp_path / "big.img"])
+    with open(cp(mnt, "gone", "g1") / "big.img", "rb", buffering=0) as f:
+        assert f.read(MIB) == data[:MIB]
+        keeper.delete_checkpoint("gone", "g1")
+        keeper.gc()
+        with pytest.raises(OSError) as exc:
+            while f.read(MIB):
+                pass
+    # not EIO: nothing is damaged, the checkpoint is gone (as NFS says of a deleted file)
+    assert exc.value.errno == errno.ESTALE
+    assert keeper.check(read_data=True).ok
+
+
 def test_listing_a_thousand_checkpoints(mnt):
     d = mnt / "sessions" / "many" / "checkpoints"
     names = os.listdir(d)

@@ -26,7 +26,7 @@ def keeper(tmp_path):
 
 def put(keeper: Keeper, tmp_path, session: str, checkpoint: str, files: dict[str, bytes]):
     d = tmp_path / f"{session}-{checkpoint}"
-    d.mkdir()
+    d.mkdir(exist_ok=True)
     paths = []
     for name, data in files.items():
         (d / name).write_bytes(data)
@@ -146,3 +146,19 @@ def test_without_wait_the_first_answer_may_be_none_then_the_count(keeper, tmp_pa
     holders.close()  # waits for the count started in the background
     assert holders.poll() is not None
     assert holders.exclusive_bytes(rec, "a.img") >= 3 * K64
+
+
+def test_a_missing_chunk_of_a_deleted_checkpoint_is_checkpoint_gone(keeper, tmp_path):
+    from ksfs.errors import CheckpointGone, ChunkMissing
+
+    put(keeper, tmp_path, "s", "c1", {"a.img": random.Random(7).randbytes(K64)})
+    rec = keeper.ledger.checkpoint("s", "c1")
+    missing = ChunkMissing(chunk="00")
+    assert keeper.gone_error("s", rec, "a.img", missing) is missing  # still there: damage
+    keeper.delete_checkpoint("s", "c1")
+    gone = keeper.gone_error("s", rec, "a.img", missing)
+    assert isinstance(gone, CheckpointGone) and gone.exit_code == 3
+    assert "c1" in str(gone) and "a.img" in str(gone)
+    # the same name taken again by another checkpoint is still "gone" for the old reader
+    put(keeper, tmp_path, "s", "c1", {"a.img": random.Random(8).randbytes(K64)})
+    assert isinstance(keeper.gone_error("s", rec, "a.img", missing), CheckpointGone)

@@ -152,6 +152,18 @@ def test_session_names_through_every_verb_refused_the_same_way(store: Path) -> N
         assert codes <= {2, 3}, (name, codes)
 
 
+def test_cat_refuses_bad_names_as_bad_input(store: Path) -> None:
+    """A name no checkpoint could have is bad input (exit 2), as for rm and import, not
+    "not found" (exit 3)."""
+    session, checkpoint = sorted(SESSIONS)[0], sorted(CHECKPOINTS)[0]
+    for args in ((session, checkpoint, ".."), (session, checkpoint, ""),
+                 (session, checkpoint, "../c1/memory"), (session, "..", "memory"),
+                 ("..", checkpoint, "memory"), (session, checkpoint, "x" * 256)):
+        res = ksfs(store, "cat", "--", *args)
+        one_line_refusal(res, args)
+        assert res.returncode == 2, (args, res.stderr)
+
+
 # --- the mount ---------------------------------------------------------------------------------
 
 MOUNT_TEXT = st.text(

@@ -8,7 +8,7 @@ import sys
 import click
 
 from ksfs.cli import DONE_NOTE, emit_json, human_bytes, main, pass_ctx
-from ksfs.errors import IntegrityError
+from ksfs.errors import ChunkMissing, IntegrityError
 
 
 def progress_bar(label: str):
@@ -83,6 +83,14 @@ def cat(ctx, session: str, checkpoint: str, file: str) -> None:
     """
     keeper = ctx.open_keeper()
     reader = keeper.open_file(session, checkpoint, file)
+    record = keeper.ledger.checkpoint(session, checkpoint)
+    try:
+        _cat(reader)
+    except ChunkMissing as exc:  # deleted and collected under us is not damage: say which
+        raise keeper.gone_error(session, record, file, exc) from None
+
+
+def _cat(reader) -> None:
     out = sys.stdout.buffer
     try:
         out.flush()

@@ -91,6 +91,12 @@ class GuestFile(GuestNode, StoredFile):
     def open_reader(self) -> Any:
         return _InodeReader(self.fs, self.st.ino, self.st.size)
 
+    def explain_missing(self, exc: Any) -> Any:
+        rec = self.cp.record
+        if rec is None:
+            return exc
+        return self.keeper.gone_error(self.session, rec, f"fs/ inode {self.st.ino}", exc)
+
 
 class GuestSymlink(GuestNode):
     def target(self) -> bytes:

@@ -194,6 +194,10 @@ class StoredFile(Node):
             n = f.stored if f is not None else 0
         return math.ceil(n / 512)
 
+    def explain_missing(self, exc: Any) -> Any:
+        """ESTALE when this checkpoint was deleted and collected while open; else exc."""
+        return self.keeper.gone_error(self.session, self.checkpoint, self.name, exc)
+
     def open_reader(self) -> Any:
         reader = self.keeper.open_file(self.session, self.checkpoint.name, self.name)
         expected = self.checkpoint.file(self.name)

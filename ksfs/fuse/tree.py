@@ -27,6 +27,7 @@ from typing import Any
 from ksfs.errors import (
     AlreadyExists,
     BadInput,
+    ChunkMissing,
     KsfsError,
     NoSuchFile,
     NotFound,
@@ -93,22 +94,31 @@ class ReaderHandle(Handle):
     file's, which shares its filesystem's caches and locks with listings) keep the thread.
     """
 
-    def __init__(self, reader: Any, inline: bool) -> None:
+    def __init__(self, reader: Any, inline: bool,
+                 explain: Callable[[KsfsError], KsfsError] | None = None) -> None:
         self.reader = reader
         self.needs_io = not inline
         self._readinto = getattr(reader, "readinto", None)  # stored files have it
+        # A missing chunk may mean the checkpoint was deleted and collected while open
+        # (ESTALE, not damage): ``explain`` says which (keeper.gone_error).
+        self._explain = explain
 
     def read(self, offset: int, size: int) -> bytes | bytearray:
         end = min(offset + size, self.reader.size)
         if offset >= end:
             return b""
-        if self._readinto is None:
-            return self.reader.read(offset, end - offset)
-        # Decoded straight into the reply: a fresh bytearray is zeros, so holes cost nothing
-        # and raw chunks are read from their packs into it (FileReader.readinto).
-        buf = bytearray(end - offset)
-        self._readinto(offset, buf, zeroed=True)
-        return buf
+        try:
+            if self._readinto is None:
+                return self.reader.read(offset, end - offset)
+            # Decoded straight into the reply: a fresh bytearray is zeros, so holes cost
+            # nothing and raw chunks are read from their packs into it (FileReader.readinto).
+            buf = bytearray(end - offset)
+            self._readinto(offset, buf, zeroed=True)
+            return buf
+        except ChunkMissing as exc:
+            if self._explain is None:
+                raise
+            raise self._explain(exc) from None
 
 
 class BytesHandle(Handle):
@@ -332,7 +342,8 @@ class CheckpointTree:
             self._rejecting(session, "/".join(parts[2:]) or "/".join(parts), "", no)
             raise AssertionError("unreachable")
         elif isinstance(node, StoredFile):
-            handle = ReaderHandle(self._reader(node), inline=node.reads_inline)
+            handle = ReaderHandle(self._reader(node), inline=node.reads_inline,
+                                  explain=node.explain_missing)
         elif isinstance(node, RecordFile):
             handle = BytesHandle(node.data())
         elif isinstance(node, DynamicFile):

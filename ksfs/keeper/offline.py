@@ -9,7 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from ksfs.crashpoints import crash_point
-from ksfs.errors import AlreadyExists, BadInput, BadName, NoSuchFile, NoSuchSession
+from ksfs.errors import (
+    AlreadyExists,
+    BadInput,
+    BadName,
+    CheckpointGone,
+    ChunkMissing,
+    KsfsError,
+    NoSuchCheckpoint,
+    NoSuchFile,
+    NoSuchSession,
+)
 from ksfs.keeper.locks import session_lock
 from ksfs.model import (
     CHECKPOINT_RESERVED_NAMES,
@@ -154,6 +164,9 @@ class OfflineVerbs:
         """A random-access reader (``.size``, ``.read``, ``.stream``) of one file of a
         checkpoint: a stored file, or one the checkpoint directory makes from its record
         (meta.json, domain.xml, transcript), so ``ksfs cat`` reads what the mount shows."""
+        for name, what in ((session, "session name"), (checkpoint, "checkpoint name"),
+                           (filename, "file name")):
+            validate_name(name, what)  # '..' or '' is bad input, not a name that is absent
         record = self.ledger.checkpoint(session, checkpoint)
         f = record.file(filename)
         if f is not None:
@@ -161,6 +174,22 @@ class OfflineVerbs:
         if filename in self.checkpoint_files(record):
             return BytesReader(self.checkpoint_virtual_file(record, filename))
         raise NoSuchFile(what=f"file of checkpoint {session}/{checkpoint}", name=filename)
+
+    def gone_error(self, session: str, checkpoint: CheckpointRecord, filename: str,
+                   exc: KsfsError) -> KsfsError:
+        """What a missing chunk in a read of ``checkpoint``'s file means: CheckpointGone when
+        that checkpoint was deleted meanwhile (gc collected what only it held: not damage),
+        else ``exc`` itself (damage: the checkpoint still names the chunk)."""
+        if not isinstance(exc, ChunkMissing):
+            return exc
+        try:
+            now = self.ledger.checkpoint(session, checkpoint.name)
+        except NoSuchCheckpoint:
+            now = None
+        if now is not None and now.seq == checkpoint.seq:
+            return exc
+        return CheckpointGone(what=f"file {filename!r}", checkpoint=checkpoint.name,
+                              session=session)
 
     def references(self) -> dict[str, list[str]]:
         """Every manifest in use, with the checkpoint files that use it (for check and gc)."""
