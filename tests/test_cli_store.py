@@ -102,6 +102,8 @@ def test_import_cat_stats_round_trip(store: Path, tmp_path: Path) -> None:
         (["import", "s1", "c1", "FILE"], 4, "already exists"),
         (["import", "s1", "c9", "/dev/null"], 2, "not a regular file"),
         (["import", "s1", "c9", "DIR"], 2, "is a directory"),
+        (["import", "s1", "c9", "/proc/self/status"], 2, "says it is empty but has content"),
+        (["cat", "s1", "c1", ".."], 2, "'..'"),
     ],
 )
 def test_bad_input_one_line_exit_code_nothing_changed(

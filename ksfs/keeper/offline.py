@@ -32,6 +32,18 @@ from ksfs.model import (
 Progress = Callable[[int, int], None]
 
 
+def _claims_empty_but_is_not(path: Path) -> bool:
+    # Imports trust the size stat gives (chunking, progress, mapping); kernel-made files give 0
+    # and would be stored empty without a word.
+    if path.stat().st_size:
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(1) != b""
+    except OSError:
+        return False  # unreadable: the import's own read says why
+
+
 def is_disk_image(name: str) -> bool:
     """Disk images chunk at fixed 64 KiB (the qcow2 cluster); everything else by content."""
     return (name.startswith("disk") and name.endswith(".raw")) or name.endswith(".img")
@@ -80,6 +92,9 @@ class OfflineVerbs:
                 if p.exists():
                     raise BadInput(f"{p} is not a regular file: only regular files are imported")
                 raise NoSuchFile(what="file to import", name=str(p))
+            if _claims_empty_but_is_not(p):
+                raise BadInput(f"{p} says it is empty but has content (a /proc or /sys file?): "
+                               "copy it to a regular file and import that")
         if len(set(names)) != len(names):
             raise BadInput("two files to import share one base name")
         self.ensure_session(session)
