@@ -104,6 +104,8 @@ def test_import_cat_stats_round_trip(store: Path, tmp_path: Path) -> None:
         (["import", "s1", "c9", "DIR"], 2, "is a directory"),
         (["import", "s1", "c9", "/proc/self/status"], 2, "says it is empty but has content"),
         (["cat", "s1", "c1", ".."], 2, "'..'"),
+        (["umount", "/nonexistent/mnt"], 3, "not found"),
+        (["umount", "DIR"], 2, "is not mounted"),
     ],
 )
 def test_bad_input_one_line_exit_code_nothing_changed(

@@ -127,6 +127,10 @@ def test_cli_verbs_go_through_the_daemon_and_second_mount_refused(mounted, tmp_p
     assert name in os.listdir(mnt / "sessions" / s / "checkpoints")
     other = tmp_path / "other"
     other.mkdir()
-    res = ksfs(store, env, "mount", str(other), check=False)
-    assert res.returncode == 8 and "already mounted" in res.stderr
-    assert not os.path.ismount(other)
+    for extra in ([], ["--foreground"]):
+        res = ksfs(store, env, "mount", str(other), *extra, check=False)
+        assert res.returncode == 8 and "already mounted" in res.stderr
+        # one line, as every command says a refusal (not a log line)
+        assert res.stderr.strip().splitlines() == [res.stderr.strip()], res.stderr
+        assert res.stderr.startswith("ksfs: error: "), res.stderr
+        assert not os.path.ismount(other)

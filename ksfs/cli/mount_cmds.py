@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from ksfs.cli import main, pass_ctx
-from ksfs.errors import BadInput, DaemonError
+from ksfs.errors import BadInput, DaemonError, NoSuchFile
 
 
 def _is_mounted(mountpoint: str) -> bool:
@@ -112,6 +112,8 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
     Example: ksfs umount /mnt/ksfs
     """
     if not _is_mounted(mountpoint):
+        if not os.path.lexists(mountpoint):
+            raise NoSuchFile(what="mount point", name=mountpoint)
         raise BadInput(f"{mountpoint} is not mounted")
     res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
     if res.returncode != 0:

@@ -63,6 +63,7 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
 
     store_path = Path(store)
     keeper = None
+    mounted = False
     try:
         keeper = Keeper(store_path, create=True)
         acquire_daemon_lock(store_path, os.path.abspath(mountpoint))
@@ -83,6 +84,8 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
             log.info("gateway in front of %s", url)
 
         def ready() -> None:
+            nonlocal mounted
+            mounted = True
             log.info("mounted %s at %s", store_path, mountpoint)
             if ready_fd is not None:
                 os.write(ready_fd, b"ready\n")
@@ -91,7 +94,11 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
         run_mount(keeper, mountpoint, foreground=True, allow_other=allow_other, ready=ready,
                   extra_tasks=tasks)
     except KsfsError as exc:
-        log.error("%s", exc)
+        if ready_fd is None and not mounted:
+            # `ksfs mount --foreground` refused before mounting: one line, as every command
+            print(f"ksfs: error: {exc}", file=sys.stderr, flush=True)
+        else:
+            log.error("%s", exc)
         if ready_fd is not None:
             try:
                 os.write(ready_fd, f"error {exc.exit_code} {exc}\n".encode())
