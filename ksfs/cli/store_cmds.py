@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from ksfs.cli import DONE_NOTE, emit_json, human_bytes, main, pass_ctx
-from ksfs.errors import ChunkMissing, IntegrityError
+from ksfs.cli import DONE_NOTE, emit_json, human_bytes, main, pass_ctx, run_verb
+from ksfs.errors import ChunkMissing, IntegrityError, KsfsError
 
 
 def progress_bar(label: str):
@@ -61,6 +61,7 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
         finish()
     # committed: a report that cannot be written must not read as if the import failed
     click.get_current_context().meta[DONE_NOTE] = f"checkpoint {session}/{record.name} was stored"
+    tell_daemon(ctx, session, record.name)
     if as_json:
         emit_json(record.to_dict())
     else:
@@ -88,6 +89,19 @@ def cat(ctx, session: str, checkpoint: str, file: str) -> None:
         _cat(reader)
     except ChunkMissing as exc:  # deleted and collected under us is not damage: say which
         raise keeper.gone_error(session, record, file, exc) from None
+
+
+def tell_daemon(ctx, session: str, checkpoint: str) -> None:
+    """Tell a running daemon that this process published a checkpoint, so its mount shows the
+    name's new files at once (imports run here, with their progress bar and mapped reads)."""
+    from ksfs.daemon.client import call_daemon
+
+    ctx.close()  # the daemon reads the store next: nothing of ours held open
+    try:
+        call_daemon(ctx.store_path, "checkpoint_changed", timeout=10, session=session,
+                    checkpoint=checkpoint)
+    except (KsfsError, OSError):
+        pass  # a courtesy: the mount shows it within a second anyway
 
 
 def _cat(reader) -> None:
@@ -174,7 +188,7 @@ def rm(ctx, session: str, checkpoint: str) -> None:
 
     Example: ksfs rm demo c1 && ksfs gc
     """
-    ctx.open_keeper().delete_checkpoint(session, checkpoint)
+    run_verb(ctx, "rm", session=session, checkpoint=checkpoint)  # the daemon's, when mounted
     click.echo(f"deleted {session}/{checkpoint}")
 
 

@@ -33,6 +33,7 @@ VERBS = {
     "gc": "gc",
     "budget": "set_budget",
     "recover": "recover",
+    "checkpoint_changed": "checkpoint_changed",
 }
 
 

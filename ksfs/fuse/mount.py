@@ -185,17 +185,28 @@ def run_mount(
     async def refresh_stored_blocks() -> None:
         await _refresh_stored_blocks(tree)
 
+    def forget_entry(session: str, checkpoint: str) -> None:
+        # A checkpoint's name is cached by the kernel for a second (nodes.SHORT): drop it at
+        # once when this process publishes or deletes one, so a name deleted and taken again
+        # never shows the old checkpoint's files. Async: callers may be inside a FUSE request.
+        parent = tree.known_inode(("sessions", session, "checkpoints"))
+        if parent is not None:
+            pyfuse3.invalidate_entry_async(parent, os.fsencode(checkpoint), ignore_enoent=True)
+
     if not os.path.isdir(mnt):
         raise DaemonError(f"cannot mount on {mnt}: it is not a directory")
     try:
         pyfuse3.init(ops, mnt, mount_options(allow_other, debug))
     except RuntimeError as exc:  # libfuse says only that mounting failed; its reason is on stderr
         raise DaemonError(f"cannot mount on {mnt}: {exc}") from exc
+    stop_listening = keeper.on_checkpoint_change(forget_entry)
     try:
         trio.run(_serve, mnt, ready, [refresh_stored_blocks, *extra_tasks])
     except BaseException:
         pyfuse3.close(unmount=False)
         raise
+    finally:
+        stop_listening()
     pyfuse3.close(unmount=is_mounted(mnt))
 
 

@@ -205,6 +205,14 @@ class CheckpointTree:
         except KeyError:
             raise NoSuchFile(what="inode", name=str(ino)) from None
 
+    def known_inode(self, path: tuple[str, ...]) -> int | None:
+        """The inode the kernel was given for ``path`` (names from the root), if any."""
+        with self._lock:
+            for ino, p in self._paths.items():
+                if p == path:
+                    return ino
+        return None
+
     def stored_file_inodes(self) -> list[int]:
         """The inodes of every checkpoint file held in the store that the kernel was told of."""
         with self._lock:

@@ -311,6 +311,7 @@ class MachineVerbs:
                     body["pause_forced"] = True  # the guest dirtied memory faster than the copy
                 self.ledger.append(txn, session, "checkpoint.published", body)
         crash_point("record.commit")
+        self.checkpoint_changed(session, name)
         return record
 
     def _base_checkpoint(self, label: str | None) -> CheckpointRecord | None:

@@ -145,6 +145,7 @@ class OfflineVerbs:
                             txn, session, "checkpoint.published", self._published_body(record)
                         )
                     crash_point("record.commit")
+                    self.checkpoint_changed(session, name)
             except BaseException as exc:
                 self._record_failure(session, name, exc, begin.seq)
                 raise
@@ -174,6 +175,7 @@ class OfflineVerbs:
             self.ledger.checkpoint(session, checkpoint)  # NoSuchCheckpoint first
             with self.store.env.begin(write=True) as txn:
                 self.ledger.delete_checkpoint(txn, session, checkpoint)
+        self.checkpoint_changed(session, checkpoint)
 
     def open_file(self, session: str, checkpoint: str, filename: str):
         """A random-access reader (``.size``, ``.read``, ``.stream``) of one file of a

@@ -7,13 +7,17 @@ loaded to list or describe a checkpoint).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from ksfs.errors import IntegrityError, KsfsError
 from ksfs.keeper.holdings import ChunkHolders
 from ksfs.model import CHECKPOINT_VIRTUAL_FILES, CheckpointRecord, Event
+
+log = logging.getLogger(__name__)
 
 EVENT_LOGS_KEPT = 64  # lineages whose rendered event log is kept between stats
 
@@ -66,6 +70,23 @@ class Views:
         self._event_logs: OrderedDict[str, EventLogView] = OrderedDict()
         self._event_logs_lock = threading.Lock()
         self._holders = ChunkHolders(self.store, self.ledger)
+        self._checkpoint_listeners: list[Callable[[str, str], None]] = []
+
+    def on_checkpoint_change(self, listener: Callable[[str, str], None]) -> Callable[[], None]:
+        """Call ``listener(session, checkpoint)`` after this keeper publishes or deletes a
+        checkpoint (the mount drops the kernel's cached entry for that name at once); returns
+        what stops it."""
+        self._checkpoint_listeners.append(listener)
+        return lambda: self._checkpoint_listeners.remove(listener)
+
+    def checkpoint_changed(self, session: str, checkpoint: str) -> None:
+        """Tell the listeners that ``checkpoint`` of ``session`` was published or deleted
+        (also by another process on this store: ``ksfs import`` says so to the daemon)."""
+        for listener in self._checkpoint_listeners:
+            try:
+                listener(session, checkpoint)
+            except Exception:  # a listener's failure must not fail the verb that committed
+                log.exception("checkpoint listener failed for %s/%s", session, checkpoint)
 
     def exclusive_bytes(self, record: CheckpointRecord, name: str, wait: bool = True
                         ) -> int | None:
