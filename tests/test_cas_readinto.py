@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 
 import pytest
 from hypothesis import given, settings
@@ -20,7 +19,7 @@ from ksfs.cas import ChunkStore
 from ksfs.cas.format import CODEC_RAW
 from ksfs.errors import ChunkCorrupt, ChunkMissing
 from tests.cas_helpers import K64, flip, put
-from tests.test_cas_stream import image
+from tests.test_cas_stream import image, reads_while_gc_moves_chunks
 
 
 def read_into(reader, offset: int, n: int, dirty: bool) -> bytes:
@@ -112,31 +111,8 @@ def test_lost_pack_gives_chunk_missing(store):
 
 
 def test_readinto_while_gc_moves_chunks(store):
-    rng = random.Random(16)
-    keep = {put(store, image(rng, 60)).manifest for _ in range(3)}
-    datas = {m: store.open_file(m).read(0, 1 << 40) for m in keep}
-    for _ in range(3):
-        put(store, image(rng, 60))
-    errors: list[BaseException] = []
-    stop = threading.Event()
+    def whole(m):
+        r = store.open_file(m)
+        return read_into(r, 0, r.size, dirty=True)
 
-    def reader():
-        while not stop.is_set():
-            for m, d in datas.items():
-                try:
-                    assert read_into(store.open_file(m), 0, len(d), dirty=True) == d
-                except BaseException as exc:  # noqa: BLE001
-                    errors.append(exc)
-                    return
-
-    t = threading.Thread(target=reader)
-    t.start()
-    try:
-        for _ in range(4):
-            store.gc(lambda: list(keep), threshold=1.0)
-            for _ in range(3):
-                put(store, image(rng, 10))
-    finally:
-        stop.set()
-        t.join()
-    assert not errors, errors[0]
+    reads_while_gc_moves_chunks(store, whole)
