@@ -93,6 +93,7 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> Flattened:
                 dead[old.pack] = dead.get(old.pack, 0) + old.record_len
             release(txn, store, dead)
             commit_writers(txn, store, writers)
+            fmt.bump_gc_generation(txn, db["cas_meta"])  # bases are held no more
             crash_point("gc.flatten")
         committed = True
     finally:

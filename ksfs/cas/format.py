@@ -25,6 +25,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import blake3
 
@@ -100,6 +101,20 @@ class Location:
     def decode(cls, raw: bytes) -> Location:
         base = bytes(raw[INDEX_VALUE.size :]) or None
         return cls(*INDEX_VALUE.unpack_from(raw), base=base)
+
+
+# In cas_meta: moved by every GC transaction that changes what holds what (a flattened delta
+# no longer holds its base; a sweep), for readers that keep counts derived from the records
+# (keeper.holdings).
+GC_GENERATION = b"gc_generation"
+
+
+def gc_generation(txn: Any, meta_db: Any) -> int:
+    return int(txn.get(GC_GENERATION, b"0", db=meta_db))
+
+
+def bump_gc_generation(txn: Any, meta_db: Any) -> None:
+    txn.put(GC_GENERATION, str(gc_generation(txn, meta_db) + 1).encode(), db=meta_db)
 
 
 def pack_key(no: int) -> bytes:

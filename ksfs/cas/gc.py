@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GC_GENERATION = b"gc_generation"  # in cas_meta: moved by every sweep
-
 
 @dataclass
 class GCResult:
@@ -112,10 +110,7 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
         res.chunks_freed = len(dead_chunks)
         res.bytes_freed = sum(freed.values()) + flat.delta_bytes
         res.bytes_rewritten = flat.whole_bytes
-        # Readers that keep counts derived from what records hold (keeper.holdings) learn here
-        # that holdings may have moved without any record changing (a flattened delta).
-        gen = int(txn.get(GC_GENERATION, b"0", db=db["cas_meta"]))
-        txn.put(GC_GENERATION, str(gen + 1).encode(), db=db["cas_meta"])
+        fmt.bump_gc_generation(txn, db["cas_meta"])  # see fmt.GC_GENERATION
         crash_point("gc.sweep")
     _drop_orphans(store, res)
     _repack(store, threshold, res)

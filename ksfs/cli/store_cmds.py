@@ -9,6 +9,7 @@ import click
 
 from ksfs.cli import DONE_NOTE, emit_json, human_bytes, main, pass_ctx, run_verb
 from ksfs.errors import ChunkMissing, IntegrityError, KsfsError
+from ksfs.model import validate_name
 
 
 def progress_bar(label: str):
@@ -83,8 +84,10 @@ def cat(ctx, session: str, checkpoint: str, file: str) -> None:
     Example: ksfs cat demo c1 disk.raw | sha256sum
     """
     keeper = ctx.open_keeper()
-    reader = keeper.open_file(session, checkpoint, file)
+    for name, what in ((session, "session name"), (checkpoint, "checkpoint name")):
+        validate_name(name, what)
     record = keeper.ledger.checkpoint(session, checkpoint)
+    reader = keeper.open_file(session, checkpoint, file, record=record)
     try:
         _cat(reader)
     except ChunkMissing as exc:  # deleted and collected under us is not damage: say which
@@ -98,9 +101,9 @@ def tell_daemon(ctx, session: str, checkpoint: str) -> None:
 
     ctx.close()  # the daemon reads the store next: nothing of ours held open
     try:
-        call_daemon(ctx.store_path, "checkpoint_changed", timeout=10, session=session,
+        call_daemon(ctx.store_path, "checkpoint_changed", timeout=2, session=session,
                     checkpoint=checkpoint)
-    except (KsfsError, OSError):
+    except (KsfsError, OSError, ValueError):
         pass  # a courtesy: the mount shows it within a second anyway
 
 

@@ -189,8 +189,7 @@ def run_mount(
         # A checkpoint's name is cached by the kernel for a second (nodes.SHORT): drop it at
         # once when this process publishes or deletes one, so a name deleted and taken again
         # never shows the old checkpoint's files. Async: callers may be inside a FUSE request.
-        parent = tree.known_inode(("sessions", session, "checkpoints"))
-        if parent is not None:
+        for parent in tree.known_inodes(("sessions", session, "checkpoints")):
             pyfuse3.invalidate_entry_async(parent, os.fsencode(checkpoint), ignore_enoent=True)
 
     if not os.path.isdir(mnt):

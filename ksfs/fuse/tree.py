@@ -205,13 +205,11 @@ class CheckpointTree:
         except KeyError:
             raise NoSuchFile(what="inode", name=str(ino)) from None
 
-    def known_inode(self, path: tuple[str, ...]) -> int | None:
-        """The inode the kernel was given for ``path`` (names from the root), if any."""
+    def known_inodes(self, path: tuple[str, ...]) -> list[int]:
+        """Every inode the kernel was given for ``path`` (names from the root): more than one
+        when what it names was removed and made again (a session of a new lineage)."""
         with self._lock:
-            for ino, p in self._paths.items():
-                if p == path:
-                    return ino
-        return None
+            return [ino for ino, p in self._paths.items() if p == path]
 
     def stored_file_inodes(self) -> list[int]:
         """The inodes of every checkpoint file held in the store that the kernel was told of."""

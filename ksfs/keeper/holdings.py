@@ -26,7 +26,7 @@ import logging
 import threading
 from typing import Any
 
-from ksfs.cas.gc import GC_GENERATION
+from ksfs.cas import format as fmt
 from ksfs.errors import ManifestCorrupt
 from ksfs.model import CheckpointRecord
 
@@ -59,6 +59,8 @@ class ChunkHolders:
         key = (manifests, name)
         with self._lock:
             if manifests not in self._live:
+                if self._building():
+                    return None  # maybe published since the counts being replaced were made
                 return 0  # deleted since: it holds nothing any more
             if key in self._results:
                 return self._results[key]
@@ -92,19 +94,26 @@ class ChunkHolders:
         return self.version
 
     def close(self) -> None:
-        """Stop a build in progress (before the store closes under it)."""
-        self._closing = True
-        builder = self._builder
+        """Stop a build in progress (before the store closes under it); none starts after."""
+        with self._lock:
+            self._closing = True
+            builder = self._builder
         if builder is not None:
-            builder.join(timeout=30)
+            builder.join()  # it stops at its next record
 
     # --- keeping the counts -------------------------------------------------------------------
 
+    def _stamp_of(self, txn: Any) -> tuple[int, int]:
+        # The id of the read transaction the records are read in, never the environment's
+        # last commit: a commit is counted there before new readers can see it.
+        return txn.id(), fmt.gc_generation(txn, self.store.db["cas_meta"])
+
     def _stamp_now(self) -> tuple[int, int]:
-        # Read before the records: a commit after it is seen at the next look.
-        with self.store.env.begin(db=self.store.db["cas_meta"]) as txn:
-            gen = int(txn.get(GC_GENERATION) or b"0")
-        return self.store.env.info()["last_txnid"], gen
+        with self.store.env.begin() as txn:
+            return self._stamp_of(txn)
+
+    def _building(self) -> bool:
+        return self._builder is not None and self._builder.is_alive()
 
     def _refresh(self, wait: bool) -> bool:
         """Counts as current as can be had now; False when there are none yet."""
@@ -122,6 +131,8 @@ class ChunkHolders:
                 return self._counts is not None
         try:
             self._catch_up(stamp)
+        except _GCRan:
+            self._start_build()
         except Exception:  # noqa: BLE001 - the last good counts stay; a build starts afresh
             log.warning("st_blocks: counts could not be brought up to date; counting afresh",
                         exc_info=True)
@@ -131,9 +142,13 @@ class ChunkHolders:
         return True
 
     def _catch_up(self, stamp: tuple[int, int]) -> None:
-        now = self.ledger.manifests_by_checkpoint(skip_damaged=True)
         with self._lock:
-            old = self._records
+            old, old_stamp = self._records, self._stamp
+        with self.store.env.begin() as txn:  # the records and their stamp from one snapshot
+            stamp = self._stamp_of(txn)
+            now = self.ledger.manifests_by_checkpoint(txn, skip_damaged=True)
+        if old_stamp is None or stamp[1] != old_stamp[1]:
+            raise _GCRan  # holdings moved under the records: count afresh
         gone = [m for k, m in old.items() if now.get(k) != m]
         came = [m for k, m in now.items() if old.get(k) != m]
         # Everything is read before anything is applied: a failure changes nothing.
@@ -142,6 +157,8 @@ class ChunkHolders:
         with self._lock:
             if self._records is not old:  # another thread caught up meanwhile
                 return
+            if self._stamp is not None and stamp[0] <= self._stamp[0]:
+                return  # never step back to an older snapshot
             counts = self._counts
             assert counts is not None
             for held in minus:
@@ -155,7 +172,7 @@ class ChunkHolders:
 
     def _start_build(self) -> None:
         with self._lock:
-            if self._builder is not None and self._builder.is_alive():
+            if self._closing or self._building():
                 return
             self._builder = threading.Thread(target=self._build_logged, daemon=True,
                                              name="ksfs-holdings")
@@ -170,14 +187,18 @@ class ChunkHolders:
                             exc_info=True)
 
     def _build(self) -> None:
-        stamp = self._stamp_now()
-        records = self.ledger.manifests_by_checkpoint(skip_damaged=True)
+        with self.store.env.begin() as txn:  # the records and their stamp from one snapshot
+            stamp = self._stamp_of(txn)
+            records = self.ledger.manifests_by_checkpoint(txn, skip_damaged=True)
         counts: dict[bytes, int] = {}
         for manifests in records.values():
             if self._closing:
                 return
             _apply(counts, self._held(manifests), +1)
         with self._lock:
+            if self._stamp is not None and self._counts is not None \
+                    and stamp[0] <= self._stamp[0] and stamp[1] == self._stamp[1]:
+                return  # caught up past this snapshot already
             self._counts, self._records, self._stamp = counts, records, stamp
             self._live = set(records.values())
             self._results.clear()
@@ -193,6 +214,10 @@ class ChunkHolders:
             except ManifestCorrupt:
                 pass
         return held
+
+
+class _GCRan(Exception):
+    """A GC changed holdings since the counts were made: only a new count is right."""
 
 
 def _apply(counts: dict[bytes, int], held: dict[bytes, int], step: int) -> None:

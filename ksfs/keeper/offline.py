@@ -16,9 +16,9 @@ from ksfs.errors import (
     CheckpointGone,
     ChunkMissing,
     KsfsError,
-    NoSuchCheckpoint,
     NoSuchFile,
     NoSuchSession,
+    NotFound,
 )
 from ksfs.keeper.locks import session_lock
 from ksfs.model import (
@@ -177,14 +177,16 @@ class OfflineVerbs:
                 self.ledger.delete_checkpoint(txn, session, checkpoint)
         self.checkpoint_changed(session, checkpoint)
 
-    def open_file(self, session: str, checkpoint: str, filename: str):
+    def open_file(self, session: str, checkpoint: str, filename: str,
+                  record: CheckpointRecord | None = None):
         """A random-access reader (``.size``, ``.read``, ``.stream``) of one file of a
         checkpoint: a stored file, or one the checkpoint directory makes from its record
         (meta.json, domain.xml, transcript), so ``ksfs cat`` reads what the mount shows."""
         for name, what in ((session, "session name"), (checkpoint, "checkpoint name"),
                            (filename, "file name")):
             validate_name(name, what)  # '..' or '' is bad input, not a name that is absent
-        record = self.ledger.checkpoint(session, checkpoint)
+        if record is None:  # else the caller's: the reader is then of exactly that record
+            record = self.ledger.checkpoint(session, checkpoint)
         f = record.file(filename)
         if f is not None:
             return self.store.open_file(f.manifest)
@@ -201,9 +203,12 @@ class OfflineVerbs:
             return exc
         try:
             now = self.ledger.checkpoint(session, checkpoint.name)
-        except NoSuchCheckpoint:
+        except NotFound:  # the checkpoint, or its whole session, is gone
             now = None
-        if now is not None and now.seq == checkpoint.seq:
+        # the same record still (a name taken again, even by a session made again with the
+        # same seqs, holds other files or was made at another time)
+        if now is not None and (now.seq, now.created, now.files) == (
+                checkpoint.seq, checkpoint.created, checkpoint.files):
             return exc
         return CheckpointGone(what=f"file {filename!r}", checkpoint=checkpoint.name,
                               session=session)
