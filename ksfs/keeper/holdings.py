@@ -130,7 +130,7 @@ class ChunkHolders:
             with self._lock:
                 return self._counts is not None
         try:
-            self._catch_up(stamp)
+            self._catch_up()
         except _GCRan:
             self._start_build()
         except Exception:  # noqa: BLE001 - the last good counts stay; a build starts afresh
@@ -141,7 +141,7 @@ class ChunkHolders:
             self._start_build()
         return True
 
-    def _catch_up(self, stamp: tuple[int, int]) -> None:
+    def _catch_up(self) -> None:
         with self._lock:
             old, old_stamp = self._records, self._stamp
         with self.store.env.begin() as txn:  # the records and their stamp from one snapshot
