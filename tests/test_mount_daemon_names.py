@@ -23,3 +23,17 @@ def test_a_name_deleted_and_taken_again_shows_the_new_files_at_once(tmp_path):
             assert f.read_bytes() == data, round_
             ksfs(store, env, "rm", "re", "c")
             assert not f.exists()
+
+
+def test_a_session_removed_and_made_again_shows_its_new_checkpoints_at_once(tmp_path):
+    env = dict(os.environ, KSFS_GUEST="")
+    src = tmp_path / "f.img"
+    with daemon_mount(tmp_path, env) as (store, mnt):
+        f = mnt / "sessions" / "again" / "checkpoints" / "c" / "f.img"
+        for round_ in range(3):
+            data = f"session {round_}\n".encode()
+            src.write_bytes(data)
+            ksfs(store, env, "import", "again", "c", str(src))
+            assert f.read_bytes() == data, round_
+            ksfs(store, env, "session", "rm", "again")  # through the daemon
+            assert "again" not in os.listdir(mnt / "sessions")

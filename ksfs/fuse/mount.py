@@ -185,12 +185,17 @@ def run_mount(
     async def refresh_stored_blocks() -> None:
         await _refresh_stored_blocks(tree)
 
-    def forget_entry(session: str, checkpoint: str) -> None:
-        # A checkpoint's name is cached by the kernel for a second (nodes.SHORT): drop it at
-        # once when this process publishes or deletes one, so a name deleted and taken again
-        # never shows the old checkpoint's files. Async: callers may be inside a FUSE request.
-        for parent in tree.known_inodes(("sessions", session, "checkpoints")):
-            pyfuse3.invalidate_entry_async(parent, os.fsencode(checkpoint), ignore_enoent=True)
+    def forget_entry(session: str, checkpoint: str | None) -> None:
+        # Names of sessions and checkpoints are cached by the kernel for a second
+        # (nodes.SHORT): drop one at once when this process publishes or deletes a checkpoint
+        # (checkpoint None: removes the session), so a name deleted and taken again never shows
+        # the old one's files. Async: callers may be inside a FUSE request.
+        if checkpoint is None:
+            parents, name = tree.known_inodes(("sessions",)), session
+        else:
+            parents, name = tree.known_inodes(("sessions", session, "checkpoints")), checkpoint
+        for parent in parents:
+            pyfuse3.invalidate_entry_async(parent, os.fsencode(name), ignore_enoent=True)
 
     if not os.path.isdir(mnt):
         raise DaemonError(f"cannot mount on {mnt}: it is not a directory")

@@ -194,6 +194,7 @@ class MachineVerbs:
                 self.vm.remove_files(name)
             with self.store.env.begin(write=True) as txn:
                 self.ledger.remove_session(txn, name, keep_checkpoints=keep_checkpoints)
+        self.checkpoint_changed(name, None)
         return {"session": name, "removed": True, "kept_checkpoints": keep_checkpoints}
 
     def list_sessions(self) -> list[dict[str, Any]]:

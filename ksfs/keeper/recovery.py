@@ -117,6 +117,7 @@ class Recovery:
             # A fork whose machine never came up: roll it back.
             with self.store.env.begin(write=True) as txn:
                 self.ledger.remove_session(txn, rec.name)
+            self.checkpoint_changed(rec.name, None)
             self.vm.remove_files(rec.name)
             return actions + ["fork never started: rolled back"]
         target = restore_to or self._last_good(rec.name)

@@ -70,16 +70,17 @@ class Views:
         self._event_logs: OrderedDict[str, EventLogView] = OrderedDict()
         self._event_logs_lock = threading.Lock()
         self._holders = ChunkHolders(self.store, self.ledger)
-        self._checkpoint_listeners: list[Callable[[str, str], None]] = []
+        self._checkpoint_listeners: list[Callable[[str, str | None], None]] = []
 
-    def on_checkpoint_change(self, listener: Callable[[str, str], None]) -> Callable[[], None]:
+    def on_checkpoint_change(self, listener: Callable[[str, str | None], None]
+                             ) -> Callable[[], None]:
         """Call ``listener(session, checkpoint)`` after this keeper publishes or deletes a
-        checkpoint (the mount drops the kernel's cached entry for that name at once); returns
-        what stops it."""
+        checkpoint, and ``listener(session, None)`` after it removes a session (the mount drops
+        the kernel's cached entry for that name at once); returns what stops it."""
         self._checkpoint_listeners.append(listener)
         return lambda: self._checkpoint_listeners.remove(listener)
 
-    def checkpoint_changed(self, session: str, checkpoint: str) -> None:
+    def checkpoint_changed(self, session: str, checkpoint: str | None) -> None:
         """Tell the listeners that ``checkpoint`` of ``session`` was published or deleted
         (also by another process on this store: ``ksfs import`` says so to the daemon)."""
         for listener in self._checkpoint_listeners:
