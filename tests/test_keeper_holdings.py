@@ -9,6 +9,7 @@ the counts follow checkpoints as they come and go without reopening the keeper.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -143,9 +144,14 @@ def test_without_wait_the_first_answer_may_be_none_then_the_count(keeper, tmp_pa
     holders = ChunkHolders(keeper.store, keeper.ledger)
     first = holders.exclusive_bytes(rec, "a.img")
     assert first is None or first >= 3 * K64
-    holders.close()  # waits for the count started in the background
+    deadline = time.monotonic() + 30  # the count started in the background
+    while holders.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert holders.poll() is not None
     assert holders.exclusive_bytes(rec, "a.img") >= 3 * K64
+    holders.close()
+    holders._start_build()  # once closed (the store is about to be), no count starts
+    assert not holders._building()
 
 
 def test_a_missing_chunk_of_a_deleted_checkpoint_is_checkpoint_gone(keeper, tmp_path):
