@@ -61,32 +61,16 @@ class FileReader:
         end = min(self.size, offset + n)
         if offset >= end:
             return b""
-        first = bisect.bisect_right(self.starts, offset) - 1
         parts = []
-        pos = offset
-        i = first
-        txn = None  # one index snapshot for all the lookups of this read
-        try:
-            while pos < end:
-                cid, length = self.entries[i]
-                start = self.starts[i]
-                lo = pos - start
-                hi = min(length, end - start)
+        with _IndexSnapshot(self.store) as index:
+            for cid, length, lo, hi in self._spans(offset, end):
                 if cid is None:
                     parts.append(bytes(hi - lo))
-                else:
-                    data = self._cached_chunk(cid)
-                    if data is None:
-                        if txn is None:
-                            txn = self.store.env.begin(db=self.store.db["chunks"])
-                        raw = txn.get(cid)
-                        data = self._load(cid, None if raw is None else Location.decode(raw))
-                    parts.append(data[lo:hi] if (lo, hi) != (0, length) else data)
-                pos = start + hi
-                i += 1
-        finally:
-            if txn is not None:
-                txn.abort()
+                    continue
+                data = self._cached_chunk(cid)
+                if data is None:
+                    data = self._load(cid, _location(index.get(cid)))
+                parts.append(data[lo:hi] if (lo, hi) != (0, length) else data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def readinto(self, offset: int, buf: bytearray | memoryview, zeroed: bool = False) -> int:
@@ -105,18 +89,11 @@ class FileReader:
         end = min(self.size, offset + len(view))
         if offset >= end:
             return 0
-        i = bisect.bisect_right(self.starts, offset) - 1
-        pos = offset
-        txn = None
-        try:
-            while pos < end:
-                cid, length = self.entries[i]
-                start = self.starts[i]
-                lo = pos - start
-                hi = min(length, end - start)
-                dst = view[pos - offset : start + hi - offset]
-                pos = start + hi
-                i += 1
+        at = 0  # where in buf the next span goes
+        with _IndexSnapshot(self.store) as index:
+            for cid, length, lo, hi in self._spans(offset, end):
+                dst = view[at : at + hi - lo]
+                at += hi - lo
                 if cid is None:
                     if not zeroed:
                         for k in range(0, len(dst), len(_ZEROS)):
@@ -125,18 +102,26 @@ class FileReader:
                     continue
                 data = self._cached_chunk(cid)
                 if data is None:
-                    if txn is None:
-                        txn = self.store.env.begin(db=self.store.db["chunks"])
-                    raw = txn.get(cid)
+                    raw = index.get(cid)
                     if (raw is not None and hi - lo == length
                             and _read_raw_into(self.store, cid, raw, dst)):
                         continue
-                    data = self._load(cid, None if raw is None else Location.decode(raw))
+                    data = self._load(cid, _location(raw))
                 dst[:] = data if hi - lo == length else memoryview(data)[lo:hi]
-        finally:
-            if txn is not None:
-                txn.abort()
         return end - offset
+
+    def _spans(self, offset: int, end: int) -> Iterator[tuple[bytes | None, int, int, int]]:
+        """(chunk id or None for a hole, entry length, lo, hi) of each manifest entry that the
+        range offset..end touches, in file order: the range takes bytes lo..hi of it."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        pos = offset
+        while pos < end:
+            cid, length = self.entries[i]
+            start = self.starts[i]
+            hi = min(length, end - start)
+            yield cid, length, pos - start, hi
+            pos = start + hi
+            i += 1
 
     def stream(self, offset: int = 0, end: int | None = None) -> Iterator[list[bytes | memoryview]]:
         """The bytes from offset to end (default: the end of the file) in order, as lists of
@@ -277,6 +262,31 @@ class FileReader:
         """(offset, length, chunk id) of every entry that is not a hole."""
         return [(s, length, cid) for s, (cid, length) in zip(self.starts, self.entries, strict=True)
                 if cid is not None]
+
+
+class _IndexSnapshot:
+    """One read transaction of the chunk index, begun at the first lookup, for all the lookups
+    of one read (aborted at the end, whatever happens)."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self.txn = None
+
+    def get(self, cid: bytes) -> bytes | None:
+        if self.txn is None:
+            self.txn = self.store.env.begin(db=self.store.db["chunks"])
+        return self.txn.get(cid)
+
+    def __enter__(self) -> _IndexSnapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.txn is not None:
+            self.txn.abort()
+
+
+def _location(raw: bytes | None) -> Location | None:
+    return None if raw is None else Location.decode(raw)
 
 
 def _piece(data: bytes, lo: int, hi: int, length: int) -> bytes | memoryview:
