@@ -9,7 +9,6 @@ import click
 
 from ksfs.cli import DONE_NOTE, emit_json, human_bytes, main, pass_ctx, run_verb
 from ksfs.errors import ChunkMissing, IntegrityError, KsfsError
-from ksfs.model import validate_name
 
 
 def progress_bar(label: str):
@@ -84,9 +83,7 @@ def cat(ctx, session: str, checkpoint: str, file: str) -> None:
     Example: ksfs cat demo c1 disk.raw | sha256sum
     """
     keeper = ctx.open_keeper()
-    for name, what in ((session, "session name"), (checkpoint, "checkpoint name")):
-        validate_name(name, what)
-    record = keeper.ledger.checkpoint(session, checkpoint)
+    record = keeper.checkpoint_record(session, checkpoint)
     reader = keeper.open_file(session, checkpoint, file, record=record)
     try:
         _cat(reader)

@@ -177,16 +177,21 @@ class OfflineVerbs:
                 self.ledger.delete_checkpoint(txn, session, checkpoint)
         self.checkpoint_changed(session, checkpoint)
 
+    def checkpoint_record(self, session: str, checkpoint: str) -> CheckpointRecord:
+        """The record of ``checkpoint``, the names checked first: '..' or '' is bad input,
+        not a name that is absent."""
+        validate_name(session, "session name")
+        validate_name(checkpoint, "checkpoint name")
+        return self.ledger.checkpoint(session, checkpoint)
+
     def open_file(self, session: str, checkpoint: str, filename: str,
                   record: CheckpointRecord | None = None):
         """A random-access reader (``.size``, ``.read``, ``.stream``) of one file of a
         checkpoint: a stored file, or one the checkpoint directory makes from its record
         (meta.json, domain.xml, transcript), so ``ksfs cat`` reads what the mount shows."""
-        for name, what in ((session, "session name"), (checkpoint, "checkpoint name"),
-                           (filename, "file name")):
-            validate_name(name, what)  # '..' or '' is bad input, not a name that is absent
         if record is None:  # else the caller's: the reader is then of exactly that record
-            record = self.ledger.checkpoint(session, checkpoint)
+            record = self.checkpoint_record(session, checkpoint)
+        validate_name(filename, "file name")
         f = record.file(filename)
         if f is not None:
             return self.store.open_file(f.manifest)
