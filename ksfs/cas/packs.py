@@ -19,6 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import zstandard
 
@@ -225,17 +226,16 @@ class PackHandles:
 
     def pread(self, no: int, n: int, offset: int) -> bytes:
         """Read from pack ``no``; FileNotFoundError if the pack is gone (GC moved its chunks)."""
-        h = self._acquire(no)
-        try:
-            return os.pread(h.fd, n, offset)
-        finally:
-            self._release(h)
+        return self._on_fd(no, os.pread, n, offset)
 
     def preadv(self, no: int, buffers: list, offset: int) -> int:
         """Read from pack ``no`` straight into buffers; the byte count, as ``os.preadv``."""
+        return self._on_fd(no, os.preadv, buffers, offset)
+
+    def _on_fd(self, no: int, call: Callable[..., Any], *args: Any) -> Any:
         h = self._acquire(no)
         try:
-            return os.preadv(h.fd, buffers, offset)
+            return call(h.fd, *args)
         finally:
             self._release(h)
 
