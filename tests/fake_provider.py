@@ -55,6 +55,8 @@ class FakeProvider:
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._serial = 0
+        self.active = 0  # requests inside their delay now
+        self.most_active = 0  # the most that ever were at once (reset() clears it)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -106,6 +108,7 @@ class FakeProvider:
         old, self._stop = self._stop, threading.Event()
         old.set()
         self.delay, self.error, self.stream_usage, self.chunk_delay = 0.0, None, True, 0.0
+        self.most_active = 0
 
     def _note(self, seen: Seen) -> int:
         with self._lock:
@@ -115,6 +118,17 @@ class FakeProvider:
 
     def sleep(self, seconds: float) -> None:
         self._stop.wait(seconds)
+
+    def delayed(self) -> None:
+        """The configured delay, counted in ``active``/``most_active`` while it runs."""
+        with self._lock:
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+        try:
+            self.sleep(self.delay)
+        finally:
+            with self._lock:
+                self.active -= 1
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -158,7 +172,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._json(404, {"error": {"type": "not_found", "message": self.path}})
             return
         if fake.delay:
-            fake.sleep(fake.delay)
+            fake.delayed()
         if fake.error == "hang":
             fake.sleep(60)
             self.close_connection = True

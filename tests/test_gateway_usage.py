@@ -136,6 +136,50 @@ async def test_usd_budget(gw, provider, nursery):
         gw.set_budget("s1", usd="lots")
 
 
+async def test_calls_in_flight_cannot_spend_past_the_budget_together(gw, ledger, provider,
+                                                                     nursery):
+    # Each call is 2 prompt + 7 completion = 9 tokens; 25 tokens leave room for 3 calls' worth
+    # of starts, not 8. Without the gate all 8 start at once and all 8 are bought.
+    gw.set_budget("s1", tokens=25)
+    provider.delay = 0.3
+    port = await nursery.start(gw.serve_session, "s1")
+    replies = []
+
+    async def one(i: int) -> None:
+        replies.append(await call(port, chat_body(f"call {i}", model="test-model")))
+
+    async with trio.open_nursery() as calls:
+        for i in range(8):
+            calls.start_soon(one, i)
+    codes = sorted(r.status_code for r in replies)
+    assert codes == [200] * 3 + [402] * 5
+    assert provider.count() == 3 and provider.most_active == 1
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["refused"], u["total_tokens"]) == (3, 5, 27)
+    assert len(events(ledger, "s1", "budget.refused")) == 5
+
+
+async def test_calls_with_room_in_the_budget_still_run_at_once(gw, provider, nursery):
+    gw.set_budget("s1", tokens=1000)
+    provider.delay = 0.3
+    port = await nursery.start(gw.serve_session, "s1")
+    async with trio.open_nursery() as calls:  # the first two: sizes unknown, one at a time
+        for i in range(2):
+            calls.start_soon(call, port, chat_body(f"first {i}", model="test-model"))
+    assert provider.most_active == 1
+    provider.most_active = 0
+    async with trio.open_nursery() as calls:  # now 9 tokens each: 6 fit beside each other
+        for i in range(6):
+            calls.start_soon(call, port, chat_body(f"then {i}", model="test-model"))
+    assert provider.count() == 8 and provider.most_active == 6
+    gw.set_budget("s1")  # no budget: nothing is held back
+    provider.most_active = 0
+    async with trio.open_nursery() as calls:
+        for i in range(4):
+            calls.start_soon(call, port, chat_body(f"free {i}", model="test-model"))
+    assert provider.most_active == 4
+
+
 # --- upstream failures --------------------------------------------------------------------------
 
 

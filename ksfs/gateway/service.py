@@ -26,6 +26,7 @@ import hypercorn.trio
 import trio
 
 from ksfs.errors import BadInput
+from ksfs.gateway.admission import BudgetGate
 from ksfs.gateway.app import asgi_app
 from ksfs.gateway.calls import (
     derived_key,
@@ -38,7 +39,7 @@ from ksfs.gateway.calls import (
 )
 from ksfs.gateway.inflight import Call, StreamThrough, header, ksfs_headers, reply_of
 from ksfs.gateway.prices import PriceTable, load_prices
-from ksfs.gateway.store import GatewayStore, StoredResponse, View
+from ksfs.gateway.store import GatewayStore, StoredResponse, View, used_up
 from ksfs.gateway.upstream import (
     NOT_STORED,
     Fetched,
@@ -104,6 +105,7 @@ class Gateway:
         self.max_body = max_body
         self.ports: dict[str, int] = {}  # session -> bound port, while served
         self._inflight: dict[bytes, Call] = {}
+        self._gate = BudgetGate()
 
     def __repr__(self) -> str:  # never show the key
         return f"Gateway({self.upstream_url!r}, sessions={sorted(self.ports)})"
@@ -192,12 +194,17 @@ class Gateway:
                 stored = self.db.find(view, hkey, canon)
                 if stored is not None:
                     return await self._replay(view, key, stored, digest)
-                over = self.db.over_budget(view.lineage)
-                if over is not None:
-                    return (await self._refuse(view, key, model, path, *over),
+                budget, used = self.db.spending(view.lineage)
+                if used_up(budget, used):
+                    return (await self._refuse(view, key, model, path, budget, used),
                             ksfs_headers(key, "refused"))
+                if not self._gate.may_start(view.lineage, budget, used):
+                    # Calls in flight may spend what is left: wait for one, then look again.
+                    await self._gate.wait_for_landing(view.lineage)
+                    continue
                 call = self._inflight[ikey] = Call()
                 mine = True
+                self._gate.started(view.lineage)
                 served.nursery.start_soon(self._buy, call, served, view, key, ikey, route,
                                           headers, body, model, stream, digest)
                 if stream:
@@ -234,6 +241,7 @@ class Gateway:
                    route: Route, headers: Headers, body: bytes, model: str | None, stream: bool,
                    digest: str) -> None:
         """Call upstream once, commit a completed response with its event, wake the waiters."""
+        cost: tuple[int | None, float | None] = (None, None)
         try:
             got = await served.upstream.fetch(route.method, route.path, headers, body,
                                               call.on_start, call.on_chunk, route.query)
@@ -244,7 +252,7 @@ class Gateway:
                                               view.lineage, key, model, call.error.status, why,
                                               route.path)
                 return
-            call.stored = await trio.to_thread.run_sync(
+            call.stored, cost = await trio.to_thread.run_sync(
                 self._commit, view, key, got, model, stream, digest, route.path)
         except Exception as exc:  # a bug or a store failure must not take the server down
             log.error("gateway call for session %s failed: %s", view.session, exc)
@@ -256,11 +264,15 @@ class Gateway:
         finally:
             # Unregister before waking: a waiter that loops must find the committed response.
             self._inflight.pop(ikey, None)
+            self._gate.landed(view.lineage, *cost)
             call.done.set()
             call.notify()
 
     def _commit(self, view: View, key: bytes, got: Fetched, model: str | None, stream: bool,
-                digest: str, path: str) -> StoredResponse:
+                digest: str, path: str
+                ) -> tuple[StoredResponse, tuple[int | None, float | None]]:
+        """Store the response; returns it with its (tokens, USD), tokens None when the
+        provider did not say."""
         ctype = header(got.headers, "content-type") or ""
         sse = stream or ctype.startswith("text/event-stream")
         usage = (usage_of_sse if sse else usage_of_json)(got.body, model)
@@ -270,8 +282,9 @@ class Gateway:
             lineage=view.lineage, session=view.session, key=key.hex(), seq=-1,
             status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=got.body,
             model=usage.model, stream=sse, request_digest=digest, created=_now())
-        return self.db.commit_call(view.session, view.lineage, key, resp, usage, cost, priced,
-                                   path)
+        stored = self.db.commit_call(view.session, view.lineage, key, resp, usage, cost, priced,
+                                     path)
+        return stored, (usage.total_tokens if usage.known else None, cost)
 
 
 # --- small helpers ----------------------------------------------------------------------------

@@ -118,6 +118,15 @@ def _budget_dict(tokens: int | None, usd: float | None) -> dict[str, Any]:
     return {"tokens": tokens, "usd": usd}
 
 
+def used_up(budget: dict[str, Any] | None, used: dict[str, Any]) -> bool:
+    """Whether ``used`` has reached the budget in tokens or in USD (never without a budget)."""
+    if budget is None:
+        return False
+    if budget.get("tokens") is not None and used["tokens"] >= budget["tokens"]:
+        return True
+    return budget.get("usd") is not None and used["usd"] >= budget["usd"]
+
+
 class GatewayStore:
     """Synchronous access to the gateway's dbs; shared by the service, the keeper and the CLI."""
 
@@ -185,18 +194,13 @@ class GatewayStore:
         """The session's budget {"tokens": N|None, "usd": X|None}, or None when it has none."""
         return self.budget_of(self.ledger.session(session).lineage)
 
-    def over_budget(self, lineage: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """(budget, used) when the lineage has used up its budget, else None."""
-        budget = self.budget_of(lineage)
-        if budget is None:
-            return None
-        t = self.totals(lineage)
-        used = {"tokens": t.total_tokens, "usd": t.cost_usd}
-        if budget.get("tokens") is not None and t.total_tokens >= budget["tokens"]:
-            return budget, used
-        if budget.get("usd") is not None and t.cost_usd >= budget["usd"]:
-            return budget, used
-        return None
+    def spending(self, lineage: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """(budget or None, used): what the lineage may spend and has spent, in tokens and USD."""
+        with self.env.begin() as txn:
+            raw = txn.get(lineage_bytes(lineage), db=self._budgets)
+            t = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
+        budget = None if raw is None else json.loads(bytes(raw).decode("utf-8"))
+        return budget, {"tokens": t.total_tokens, "usd": t.cost_usd}
 
     def usage(self, session: str) -> dict[str, Any]:
         """The session's usage and budget as one JSON-able dict (sessions/S/usage, ksfs usage)."""
@@ -212,7 +216,7 @@ class GatewayStore:
             if budget.get("usd") is not None:
                 rem["usd"] = round(max(0.0, budget["usd"] - t.cost_usd), 12)
             out["remaining"] = rem
-            out["over_budget"] = self.over_budget(rec.lineage) is not None
+            out["over_budget"] = used_up(budget, {"tokens": t.total_tokens, "usd": t.cost_usd})
         return out
 
     # --- writing (each with its event, in one transaction) ------------------------------------
