@@ -2,8 +2,10 @@
 
 When the environment variable ``KSFS_CRASH_AT`` names a point (``pack.fsync``, ``index.commit``,
 ...), ``crash_point(name)`` sends SIGKILL to the process the first time (or the Nth time, with
-``KSFS_CRASH_AT=name:N``) execution reaches it. Nothing else happens in normal runs: the check is
-one dict lookup. Points in use are listed in docs/reliability.md.
+``KSFS_CRASH_AT=name:N``) execution reaches it. ``KSFS_FAIL_AT`` (same syntax) raises
+``InjectedFault`` there instead, to test what a verb does when a step fails and the process
+lives on. Nothing else happens in normal runs: the check is one dict lookup. Points in use are
+listed in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -11,16 +13,29 @@ from __future__ import annotations
 import os
 import signal
 
+from ksfs.errors import KsfsError
+
 _hits: dict[str, int] = {}
 
 
+class InjectedFault(KsfsError):
+    """injected fault at {point} (KSFS_FAIL_AT)"""
+
+
 def crash_point(name: str) -> None:
-    target = os.environ.get("KSFS_CRASH_AT")
+    if _reached(name, "KSFS_CRASH_AT"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _reached(name, "KSFS_FAIL_AT"):
+        raise InjectedFault(point=name)
+
+
+def _reached(name: str, variable: str) -> bool:
+    target = os.environ.get(variable)
     if not target:
-        return
+        return False
     point, _, nth = target.partition(":")
     if point != name:
-        return
-    _hits[name] = _hits.get(name, 0) + 1
-    if _hits[name] >= int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        return False
+    key = f"{variable}:{name}"
+    _hits[key] = _hits.get(key, 0) + 1
+    return _hits[key] >= int(nth or 1)

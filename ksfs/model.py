@@ -27,6 +27,7 @@ EVENT_TYPES = frozenset(
         "restore.done",
         "restore.failed",
         "fork.created",
+        "fork.failed",
         "lineage.forked",
         "reconcile",
         "pause",

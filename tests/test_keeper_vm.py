@@ -244,6 +244,38 @@ def test_two_forks_diverge_and_parent_undisturbed(env, agent: str) -> None:
         assert virsh("domstate", f"ksfs-{f}").returncode != 0
 
 
+def test_a_fork_that_fails_is_rolled_back_and_says_so_in_the_parent(env, agent: str) -> None:
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    new = f"ff-{env['tag']}"
+    env["made"].append(new)
+    def sessions() -> list[str]:
+        return [s["session"] for s in json.loads(run(store, "session", "list", "--json",
+                                                     env=e).stdout)]
+
+    before = sessions()
+    res = run(store, "fork", agent, cp, new, check=False,
+              env=dict(e, KSFS_FAIL_AT="fork.resume"))  # restored and reconciled, then fails
+    assert res.returncode == 1 and res.stderr.strip() == (
+        "ksfs: error: injected fault at fork.resume (KSFS_FAIL_AT)")
+    assert virsh("domstate", f"ksfs-{new}").returncode != 0
+    assert not (store / "vm" / new).exists()
+    assert sessions() == before and new not in before
+    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
+              if x]
+    created, failed = events[-2:]
+    assert (created["type"], created["body"]["session"]) == ("fork.created", new)
+    assert failed["type"] == "fork.failed"
+    assert failed["body"] == {"checkpoint": cp, "session": new,
+                              "lineage": created["body"]["lineage"],
+                              "reason": "injected fault at fork.resume (KSFS_FAIL_AT)"}
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    # The name is free again: the same fork now works.
+    run(store, "fork", agent, cp, new, env=e)
+    assert virsh("domstate", f"ksfs-{new}").stdout.strip() == "running"
+    run(store, "session", "rm", new, env=e)
+
+
 def test_pause_and_resume(env, agent: str) -> None:
     store, e = env["store"], env["env"]
     run(store, "pause", agent, env=e)

@@ -154,14 +154,24 @@ class RestoreVerbs:
                     parent=ForkPoint(session, checkpoint, target.seq, parent.lineage),
                     config=config,
                 )
-            with self._undone_on_failure(new, domain):
-                memory, disks = self._checkpoint_readers(target, xml_disks)
-                self.vm.fork(new, domain, memory, disks, xml=target.domain_xml,
-                             lineage=rec.lineage, checkpoint=f"{session}/{checkpoint}",
-                             fw_cfg=self.guest_facts(rec))
-                self._reconcile_to(new, target)
-                crash_point("fork.resume")
-                self.vm.resume(domain)
+            try:
+                with self._undone_on_failure(new, domain):
+                    memory, disks = self._checkpoint_readers(target, xml_disks)
+                    self.vm.fork(new, domain, memory, disks, xml=target.domain_xml,
+                                 lineage=rec.lineage, checkpoint=f"{session}/{checkpoint}",
+                                 fw_cfg=self.guest_facts(rec))
+                    self._reconcile_to(new, target)
+                    crash_point("fork.resume")
+                    self.vm.resume(domain)
+            except BaseException as exc:
+                # The parent's log has this fork's fork.created; say it came to nothing.
+                try:
+                    self.ledger.record(session, "fork.failed", {
+                        "checkpoint": checkpoint, "session": new, "lineage": rec.lineage,
+                        "reason": _reason(exc)})
+                except KsfsError:
+                    pass  # a parent removed with its checkpoints kept: its log is closed
+                raise
         return rec
 
 
