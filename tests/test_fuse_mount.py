@@ -109,6 +109,20 @@ def test_layout_and_sizes(mnt, sources, keeper):
     assert (mnt / "sessions" / "s1" / "resume").stat().st_mode & 0o777 == 0o644
 
 
+def test_listings_have_dot_and_dotdot_as_on_any_filesystem(mnt):
+    c1 = cp(mnt, "s1", "c1")
+    for d, parent in ((mnt, mnt.parent), (mnt / "sessions", mnt), (c1, c1.parent)):
+        names = subprocess.run(["ls", "-a1", str(d)], capture_output=True, text=True,
+                               check=True).stdout.split()
+        assert names[:2] == [".", ".."] and "." not in os.listdir(d)
+        assert os.stat(d / ".").st_ino == os.stat(d).st_ino
+        assert os.stat(d / "..").st_ino == os.stat(parent).st_ino
+    found = subprocess.run(["find", str(c1), "-maxdepth", "1", "-type", "f"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(Path(f).name for f in found) == [
+        "disk.raw", "memory", "meta.json", "transcript"]
+
+
 def test_every_byte_equals_the_original_and_ksfs_cat(mnt, sources, keeper):
     for c, disk in (("c1", sources["disk1"]), ("c2", sources["disk2"])):
         for name, src in (("disk.raw", disk), ("memory", sources["memory"])):

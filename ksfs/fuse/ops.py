@@ -142,7 +142,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def opendir(self, inode: int, ctx: Any) -> int:
-        entries = await self._io(self.tree.listdir, inode)
+        entries = await self._io(self.tree.listdir, inode, True)
         fh = self._next_dir
         self._next_dir += 1
         self._dirs[fh] = entries

@@ -250,11 +250,12 @@ class CheckpointTree:
             ino = self.lookup(ino, part).ino
         return Entry(name, ino, self.attr(ino))
 
-    def listdir(self, ino: int) -> list[Entry]:
-        """A snapshot of a directory, in a stable order; offsets into it stay valid."""
+    def listdir(self, ino: int, dots: bool = False) -> list[Entry]:
+        """A snapshot of a directory, in a stable order; offsets into it stay valid. With
+        ``dots``, ``.`` and ``..`` first, as ``ls -a`` and ``readdir(3)`` users expect."""
         parent = self._dir(ino)
         base = self._paths[ino]
-        out = []
+        out = [Entry(".", ino, parent.attr()), self.lookup(ino, "..")] if dots else []
         for name, node in parent.children():
             child = self._intern(node, base + (name,))
             try:
