@@ -6,6 +6,7 @@ manifests are 32-byte BLAKE3 digests, written as lowercase hex outside the store
 
 from __future__ import annotations
 
+import json
 from collections.abc import Container
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -74,6 +75,24 @@ def validate_name(name: str, what: str = "name") -> str:
     if len(encoded) > NAME_MAX:
         raise BadName(name=name[:20] + "...", why=f"{what} is longer than {NAME_MAX} bytes")
     return name
+
+
+# Events name a checkpoint's files, but an event body has a size limit (64 KiB, records.py) and
+# a checkpoint may hold thousands of files: names past this many bytes are counted, not listed.
+EVENT_NAMES_BYTES = 16 * 1024
+
+
+def event_file_names(names: list[str]) -> dict[str, Any]:
+    """``{"files": [...]}`` for an event body, the list cut short (with ``files_not_listed``,
+    the count left out) once the names pass EVENT_NAMES_BYTES of JSON."""
+    listed: list[str] = []
+    used = 0
+    for name in names:
+        used += len(json.dumps(name)) + 2
+        if used > EVENT_NAMES_BYTES:
+            return {"files": listed, "files_not_listed": len(names) - len(listed)}
+        listed.append(name)
+    return {"files": listed}
 
 
 def checkpoint_name_for_seq(seq: int, taken: Container[str] = ()) -> str:

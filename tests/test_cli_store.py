@@ -168,6 +168,43 @@ def test_import_refuses_the_names_a_checkpoint_directory_reserves(
     assert store_snapshot(store) == before
 
 
+def test_a_checkpoint_of_thousands_of_long_named_files(store: Path, tmp_path: Path) -> None:
+    """The published and deleted events list names up to a size and count the rest: an event
+    body has a limit, a checkpoint's file count has none."""
+    src = tmp_path / "many"
+    src.mkdir()
+    names = [f"{i:04d}" + "L" * 240 for i in range(1200)]
+    for i, n in enumerate(names):
+        (src / n).write_text(str(i))
+    out = ksfs(store, "import", "s1", "c1", *(str(src / n) for n in names)).stdout.decode()
+    assert out.startswith("s1/c1: 1200 files, ")
+    assert ksfs(store, "cat", "s1", "c1", names[-1]).stdout == b"1199"
+    published = json.loads(ksfs(store, "events", "s1", "--json").stdout.splitlines()[-1])
+    body = published["body"]
+    assert published["type"] == "checkpoint.published"
+    assert body["files"] == names[:len(body["files"])] and 0 < len(body["files"]) < 1200
+    assert body["files_not_listed"] == 1200 - len(body["files"])
+    ksfs(store, "rm", "s1", "c1")
+    deleted = json.loads(ksfs(store, "events", "s1", "--json").stdout.splitlines()[-1])["body"]
+    assert len(deleted["files"]) + deleted["files_not_listed"] == 1200
+    assert ksfs(store, "check").returncode == 0
+
+
+def test_two_files_of_one_base_name_are_named_in_the_refusal(store: Path,
+                                                             tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for d in ("a", "b"):
+        (tmp_path / d / "memory").write_bytes(b"x")
+    res = ksfs(store, "import", "s1", "c1", str(tmp_path / "a" / "memory"),
+               str(tmp_path / "b" / "memory"), check=False)
+    err = res.stderr.decode().strip()
+    assert res.returncode == 2 and err == (
+        f"ksfs: error: {tmp_path / 'a' / 'memory'} and {tmp_path / 'b' / 'memory'} would both "
+        "be stored as 'memory': a checkpoint keeps each file under its base name")
+    assert not store.exists() or ksfs(store, "checkpoints", "s1", check=False).returncode == 3
+
+
 def test_a_damaged_ledger_record_is_exit_6_not_a_traceback(store: Path, tmp_path: Path) -> None:
     """A ledger value whose bytes no longer decode (damage) is an integrity error: one line,
     exit 6, from every command that reads it."""

@@ -66,7 +66,8 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
         emit_json(record.to_dict())
     else:
         click.echo(
-            f"{session}/{record.name}: {len(record.files)} files, "
+            f"{session}/{record.name}: {len(record.files)} "
+            f"file{'' if len(record.files) == 1 else 's'}, "
             f"{record.logical_bytes} bytes, {record.stored_bytes} new bytes stored"
         )
         click.echo(record.name)

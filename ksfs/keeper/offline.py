@@ -26,6 +26,7 @@ from ksfs.model import (
     CheckpointRecord,
     FileRecord,
     checkpoint_name_for_seq,
+    event_file_names,
     validate_name,
 )
 
@@ -96,7 +97,12 @@ class OfflineVerbs:
                 raise BadInput(f"{p} says it is empty but has content (a /proc or /sys file?): "
                                "copy it to a regular file and import that")
         if len(set(names)) != len(names):
-            raise BadInput("two files to import share one base name")
+            first: dict[str, Path] = {}
+            for p, name in zip(paths, names, strict=True):
+                if name in first:
+                    raise BadInput(f"{first[name]} and {p} would both be stored as {name!r}: "
+                                   "a checkpoint keeps each file under its base name")
+                first[name] = p
         self.ensure_session(session)
         with session_lock(self.store_path, session):
             taken = set(self.ledger.checkpoint_names(session))  # stable under the lock
@@ -157,7 +163,7 @@ class OfflineVerbs:
             "seq": record.seq,
             "logical_bytes": record.logical_bytes,
             "stored_bytes": record.stored_bytes,
-            "files": [f.name for f in record.files],
+            **event_file_names([f.name for f in record.files]),
         }
 
     def _record_failure(self, session: str, name: str, exc: BaseException,

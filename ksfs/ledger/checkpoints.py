@@ -20,7 +20,7 @@ from ksfs.ledger.records import (
     lmdb_errors,
     summary_of,
 )
-from ksfs.model import CheckpointRecord, Event, validate_name
+from ksfs.model import CheckpointRecord, Event, event_file_names, validate_name
 
 
 class CheckpointMethods:
@@ -74,7 +74,7 @@ class CheckpointMethods:
             txn.delete(K.ckpt_name_key(lin, name), db=self._ckpts)
             txn.delete(K.ckpt_seq_key(lin, cp.seq, name), db=self._ckpts)
             return self._append(txn, rec.lineage, "checkpoint.deleted", {
-                "name": name, "seq": cp.seq, "files": [f.name for f in cp.files],
+                "name": name, "seq": cp.seq, **event_file_names([f.name for f in cp.files]),
                 "size": cp.logical_bytes, "stored": cp.stored_bytes,
             })
 
