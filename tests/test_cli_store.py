@@ -106,6 +106,10 @@ def test_import_cat_stats_round_trip(store: Path, tmp_path: Path) -> None:
         (["cat", "s1", "c1", ".."], 2, "'..'"),
         (["umount", "/nonexistent/mnt"], 3, "not found"),
         (["umount", "DIR"], 2, "is not mounted"),
+        (["mount", "/nonexistent/mnt"], 3, "not found"),
+        (["mount", "STORE"], 2, "would hide the store"),
+        (["mount", "DIR"], 2, "would hide the store"),  # the store is tmp_path/store
+        (["mount", "STORE/packs"], 2, "is inside the store"),
     ],
 )
 def test_bad_input_one_line_exit_code_nothing_changed(
@@ -115,7 +119,8 @@ def test_bad_input_one_line_exit_code_nothing_changed(
     f.write_bytes(b"hello" * 1000)
     ksfs(store, "import", "s1", "c1", str(f))
     before = store_snapshot(store)
-    args = [str(f) if a == "FILE" else str(tmp_path) if a == "DIR" else a for a in args]
+    args = [str(f) if a == "FILE" else str(tmp_path) if a == "DIR" else a.replace(
+        "STORE", str(store)) for a in args]
     res = ksfs(store, *args, check=False)
     err = res.stderr.decode()
     assert res.returncode == code, err

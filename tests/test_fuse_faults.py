@@ -159,3 +159,19 @@ def test_a_mount_whose_server_was_killed_says_how_to_clear_it(small_store, tmp_p
     assert (mnt / "sessions" / "s" / "checkpoints" / "c" / "memory").read_bytes() == \
         memory.read_bytes()
     umount(proc, mnt)
+
+
+def test_umount_of_a_mount_in_use_is_busy_and_leaves_it_mounted(small_store):
+    import subprocess
+    import sys
+
+    store, disk, memory = small_store
+    with mounted(store) as mnt:
+        cli = [sys.executable, "-m", "ksfs.cli", "--store", str(store), "umount", str(mnt)]
+        with open(mnt / "sessions" / "s" / "checkpoints" / "c" / "memory", "rb") as held:
+            res = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+            assert res.returncode == 8, res.stderr
+            assert res.stderr.strip() == (
+                f"ksfs: error: {mnt} is in use (a process has a file open or its working "
+                "directory there): not unmounted")
+            assert os.path.ismount(mnt) and held.read() == memory.read_bytes()

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from ksfs.cli import main, pass_ctx
-from ksfs.errors import BadInput, DaemonError, NoSuchFile
+from ksfs.errors import BadInput, Busy, DaemonError, NoSuchFile
 
 
 def _is_mounted(mountpoint: str) -> bool:
@@ -41,7 +41,7 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
     try:
         is_dir = stat.S_ISDIR(os.stat(mountpoint).st_mode)
     except FileNotFoundError:
-        is_dir = False
+        raise NoSuchFile(what="mount point", name=mountpoint) from None
     except OSError as exc:  # ENOTCONN: a FUSE mount whose server is gone
         raise BadInput(f"mount point {mountpoint} cannot be used ({exc.strerror}); {clear}"
                        ) from None
@@ -50,6 +50,7 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
     if _is_mounted(mountpoint):
         raise BadInput(f"{mountpoint} is already a mount point ({clear})")
     store = Path(ctx.store_path)
+    _refuse_overlap(store, Path(mountpoint))
     # Make (or check) the store before the daemon's log file lands in its directory.
     ctx.store(create=True)
     ctx.close()
@@ -77,6 +78,18 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
         sys.exit(int(code))
     raise DaemonError(f"the daemon did not mount {mountpoint}: {answer or 'it exited'}; "
                       f"see {log_path}")
+
+
+def _refuse_overlap(store: Path, mountpoint: Path) -> None:
+    """The daemon reads and writes the store's files: mounted over them (or inside them), each
+    of its own file operations would be a request to itself, and it would hang."""
+    s, m = store.resolve(), mountpoint.resolve()
+    if s == m or m in s.parents:
+        raise BadInput(f"mount point {mountpoint} would hide the store {store} under the mount; "
+                       "mount somewhere outside it")
+    if s in m.parents:
+        raise BadInput(f"mount point {mountpoint} is inside the store {store}; "
+                       "mount somewhere outside it")
 
 
 def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
@@ -117,6 +130,9 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
         raise BadInput(f"{mountpoint} is not mounted")
     res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
     if res.returncode != 0:
+        if "busy" in res.stderr.lower():
+            raise Busy(f"{mountpoint} is in use (a process has a file open or its working "
+                       "directory there): not unmounted")
         raise DaemonError(f"could not unmount {mountpoint}: {res.stderr.strip()}")
     lock = Path(ctx.store_path) / "daemon.lock"
     deadline = time.monotonic() + timeout
