@@ -39,7 +39,7 @@ def store_snapshot(store: Path) -> dict[str, int]:
     """Every file of the store with its size: 'nothing changed' means this is equal."""
     out = {}
     for p in sorted(store.rglob("*")):
-        if p.is_file() and p.name not in ("lock",) and not p.name.endswith(".lock"):
+        if p.is_file() and p.name not in ("lock", "daemon.lock"):
             out[str(p.relative_to(store))] = p.stat().st_size
     return out
 
@@ -95,6 +95,7 @@ def test_import_cat_stats_round_trip(store: Path, tmp_path: Path) -> None:
         (["cat", "s1", "nosuch", "disk.raw"], 3, "no checkpoint"),
         (["cat", "s1", "c1", "nosuch"], 3, "not found"),
         (["rm", "s1", "nosuch"], 3, "no checkpoint"),
+        (["rm", "ghost", "c1"], 3, "no session"),
         (["import", "a/b", "c9", "FILE"], 2, "'/'"),
         (["import", "s1", "..", "FILE"], 2, "'..'"),
         (["import", "s1", "", "FILE"], 2, "empty"),

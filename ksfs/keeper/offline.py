@@ -177,8 +177,9 @@ class OfflineVerbs:
     def delete_checkpoint(self, session: str, checkpoint: str) -> None:
         validate_name(session, "session name")
         validate_name(checkpoint, "checkpoint name")
+        self.ledger.checkpoint(session, checkpoint)  # unknown: say so before a lock file is made
         with session_lock(self.store_path, session):
-            self.ledger.checkpoint(session, checkpoint)  # NoSuchCheckpoint first
+            self.ledger.checkpoint(session, checkpoint)  # and again, stable under the lock
             with self.store.env.begin(write=True) as txn:
                 self.ledger.delete_checkpoint(txn, session, checkpoint)
         self.checkpoint_changed(session, checkpoint)
