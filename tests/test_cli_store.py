@@ -327,3 +327,43 @@ def test_recover_matches_a_suffixed_automatic_name_to_its_begin(store: Path,
         assert k._unfinished("s") == []
         assert k.recover() == []
         assert not [e for e in k.ledger.events("s", 0) if e.type == "checkpoint.failed"]
+
+
+def test_sparse_images_are_imported_without_reading_holes_and_cat_keeps_them_sparse(
+        store: Path, tmp_path: Path) -> None:
+    rnd = random.Random(5)
+    img = tmp_path / "disk.img"
+    size = 2 * 1024**3 + 12345  # not a multiple of 64 KiB; the tail is written
+    with open(img, "wb") as f:
+        f.truncate(size)
+        for off, n in ((0, 3000), (100_000, 300_000), (1024**3 + 7, 70_000),
+                       (size - 5000, 5000)):
+            f.seek(off)
+            f.write(rnd.randbytes(n))
+    tail_hole = tmp_path / "tail.img"  # ends in a hole that is not a whole 64 KiB
+    with open(tail_hole, "wb") as f:
+        f.write(rnd.randbytes(70_000))
+        f.truncate(3 * 65536 + 100)
+    ksfs(store, "import", "s1", "c1", str(img), str(tail_hole))
+    for src in (img, tail_hole):
+        out = tmp_path / f"out-{src.name}"
+        with open(out, "wb") as f:
+            subprocess.run(KSFS + ["--store", str(store), "cat", "s1", "c1", src.name],
+                           stdout=f, check=True)
+        assert out.stat().st_size == src.stat().st_size
+        assert subprocess.run(["cmp", str(out), str(src)]).returncode == 0
+        # holes were seeked over, not written: what the source has allocated, rounded out to
+        # the 64 KiB chunks around each of its (at most four) written extents
+        assert out.stat().st_blocks <= src.stat().st_blocks + 4 * 2 * 128
+        # appended to, or into a pipe, the bytes are all written and the same
+        with open(out, "ab") as f:
+            subprocess.run(KSFS + ["--store", str(store), "cat", "s1", "c1", src.name],
+                           stdout=f, check=True)
+        assert out.stat().st_size == 2 * src.stat().st_size
+        with open(out, "rb") as f:
+            f.seek(src.stat().st_size)
+            assert f.read(200_000) == src.read_bytes()[:200_000]
+    piped = subprocess.run(KSFS + ["--store", str(store), "cat", "s1", "c1", "tail.img"],
+                           capture_output=True, check=True).stdout
+    assert piped == tail_hole.read_bytes()
+    assert ksfs(store, "check", "--read-data").returncode == 0

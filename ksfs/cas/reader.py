@@ -38,6 +38,11 @@ SPAN_MAX = 4 * 1024 * 1024  # adjacent records of one pack are read with one pre
 _ZEROS = memoryview(bytes(1024 * 1024))  # holes are handed out as views of this
 
 
+def is_hole(piece: bytes | memoryview) -> bool:
+    """Whether a piece ``stream`` yielded is (part of) a hole: all zeros, never stored."""
+    return isinstance(piece, memoryview) and piece.obj is _ZEROS.obj
+
+
 class FileReader:
     """Reads a stored file. Invariant: ``starts[i]`` is the file offset of ``entries[i]``."""
 

@@ -81,6 +81,9 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
 def cat(ctx, session: str, checkpoint: str, file: str) -> None:
     """Write FILE of SESSION's CHECKPOINT to standard output.
 
+    Into a regular file (> out) holes are skipped, not written, so a disk image comes out
+    sparse as it went in.
+
     Example: ksfs cat demo c1 disk.raw | sha256sum
     """
     keeper = ctx.open_keeper()
@@ -114,13 +117,59 @@ def _cat(reader) -> None:
         fd = None
     # A write that fails (a full disk, the reader gone) is the root group's to report: see
     # ksfs/cli/__init__.py
+    sparse = fd is not None and _may_skip_holes(fd)
     for pieces in reader.stream():
         if fd is None:
             for piece in pieces:
                 out.write(piece)
+        elif sparse:
+            write_sparse(fd, pieces)
         else:
             write_all(fd, pieces)
+    if sparse:
+        end = os.lseek(fd, 0, os.SEEK_CUR)
+        if os.fstat(fd).st_size < end:  # a hole at the end: the file still gets its size
+            os.ftruncate(fd, end)
     out.flush()
+
+
+def _may_skip_holes(fd: int) -> bool:
+    """Whether holes may be seeked over instead of written: standard output is a regular file
+    (``> out``), not appended to, and holds nothing from where we write on (so what a seek
+    leaves unwritten reads as zeros). A restored disk image then stays sparse, as ``cp`` keeps
+    it."""
+    import fcntl
+    import stat as stat_
+
+    try:
+        st = os.fstat(fd)
+        if not stat_.S_ISREG(st.st_mode) or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+            return False
+        return st.st_size <= os.lseek(fd, 0, os.SEEK_CUR)
+    except OSError:
+        return False
+
+
+def write_sparse(fd: int, pieces: list) -> None:
+    """``write_all``, but runs of hole pieces of 64 KiB or more are seeked over."""
+    from ksfs.cas.reader import is_hole
+
+    run: list = []
+    i = 0
+    while i < len(pieces):
+        j = i
+        while j < len(pieces) and is_hole(pieces[j]):
+            j += 1
+        gap = sum(len(p) for p in pieces[i:j])
+        if gap >= 64 * 1024:
+            write_all(fd, run)
+            run = []
+            os.lseek(fd, gap, os.SEEK_CUR)
+            i = j
+        else:
+            run.append(pieces[i])
+            i += 1
+    write_all(fd, run)
 
 
 def write_all(fd: int, pieces: list) -> None:
