@@ -6,7 +6,7 @@ pyfuse3, libvirt or click; never writes to the image.
 
 from ksfs.guestfs.diff import Change, diff_trees
 from ksfs.guestfs.fs import ROOT_INO, GuestFS, GuestStat
-from ksfs.guestfs.image import FileImageReader, find_filesystem
+from ksfs.guestfs.image import FileImageReader, Partition, find_filesystem, find_filesystems
 from ksfs.guestfs.transcript import DEFAULT_TRANSCRIPT, read_transcript
 from ksfs.model import TranscriptInfo
 
@@ -17,8 +17,10 @@ __all__ = [
     "FileImageReader",
     "GuestFS",
     "GuestStat",
+    "Partition",
     "TranscriptInfo",
     "diff_trees",
     "find_filesystem",
+    "find_filesystems",
     "read_transcript",
 ]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ksfs.errors import BadInput, GuestFSUnreadable, IntegrityError, NoSuchFile
 from ksfs.guestfs import layout
-from ksfs.guestfs.image import Reader, find_filesystem, read_exact
+from ksfs.guestfs.image import Partition, Reader, find_filesystems, read_exact
 from ksfs.guestfs.journal import journal_overlay
 from ksfs.guestfs.layout import Inode
 from ksfs.guestfs.volume import LRU, Volume
@@ -69,10 +69,50 @@ class GuestFS:
         self._names = LRU(64)  # dir ino -> {name bytes: ino}, for lookups in big directories
 
     @classmethod
-    def open(cls, reader: Reader) -> GuestFS:
-        """Find the filesystem in ``reader`` (whole disk or first Linux partition) and open it,
-        replaying its journal in memory when the guest left committed transactions there."""
-        offset, length, where = find_filesystem(reader)
+    def open(cls, reader: Reader, holding: str | bytes | None = None) -> GuestFS:
+        """Find the filesystem in ``reader`` (whole disk, or the partition ``find_filesystems``
+        puts first) and open it, replaying its journal in memory when the guest left committed
+        transactions there.
+
+        With ``holding`` (a path, such as the transcript's), the first partition in that order
+        holding an ext filesystem in which the path exists. Otherwise (or in none of them), when
+        several partitions of the first one's tier (same type and content class) hold ext, the
+        first whose top directory holds ``etc`` (a root filesystem by its content), and failing
+        that the first (the largest)."""
+        parts = find_filesystems(reader)
+        ext = [p for p in parts if p.content == "ext" and not p.why]
+        if holding is not None and ext and ext != parts[:1]:
+            for p in ext:
+                fs = cls._try(reader, p)
+                if fs is not None and fs._holds(holding):
+                    return fs
+        if len(ext) > 1:
+            same_tier = [p for p in ext if p.tier == parts[0].tier]
+            if len(same_tier) > 1:
+                for p in same_tier:
+                    fs = cls._try(reader, p)
+                    if fs is not None and fs._holds(b"etc", directory=True):
+                        return fs
+        return cls._open_at(reader, parts[0])
+
+    @classmethod
+    def _try(cls, reader: Reader, part: Partition) -> GuestFS | None:
+        try:
+            return cls._open_at(reader, part)
+        except IntegrityError:  # GuestFSUnreadable, or a damaged chunk of the disk
+            return None
+
+    def _holds(self, path: str | bytes, directory: bool = False) -> bool:
+        try:
+            ino = self.resolve(path)
+            return not directory or self.stat_ino(ino).is_dir
+        except (IntegrityError, NoSuchFile, BadInput):
+            return False
+
+    @classmethod
+    def _open_at(cls, reader: Reader, part: Partition) -> GuestFS:
+        part.check()
+        offset, length, where = part.offset, part.length, part.where
         raw = read_exact(reader, offset + 1024, 1024, "superblock")
         try:
             sb = layout.parse_superblock(raw, length)
@@ -95,11 +135,12 @@ class GuestFS:
         return fs
 
     @classmethod
-    def open_or_reason(cls, reader: Reader) -> tuple[GuestFS | None, str | None]:
+    def open_or_reason(cls, reader: Reader, holding: str | bytes | None = None
+                       ) -> tuple[GuestFS | None, str | None]:
         """(fs, None), or (None, why) when the disk holds nothing this can read exactly: what a
         checkpoint's ``fs/`` shows as an empty directory plus an ``fs.unreadable`` event."""
         try:
-            return cls.open(reader), None
+            return cls.open(reader, holding), None
         except IntegrityError as exc:  # GuestFSUnreadable, or a damaged chunk of the disk
             return None, str(exc)
 

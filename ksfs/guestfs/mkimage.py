@@ -82,3 +82,32 @@ def build_partitioned(fs_image: str | os.PathLike[str], out: str | os.PathLike[s
     _run("dd", f"if={os.fspath(fs_image)}", f"of={os.fspath(out)}", "bs=1M",
          f"seek={fs_start * SECTOR}", "oflag=seek_bytes", "conv=notrunc,sparse", "status=none")
     return fs_start * SECTOR
+
+
+def build_disk(out: str | os.PathLike[str],
+               parts: Sequence[tuple[str, str | os.PathLike[str] | int]],
+               table: str = "gpt") -> list[int]:
+    """A disk at ``out`` with one partition per ``(type, content)``, in order: ``type`` is a
+    GPT type GUID or an MBR type in hex (``table="dos"``, primary partitions only), ``content``
+    a filesystem image whose bytes fill the partition or a size in MiB for an empty one.
+    Returns each partition's byte offset."""
+    starts, sizes = [], []
+    lba = 2048
+    for _, content in parts:
+        nbytes = (content << 20) if isinstance(content, int) else os.path.getsize(content)
+        sectors = (nbytes + SECTOR - 1) // SECTOR
+        starts.append(lba)
+        sizes.append(sectors)
+        lba += (sectors + 2047) // 2048 * 2048  # 1 MiB aligned
+    script = f"label: {table}\n" + "".join(
+        f"start={s}, size={n}, type={kind}\n"
+        for s, n, (kind, _) in zip(starts, sizes, parts, strict=True))
+    with open(out, "wb") as f:
+        f.truncate((lba + 2048) * SECTOR)  # room for the backup GPT
+    _run("sfdisk", "-q", "--no-reread", "--no-tell-kernel", os.fspath(out), stdin=script)
+    for start, (_, content) in zip(starts, parts, strict=True):
+        if not isinstance(content, int):
+            _run("dd", f"if={os.fspath(content)}", f"of={os.fspath(out)}", "bs=1M",
+                 f"seek={start * SECTOR}", "oflag=seek_bytes", "conv=notrunc,sparse",
+                 "status=none")
+    return [s * SECTOR for s in starts]

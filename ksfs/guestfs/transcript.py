@@ -22,11 +22,12 @@ PIECE = 1 << 20
 def read_transcript(fs: GuestFS | Reader, path: str = DEFAULT_TRANSCRIPT) -> TranscriptInfo:
     """The last seq, its lineage and the number of whole lines of the transcript at ``path``.
 
-    ``fs`` is an open GuestFS or a disk reader (opened here). NoSuchFile when the file is not
+    ``fs`` is an open GuestFS or a disk reader (opened here; of several ext partitions, the
+    one that holds ``path``). NoSuchFile when the file is not
     there; GuestFSUnreadable when the filesystem or a line of the file cannot be read.
     """
     if not isinstance(fs, GuestFS):
-        fs = GuestFS.open(fs)
+        fs = GuestFS.open(fs, holding=path)
     ino = fs.resolve(path)
     info = fs.stat_ino(ino)
     if not info.is_file:
