@@ -251,6 +251,41 @@ def test_rmdir_deletes_a_checkpoint(mnt, keeper, tmp_path):
     os.rmdir(scratch)
 
 
+def test_a_deleted_checkpoint_directory_lists_nothing(mnt, keeper, tmp_path):
+    (tmp_path / "gone").write_bytes(b"soon gone\n")
+    keeper.import_files("s1", "doomed", [tmp_path / "gone"])
+    d = cp(mnt, "s1", "doomed")
+    assert "gone" in os.listdir(d)
+    cwd = os.getcwd()
+    os.chdir(d)  # a shell sitting in it while the checkpoint is deleted elsewhere
+    try:
+        keeper.delete_checkpoint("s1", "doomed")
+        with pytest.raises(FileNotFoundError):
+            os.listdir(".")
+        with pytest.raises(FileNotFoundError):
+            open("gone", "rb")
+    finally:
+        os.chdir(cwd)
+
+
+def test_xattrs_are_none_and_df_shows_the_store_file_system(mnt, sources):
+    f = cp(mnt, "s1", "c1") / "memory"
+    for p in (mnt, cp(mnt, "s1", "c1"), f, mnt / "sessions" / "s1" / "status"):
+        assert os.listxattr(p) == []
+        with pytest.raises(OSError) as exc:
+            os.getxattr(p, "user.x")
+        assert exc.value.errno == errno.ENODATA
+    with pytest.raises(OSError) as exc:
+        os.setxattr(f, "user.x", b"1")
+    assert exc.value.errno in (errno.ENOTSUP, errno.EACCES)  # EACCES: the file is 0444
+    tar = subprocess.run(["tar", "--xattrs", "-cf", "/dev/null", str(cp(mnt, "s1", "c1"))],
+                         capture_output=True, text=True)
+    assert tar.returncode == 0 and "xattr" not in tar.stderr, tar.stderr
+    ours, host = os.statvfs(mnt), os.statvfs(sources["store"])
+    assert ours.f_blocks * ours.f_frsize == host.f_blocks * host.f_frsize
+    assert abs(ours.f_bavail * ours.f_frsize - host.f_bavail * host.f_frsize) < 256 * MIB
+
+
 def test_st_blocks_follow_what_other_checkpoints_hold(mnt, keeper, tmp_path):
     data = random.Random(4).randbytes(3 * MIB)
     (tmp_path / "own.img").write_bytes(data)

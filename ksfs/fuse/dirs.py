@@ -173,6 +173,10 @@ class CheckpointDir(Dir):
 
     def children(self) -> list[tuple[str, Node]]:
         rec = self.load()
+        if self.keeper.ledger.checkpoint(self.session, self.name).seq != self.seq:
+            # deleted (and its name taken again) while a shell sat in this directory: it is
+            # empty now, as a removed directory reads, not the files it had
+            raise NoSuchCheckpoint(session=self.session, checkpoint=self.name)
         base = ("file", self.lineage, self.name, self.seq)
         out: list[tuple[str, Node]] = []
         for fname in self.keeper.checkpoint_files(rec):

@@ -229,7 +229,35 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def statfs(self, ctx: Any) -> Any:
+        # The file system the store lives on: what df shows is the room new checkpoints have.
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = BLOCK
         s.f_namemax = 255
+        host = os.statvfs(self.tree.keeper.store_path)
+        scale = host.f_frsize / BLOCK
+        s.f_blocks = int(host.f_blocks * scale)
+        s.f_bfree = int(host.f_bfree * scale)
+        s.f_bavail = int(host.f_bavail * scale)
         return s
+
+    # No extended attributes anywhere: listing them finds none (tar --xattrs, getfattr, cp -a
+    # ask), reading one finds it absent, setting one is not supported.
+    @handler
+    async def listxattr(self, inode: int, ctx: Any) -> list:
+        self.tree.node(inode)
+        return []
+
+    @handler
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        self.tree.node(inode)
+        raise pyfuse3.FUSEError(errno.ENODATA)
+
+    @handler
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        self.tree.node(inode)
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    @handler
+    async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        self.tree.node(inode)
+        raise pyfuse3.FUSEError(errno.ENODATA)
