@@ -71,7 +71,9 @@ def validate_name(name: str, what: str = "name") -> str:
     try:
         encoded = name.encode("utf-8")
     except UnicodeEncodeError:
-        raise BadName(name=name, why=f"{what} is not valid UTF-8") from None
+        # shown as the bytes given (b'\xff.bin'), not Python's surrogate escapes of them
+        shown = name.encode("utf-8", "surrogateescape")
+        raise BadName(name=shown, why=f"{what} is not valid UTF-8") from None
     if len(encoded) > NAME_MAX:
         raise BadName(name=name[:20] + "...", why=f"{what} is longer than {NAME_MAX} bytes")
     return name

@@ -4,6 +4,7 @@ bad input with its exit code and an unchanged store, and kill -9 of imports."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -367,3 +368,14 @@ def test_sparse_images_are_imported_without_reading_holes_and_cat_keeps_them_spa
                            capture_output=True, check=True).stdout
     assert piped == tail_hole.read_bytes()
     assert ksfs(store, "check", "--read-data").returncode == 0
+
+
+def test_a_file_name_that_is_not_utf8_is_shown_as_its_bytes(store: Path, tmp_path: Path) -> None:
+    bad = os.path.join(os.fsencode(tmp_path), b"\xff\xfe.bin")
+    with open(bad, "wb") as f:
+        f.write(b"x")
+    res = subprocess.run([*map(os.fsencode, KSFS), b"--store", os.fsencode(store), b"import",
+                          b"s1", b"c1", bad], capture_output=True)
+    assert res.returncode == 2
+    assert res.stderr.decode() == (
+        "ksfs: error: invalid name b'\\xff\\xfe.bin': file name is not valid UTF-8\n")

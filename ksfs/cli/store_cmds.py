@@ -47,7 +47,9 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
     Each file is stored under its base name. disk*.raw, *.img and --disk files are chunked at
     fixed 64 KiB boundaries, memory images at their page records, everything else by content
     (FastCDC). Chunks that changed since the file of the same name in SESSION's latest
-    checkpoint are stored as deltas against their old versions where that saves bytes.
+    checkpoint are stored as deltas against their old versions where that saves bytes. The
+    names a checkpoint directory shows of its own (domain.xml, meta.json, transcript, forks, fs)
+    cannot be imported.
 
     Example: ksfs import demo c1 disk.raw memory
     """
@@ -291,9 +293,12 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
     """What changed from checkpoint A to checkpoint B of SESSION.
 
     Files inside the guest (added +, removed -, changed M with sizes; a change of mode or owner
-    alone is M too, as "mode 644 -> 600" or "owner 0:0 -> 1000:1000"), changed disk clusters,
-    the share of memory chunks that differ, and the events between them. Name a checkpoint of
-    another session (a fork's parent, say) as OTHER/CHECKPOINT.
+    alone is M too, as "mode 644 -> 600" or "owner 0:0 -> 1000:1000"), the checkpoints' own
+    stored files (+ added, - removed, M changed with the chunks their manifests say changed,
+    = identical), changed disk clusters out of those that hold data, the share of memory chunks
+    that differ, and the events between them. The guest files come from disk.raw, or from a
+    checkpoint's only disk image (disk*.raw, *.img). Name a checkpoint of another session (a
+    fork's parent, say) as OTHER/CHECKPOINT.
 
     Events between: those after A's checkpoint.published up to and including B's (so B's own
     checkpoint.begin and .published are in, A's are not; A against itself has none; with B
@@ -315,7 +320,8 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
         return
     click.echo(f"--- {d['a']}\n+++ {d['b']}")
     if d["files"] is None:
-        click.echo(f"files: not compared ({d['files_error'] or 'no disk image'})")
+        click.echo(f"files: not compared "
+                   f"({d['files_error'] or d.get('files_not_compared') or 'no disk image'})")
     else:
         mark = {"added": "+", "removed": "-", "changed": "M", "attrs": "M"}
         only_attrs = d.get("attr_changes") or []
@@ -336,9 +342,33 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
             click.echo(f"{mark[c['kind']]} {quote_name(c['path'])}  ({'; '.join(what)})")
         click.echo(f"files: {len(d['files']) + len(only_attrs)} changed" + (
             f" ({len(only_attrs)} in mode or owner only)" if only_attrs else ""))
+    stored = d.get("stored_files") or []
+    if stored:
+        counts = {k: sum(1 for f in stored if f["kind"] == k)
+                  for k in ("added", "removed", "changed", "identical")}
+        click.echo("stored files: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
+    for f in stored:
+        mark = {"added": "+", "removed": "-", "changed": "M", "identical": "="}[f["kind"]]
+        what = (f"{f['size_a'] if f['size_a'] is not None else '-'} -> "
+                f"{f['size_b'] if f['size_b'] is not None else '-'} bytes")
+        if f["kind"] == "changed" and f.get("chunking") == "fixed":
+            what += (f"; {f['changed_chunks']} of {f['chunks']} stored 64 KiB clusters "
+                     f"changed, {f['changed_bytes']} bytes")
+        elif f["kind"] == "changed":
+            what += (f"; {f['changed_chunks']} of {f['chunks']} chunks not in A, "
+                     f"{f['changed_bytes']} bytes")
+        click.echo(f"  {mark} {quote_name(f['name'])}  ({what})")
     if d["disk"]:
-        click.echo(f"disk: {d['disk']['changed_clusters']} of {d['disk']['clusters']} "
-                   f"64 KiB clusters changed")
+        disk = d["disk"]
+        images = list(dict.fromkeys((disk.get("file_a", "disk.raw"),
+                                     disk.get("file_b", "disk.raw"))))
+        names = "" if images == ["disk.raw"] else " in " + " -> ".join(images)
+        if "stored_clusters" in disk:
+            click.echo(f"disk{names}: {disk['changed_clusters']} of {disk['stored_clusters']} "
+                       f"stored 64 KiB clusters (of {disk['disk_clusters']}) changed")
+        else:
+            click.echo(f"disk: {disk['changed_clusters']} of {disk['clusters']} "
+                       f"64 KiB clusters changed")
     if d["memory"]:
         click.echo(f"memory: {d['memory']['share_differing']:.1%} of chunks differ "
                    f"({d['memory']['differing_chunks']} of {d['memory']['chunks']})")

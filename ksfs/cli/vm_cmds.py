@@ -77,7 +77,8 @@ def session_list(ctx, as_json) -> None:
         return
     for r in rows:
         click.echo(f"{r['session']:20} {r['state']:9} {r['domain'] or '-':24} "
-                   f"seq={r['seq']} last={r['last_checkpoint'] or '-'}")
+                   f"seq={r['seq']} " + (f"last={r['last_checkpoint']}" if r['last_checkpoint']
+                                          else "no checkpoint"))
 
 
 @session.command("rm")
