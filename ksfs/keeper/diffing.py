@@ -3,8 +3,9 @@
 Files inside the guest (added, removed, changed, with sizes, as ``diff -rq`` sees them; a
 changed file also says in ``attrs`` whether its mode or owner moved), the paths whose mode or
 owner alone changed (``attr_changes``, which ``diff -r`` does not report), the number of
-changed 64 KiB disk clusters (compared entry by entry in the fixed-chunk manifests, no data
-read), the share of memory chunks of B not in A, and the host events between them. A
+changed 64 KiB disk clusters (compared offset by offset in the fixed-chunk manifests, no data
+read), the checkpoints' own stored files (added, removed, changed, identical, from their
+manifests), the share of memory chunks of B not in A, and the host events between them. A
 checkpoint is named within the session, or as ``OTHER/CHECKPOINT`` for one of another session
 (a fork and its parent).
 
@@ -18,6 +19,10 @@ the two share between the two places there (a fork point counts as the place of 
 checkpoint it forked from), and down through each fork's log from event 0 to B. Each event says
 which session's log it is from; ``events_path`` lists the stretches of each log. The set is the
 same for (A, B) and (B, A). Sessions with no common root lineage have no path: no events.
+
+The guest files and disk clusters are those of each checkpoint's disk image: ``disk.raw`` (a
+machine's first disk), else its only disk image (a name import chunks as one: ``disk*.raw``,
+``*.img``). With none, or several and no ``disk.raw``, ``files_not_compared`` says so.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from __future__ import annotations
 from typing import Any
 
 from ksfs.errors import KsfsError
-from ksfs.model import CheckpointRecord, validate_name
+from ksfs.keeper.offline import is_disk_image
+from ksfs.model import CheckpointRecord, FileRecord, validate_name
+
+CLUSTER = 65536
+_ABSENT = object()  # past the end of the shorter file: differs from every chunk and hole
 
 
 class Diffing:
@@ -41,20 +50,27 @@ class Diffing:
     def diff(self, session: str, a: str, b: str) -> dict[str, Any]:
         validate_name(session, "session name")
         ra, rb = self._resolve(session, a), self._resolve(session, b)
+        (da, why_a), (db, why_b) = self._guest_disk(ra), self._guest_disk(rb)
         out: dict[str, Any] = {
             "a": f"{ra.session}/{ra.name}",
             "b": f"{rb.session}/{rb.name}",
-            "disk": self._disk_clusters(ra, rb),
+            "disk": self._disk_clusters(da, db),
             "memory": self._memory_share(ra, rb),
             "files": None,  # exactly what diff -rq --no-dereference of the two fs/ says
             "attr_changes": None,  # same type and content, mode or owner moved
             "files_error": None,
+            # the disk image each side's guest files come from, and why not when there is none
+            "guest_disks": {"a": da and da.name, "b": db and db.name},
+            "files_not_compared": why_a or why_b,
+            "stored_files": self._stored_files(ra, rb),
         }
         out["events_path"], out["events"] = self._events_between(ra, rb)
         try:
-            fa, fb = self.guest_fs(ra), self.guest_fs(rb)
-            if fa is not None and fb is not None:
-                from ksfs.guestfs import diff_trees
+            if da is not None and db is not None:
+                from ksfs.guestfs import GuestFS, diff_trees
+
+                fa = GuestFS.open(self.store.open_file(da.manifest))
+                fb = GuestFS.open(self.store.open_file(db.manifest))
 
                 changes = [c.to_dict() for c in diff_trees(fa, fb, attrs=True)]
                 out["files"] = [c for c in changes if c["kind"] != "attrs"]
@@ -67,14 +83,74 @@ class Diffing:
         f = record.file(name)
         return None if f is None else self.store.load_manifest(f.manifest).entries
 
-    def _disk_clusters(self, ra: CheckpointRecord, rb: CheckpointRecord) -> dict[str, Any] | None:
-        ea, eb = self._entries(ra, "disk.raw"), self._entries(rb, "disk.raw")
-        if ea is None or eb is None:
+    @staticmethod
+    def _guest_disk(record: CheckpointRecord) -> tuple[FileRecord | None, str | None]:
+        """The disk image whose guest files stand for ``record``, or (None, why none)."""
+        f = record.file("disk.raw")
+        if f is not None:
+            return f, None
+        disks = sorted((f for f in record.files if is_disk_image(f.name)), key=lambda f: f.name)
+        if len(disks) == 1:
+            return disks[0], None
+        label = f"{record.session}/{record.name}"
+        if not disks:
+            return None, f"{label} has no disk image"
+        return None, (f"{label} has {len(disks)} disk images "
+                      f"({', '.join(f.name for f in disks)}) and no disk.raw")
+
+    def _disk_clusters(self, da: FileRecord | None, db: FileRecord | None
+                       ) -> dict[str, Any] | None:
+        if da is None or db is None:
             return None
-        changed = sum(1 for x, y in zip(ea, eb, strict=False) if x != y)
-        changed += abs(len(ea) - len(eb))
-        return {"clusters": max(len(ea), len(eb)), "changed_clusters": changed,
-                "cluster_size": 65536}
+        ea = self.store.load_manifest(da.manifest).entries
+        eb = self.store.load_manifest(db.manifest).entries
+        cmp = _compare_by_offset(ea, eb)
+        return {
+            "clusters": max(len(ea), len(eb)),  # manifest entries: stored clusters, hole runs
+            "changed_clusters": cmp["changed_clusters"],
+            "cluster_size": CLUSTER,
+            # clusters that hold data (not a hole) in A or in B: what "changed" is out of
+            "stored_clusters": cmp["stored_clusters"],
+            "disk_clusters": -(-max(da.size, db.size) // CLUSTER),  # the whole disk
+            "changed_bytes": cmp["changed_bytes"],
+            "file_a": da.name, "file_b": db.name, "size_a": da.size, "size_b": db.size,
+        }
+
+    def _stored_files(self, ra: CheckpointRecord, rb: CheckpointRecord) -> list[dict[str, Any]]:
+        """Each file stored in A or B (by name): added, removed, identical (same manifest, or
+        same digest: the same bytes), or changed, with what the manifests say changed."""
+        fa, fb = {f.name: f for f in ra.files}, {f.name: f for f in rb.files}
+        out = []
+        for name in sorted(fa.keys() | fb.keys()):
+            a, b = fa.get(name), fb.get(name)
+            d: dict[str, Any] = {"name": name, "size_a": a and a.size, "size_b": b and b.size}
+            if a is None or b is None:
+                d["kind"] = "added" if a is None else "removed"
+            elif a.manifest == b.manifest or (a.digest and a.digest == b.digest):
+                d["kind"] = "identical"
+            else:
+                d["kind"] = "changed"
+                d.update(self._chunk_changes(a, b))
+            out.append(d)
+        return out
+
+    def _chunk_changes(self, a: FileRecord, b: FileRecord) -> dict[str, Any]:
+        """What the manifests of two versions of a file say about their difference. Fixed-size
+        chunks (disk images) are compared offset by offset: ``changed_chunks`` of ``chunks``
+        (those holding data on either side) and the bytes they cover. Content-defined chunks
+        move with insertions, so for them ``changed_chunks`` counts B's chunks found nowhere in
+        A (``chunks`` is B's count) and ``changed_bytes`` their bytes."""
+        ma, mb = self.store.load_manifest(a.manifest), self.store.load_manifest(b.manifest)
+        if ma.chunking == "fixed" and mb.chunking == "fixed":
+            cmp = _compare_by_offset(ma.entries, mb.entries)
+            return {"chunking": "fixed", "chunk_size": CLUSTER,
+                    "chunks": cmp["stored_clusters"], "changed_chunks": cmp["changed_clusters"],
+                    "changed_bytes": cmp["changed_bytes"]}
+        ids_a = {cid for cid, _ in ma.entries if cid is not None}
+        b_chunks = [(cid, n) for cid, n in mb.entries if cid is not None]
+        new = [n for cid, n in b_chunks if cid not in ids_a]
+        return {"chunking": mb.chunking, "chunks": len(b_chunks), "changed_chunks": len(new),
+                "changed_bytes": sum(new)}
 
     def _memory_share(self, ra: CheckpointRecord, rb: CheckpointRecord) -> dict[str, Any] | None:
         ea, eb = self._entries(ra, "memory"), self._entries(rb, "memory")
@@ -141,3 +217,46 @@ class Diffing:
             if e.seq > seq and e.type in ("checkpoint.begin", "checkpoint.failed"):
                 break  # a session's checkpoints do not overlap: it was never published here
         return seq
+
+
+def _compare_by_offset(ea: list, eb: list) -> dict[str, int]:
+    """Two fixed-chunk manifests compared range by range at the same offsets (a run of holes
+    may be one entry on one side and several on the other): the 64 KiB clusters that hold data
+    on either side (or lie past the end of the shorter file), those whose chunk ids differ, and
+    the bytes of the ranges that differ. No chunk is read."""
+
+    def ranges(entries: list) -> list[tuple[int, Any]]:
+        out, pos = [], 0
+        for cid, n in entries:
+            pos += n
+            out.append((pos, cid))
+        return out
+
+    ra, rb = ranges(ea), ranges(eb)
+    end = max(ra[-1][0] if ra else 0, rb[-1][0] if rb else 0)
+    i = j = pos = 0
+    stored = changed = changed_bytes = 0
+    last_stored = last_changed = -1  # the last cluster counted, so none counts twice
+
+    def count(lo: int, hi: int, last: int) -> tuple[int, int]:
+        first, final = max(lo // CLUSTER, last + 1), (hi - 1) // CLUSTER
+        return max(0, final - first + 1), max(last, final)
+
+    while pos < end:
+        a_end, ca = ra[i] if i < len(ra) else (end, _ABSENT)
+        b_end, cb = rb[j] if j < len(rb) else (end, _ABSENT)
+        nxt = min(a_end, b_end)
+        if ca is not None or cb is not None:
+            n, last_stored = count(pos, nxt, last_stored)
+            stored += n
+        if ca != cb:
+            n, last_changed = count(pos, nxt, last_changed)
+            changed += n
+            changed_bytes += nxt - pos
+        pos = nxt
+        if i < len(ra) and a_end == nxt:
+            i += 1
+        if j < len(rb) and b_end == nxt:
+            j += 1
+    return {"stored_clusters": stored, "changed_clusters": changed,
+            "changed_bytes": changed_bytes}

@@ -1,0 +1,179 @@
+"""``ksfs diff`` of offline imports: the checkpoints' own stored files (added, removed, changed
+with what their manifests say, identical), guest files read from a disk image not named
+disk.raw (disk*.raw, *.img: the names import chunks as disk images), and disk clusters counted
+offset by offset out of those that hold data. No VM."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ksfs.cli import main
+from ksfs.guestfs.mkimage import build_ext4
+from ksfs.keeper import Keeper
+from ksfs.keeper.diffing import CLUSTER, _compare_by_offset
+
+MIB = 16
+
+
+def _file(tmp: Path, sub: str, name: str, data: bytes) -> Path:
+    (tmp / sub).mkdir(exist_ok=True)
+    (tmp / sub / name).write_bytes(data)
+    return tmp / sub / name
+
+
+def _disk(tmp: Path, sub: str, name: str, files: dict[str, bytes]) -> Path:
+    src = tmp / f"src-{sub}"
+    src.mkdir()
+    for rel, data in files.items():
+        (src / rel).write_bytes(data)
+    (tmp / sub).mkdir(exist_ok=True)
+    build_ext4(src, tmp / sub / name, MIB, index_dirs=False)
+    return tmp / sub / name
+
+
+def _clusters_differing(a: Path, b: Path) -> int:
+    """The ground truth: 64 KiB clusters whose bytes differ, by reading both images."""
+    n = 0
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(CLUSTER), fb.read(CLUSTER)
+            if not x and not y:
+                return n
+            n += x != y
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("diff-stored")
+    d1 = _disk(tmp, "1", "disk0.raw", {"keep": b"same\n", "grows": b"abc"})
+    d2 = _disk(tmp, "2", "disk0.raw", {"keep": b"same\n", "grows": b"abcdefgh",
+                                       "new": os.urandom(200_000)})
+    o1 = _file(tmp, "1", "other.bin", os.urandom(300_000))
+    o2 = _file(tmp, "2", "other.bin", o1.read_bytes()[:150_000] + b"X" +
+               o1.read_bytes()[150_000:])
+    extra = _file(tmp, "2", "extra.txt", b"only in c2\n")
+    two = [_disk(tmp, "3", "a.img", {"f": b"a"}), _disk(tmp, "4", "b.img", {"f": b"b"})]
+    store = tmp / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("sess", "c1", [d1, o1])
+        k.import_files("sess", "c2", [d2, o2, extra])
+        k.import_files("sess", "c2dup", [d2])
+        k.import_files("sess", "two", two)
+        k.import_files("sess", "img", [_disk(tmp, "5", "guest.img", {"grows": b"abcdefgh"})])
+    return store, (d1, d2)
+
+
+def run(store: Path, *args: str) -> str:
+    res = CliRunner().invoke(main, ["--store", str(store), "diff", "sess", *args])
+    assert res.exit_code == 0, (res.output, res.exception)
+    return res.output
+
+
+def as_json(store: Path, *args: str) -> dict:
+    return json.loads(run(store, *args, "--json"))
+
+
+def _stored(d: dict) -> dict[str, dict]:
+    return {f["name"]: f for f in d["stored_files"]}
+
+
+def test_same_disk_other_files_gone(world) -> None:
+    """The QA case: c2 holds disk0.raw, other.bin and extra.txt; c2dup only the same disk0.raw.
+    The guest files are compared (none changed) and the two files that are gone are said."""
+    store, _ = world
+    d = as_json(store, "c2", "c2dup")
+    assert d["files"] == [] and d["files_error"] is None and d["files_not_compared"] is None
+    assert d["guest_disks"] == {"a": "disk0.raw", "b": "disk0.raw"}
+    assert d["disk"]["changed_clusters"] == 0 and d["disk"]["changed_bytes"] == 0
+    s = _stored(d)
+    assert s["disk0.raw"]["kind"] == "identical"
+    assert s["other.bin"]["kind"] == "removed" and s["other.bin"]["size_b"] is None
+    assert s["extra.txt"] == {"name": "extra.txt", "kind": "removed", "size_a": 11,
+                              "size_b": None}
+    out = run(store, "c2", "c2dup")
+    assert "files: 0 changed" in out and "not compared" not in out
+    assert "stored files: 0 added, 2 removed, 0 changed, 1 identical" in out
+    assert "  - other.bin  (300001 -> - bytes)" in out
+    assert "  = disk0.raw  (" in out
+    assert "disk in disk0.raw: 0 of " in out
+    # (B, A): the same files, added instead of removed
+    back = _stored(as_json(store, "c2dup", "c2"))
+    assert back["other.bin"]["kind"] == "added" and back["extra.txt"]["kind"] == "added"
+
+
+def test_changed_files_say_what_changed(world) -> None:
+    store, (d1, d2) = world
+    d = as_json(store, "c1", "c2")
+    assert {(c["kind"], c["path"]) for c in d["files"]} == {("changed", "grows"),
+                                                           ("added", "new")}
+    s = _stored(d)
+    assert s["extra.txt"]["kind"] == "added"
+    other = s["other.bin"]
+    assert other["kind"] == "changed" and other["chunking"] == "cdc"
+    assert (other["size_a"], other["size_b"]) == (300_000, 300_001)
+    # one byte inserted: content-defined chunks around it are new, the rest are found in A
+    assert 1 <= other["changed_chunks"] < other["chunks"]
+    assert other["changed_bytes"] < 300_001
+    disk = s["disk0.raw"]
+    assert disk["kind"] == "changed" and disk["chunking"] == "fixed"
+    # the manifests' count is exact: the same as comparing the two images' bytes
+    truth = _clusters_differing(d1, d2)
+    assert disk["changed_chunks"] == d["disk"]["changed_clusters"] == truth > 0
+    assert disk["changed_bytes"] == truth * CLUSTER
+    # what the cluster count is out of: stored (data) clusters, and the disk's own
+    total = MIB * (1 << 20) // CLUSTER
+    assert d["disk"]["disk_clusters"] == total
+    assert truth <= d["disk"]["stored_clusters"] < total
+    for key in ("clusters", "changed_clusters", "cluster_size"):  # what --json always had
+        assert key in d["disk"]
+    out = run(store, "c1", "c2")
+    assert (f"disk in disk0.raw: {truth} of {d['disk']['stored_clusters']} stored 64 KiB "
+            f"clusters (of {total}) changed") in out
+    assert "stored files: 1 added, 0 removed, 2 changed, 0 identical" in out
+    assert (f"  M disk0.raw  ({MIB << 20} -> {MIB << 20} bytes; {truth} of "
+            f"{disk['chunks']} stored 64 KiB clusters changed, {truth * CLUSTER} bytes)") in out
+    assert f"  M other.bin  (300000 -> 300001 bytes; {other['changed_chunks']} of " in out
+
+
+def test_img_name_is_a_disk_image(world) -> None:
+    store, _ = world
+    d = as_json(store, "c1", "img")
+    assert d["guest_disks"] == {"a": "disk0.raw", "b": "guest.img"}
+    assert [(c["kind"], c["path"]) for c in d["files"]] == [("changed", "grows"),
+                                                          ("removed", "keep")]
+    assert d["disk"]["file_b"] == "guest.img"
+    assert "disk in disk0.raw -> guest.img: " in run(store, "c1", "img")
+
+
+def test_several_disk_images_are_not_guessed(world) -> None:
+    store, _ = world
+    d = as_json(store, "c1", "two")
+    assert d["files"] is None and d["disk"] is None and d["files_error"] is None
+    assert d["files_not_compared"] == "sess/two has 2 disk images (a.img, b.img) and no disk.raw"
+    assert d["guest_disks"] == {"a": "disk0.raw", "b": None}
+    assert _stored(d)["a.img"]["kind"] == "added"
+    out = run(store, "c1", "two")
+    assert "files: not compared (sess/two has 2 disk images (a.img, b.img)" in out
+
+
+def test_compare_by_offset_lines_up_hole_runs() -> None:
+    """A run of holes is one entry on one side and three on the other: compared by offset,
+    only the cluster that holds new data changed (entry by entry, all after it would)."""
+    x, y = b"x" * 32, b"y" * 32
+    a = [(x, CLUSTER), (None, 10 * CLUSTER)]
+    b = [(x, CLUSTER), (None, 3 * CLUSTER), (y, CLUSTER), (None, 6 * CLUSTER)]
+    assert _compare_by_offset(a, b) == {"stored_clusters": 2, "changed_clusters": 1,
+                                        "changed_bytes": CLUSTER}
+    assert _compare_by_offset(a, a) == {"stored_clusters": 1, "changed_clusters": 0,
+                                        "changed_bytes": 0}
+    # a longer B: its extra clusters changed (they are not in A at all), holes or not
+    longer = a + [(None, 2 * CLUSTER), (y, 100)]
+    assert _compare_by_offset(a, longer) == {"stored_clusters": 4, "changed_clusters": 3,
+                                             "changed_bytes": 2 * CLUSTER + 100}
+    assert _compare_by_offset([], []) == {"stored_clusters": 0, "changed_clusters": 0,
+                                          "changed_bytes": 0}
