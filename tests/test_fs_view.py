@@ -175,3 +175,33 @@ def test_guest_files_read_on_a_thread_stored_files_on_the_loop(store_with_two) -
         assert h.needs_io
         assert tree.read(fh, 0, 100) == (a / "work" / "small.txt").read_bytes()
         tree.release(fh)
+
+
+def test_a_partitioned_image_of_another_name_shows_the_partition_with_the_transcript(
+        tmp_path: Path) -> None:
+    """A checkpoint whose one disk image is vm.img (not disk.raw), a GPT disk with a bigger
+    /home partition first and the root (holding the agent's transcript) second: fs/ and the
+    transcript come from the root."""
+    from ksfs.guestfs.mkimage import build_disk
+
+    home, root = tmp_path / "home", tmp_path / "root"
+    (home / "alice").mkdir(parents=True)
+    (home / "alice" / "big").write_bytes(os.urandom(2 << 20))
+    (root / "agent").mkdir(parents=True)
+    (root / "etc").mkdir()
+    (root / "agent" / "transcript.jsonl").write_text('{"seq": 1, "text": "hello"}\n')
+    build_ext4(home, tmp_path / "home.ext4", 24)
+    build_ext4(root, tmp_path / "root.ext4", 8)
+    img = tmp_path / "vm.img"
+    build_disk(img, [("933AC7E1-2EB4-4F13-B844-0E14E2AEF915", tmp_path / "home.ext4"),
+                     ("4F68BCE3-E8CD-4DB1-96E7-FBCAF984B709", tmp_path / "root.ext4")])
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "c", [img])
+        assert k.diff("s", "c", "c")["guest_disks"] == {"a": "vm.img", "b": "vm.img"}
+    with mounted(store) as mnt:
+        c = mnt / "sessions" / "s" / "checkpoints" / "c"
+        assert sorted(os.listdir(c / "fs")) == ["agent", "etc", "lost+found"]
+        assert (c / "transcript").read_text() == '{"seq": 1, "text": "hello"}\n'
+        assert (c / "fs" / "agent" / "transcript.jsonl").read_bytes() == \
+            (root / "agent" / "transcript.jsonl").read_bytes()

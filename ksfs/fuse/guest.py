@@ -32,12 +32,9 @@ def _guest_fs(cp: CheckpointDir) -> Any:
             _open.move_to_end(key)
             return _open[key]
     rec = cp.load()
-    disk = rec.file("disk.raw")
-    if disk is None:
+    if cp.keeper.guest_disk(rec)[0] is None:
         return None
-    from ksfs.guestfs import GuestFS
-
-    fs, why = GuestFS.open_or_reason(cp.keeper.store.open_file(disk.manifest))
+    fs, why = cp.keeper.open_guest_fs(rec)
     if fs is None:
         cp.keeper.reject_fs(cp.session, cp.name, why)
     with _lock:
@@ -129,8 +126,7 @@ class EmptyFsDir(Dir):
 
 
 def fs_dir(cp: CheckpointDir) -> Node | None:
-    rec = cp.load()
-    if rec.file("disk.raw") is None:
+    if cp.keeper.guest_disk(cp.load())[0] is None:
         return None
     fs = _guest_fs(cp)
     if fs is None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Any
 
 from ksfs.errors import KsfsError
-from ksfs.keeper.offline import is_disk_image
 from ksfs.model import CheckpointRecord, FileRecord, validate_name
 
 CLUSTER = 65536
@@ -50,7 +49,7 @@ class Diffing:
     def diff(self, session: str, a: str, b: str) -> dict[str, Any]:
         validate_name(session, "session name")
         ra, rb = self._resolve(session, a), self._resolve(session, b)
-        (da, why_a), (db, why_b) = self._guest_disk(ra), self._guest_disk(rb)
+        (da, why_a), (db, why_b) = self.guest_disk(ra), self.guest_disk(rb)
         out: dict[str, Any] = {
             "a": f"{ra.session}/{ra.name}",
             "b": f"{rb.session}/{rb.name}",
@@ -67,10 +66,9 @@ class Diffing:
         out["events_path"], out["events"] = self._events_between(ra, rb)
         try:
             if da is not None and db is not None:
-                from ksfs.guestfs import GuestFS, diff_trees
+                from ksfs.guestfs import diff_trees
 
-                fa = GuestFS.open(self.store.open_file(da.manifest))
-                fb = GuestFS.open(self.store.open_file(db.manifest))
+                fa, fb = self.guest_fs(ra), self.guest_fs(rb)
 
                 changes = [c.to_dict() for c in diff_trees(fa, fb, attrs=True)]
                 out["files"] = [c for c in changes if c["kind"] != "attrs"]
@@ -82,21 +80,6 @@ class Diffing:
     def _entries(self, record: CheckpointRecord, name: str):
         f = record.file(name)
         return None if f is None else self.store.load_manifest(f.manifest).entries
-
-    @staticmethod
-    def _guest_disk(record: CheckpointRecord) -> tuple[FileRecord | None, str | None]:
-        """The disk image whose guest files stand for ``record``, or (None, why none)."""
-        f = record.file("disk.raw")
-        if f is not None:
-            return f, None
-        disks = sorted((f for f in record.files if is_disk_image(f.name)), key=lambda f: f.name)
-        if len(disks) == 1:
-            return disks[0], None
-        label = f"{record.session}/{record.name}"
-        if not disks:
-            return None, f"{label} has no disk image"
-        return None, (f"{label} has {len(disks)} disk images "
-                      f"({', '.join(f.name for f in disks)}) and no disk.raw")
 
     def _disk_clusters(self, da: FileRecord | None, db: FileRecord | None
                        ) -> dict[str, Any] | None:

@@ -246,8 +246,9 @@ class MachineVerbs:
             frozen = self.vm.snapshot(
                 session, rec.domain, live=live,
                 on_freeze=lambda: frozen_at.append(self.ledger.last_seq(session)))
+            # (the last: a snapshot of a paused guest may be taken twice, see vm.checkpoint)
             record = self._ingest_frozen(rec, name, begin.seq, frozen,
-                                         frozen_at[0] if frozen_at else None)
+                                         frozen_at[-1] if frozen_at else None)
         except BaseException as exc:
             if frozen is not None:
                 try:

@@ -15,10 +15,13 @@ from typing import Any
 
 from ksfs.errors import IntegrityError, KsfsError
 from ksfs.keeper.holdings import ChunkHolders
-from ksfs.model import CHECKPOINT_VIRTUAL_FILES, CheckpointRecord, Event
+from ksfs.keeper.offline import is_disk_image
+from ksfs.model import CHECKPOINT_VIRTUAL_FILES, CheckpointRecord, Event, FileRecord
 
 log = logging.getLogger(__name__)
 
+# ksfs.guestfs.DEFAULT_TRANSCRIPT, without importing the guest file reader at start-up
+DEFAULT_TRANSCRIPT_PATH = "agent/transcript.jsonl"
 EVENT_LOGS_KEPT = 64  # lineages whose rendered event log is kept between stats
 
 
@@ -160,12 +163,9 @@ class Views:
         skip = set(names)  # a stored file of a reserved name (stores made before the rule) wins
         if not record.domain_xml:
             skip.add("domain.xml")
-        if not self._has_disk(record):
+        if self.guest_disk(record)[0] is None:
             skip.add("transcript")
         return names + [n for n in CHECKPOINT_VIRTUAL_FILES if n not in skip]
-
-    def _has_disk(self, record: CheckpointRecord) -> bool:
-        return record.file("disk.raw") is not None
 
     def meta(self, record: CheckpointRecord) -> dict[str, Any]:
         return {
@@ -241,13 +241,48 @@ class Views:
 
     def transcript_path(self, session: str) -> str:
         rec = self.ledger.session(session)
-        return rec.config.get("transcript_path", "agent/transcript.jsonl")
+        return rec.config.get("transcript_path", DEFAULT_TRANSCRIPT_PATH)
+
+    @staticmethod
+    def guest_disk(record: CheckpointRecord) -> tuple[FileRecord | None, str | None]:
+        """The disk image whose guest files stand for ``record`` (``fs/``, the transcript,
+        ``ksfs diff``): ``disk.raw``, else its only ``disk*.raw`` or ``*.img``; or (None, why
+        none)."""
+        f = record.file("disk.raw")
+        if f is not None:
+            return f, None
+        disks = sorted((f for f in record.files if is_disk_image(f.name)), key=lambda f: f.name)
+        if len(disks) == 1:
+            return disks[0], None
+        label = f"{record.session}/{record.name}"
+        if not disks:
+            return None, f"{label} has no disk image"
+        return None, (f"{label} has {len(disks)} disk images "
+                      f"({', '.join(f.name for f in disks)}) and no disk.raw")
 
     def guest_fs(self, record: CheckpointRecord):
-        """The guest filesystem of a checkpoint's disk, or None when it has no disk."""
-        f = record.file("disk.raw")
+        """The guest filesystem of a checkpoint's disk, or None when it has no disk; on a
+        partitioned disk, the partition holding the session's transcript when one does."""
+        f, _ = self.guest_disk(record)
         if f is None:
             return None
         from ksfs.guestfs import GuestFS
 
-        return GuestFS.open(self.store.open_file(f.manifest))
+        return GuestFS.open(self.store.open_file(f.manifest),
+                            holding=self._transcript_path_of(record.session))
+
+    def open_guest_fs(self, record: CheckpointRecord) -> tuple[Any, str | None]:
+        """(fs, None), or (None, why) when the checkpoint has no disk or none this can read."""
+        f, why = self.guest_disk(record)
+        if f is None:
+            return None, why
+        from ksfs.guestfs import GuestFS
+
+        return GuestFS.open_or_reason(self.store.open_file(f.manifest),
+                                      holding=self._transcript_path_of(record.session))
+
+    def _transcript_path_of(self, session: str) -> str:
+        try:
+            return self.transcript_path(session)
+        except KsfsError:  # a removed session: its checkpoints' guests wrote the default path
+            return DEFAULT_TRANSCRIPT_PATH

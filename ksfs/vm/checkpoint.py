@@ -4,7 +4,9 @@
 ATOMIC and NO_METADATA, memory to a staging file, every disk to a new overlay) and hands the
 frozen chain over as random-access sources. ``finish`` commits the frozen layers into the chain's
 root (never the active overlay), so the next frozen layer holds exactly the next interval's
-writes. Any failure leaves the guest running, removes partial files and raises VMError.
+writes. Any failure leaves the guest as it was (running, or paused), removes partial files and
+raises VMError. A guest paused before its snapshot stays paused; see ``_repause`` for what QEMU
+7.2 needs for that.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ COMMIT_TIMEOUT = 600.0
 # ends with what is left (libvirt allows a suspend inside a snapshot job for this).
 LIVE_COPY_LIMIT = 3.0
 PAUSE_POLL = 0.005
+# QEMU's refusal of a migration (so a memory snapshot) while it is in run state "postmigrate".
+STALE_POSTMIGRATE = "paused due to previous migration"
 
 
 class _PauseMeter:
@@ -157,32 +161,19 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
              | libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_NO_METADATA)
     if live:
         flags |= libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_LIVE
-    made: list[Path] = []  # overlays this call created, the only ones it may delete
-    if ctl.cluster_size != 65536:
-        try:
-            for disk in disks:
-                create_overlay(overlays[disk.target], disk.source, disk.fmt,
-                               f"creating the overlay of {disk.target} of {domain}",
-                               ctl.cluster_size)
-                made.append(overlays[disk.target])
-        except VMError:
-            for path in made:
-                path.unlink(missing_ok=True)
-            raise
-        flags |= libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_REUSE_EXT
-    meter = _PauseMeter(dom, live, on_freeze)
     try:
-        with meter, step(domain, "taking the external snapshot"):
-            dom.snapshotCreateXML(_snapshot_xml(memory, overlays, skip), flags)
-    except VMError:
-        # ATOMIC: libvirt rolled the disks back; drop whatever files it left behind.
-        memory.unlink(missing_ok=True)
-        for path in overlays.values():
-            if path.exists() and path not in _current_tops(ctl, domain):
-                path.unlink(missing_ok=True)
-        _keep_running(dom, was_paused)
-        raise
-    _keep_running(dom, was_paused)
+        meter = _take(ctl, dom, domain, disks, memory, overlays, skip, flags, live, on_freeze,
+                      was_paused)
+    except VMError as exc:
+        if not (was_paused and STALE_POSTMIGRATE in str(exc)):
+            raise
+        # An earlier snapshot of this paused guest was never followed by _repause (ksfs
+        # before it, or a process killed right after libvirt returned): the failed call's
+        # cleanup has just run it, so QEMU is plainly paused again and the snapshot can work.
+        log.warning("snapshot of paused %s found QEMU still in its post-migration state; "
+                    "reactivated it and took the snapshot again", domain)
+        meter = _take(ctl, dom, domain, disks, memory, overlays, skip, flags, live, on_freeze,
+                      was_paused)
     frozen_disks: list[FrozenDisk] = []
     try:
         crash_point("vm.snapshot")
@@ -229,11 +220,76 @@ def _current_tops(ctl: DomainController, domain: str) -> set[Path]:
         return set()
 
 
-def _keep_running(dom: libvirt.virDomain, was_paused: bool) -> None:
-    """A snapshot must never leave a running guest paused."""
+def _take(ctl: DomainController, dom: libvirt.virDomain, domain: str,
+          disks: list[domxml.DiskInfo], memory: Path, overlays: dict[str, Path], skip: list[str],
+          flags: int, live: bool, on_freeze: Callable[[], None] | None,
+          was_paused: bool) -> _PauseMeter:
+    """Make the overlays (unless libvirt makes them) and take the snapshot; on failure remove
+    what this call made and leave the guest as it was (running, or plainly paused)."""
+    made: list[Path] = []  # overlays this call created, the only ones it may delete
+    if ctl.cluster_size != 65536:
+        try:
+            for disk in disks:
+                create_overlay(overlays[disk.target], disk.source, disk.fmt,
+                               f"creating the overlay of {disk.target} of {domain}",
+                               ctl.cluster_size)
+                made.append(overlays[disk.target])
+        except VMError:
+            for path in made:
+                path.unlink(missing_ok=True)
+            raise
+        flags |= libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_REUSE_EXT
+    meter = _PauseMeter(dom, live, on_freeze)
+    try:
+        with meter, step(domain, "taking the external snapshot"):
+            dom.snapshotCreateXML(_snapshot_xml(memory, overlays, skip), flags)
+    except VMError:
+        # ATOMIC: libvirt rolled the disks back; drop whatever files it left behind.
+        memory.unlink(missing_ok=True)
+        for path in overlays.values():
+            if path.exists() and path not in _current_tops(ctl, domain):
+                path.unlink(missing_ok=True)
+        with contextlib.suppress(VMError):
+            _restore_run_state(dom, domain, was_paused)
+        raise
+    try:
+        _restore_run_state(dom, domain, was_paused)
+    except VMError:
+        memory.unlink(missing_ok=True)
+        raise
+    return meter
+
+
+def _restore_run_state(dom: libvirt.virDomain, domain: str, was_paused: bool) -> None:
+    """Leave the guest as the snapshot found it: running, or (paused before) paused."""
+    if was_paused:
+        _repause(dom, domain)
+        return
+    # A snapshot must never leave a running guest paused.
     with contextlib.suppress(libvirt.libvirtError):
-        if not was_paused and dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
+        if dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
             dom.resume()
+
+
+def _repause(dom: libvirt.virDomain, domain: str) -> None:
+    """Bring a guest that was paused before its memory snapshot back to a plain pause.
+
+    libvirt writes the memory of a snapshot by migrating to a file, and resumes the guest
+    after it only if it was running. QEMU ends such a migration in run state "postmigrate"
+    with every block node inactive (handed over to a destination that does not exist): a
+    block commit then fails ("Block node is read-only") and so does the next memory snapshot
+    ("Can't migrate the vm that was paused due to previous migration"). QEMU 10.0 added QMP
+    blockdev-set-active to re-activate them while paused; in QEMU 7.2 only "cont" does, so resume
+    and at once pause again: the guest runs a few milliseconds *after* the instant the
+    checkpoint holds, and stays paused."""
+    with step(domain, "re-activating the disks of a paused guest after its snapshot"):
+        try:
+            if dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
+                dom.resume()
+        finally:
+            # Whatever happened, the guest must not be left running: the pause is the user's.
+            if dom.isActive() and dom.state()[0] != libvirt.VIR_DOMAIN_PAUSED:
+                dom.suspend()
 
 
 def finish(ctl: DomainController, frozen: Frozen, checkpoint: str | None) -> None:
