@@ -329,6 +329,11 @@ def test_saves_of_a_paused_machine_keep_it_paused(env, agent: str) -> None:
         assert res["saved_as"] and res["reconcile"]["outcome"] in ("consistent", "equal", "ok")
         assert virsh("domstate", dom).stdout.strip() == "running"
         assert len(chain_of(dom)) == 2 and len(list(vmdir.glob("*.qcow2"))) == 1
+        # and says it ran it: the user's pause no longer holds
+        events = [json.loads(x) for x in run(store, "events", agent, "--json",
+                                             env=e).stdout.split("\n") if x]
+        last = [ev for ev in events if ev["type"] in ("pause", "resume")][-1]
+        assert last["type"] == "resume" and last["body"]["reason"] == "restore to paused-1"
     finally:
         run(store, "resume", agent, env=e)
     assert virsh("domstate", dom).stdout.strip() == "running"

@@ -119,6 +119,11 @@ class RestoreVerbs:
             t2 = time.monotonic()
             crash_point("restore.resume")
             self.vm.resume(rec.domain)
+            if self._paused_by_user(session):
+                # A restore runs the machine; say so, or recover would take it for the user's
+                # pause still holding and leave it stopped after a later interrupted verb.
+                self.ledger.record(session, "resume", {"domain": rec.domain,
+                                                       "reason": f"restore to {checkpoint}"})
             steps = dict(restored.timings, save_first=t_saved - t0,
                          wait_for_materialize=t_staged - t_saved, reconcile=t2 - t1,
                          resume=time.monotonic() - t2)
