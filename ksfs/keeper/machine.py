@@ -114,6 +114,9 @@ class MachineVerbs:
         vcpus = int(vcpus or spec.get("vcpus") or 1)
         if not 16 <= memory <= 1 << 20 or not 1 <= vcpus <= 64:
             raise BadInput("memory must be 16 MiB to 1 TiB and vcpus 1 to 64")
+        from ksfs.vm.files import inspect_disk
+
+        inspect_disk(spec["disk"])  # an encrypted or foreign disk: refused before any record
         domain = domain_name_for(name)
         with session_lock(self.store_path, name):
             if self.vm.exists(domain):
@@ -153,22 +156,40 @@ class MachineVerbs:
             raise
 
     def _guest_spec(self, guest, kernel, initrd, disk) -> dict[str, Any]:
+        """kernel, initrd and disk as absolute paths (plus the rest of a guest.json). Paths in
+        a guest.json are relative to its directory; those given as options to the current
+        directory. Refuses a bad spec before anything is made."""
         if kernel or initrd or disk:
             if guest or not (kernel and initrd and disk):
                 raise BadInput("give --guest DIR, or all three of --kernel, --initrd and --disk")
-            spec = {"kernel": kernel, "initrd": initrd, "disk": disk}
+            spec: Any = {"kernel": kernel, "initrd": initrd, "disk": disk}
+            base = Path.cwd()
+            where = "the guest's"
         else:
             gdir = Path(guest) if guest else self.default_guest()
             try:
                 spec = json.loads((gdir / "guest.json").read_text())
             except FileNotFoundError:
                 raise NotFound(f"{gdir} is not a guest directory (no guest.json)") from None
-            except ValueError as exc:
+            except (ValueError, UnicodeDecodeError) as exc:
                 raise BadInput(f"{gdir}/guest.json is not valid JSON: {exc}") from None
+            except OSError as exc:
+                raise BadInput(f"{gdir}/guest.json cannot be read: "
+                               f"{exc.strerror or exc}") from None
+            if not isinstance(spec, dict):
+                raise BadInput(f"{gdir}/guest.json is not a JSON object")
+            base = gdir.resolve()
+            where = f"{gdir}/guest.json:"
+            missing = [k for k in ("kernel", "initrd", "disk")
+                       if not isinstance(spec.get(k), str) or not spec[k]]
+            if missing:
+                raise BadInput(f"{where} {', '.join(missing)} missing (each must name a file; "
+                               f"a relative path is relative to {gdir})")
         for key in ("kernel", "initrd", "disk"):
-            if not Path(spec[key]).is_file():
-                raise NotFound(f"the guest's {key} {spec[key]} does not exist")
-            spec[key] = str(Path(spec[key]).resolve())
+            path = base / Path(spec[key]).expanduser()  # an absolute path stays as it is
+            if not path.is_file():
+                raise NotFound(f"{where} {key} {path} does not exist")
+            spec[key] = str(path.resolve())
         return spec
 
     def adopt_session(self, name: str, domain: str) -> SessionRecord:

@@ -21,10 +21,11 @@ from ksfs.errors import VMError
 ZERO_BLOCK = 1 << 20
 
 
-def qemu_img(*args: str, what: str) -> str:
+def qemu_img(*args: str, what: str, timeout: float = 120, cwd: Path | None = None) -> str:
     """Run qemu-img; a failure is a VMError naming ``what``."""
     try:
-        res = subprocess.run(["qemu-img", *args], capture_output=True, text=True, timeout=120)
+        res = subprocess.run(["qemu-img", *args], capture_output=True, text=True,
+                             timeout=timeout, cwd=cwd)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise VMError(f"{what}: qemu-img could not run ({exc})") from exc
     if res.returncode != 0:
@@ -41,6 +42,22 @@ def backing_chain(path: Path | str, what: str = "reading backing chain") -> list
     """[top, its backing, ...] as qemu-img info --backing-chain reports them."""
     out = qemu_img("info", "-U", "--backing-chain", "--output=json", str(path), what=what)
     return json.loads(out)
+
+
+def data_file_of(info: dict) -> str | None:
+    """The external data file of a qcow2 (``-o data_file=``) from its qemu-img info, if any."""
+    return ((info.get("format-specific") or {}).get("data") or {}).get("data-file")
+
+
+def compressed_files(path: Path | str, what: str) -> list[str]:
+    """The files of ``path``'s chain holding compressed (or encrypted) clusters: data that
+    ``qemu-img map`` gives no host offset for, so it cannot be read in place."""
+    chain = backing_chain(path, what)
+    raw = json.loads(qemu_img("map", "-U", "--output=json", str(path), what=what,
+                              timeout=600))
+    depths = sorted({e.get("depth", 0) for e in raw
+                     if e.get("data") and not e.get("zero", False) and e.get("offset") is None})
+    return [chain[min(d, len(chain) - 1)]["filename"] for d in depths]
 
 
 def create_overlay(path: Path, backing: Path | str, backing_fmt: str, what: str,
@@ -74,6 +91,11 @@ class ChainSource:
         self.files = [Path(c["filename"]) for c in chain]
         self.formats = [c["format"] for c in chain]
         self.size = int(chain[0]["virtual-size"])
+        for c in chain:
+            data_file = data_file_of(c)
+            if data_file:  # qemu-img map's offsets are then offsets into that other file
+                raise VMError(f"{what}: {c['filename']} keeps its data in an external file "
+                              f"({data_file}), which ksfs cannot read in place")
         raw = json.loads(qemu_img("map", "-U", "--output=json", str(top), what=what))
         self.extents = [
             Extent(e["start"], e["length"], e.get("depth", 0),

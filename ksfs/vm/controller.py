@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,8 +19,7 @@ import libvirt
 
 from ksfs.errors import AlreadyExists, NotRunning, VMError
 from ksfs.model import validate_name
-from ksfs.vm import domxml
-from ksfs.vm.chain import image_info
+from ksfs.vm import domxml, files
 from ksfs.vm.probe import domain_type
 from ksfs.vm.state import DiskState, Frozen, Restored, SessionState, load_state, save_state
 from ksfs.vm.steps import step
@@ -137,21 +135,22 @@ class DomainController:
         """
         if self.exists(domain_name):
             raise AlreadyExists(what="domain", name=domain_name)
+        plan = files.inspect_disk(disk)  # BadInput (encrypted, not raw/qcow2) before any file
         d = self._make_session_dir(session)
-        disk = Path(disk)
-        with step(domain_name, "inspecting the disk image"):
-            fmt = image_info(disk, f"inspecting {disk}")["format"]
-        if fmt not in ("raw", "qcow2"):
-            raise VMError(f"disk {disk} is {fmt}; ksfs takes raw or qcow2 disks")
+        fmt = plan.fmt
         copy = d / f"vda-0.{fmt}"
-        with step(domain_name, "copying the disk image"):
-            subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(disk), str(copy)],
-                           check=True, capture_output=True)
+        files.make_disk(plan, copy, f"making the disk of {domain_name}")
+        # The domain names no file outside the session's directory: the guest's kernel and
+        # initrd may move or go, and restores and forks boot QEMU from them again.
+        boot = {"kernel": Path(kernel), "initrd": Path(initrd)}
+        for tag, src in boot.items():
+            boot[tag] = d / files.BOOT_NAMES[tag]
+            files.copy_boot_file(src.resolve(), boot[tag], self.workdir)
         full = " ".join(x for x in (cmdline, extra_cmdline) if x)
         if "ksfs.lineage=" not in full:
             full = domxml.set_cmdline_arg(full, "ksfs.lineage", session)
-        xml = domxml.new_domain_xml(domain_name, self.domain_type, Path(kernel).resolve(),
-                                    Path(initrd).resolve(), copy, fmt, memory_mib, vcpus, full,
+        xml = domxml.new_domain_xml(domain_name, self.domain_type, boot["kernel"],
+                                    boot["initrd"], copy, fmt, memory_mib, vcpus, full,
                                     d / "console.log")
         if fw_cfg:
             xml = domxml.set_fw_cfg(xml, fw_cfg)
@@ -184,6 +183,7 @@ class DomainController:
             if disk.fmt not in ("raw", "qcow2"):
                 raise VMError(f"disk {disk.target} of {domain_name} is {disk.fmt}; ksfs keeps "
                               f"raw or qcow2 disks")
+            files.check_adoptable(disk.target, disk.source, domain_name)
         self._make_session_dir(session)
         state = SessionState(domain_name, {d.target: DiskState(d.source, d.fmt) for d in disks},
                              adopted=True)

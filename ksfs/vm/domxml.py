@@ -239,3 +239,27 @@ def console_log_path(xml: str) -> str | None:
 def uuid_of(xml: str) -> str:
     el = _parse(xml).find("uuid")
     return el.text if el is not None and el.text else ""
+
+
+BOOT_TAGS = ("kernel", "initrd")
+
+
+def boot_files(xml: str) -> dict[str, str]:
+    """The direct-boot files a domain names: {"kernel": path, "initrd": path} (those it has)."""
+    root = _parse(xml)
+    out = {}
+    for tag in BOOT_TAGS:
+        el = root.find(f"os/{tag}")
+        if el is not None and el.text and el.text.strip():
+            out[tag] = el.text.strip()
+    return out
+
+
+def set_boot_files(xml: str, paths: dict[str, str]) -> str:
+    """Point ``os/kernel`` and ``os/initrd`` at new paths (only those the XML already has)."""
+    root = _parse(xml)
+    for tag, path in paths.items():
+        el = root.find(f"os/{tag}")
+        if el is not None:
+            el.text = path
+    return ET.tostring(root, encoding="unicode")

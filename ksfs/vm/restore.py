@@ -22,7 +22,7 @@ import libvirt
 
 from ksfs.crashpoints import crash_point
 from ksfs.errors import AlreadyExists, VMError
-from ksfs.vm import domxml, saveimage
+from ksfs.vm import domxml, files, saveimage
 from ksfs.vm.chain import create_overlay, materialize
 from ksfs.vm.state import DiskState, Restored, SessionState, load_state
 from ksfs.vm.steps import step
@@ -141,6 +141,10 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
         _check_disks(new_xml, bases, domain)
         new_xml = domxml.set_disk_sources(
             new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
+        # Before anything is stopped: the kernel and initrd QEMU boots from are the session's
+        # own (a checkpoint's XML may name a parent's copy or a guest directory since gone).
+        new_xml = files.own_boot_files(new_xml, ctl.session_dir(session), ctl.workdir, domain,
+                                       keep_outside=state.adopted)
         with step(domain, "reading its UUID"):
             uuid = dom.UUIDString()
         if domxml.uuid_of(new_xml) != uuid or domxml.domain_name(new_xml) != domain:
@@ -160,7 +164,9 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
         with step(domain, "restoring from the memory image"):
             ctl.conn.restoreFlags(str(mem), new_xml, libvirt.VIR_DOMAIN_SAVE_PAUSED)
         t3 = time.monotonic()
-        _redefine(ctl, domain, overlays)
+        own = {t: p for t, p in domxml.boot_files(new_xml).items()
+               if Path(p).parent == ctl.session_dir(session)}
+        _redefine(ctl, domain, overlays, own)
         timings.update(destroy=t2 - t1, restore=t3 - t2, redefine=time.monotonic() - t3)
     except BaseException:
         for p in (*bases.values(), *overlays.values()):
@@ -183,15 +189,20 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
     return Restored(domain, session, {t: str(p) for t, p in bases.items()}, label, timings)
 
 
-def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path]) -> None:
-    """Point the persistent definition at the new disks too, so a cold boot finds them."""
+def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path],
+              boot: dict[str, str] | None = None) -> None:
+    """Point the persistent definition at the new disks (and the session's own kernel and
+    initrd) too, so a cold boot finds them."""
     dom = ctl.lookup(domain)
     with step(domain, "updating the persistent definition"):
         if not dom.isPersistent():
             return
         inactive = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE | libvirt.VIR_DOMAIN_XML_SECURE)
-        ctl.conn.defineXML(domxml.set_disk_sources(
-            inactive, {t: (str(p), "qcow2") for t, p in overlays.items()}))
+        inactive = domxml.set_disk_sources(
+            inactive, {t: (str(p), "qcow2") for t, p in overlays.items()})
+        if boot:
+            inactive = domxml.set_boot_files(inactive, boot)
+        ctl.conn.defineXML(inactive)
 
 
 def fork(ctl: DomainController, new_session: str, new_domain: str, memory: object,
@@ -220,6 +231,9 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
                                          new_session if lineage is None else lineage)
         new_xml = domxml.set_disk_sources(
             new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
+        # The fork's own kernel and initrd (linked from its parent's copies in the store), so
+        # it keeps booting whatever becomes of the parent or the guest directory.
+        new_xml = files.own_boot_files(new_xml, d, ctl.workdir, new_domain)
         if fw_cfg is not None:
             new_xml = domxml.set_fw_cfg(new_xml, fw_cfg)
         saveimage.rewrite_xml(mem, new_xml)

@@ -1,0 +1,160 @@
+"""The files a session's domain is made of: its disk and its kernel and initrd, in its directory.
+
+``session new`` takes a disk the user keeps; the session runs on its own copy. A raw disk or a
+plain qcow2 is copied sparsely; a qcow2 that cannot be read in place or depends on other files
+(compressed clusters, an external data file, a backing file) is converted into one
+self-contained qcow2 instead, so the chain ksfs snapshots never leaves the session's directory.
+Encrypted disks are refused. The direct-boot kernel and initrd are copied in too, and restores
+and forks point the domain at the session's own copies (docs/vm.md). No libvirt here.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ksfs.errors import BadInput, VMError
+from ksfs.vm import domxml
+from ksfs.vm.chain import backing_chain, compressed_files, data_file_of, image_info, qemu_img
+
+# os/<tag> of the domain XML -> the session directory's own copy
+BOOT_NAMES = {"kernel": "kernel", "initrd": "initrd"}
+CONVERT_TIMEOUT = 3600.0  # a cloud image expands its compressed clusters: a few GiB to write
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    """How a session's disk is made from the user's file."""
+
+    source: Path
+    fmt: str  # the format of the session's copy: raw or qcow2
+    convert: str | None  # why it is converted instead of copied (None: copied)
+
+
+def inspect_disk(path: Path | str) -> DiskPlan:
+    """Check a disk given to ``session new``; BadInput for one ksfs cannot take.
+
+    qcow2 images with compressed clusters, an external data file or a backing file are
+    converted (``qemu-img convert -O qcow2``, which flattens the chain and expands the
+    clusters); encrypted ones are refused.
+    """
+    path = Path(path)
+    what = f"inspecting the disk {path}"
+    fmt = image_info(path, what)["format"]
+    if fmt not in ("raw", "qcow2"):
+        raise BadInput(f"the disk {path} is {fmt}; ksfs takes raw or qcow2 disks")
+    if fmt == "raw":
+        return DiskPlan(path, "raw", None)
+    chain = backing_chain(path, what)  # fails clearly on a backing file that cannot be opened
+    for info in chain:
+        if info.get("encrypted"):
+            raise BadInput(f"the disk {path} is encrypted ({info['filename']}); ksfs cannot "
+                           f"keep encrypted disks: decrypt it first (qemu-img convert)")
+    if len(chain) > 1:
+        return DiskPlan(path, "qcow2", f"it has a backing file ({chain[1]['filename']})")
+    if data_file_of(chain[0]):
+        return DiskPlan(path, "qcow2", f"it has an external data file "
+                                       f"({data_file_of(chain[0])})")
+    if compressed_files(path, what):
+        return DiskPlan(path, "qcow2", "it has compressed clusters")
+    return DiskPlan(path, "qcow2", None)
+
+
+def make_disk(plan: DiskPlan, dest: Path, what: str) -> None:
+    """The session's own disk at ``dest``: a sparse copy, or a self-contained conversion."""
+    if os.path.lexists(dest):
+        raise VMError(f"{what}: {dest} already exists; refusing to overwrite it")
+    if plan.convert is None:
+        try:
+            subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(plan.source),
+                            str(dest)], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as exc:
+            raise VMError(f"{what}: copying {plan.source} failed: "
+                          f"{exc.stderr.strip()[-500:]}") from exc
+        return
+    # No -c: the copy must be readable in place. No -o data_file, no -B: self-contained.
+    # Run from the image's directory: QEMU 7.2 opens a relative data file from the current
+    # directory (a relative backing file from the image's; newer QEMU does both that way).
+    src = plan.source.resolve()
+    qemu_img("convert", "-q", "-f", "qcow2", "-O", "qcow2", str(src), str(dest.resolve()),
+             what=f"{what} (converting it: {plan.convert})", timeout=CONVERT_TIMEOUT,
+             cwd=src.parent)
+    info = image_info(dest, what)
+    if info.get("backing-filename") or data_file_of(info):
+        raise VMError(f"{what}: the converted copy {dest} still depends on another file")
+
+
+def copy_boot_file(src: Path, dest: Path, workdir: Path) -> None:
+    """Put a kernel or initrd at ``dest`` (atomically): a hard link when ``src`` is another
+    session's copy in the same store (those are never written in place), else a copy."""
+    tmp = dest.with_name(dest.name + ".part")
+    tmp.unlink(missing_ok=True)
+    try:
+        linked = False
+        if src.resolve().is_relative_to(workdir.resolve()):
+            try:
+                os.link(src, tmp)
+                linked = True
+            except OSError:
+                pass
+        if not linked:
+            shutil.copyfile(src, tmp)
+            tmp.chmod(0o644)  # QEMU (libvirt-qemu) reads it
+        os.replace(tmp, dest)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise VMError(f"copying {src} to {dest} failed: {exc.strerror or exc}") from exc
+
+
+def own_boot_files(xml: str, session_dir: Path, workdir: Path, domain: str,
+                   keep_outside: bool = False) -> str:
+    """``xml`` with its kernel and initrd pointed at the session directory's own copies.
+
+    A file the XML names that exists is copied (or linked) in when the session's copy is not
+    already the same; one that is gone is replaced by the session's copy when there is one.
+    ``keep_outside`` (an adopted domain): files that exist stay where the user keeps them.
+    Raises VMError, before anything is stopped, when a named file is gone and the session has
+    no copy of it.
+    """
+    paths = domxml.boot_files(xml)
+    new: dict[str, str] = {}
+    for tag, name in BOOT_NAMES.items():
+        if tag not in paths:
+            continue
+        src, own = Path(paths[tag]), session_dir / name
+        if src.is_file():
+            if keep_outside or src == own:
+                continue
+            if not (own.is_file() and (os.path.samefile(src, own)
+                                       or filecmp.cmp(src, own, shallow=False))):
+                copy_boot_file(src, own, workdir)
+        elif not own.is_file():
+            raise VMError(f"the {tag} {src} of domain {domain} does not exist and the session "
+                          f"has no copy of it; nothing was changed")
+        new[tag] = str(own)
+    return domxml.set_boot_files(xml, new) if new else xml
+
+
+def check_adoptable(target: str, source: str, domain: str) -> None:
+    """Refuse, before anything is written, an adopted disk whose chain ksfs could not snapshot
+    and read in place: encrypted, compressed clusters, or an external data file. (A backing
+    chain is fine: an adopted disk stays where the user keeps it.)"""
+    what = f"inspecting disk {target} of {domain}"
+    how = ("; convert it first (qemu-img convert -O qcow2), or make a session from a copy of "
+           "it with `ksfs session new --disk`")
+    for info in backing_chain(source, what):
+        if info.get("encrypted"):
+            raise VMError(f"disk {target} of {domain} ({info['filename']}) is encrypted; ksfs "
+                          f"cannot keep encrypted disks")
+        if data_file_of(info):
+            raise VMError(f"disk {target} of {domain} ({info['filename']}) keeps its data in an "
+                          f"external file ({data_file_of(info)}), which ksfs cannot read in "
+                          f"place{how}")
+    bad = compressed_files(source, what)
+    if bad:
+        raise VMError(f"disk {target} of {domain} ({bad[0]}) has compressed clusters, which "
+                      f"ksfs cannot read in place{how}")

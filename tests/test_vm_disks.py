@@ -1,0 +1,287 @@
+"""Guests whose files are not the test guest's plain raw disk, through the command line against a
+real libvirtd and QEMU: compressed qcow2, qcow2 with an external data file or a relative backing
+file, encrypted qcow2, a guest.json with relative paths or a missing key, and a guest directory
+that goes away while its sessions (and their forks) live on.
+
+The session's domain must name no file outside the store's vm/NAME/ (disk chain, kernel,
+initrd), and the user's files are never written. One store per module; every session (so
+domain) made here is removed at the end, even on failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.cli_helpers import guest_dir, ksfs, remove_sessions, virsh
+
+pytestmark = pytest.mark.vm
+
+
+def run(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return ksfs(env["store"], env["env"], *args, check=check)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    guest = guest_dir()
+    base = tmp_path_factory.mktemp("vmdisks")
+    base.chmod(0o755)
+    store = base / "store"
+    e = dict(os.environ, KSFS_GUEST=str(guest))
+    made: list[str] = []
+    yield {"store": store, "env": e, "tag": uuid.uuid4().hex[:6], "made": made, "base": base,
+           "spec": json.loads((guest / "guest.json").read_text())}
+    remove_sessions(store, e, made)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def new_dir(env: dict, name: str) -> Path:
+    d = env["base"] / name
+    d.mkdir()
+    d.chmod(0o755)
+    return d
+
+
+def qemu_img(*args: str, cwd: Path | None = None) -> None:
+    subprocess.run(["qemu-img", *args], check=True, capture_output=True, cwd=cwd)
+
+
+def domain_files(dom: str) -> list[str]:
+    """Every file the domain's live definition names for its disks (with the backing chain
+    libvirt reports), kernel and initrd."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(virsh("dumpxml", dom, check=True).stdout)
+    out = [el.text for tag in ("kernel", "initrd") for el in root.iterfind(f"os/{tag}")]
+    out += [s.get("file") for s in root.iter("source") if s.get("file")]  # with dataStore
+    return out
+
+
+def assert_self_contained(env: dict, session: str) -> None:
+    vmdir = (env["store"] / "vm" / session).resolve()
+    files = domain_files(f"ksfs-{session}")
+    assert any(f.endswith("kernel") for f in files), files
+    for f in files:
+        assert Path(f).resolve().parent == vmdir, (f, files)
+    out = subprocess.run(["qemu-img", "info", "-U", "--backing-chain", "--output=json",
+                          str(vmdir / "vda-0.qcow2")], capture_output=True, text=True)
+    if out.returncode == 0:  # still the chain root (before any restore)
+        for info in json.loads(out.stdout):
+            assert "data-file" not in info["format-specific"]["data"], info
+            assert Path(info["filename"]).resolve().parent == vmdir, info
+
+
+def new_session(env: dict, name: str, *args: str) -> str:
+    env["made"].append(name)
+    run(env, "session", "new", name, *args)
+    return name
+
+
+def save(env: dict, session: str) -> str:
+    return run(env, "save", session).stdout.strip().splitlines()[-1]
+
+
+TRANSCRIPT = (
+    "import sys\n"
+    "from ksfs.keeper import Keeper\n"
+    "k = Keeper(sys.argv[1])\n"
+    "fs = k.guest_fs(k.ledger.checkpoint(sys.argv[2], sys.argv[3]))\n"
+    "p = k.transcript_path(sys.argv[2])\n"
+    "sys.stdout.write(fs.read(p, 0, fs.stat(p).size).decode())\n"
+)
+
+
+def transcript_seqs(env: dict, session: str, checkpoint: str) -> list[int]:
+    """The seqs of the guest's transcript as of a checkpoint, read out of its stored disk (wrong
+    stored bytes do not make an ext4 that holds a transcript of consecutive lines)."""
+    res = subprocess.run([sys.executable, "-c", TRANSCRIPT, str(env["store"]), session,
+                          checkpoint], capture_output=True, text=True, env=env["env"])
+    out = []
+    for line in res.stdout.splitlines() if res.returncode == 0 else []:
+        try:
+            out.append(json.loads(line)["seq"])
+        except ValueError:
+            pass  # a torn last line
+    return out
+
+
+def save_until_transcript(env: dict, session: str, at_least: int = 2) -> str:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        name = save(env, session)
+        if len(transcript_seqs(env, session, name)) >= at_least:
+            return name
+        time.sleep(1)
+    raise AssertionError(f"{session}: no transcript of {at_least} lines in its checkpoints")
+
+
+def assert_error_line(res: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == code, (res.returncode, res.stderr)
+    assert len(lines) == 1 and lines[0].startswith("ksfs: error: "), res.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def assert_nothing_made(env: dict, name: str) -> None:
+    assert virsh("domstate", f"ksfs-{name}").returncode != 0
+    assert not (env["store"] / "vm" / name).exists()
+    listed = run(env, "session", "list", "--json")
+    assert name not in [s["session"] for s in json.loads(listed.stdout)]
+
+
+def test_compressed_qcow2_is_converted_and_saves(env) -> None:
+    """A compressed qcow2 (as cloud images ship) becomes a plain qcow2 in the session; saves
+    work, and one after another leaves no layer behind."""
+    d = new_dir(env, "compressed")
+    disk = d / "cloud.qcow2"
+    qemu_img("convert", "-c", "-O", "qcow2", env["spec"]["disk"], str(disk))
+    before = sha(disk)
+    s = new_session(env, f"comp-{env['tag']}", "--kernel", env["spec"]["kernel"],
+                    "--initrd", env["spec"]["initrd"], "--disk", str(disk))
+    assert_self_contained(env, s)
+    vmdir = env["store"] / "vm" / s
+    out = subprocess.run(["qemu-img", "map", "-U", "--output=json", str(vmdir / "vda-0.qcow2")],
+                         capture_output=True, text=True, check=True).stdout
+    assert all(e["offset"] is not None for e in json.loads(out) if e["data"])
+    cp = save_until_transcript(env, s)
+    cp2 = save(env, s)
+    assert transcript_seqs(env, s, cp2)[: len(transcript_seqs(env, s, cp))] == \
+        transcript_seqs(env, s, cp)
+    # the root and the active overlay only: every save's layer was committed
+    qcow2s = sorted(p.name for p in vmdir.glob("*.qcow2"))
+    assert len(qcow2s) == 2 and "vda-0.qcow2" in qcow2s, qcow2s
+    assert sha(disk) == before
+    run(env, "session", "rm", s)
+
+
+def test_qcow2_with_data_file_is_converted_and_its_data_file_left_alone(env) -> None:
+    d = new_dir(env, "datafile")
+    qemu_img("convert", "-O", "qcow2", "-o", "data_file=data.raw", env["spec"]["disk"],
+             "meta.qcow2", cwd=d)
+    before = sha(d / "data.raw"), sha(d / "meta.qcow2")
+    s = new_session(env, f"df-{env['tag']}", "--kernel", env["spec"]["kernel"],
+                    "--initrd", env["spec"]["initrd"], "--disk", str(d / "meta.qcow2"))
+    assert_self_contained(env, s)
+    cp = save_until_transcript(env, s, 3)
+    seqs = transcript_seqs(env, s, cp)
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert (sha(d / "data.raw"), sha(d / "meta.qcow2")) == before  # the guest wrote neither
+    run(env, "session", "rm", s)
+
+
+def test_encrypted_qcow2_is_refused_up_front(env) -> None:
+    d = new_dir(env, "encrypted")
+    qemu_img("create", "-q", "-f", "qcow2", "--object", "secret,id=s0,data=pw",
+             "-o", "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
+             str(d / "secret.qcow2"), "64M")
+    name = f"enc-{env['tag']}"
+    res = run(env, "session", "new", name, "--kernel", env["spec"]["kernel"], "--initrd",
+              env["spec"]["initrd"], "--disk", str(d / "secret.qcow2"), check=False)
+    assert_error_line(res, 2, "encrypted")
+    assert_nothing_made(env, name)
+
+
+def test_guest_json_missing_a_key_is_one_error_line(env) -> None:
+    d = new_dir(env, "nokey")
+    spec = {k: v for k, v in env["spec"].items() if k != "initrd"}
+    (d / "guest.json").write_text(json.dumps(spec))
+    name = f"nokey-{env['tag']}"
+    res = run(env, "session", "new", name, "--guest", str(d), check=False)
+    assert_error_line(res, 2, "initrd", "missing")
+    assert_nothing_made(env, name)
+    (d / "guest.json").write_text(json.dumps(dict(spec, initrd=7)))
+    res = run(env, "session", "new", name, "--guest", str(d), check=False)
+    assert_error_line(res, 2, "initrd")
+    assert_nothing_made(env, name)
+
+
+def test_adopt_refuses_a_compressed_disk_before_the_first_save(env) -> None:
+    d = new_dir(env, "adoptcomp")
+    disk = d / "c.qcow2"
+    qemu_img("convert", "-c", "-O", "qcow2", env["spec"]["disk"], str(disk))
+    dom = f"ksfs-test-adoptc-{env['tag']}"
+    xml = (f"<domain type='qemu'><name>{dom}</name><memory unit='MiB'>256</memory>"
+           f"<os><type arch='x86_64'>hvm</type><kernel>{env['spec']['kernel']}</kernel>"
+           f"<initrd>{env['spec']['initrd']}</initrd></os><devices>"
+           f"<disk type='file' device='disk'><driver name='qemu' type='qcow2'/>"
+           f"<source file='{disk}'/><target dev='vda' bus='virtio'/></disk></devices></domain>")
+    (d / "dom.xml").write_text(xml)
+    name = f"adoptc-{env['tag']}"
+    try:
+        virsh("define", str(d / "dom.xml"), check=True)
+        res = run(env, "session", "adopt", name, dom, check=False)
+        assert_error_line(res, 10, "compressed clusters", "qemu-img convert")
+        assert virsh("domstate", dom).stdout.strip() == "shut off"  # not started
+        assert_nothing_made(env, name)
+    finally:
+        virsh("destroy", dom)
+        virsh("undefine", dom)
+
+
+def test_guest_dir_with_relative_paths_and_backing_file_then_gone(env) -> None:
+    """guest.json with relative paths and a qcow2 disk with a relative backing file: the session
+    starts (paths resolved against the guest directory, not the cwd), runs on its own files, and
+    it and its fork keep saving, restoring and forking after the guest directory is gone. A
+    restore whose kernel is missing refuses before it stops the machine."""
+    g = new_dir(env, "guest")
+    for key, name in (("kernel", "vmlinuz"), ("initrd", "initrd.img")):
+        shutil.copyfile(env["spec"][key], g / name)
+    subprocess.run(["cp", "--sparse=always", env["spec"]["disk"], str(g / "base.raw")],
+                   check=True)
+    qemu_img("create", "-q", "-f", "qcow2", "-F", "raw", "-b", "base.raw", "top.qcow2", cwd=g)
+    spec = dict(env["spec"], kernel="vmlinuz", initrd="./initrd.img", disk="top.qcow2")
+    (g / "guest.json").write_text(json.dumps(spec))
+    before = sha(g / "base.raw")
+    s = new_session(env, f"rel-{env['tag']}", "--guest", str(g))  # cwd: the repository
+    assert_self_contained(env, s)
+    cp = save_until_transcript(env, s)
+    assert sha(g / "base.raw") == before
+    shutil.rmtree(g)  # the guest directory goes away (moved, deleted)
+
+    res = json.loads(run(env, "restore", s, cp, "--json").stdout)
+    assert res["saved_as"]
+    assert virsh("domstate", f"ksfs-{s}").stdout.strip() == "running"
+    assert_self_contained(env, s)
+    f = f"relf-{env['tag']}"
+    env["made"].append(f)
+    run(env, "fork", s, cp, f)
+    assert virsh("domstate", f"ksfs-{f}").stdout.strip() == "running"
+    assert_self_contained(env, f)
+
+    # The store's own kernel gone too: the restore refuses before stopping the machine.
+    vmdir = env["store"] / "vm" / s
+    os.rename(vmdir / "kernel", vmdir / "kernel.away")
+    try:
+        res2 = run(env, "restore", s, cp, check=False)
+        assert res2.returncode == 10 and "does not exist" in res2.stderr, res2.stderr
+        assert virsh("domstate", f"ksfs-{s}").stdout.strip() == "running"
+    finally:
+        os.rename(vmdir / "kernel.away", vmdir / "kernel")
+
+    # The parent goes; its fork boots from its own copies: save, restore, fork again.
+    run(env, "session", "rm", s)
+    fcp = save(env, f)
+    run(env, "restore", f, fcp)
+    assert virsh("domstate", f"ksfs-{f}").stdout.strip() == "running"
+    f2 = f"relff-{env['tag']}"
+    env["made"].append(f2)
+    run(env, "fork", f, fcp, f2)
+    assert virsh("domstate", f"ksfs-{f2}").stdout.strip() == "running"
+    assert_self_contained(env, f2)
+    for x in (f2, f):
+        run(env, "session", "rm", x)
