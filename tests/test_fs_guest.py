@@ -46,6 +46,19 @@ def expected_changes(lines_a: list[dict], lines_b: list[dict], fs_a: Path) -> se
     return out
 
 
+def late_writebacks(lines_a: list[dict], fs_a: Path) -> set:
+    """Work files written before A (and still there at A) whose data the guest's page cache
+    may write back only after A (writeback expires dirty pages after 30 s and the work files
+    are not fsynced): they can differ between A and B although untouched in between."""
+    out = set()
+    for x in lines_a:
+        if x.get("op") == "write":
+            rel = x["file"].removeprefix("/data/")
+            if os.path.lexists(fs_a / rel):
+                out.add(("changed", rel))
+    return out
+
+
 def test_guest_changes_seen_by_diff_r_and_ksfs_diff(guest_mount) -> None:
     store, mnt, env, s, base = guest_mount
     cps = mnt / "sessions" / s / "checkpoints"
@@ -78,11 +91,12 @@ def test_guest_changes_seen_by_diff_r_and_ksfs_diff(guest_mount) -> None:
             root = cps / a / "fs" if side == "removed" else cps / "b" / "fs"
             seen.add((side, str((Path(where) / fname).relative_to(root))))
     seen.discard(("changed", "agent/calls"))  # the gateway call counter, when it moved
-    assert seen == want, (seen, want)
+    late = late_writebacks(la, cps / a / "fs")
+    assert want <= seen <= want | late, (seen, want)
 
     d = json.loads(ksfs(store, env, "diff", s, a, "b", "--json").stdout)
     from_ksfs = {(c["kind"], c["path"]) for c in d["files"]} - {("changed", "agent/calls")}
-    assert from_ksfs == want
+    assert from_ksfs == seen
     assert d["disk"]["changed_clusters"] > 0
     assert 0 < d["memory"]["share_differing"] < 1
     assert {e["type"] for e in d["events"]} >= {"checkpoint.begin", "checkpoint.published"}
