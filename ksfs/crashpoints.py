@@ -30,6 +30,7 @@ def crash_point(name: str) -> None:
 
 
 def _reached(name: str, variable: str) -> bool:
+    """Whether this is the Nth time ``name`` is reached, N given in ``variable``."""
     target = os.environ.get(variable)
     if not target:
         return False
@@ -38,4 +39,4 @@ def _reached(name: str, variable: str) -> bool:
         return False
     key = f"{variable}:{name}"
     _hits[key] = _hits.get(key, 0) + 1
-    return _hits[key] >= int(nth or 1)
+    return _hits[key] == int(nth or 1)

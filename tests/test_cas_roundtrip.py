@@ -438,3 +438,50 @@ def test_memory_images_cut_at_page_records_store_less(tmp_path, monkeypatch):
             assert s.open_file(f.manifest).read(0, len(second)) == second
             added[cutter] = f.stored
     assert added[True] < 0.8 * added[False]
+
+
+class CountingFileSource(FileSource):
+    """A FileSource read only through pread (no mapping), counting the bytes it reads."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path, mappable=False)
+        self.bytes_read = 0
+
+    def pread(self, offset: int, n: int) -> bytes:
+        data = super().pread(offset, n)
+        self.bytes_read += len(data)
+        return data
+
+
+@pytest.mark.parametrize("writes", [
+    [(640 * 1024, 4096)],  # on a chunk boundary
+    [(640 * 1024 + 4096, 4096)],  # inside a chunk
+    [(100_000, 300_000), (3 * 2**30 + 7, 70_000)],  # unaligned, spanning chunks
+    [(0, 1), (2**32 - 5000, 5000)],  # the first byte and the last chunk
+])
+def test_fixed_chunking_reads_only_the_data_of_a_sparse_file(tmp_path, writes) -> None:
+    path = tmp_path / "sparse.img"
+    size = 2**32 + 12345
+    rng = random.Random(7)
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for off, n in writes:
+            f.seek(off)
+            f.write(rng.randbytes(n))
+    src = CountingFileSource(path)
+    try:
+        chunks = [(off, data) for batch in iter_fixed(src) for off, data in batch]
+        # every chunk, in order, each the file's bytes there (holes as zeros, not read)
+        assert [off for off, _ in chunks] == list(range(0, size, K64))
+        with open(path, "rb") as f:
+            for off, data in chunks:
+                if data is not ZERO_CHUNK:
+                    f.seek(off)
+                    assert data == f.read(len(data)), off
+        touched = sum(-(-(off % K64 + n) // K64) + 1 for off, n in writes) * K64
+        assert src.bytes_read <= touched, (src.bytes_read, touched)
+        for off, _ in writes:  # and the data chunks are not taken for holes
+            first = off - off % K64
+            assert dict(chunks)[first] is not ZERO_CHUNK
+    finally:
+        src.close()

@@ -12,6 +12,7 @@ from ksfs.errors import (
     AlreadyExists,
     BadInput,
     BadName,
+    NoSuchCheckpoint,
     NoSuchFile,
     NotFound,
     NotPermitted,
@@ -68,6 +69,27 @@ def test_inodes_are_stable_and_follow_identity(keeper, tmp_path):
     c1 = walk(tree, "sessions", "s", "checkpoints", "c1")
     assert tree.lookup(c1, ".").ino == c1
     assert tree.lookup(c1, "..").ino == walk(tree, "sessions", "s", "checkpoints")
+
+
+def test_a_checkpoint_of_a_session_made_again_is_not_the_old_directory(tmp_path):
+    """Seqs count per lineage: a session removed and made again can publish a checkpoint of
+    the old one's name and seq. The old directory, still held, must not show the new files."""
+    (tmp_path / "old").write_bytes(b"old")
+    (tmp_path / "new").write_bytes(b"new")
+    with Keeper(tmp_path / "store", create=True) as k:
+        k.import_files("r", "c", [tmp_path / "old"])
+        tree = CheckpointTree(k)
+        old_dir = walk(tree, "sessions", "r", "checkpoints", "c")
+        assert [e.name for e in tree.listdir(old_dir)][0] == "old"
+        k.remove_session("r")
+        k.import_files("r", "c", [tmp_path / "new"])
+        assert k.ledger.checkpoint("r", "c").seq == tree.node(old_dir).seq
+        with pytest.raises(NoSuchCheckpoint):
+            tree.listdir(old_dir)
+        with pytest.raises(NoSuchCheckpoint):
+            tree.lookup(old_dir, "old")
+        new_dir = walk(tree, "sessions", "r", "checkpoints", "c")
+        assert new_dir != old_dir and [e.name for e in tree.listdir(new_dir)][0] == "new"
 
 
 def test_listing_is_lazy_and_offsets_stable(keeper):

@@ -159,6 +159,31 @@ async def test_calls_in_flight_cannot_spend_past_the_budget_together(gw, ledger,
     assert len(events(ledger, "s1", "budget.refused")) == 5
 
 
+@pytest.mark.parametrize("warm_up", ["unpriced", "no usage"])
+async def test_a_call_that_cost_nothing_does_not_open_the_gate(gw, provider, nursery, warm_up):
+    # An unpriced model's call, or a stream without usage, is counted at 0 USD: that says
+    # nothing about what a priced call costs, so priced calls still start one at a time.
+    gw.set_budget("s1", usd=0.04)
+    port = await nursery.start(gw.serve_session, "s1")
+    if warm_up == "unpriced":
+        await call(port, chat_body("warm up", model="unpriced-model"))
+    else:
+        provider.stream_usage = False
+        await call(port, chat_body("warm up", model="test-model", stream=True))
+        provider.stream_usage = True
+    provider.delay = 0.3
+    replies = []
+
+    async def one(i: int) -> None:  # 2 + 7 tokens of test-model: 0.016 USD each
+        replies.append(await call(port, chat_body(f"priced {i}", model="test-model")))
+
+    async with trio.open_nursery() as calls:
+        for i in range(8):
+            calls.start_soon(one, i)
+    assert sorted(r.status_code for r in replies) == [200] * 3 + [402] * 5
+    assert provider.most_active == 1 and gw.usage("s1")["cost_usd"] == pytest.approx(0.048)
+
+
 async def test_calls_with_room_in_the_budget_still_run_at_once(gw, provider, nursery):
     gw.set_budget("s1", tokens=1000)
     provider.delay = 0.3
@@ -168,6 +193,7 @@ async def test_calls_with_room_in_the_budget_still_run_at_once(gw, provider, nur
             calls.start_soon(call, port, chat_body(f"first {i}", model="test-model"))
     assert provider.most_active == 1
     provider.most_active = 0
+    provider.delay = 1.0  # long enough for all six to be in flight at once on a busy machine
     async with trio.open_nursery() as calls:  # now 9 tokens each: 6 fit beside each other
         for i in range(6):
             calls.start_soon(call, port, chat_body(f"then {i}", model="test-model"))

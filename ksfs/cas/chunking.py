@@ -161,17 +161,19 @@ def _extents(source: Source, start: int, end: int) -> Iterator[tuple[int, int, b
                 return
             yield pos, end, True  # the file system cannot tell: read it all
             return
-        data = min(end, data - data % FIXED_SIZE)
-        if data > pos:
-            yield pos, data, False
+        lo = max(pos, min(end, data - data % FIXED_SIZE))  # the chunk the data starts in
+        if lo > pos:
+            yield pos, lo, False
+        if data >= end:
+            return
         try:
-            hole = os.lseek(fd, max(data, pos), os.SEEK_HOLE)
+            hole = os.lseek(fd, data, os.SEEK_HOLE)  # from the data itself, not its chunk
         except OSError:
             hole = end
         hole = min(end, -(-hole // FIXED_SIZE) * FIXED_SIZE)
-        if hole <= max(data, pos):  # the data went away under us: read to the end
+        if hole <= lo:  # the file changed under us: read the rest
             hole = end
-        yield max(data, pos), hole, True
+        yield lo, hole, True
         pos = hole
 
 

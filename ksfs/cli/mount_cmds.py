@@ -128,7 +128,8 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
         if not os.path.lexists(mountpoint):
             raise NoSuchFile(what="mount point", name=mountpoint)
         raise BadInput(f"{mountpoint} is not mounted")
-    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True,
+                         env=dict(os.environ, LC_ALL="C"))  # its strerror read below, in English
     if res.returncode != 0:
         if "busy" in res.stderr.lower():
             raise Busy(f"{mountpoint} is in use (a process has a file open or its working "

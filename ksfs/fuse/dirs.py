@@ -165,18 +165,28 @@ class CheckpointDir(Dir):
 
     def load(self) -> CheckpointRecord:
         if self.record is None:
-            rec = self.keeper.ledger.checkpoint(self.session, self.name)
-            if rec.seq != self.seq:  # deleted and taken again under the same name
-                raise NoSuchCheckpoint(session=self.session, checkpoint=self.name)
-            self.record = rec
+            self.record = self._published()
         return self.record
 
-    def children(self) -> list[tuple[str, Node]]:
-        rec = self.load()
-        if self.keeper.ledger.checkpoint(self.session, self.name).seq != self.seq:
-            # deleted (and its name taken again) while a shell sat in this directory: it is
-            # empty now, as a removed directory reads, not the files it had
+    def _published(self) -> CheckpointRecord:
+        """The record, read again; NoSuchCheckpoint once the checkpoint was deleted, its name
+        taken again (a later seq) or its session made again (a new lineage, seqs anew)."""
+        ledger = self.keeper.ledger
+        with self.keeper.store.env.begin() as txn:
+            rec = ledger.checkpoint(self.session, self.name, txn)
+            lineage = ledger.session(self.session, txn).lineage
+        if rec.seq != self.seq or lineage != self.lineage:
             raise NoSuchCheckpoint(session=self.session, checkpoint=self.name)
+        return rec
+
+    def children(self) -> list[tuple[str, Node]]:
+        # Checked on every listing and lookup: a shell sitting in a checkpoint deleted since
+        # finds it empty, as a removed directory reads, not the files it had.
+        if self.record is None:
+            rec = self.load()
+        else:
+            self._published()
+            rec = self.record
         base = ("file", self.lineage, self.name, self.seq)
         out: list[tuple[str, Node]] = []
         for fname in self.keeper.checkpoint_files(rec):

@@ -142,7 +142,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def opendir(self, inode: int, ctx: Any) -> int:
-        entries = await self._io(self.tree.listdir, inode, True)
+        entries = await self._io(functools.partial(self.tree.listdir, inode, dots=True))
         fh = self._next_dir
         self._next_dir += 1
         self._dirs[fh] = entries
@@ -233,31 +233,18 @@ class Operations(pyfuse3.Operations):
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = BLOCK
         s.f_namemax = 255
-        host = os.statvfs(self.tree.keeper.store_path)
+        host = await self._io(os.statvfs, self.tree.keeper.store_path)
         scale = host.f_frsize / BLOCK
         s.f_blocks = int(host.f_blocks * scale)
         s.f_bfree = int(host.f_bfree * scale)
         s.f_bavail = int(host.f_bavail * scale)
         return s
 
-    # No extended attributes anywhere: listing them finds none (tar --xattrs, getfattr, cp -a
-    # ask), reading one finds it absent, setting one is not supported.
+    # No extended attributes anywhere. Listing them finds none (tar --xattrs, getfattr -d and
+    # cp -a list first, and took "not supported" for an error); getxattr and setxattr stay
+    # pyfuse3's ENOSYS, which the kernel remembers and answers itself from then on: ls -l asks
+    # getxattr for every entry, and a round trip each would cost more than the listing.
     @handler
     async def listxattr(self, inode: int, ctx: Any) -> list:
         self.tree.node(inode)
         return []
-
-    @handler
-    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
-        self.tree.node(inode)
-        raise pyfuse3.FUSEError(errno.ENODATA)
-
-    @handler
-    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
-        self.tree.node(inode)
-        raise pyfuse3.FUSEError(errno.ENOTSUP)
-
-    @handler
-    async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
-        self.tree.node(inode)
-        raise pyfuse3.FUSEError(errno.ENODATA)

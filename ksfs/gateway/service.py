@@ -271,8 +271,7 @@ class Gateway:
     def _commit(self, view: View, key: bytes, got: Fetched, model: str | None, stream: bool,
                 digest: str, path: str
                 ) -> tuple[StoredResponse, tuple[int | None, float | None]]:
-        """Store the response; returns it with its (tokens, USD), tokens None when the
-        provider did not say."""
+        """Store the response; returns it with its (tokens, USD), each None when not known."""
         ctype = header(got.headers, "content-type") or ""
         sse = stream or ctype.startswith("text/event-stream")
         usage = (usage_of_sse if sse else usage_of_json)(got.body, model)
@@ -284,7 +283,10 @@ class Gateway:
             model=usage.model, stream=sse, request_digest=digest, created=_now())
         stored = self.db.commit_call(view.session, view.lineage, key, resp, usage, cost, priced,
                                      path)
-        return stored, (usage.total_tokens if usage.known else None, cost)
+        # What the gate may learn a call's size from: only figures the provider reported (an
+        # unpriced model's or a usage-less call's 0 would let every later call start at once).
+        known = usage.known
+        return stored, (usage.total_tokens if known else None, cost if known and priced else None)
 
 
 # --- small helpers ----------------------------------------------------------------------------

@@ -263,23 +263,21 @@ class Views:
     def guest_fs(self, record: CheckpointRecord):
         """The guest filesystem of a checkpoint's disk, or None when it has no disk; on a
         partitioned disk, the partition holding the session's transcript when one does."""
-        f, _ = self.guest_disk(record)
-        if f is None:
-            return None
         from ksfs.guestfs import GuestFS
 
-        return GuestFS.open(self.store.open_file(f.manifest),
-                            holding=self._transcript_path_of(record.session))
+        f, _ = self.guest_disk(record)
+        return None if f is None else GuestFS.open(*self._guest_reader(record, f))
 
     def open_guest_fs(self, record: CheckpointRecord) -> tuple[Any, str | None]:
         """(fs, None), or (None, why) when the checkpoint has no disk or none this can read."""
-        f, why = self.guest_disk(record)
-        if f is None:
-            return None, why
         from ksfs.guestfs import GuestFS
 
-        return GuestFS.open_or_reason(self.store.open_file(f.manifest),
-                                      holding=self._transcript_path_of(record.session))
+        f, why = self.guest_disk(record)
+        return (None, why) if f is None else GuestFS.open_or_reason(
+            *self._guest_reader(record, f))
+
+    def _guest_reader(self, record: CheckpointRecord, f: FileRecord) -> tuple[Any, str]:
+        return self.store.open_file(f.manifest), self._transcript_path_of(record.session)
 
     def _transcript_path_of(self, session: str) -> str:
         try:
