@@ -57,7 +57,8 @@ def new_dir(env: dict, name: str) -> Path:
 
 
 def qemu_img(*args: str, cwd: Path | None = None) -> None:
-    subprocess.run(["qemu-img", *args], check=True, capture_output=True, cwd=cwd)
+    res = subprocess.run(["qemu-img", *args], capture_output=True, text=True, cwd=cwd)
+    assert res.returncode == 0, f"qemu-img {' '.join(args)}: {res.stderr}"
 
 
 def domain_files(dom: str) -> list[str]:
@@ -187,7 +188,9 @@ def test_qcow2_with_data_file_is_converted_and_its_data_file_left_alone(env) -> 
 def test_encrypted_qcow2_is_refused_up_front(env) -> None:
     d = new_dir(env, "encrypted")
     qemu_img("create", "-q", "-f", "qcow2", "--object", "secret,id=s0,data=pw",
-             "-o", "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
+             # LUKS times its key derivation: 10 ms on a busy machine can fall under the
+             # minimum iteration count, and qemu-img fails
+             "-o", "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=250",
              str(d / "secret.qcow2"), "64M")
     name = f"enc-{env['tag']}"
     res = run(env, "session", "new", name, "--kernel", env["spec"]["kernel"], "--initrd",
