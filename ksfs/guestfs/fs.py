@@ -81,26 +81,30 @@ class GuestFS:
         that the first (the largest)."""
         parts = find_filesystems(reader)
         ext = [p for p in parts if p.content == "ext" and not p.why]
+        opened: dict[Partition, GuestFS | None] = {}  # each partition opened (journal) once
+
+        def attempt(part: Partition) -> GuestFS | None:
+            if part not in opened:
+                try:
+                    opened[part] = cls._open_at(reader, part)
+                except IntegrityError:  # GuestFSUnreadable, or a damaged chunk of the disk
+                    opened[part] = None
+            return opened[part]
+
         if holding is not None and ext and ext != parts[:1]:
             for p in ext:
-                fs = cls._try(reader, p)
+                fs = attempt(p)
                 if fs is not None and fs._holds(holding):
                     return fs
         if len(ext) > 1:
             same_tier = [p for p in ext if p.tier == parts[0].tier]
             if len(same_tier) > 1:
                 for p in same_tier:
-                    fs = cls._try(reader, p)
+                    fs = attempt(p)
                     if fs is not None and fs._holds(b"etc", directory=True):
                         return fs
-        return cls._open_at(reader, parts[0])
-
-    @classmethod
-    def _try(cls, reader: Reader, part: Partition) -> GuestFS | None:
-        try:
-            return cls._open_at(reader, part)
-        except IntegrityError:  # GuestFSUnreadable, or a damaged chunk of the disk
-            return None
+        first = opened.get(parts[0])  # opened already when it could be
+        return first if first is not None else cls._open_at(reader, parts[0])  # (or its error)
 
     def _holds(self, path: str | bytes, directory: bool = False) -> bool:
         try:

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ksfs.cas.chunking import FIXED_SIZE as CLUSTER  # a disk image's chunk: one qcow2 cluster
 from ksfs.errors import KsfsError
 from ksfs.model import CheckpointRecord, FileRecord, validate_name
 
-CLUSTER = 65536
 _ABSENT = object()  # past the end of the shorter file: differs from every chunk and hole
 
 

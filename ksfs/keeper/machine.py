@@ -116,7 +116,7 @@ class MachineVerbs:
             raise BadInput("memory must be 16 MiB to 1 TiB and vcpus 1 to 64")
         from ksfs.vm.files import inspect_disk
 
-        inspect_disk(spec["disk"])  # an encrypted or foreign disk: refused before any record
+        plan = inspect_disk(spec["disk"])  # an encrypted or foreign disk: refused before a record
         domain = domain_name_for(name)
         with session_lock(self.store_path, name):
             if self.vm.exists(domain):
@@ -132,7 +132,7 @@ class MachineVerbs:
                 rec = self.ledger.create_session(txn, name, domain=domain, config=config)
             with self._undone_on_failure(name, domain):
                 self.vm.create(
-                    name, domain, spec["kernel"], spec["initrd"], spec["disk"],
+                    name, domain, spec["kernel"], spec["initrd"], plan,
                     memory_mib=memory, vcpus=vcpus,
                     cmdline=spec.get("cmdline", "console=ttyS0 panic=-1 quiet"),
                     extra_cmdline=f"ksfs.lineage={rec.lineage}", fw_cfg=self.guest_facts(rec),

@@ -49,10 +49,11 @@ def data_file_of(info: dict) -> str | None:
     return ((info.get("format-specific") or {}).get("data") or {}).get("data-file")
 
 
-def compressed_files(path: Path | str, what: str) -> list[str]:
+def compressed_files(path: Path | str, what: str, chain: list | None = None) -> list[str]:
     """The files of ``path``'s chain holding compressed (or encrypted) clusters: data that
-    ``qemu-img map`` gives no host offset for, so it cannot be read in place."""
-    chain = backing_chain(path, what)
+    ``qemu-img map`` gives no host offset for, so it cannot be read in place. ``chain``: its
+    ``backing_chain``, when the caller has it already."""
+    chain = backing_chain(path, what) if chain is None else chain
     raw = json.loads(qemu_img("map", "-U", "--output=json", str(path), what=what,
                               timeout=600))
     depths = sorted({e.get("depth", 0) for e in raw

@@ -125,17 +125,19 @@ class DomainController:
     # --- creating and adopting ---------------------------------------------------------------
 
     def create(self, session: str, domain_name: str, kernel: Path | str, initrd: Path | str,
-               disk: Path | str, memory_mib: int = 256, vcpus: int = 1,
+               disk: Path | str | files.DiskPlan, memory_mib: int = 256, vcpus: int = 1,
                cmdline: str = "console=ttyS0 panic=-1 quiet", extra_cmdline: str = "",
                fw_cfg: dict[str, str] | None = None) -> str:
         """Copy ``disk`` into the session's directory, define and start a direct-boot domain.
+        ``disk`` may be the plan ``files.inspect_disk`` made of it already.
 
         The kernel command line gets ``ksfs.lineage=<session>`` unless it names a lineage.
         Returns the domain name.
         """
         if self.exists(domain_name):
             raise AlreadyExists(what="domain", name=domain_name)
-        plan = files.inspect_disk(disk)  # BadInput (encrypted, not raw/qcow2) before any file
+        # BadInput (encrypted, not raw/qcow2) before any file
+        plan = disk if isinstance(disk, files.DiskPlan) else files.inspect_disk(disk)
         d = self._make_session_dir(session)
         fmt = plan.fmt
         copy = d / f"vda-0.{fmt}"

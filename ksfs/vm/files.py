@@ -59,7 +59,7 @@ def inspect_disk(path: Path | str) -> DiskPlan:
     if data_file_of(chain[0]):
         return DiskPlan(path, "qcow2", f"it has an external data file "
                                        f"({data_file_of(chain[0])})")
-    if compressed_files(path, what):
+    if compressed_files(path, what, chain):
         return DiskPlan(path, "qcow2", "it has compressed clusters")
     return DiskPlan(path, "qcow2", None)
 
@@ -146,7 +146,8 @@ def check_adoptable(target: str, source: str, domain: str) -> None:
     what = f"inspecting disk {target} of {domain}"
     how = ("; convert it first (qemu-img convert -O qcow2), or make a session from a copy of "
            "it with `ksfs session new --disk`")
-    for info in backing_chain(source, what):
+    chain = backing_chain(source, what)
+    for info in chain:
         if info.get("encrypted"):
             raise VMError(f"disk {target} of {domain} ({info['filename']}) is encrypted; ksfs "
                           f"cannot keep encrypted disks")
@@ -154,7 +155,7 @@ def check_adoptable(target: str, source: str, domain: str) -> None:
             raise VMError(f"disk {target} of {domain} ({info['filename']}) keeps its data in an "
                           f"external file ({data_file_of(info)}), which ksfs cannot read in "
                           f"place{how}")
-    bad = compressed_files(source, what)
+    bad = compressed_files(source, what, chain)
     if bad:
         raise VMError(f"disk {target} of {domain} ({bad[0]}) has compressed clusters, which "
                       f"ksfs cannot read in place{how}")
