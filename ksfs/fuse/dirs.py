@@ -182,11 +182,7 @@ class CheckpointDir(Dir):
     def children(self) -> list[tuple[str, Node]]:
         # Checked on every listing and lookup: a shell sitting in a checkpoint deleted since
         # finds it empty, as a removed directory reads, not the files it had.
-        if self.record is None:
-            rec = self.load()
-        else:
-            self._published()
-            rec = self.record
+        rec = self.record = self._published()
         base = ("file", self.lineage, self.name, self.seq)
         out: list[tuple[str, Node]] = []
         for fname in self.keeper.checkpoint_files(rec):

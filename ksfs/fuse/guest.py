@@ -31,10 +31,7 @@ def _guest_fs(cp: CheckpointDir) -> Any:
         if key in _open:
             _open.move_to_end(key)
             return _open[key]
-    rec = cp.load()
-    if cp.keeper.guest_disk(rec)[0] is None:
-        return None
-    fs, why = cp.keeper.open_guest_fs(rec)
+    fs, why = cp.keeper.open_guest_fs(cp.load())  # fs_dir saw that it has a disk
     if fs is None:
         cp.keeper.reject_fs(cp.session, cp.name, why)
     with _lock:
