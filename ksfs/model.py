@@ -79,6 +79,10 @@ def validate_name(name: str, what: str = "name") -> str:
     return name
 
 
+# Where the agent inside a guest writes its transcript, unless a guest.json says otherwise.
+DEFAULT_TRANSCRIPT = "agent/transcript.jsonl"
+
+
 # Events name a checkpoint's files, but an event body has a size limit (64 KiB, records.py) and
 # a checkpoint may hold thousands of files: names past this many bytes are counted, not listed.
 EVENT_NAMES_BYTES = 16 * 1024

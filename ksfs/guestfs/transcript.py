@@ -13,9 +13,8 @@ import json
 from ksfs.errors import GuestFSUnreadable, NoSuchFile
 from ksfs.guestfs.fs import GuestFS
 from ksfs.guestfs.image import Reader
-from ksfs.model import TranscriptInfo
+from ksfs.model import DEFAULT_TRANSCRIPT, TranscriptInfo
 
-DEFAULT_TRANSCRIPT = "agent/transcript.jsonl"
 PIECE = 1 << 20
 
 

@@ -26,6 +26,7 @@ from ksfs.errors import (
 )
 from ksfs.keeper.locks import session_lock
 from ksfs.model import (
+    DEFAULT_TRANSCRIPT,
     CheckpointRecord,
     FileRecord,
     SessionRecord,
@@ -36,7 +37,6 @@ from ksfs.model import (
 
 log = logging.getLogger("ksfs.keeper")
 MEMORY_FILE = "memory"
-DEFAULT_TRANSCRIPT = "agent/transcript.jsonl"
 
 
 def disk_file_name(index: int, target: str) -> str:

@@ -16,12 +16,16 @@ from typing import Any
 from ksfs.errors import IntegrityError, KsfsError
 from ksfs.keeper.holdings import ChunkHolders
 from ksfs.keeper.offline import is_disk_image
-from ksfs.model import CHECKPOINT_VIRTUAL_FILES, CheckpointRecord, Event, FileRecord
+from ksfs.model import (
+    CHECKPOINT_VIRTUAL_FILES,
+    DEFAULT_TRANSCRIPT,
+    CheckpointRecord,
+    Event,
+    FileRecord,
+)
 
 log = logging.getLogger(__name__)
 
-# ksfs.guestfs.DEFAULT_TRANSCRIPT, without importing the guest file reader at start-up
-DEFAULT_TRANSCRIPT_PATH = "agent/transcript.jsonl"
 EVENT_LOGS_KEPT = 64  # lineages whose rendered event log is kept between stats
 
 
@@ -241,7 +245,7 @@ class Views:
 
     def transcript_path(self, session: str) -> str:
         rec = self.ledger.session(session)
-        return rec.config.get("transcript_path", DEFAULT_TRANSCRIPT_PATH)
+        return rec.config.get("transcript_path", DEFAULT_TRANSCRIPT)
 
     @staticmethod
     def guest_disk(record: CheckpointRecord) -> tuple[FileRecord | None, str | None]:
@@ -283,4 +287,4 @@ class Views:
         try:
             return self.transcript_path(session)
         except KsfsError:  # a removed session: its checkpoints' guests wrote the default path
-            return DEFAULT_TRANSCRIPT_PATH
+            return DEFAULT_TRANSCRIPT
