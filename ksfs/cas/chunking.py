@@ -147,10 +147,10 @@ def _extents(source: Source, start: int, end: int) -> Iterator[tuple[int, int, b
     end): where the file system says a range of a sparse file holds no data (SEEK_DATA,
     SEEK_HOLE), it is not read at all, so an 8 GiB image with 3 MiB written costs 3 MiB of
     reads, not 8 GiB of zeros paged in and compared. Anything else is all data."""
-    fd = getattr(source, "fd", None)
-    if fd is None or not isinstance(source, FileSource):
+    if not isinstance(source, FileSource):
         yield start, end, True
         return
+    fd = source.fd
     pos = start
     while pos < end:
         try:

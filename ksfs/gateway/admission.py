@@ -40,9 +40,6 @@ class BudgetGate:
     def _of(self, lineage: str) -> _Lineage:
         return self._lineages.setdefault(lineage, _Lineage())
 
-    def flying(self, lineage: str) -> int:
-        return self._of(lineage).flying
-
     def may_start(self, lineage: str, budget: dict[str, Any] | None,
                   used: dict[str, Any]) -> bool:
         """Whether a new purchase fits beside those in flight (``used`` is what is spent)."""
@@ -50,16 +47,11 @@ class BudgetGate:
         if budget is None or state.flying == 0:
             return True
         calls = state.flying + 1
-        if budget.get("tokens") is not None:
-            if state.largest_tokens is None:
-                return False
-            if used["tokens"] + calls * state.largest_tokens > budget["tokens"]:
-                return False
-        if budget.get("usd") is not None:
-            if state.largest_usd is None:
-                return False
-            if used["usd"] + calls * state.largest_usd > budget["usd"]:
-                return False
+        for kind, largest in (("tokens", state.largest_tokens), ("usd", state.largest_usd)):
+            if budget.get(kind) is None:
+                continue
+            if largest is None or used[kind] + calls * largest > budget[kind]:
+                return False  # a call's size unknown yet, or no room for one more
         return True
 
     async def wait_for_landing(self, lineage: str) -> None:
