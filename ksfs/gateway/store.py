@@ -83,6 +83,11 @@ class Totals:
     cost_usd: float = 0.0
     unpriced_calls: int = 0
     unknown_usage_calls: int = 0
+
+    @property
+    def spent(self) -> dict[str, Any]:
+        """What a budget is held against: tokens and USD."""
+        return {"tokens": self.total_tokens, "usd": self.cost_usd}
     by_model: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
@@ -200,7 +205,7 @@ class GatewayStore:
             raw = txn.get(lineage_bytes(lineage), db=self._budgets)
             t = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
         budget = None if raw is None else json.loads(bytes(raw).decode("utf-8"))
-        return budget, {"tokens": t.total_tokens, "usd": t.cost_usd}
+        return budget, t.spent
 
     def usage(self, session: str) -> dict[str, Any]:
         """The session's usage and budget as one JSON-able dict (sessions/S/usage, ksfs usage)."""
@@ -216,7 +221,7 @@ class GatewayStore:
             if budget.get("usd") is not None:
                 rem["usd"] = round(max(0.0, budget["usd"] - t.cost_usd), 12)
             out["remaining"] = rem
-            out["over_budget"] = used_up(budget, {"tokens": t.total_tokens, "usd": t.cost_usd})
+            out["over_budget"] = used_up(budget, t.spent)
         return out
 
     # --- writing (each with its event, in one transaction) ------------------------------------
