@@ -71,6 +71,12 @@ def transcript_lines(store: Path, session: str, checkpoint: str, e: dict) -> lis
     return out
 
 
+def events_of(store: Path, session: str, e: dict) -> list[dict]:
+    """The session's event log, as ``ksfs events --json`` prints it."""
+    return [json.loads(x) for x in run(store, "events", session, "--json", env=e).stdout.split("\n")
+            if x]
+
+
 def save(store: Path, session: str, e: dict, name: str | None = None) -> str:
     res = run(store, "save", session, *([name] if name else []), env=e)
     return res.stdout.strip().splitlines()[-1]
@@ -111,8 +117,7 @@ def test_incremental_save_reads_about_what_the_guest_wrote(env, agent: str) -> N
     time.sleep(3)
     save(store, agent, e)
     written = written_bytes(f"ksfs-{agent}") - mark
-    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
-              if x]
+    events = events_of(store, agent, e)
     body = [ev for ev in events if ev["type"] == "checkpoint.published"][-1]["body"]
     assert body["incremental"] is True
     assert written > 0
@@ -137,8 +142,7 @@ def test_save_prints_name_and_publishes(env, agent: str) -> None:
     listed = json.loads(run(store, "checkpoints", agent, "--json", env=e).stdout)
     rec = next(c for c in listed if c["name"] == "named-one")
     assert rec["size"] > 0
-    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
-              if x]
+    events = events_of(store, agent, e)
     published = [ev for ev in events if ev["type"] == "checkpoint.published"]
     assert published[-1]["body"]["name"] == "named-one"
     # After the first checkpoint, saves are incremental and read only what changed.
@@ -176,8 +180,7 @@ def test_restore_continues_from_the_checkpoint(env, agent: str) -> None:
     nxt = lines[len(at_cp)]
     assert nxt["seq"] == last["seq"] + 1
     assert nxt["t"] - last["t"] < 5.0
-    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
-              if x]
+    events = events_of(store, agent, e)
     kinds = [ev["type"] for ev in events]
     i = len(kinds) - 1 - kinds[::-1].index("restore.begin")
     assert kinds[i:i + 3] == ["restore.begin", "reconcile", "restore.done"]
@@ -209,8 +212,7 @@ def test_restore_whose_save_first_fails_leaves_no_staged_files(env, agent: str) 
     assert res.returncode != 0 and "already exists" in res.stderr
     assert after == before
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
-    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
-              if x]
+    events = events_of(store, agent, e)
     assert events[-1]["type"] == "checkpoint.failed"
     assert "restore.begin" not in [ev["type"] for ev in events[-3:]]
 
@@ -261,8 +263,7 @@ def test_a_fork_that_fails_is_rolled_back_and_says_so_in_the_parent(env, agent: 
     assert virsh("domstate", f"ksfs-{new}").returncode != 0
     assert not (store / "vm" / new).exists()
     assert sessions() == before and new not in before
-    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
-              if x]
+    events = events_of(store, agent, e)
     created, failed = events[-2:]
     assert (created["type"], created["body"]["session"]) == ("fork.created", new)
     assert failed["type"] == "fork.failed"
@@ -315,8 +316,7 @@ def test_saves_of_a_paused_machine_keep_it_paused(env, agent: str) -> None:
             assert chain[1:] == [state["root"]], chain
             assert [str(p) for p in vmdir.glob("*.qcow2")] == chain[:1]
             assert not list((vmdir / "staging").iterdir())
-        events = [json.loads(x) for x in run(store, "events", agent, "--json",
-                                             env=e).stdout.split("\n") if x]
+        events = events_of(store, agent, e)
         kinds = [ev["type"] for ev in events]
         since_pause = kinds[len(kinds) - 1 - kinds[::-1].index("pause"):]
         # both published, nothing failed, and no resume of ksfs's own in the log
@@ -330,8 +330,7 @@ def test_saves_of_a_paused_machine_keep_it_paused(env, agent: str) -> None:
         assert virsh("domstate", dom).stdout.strip() == "running"
         assert len(chain_of(dom)) == 2 and len(list(vmdir.glob("*.qcow2"))) == 1
         # and says it ran it: the user's pause no longer holds
-        events = [json.loads(x) for x in run(store, "events", agent, "--json",
-                                             env=e).stdout.split("\n") if x]
+        events = events_of(store, agent, e)
         last = [ev for ev in events if ev["type"] in ("pause", "resume")][-1]
         assert last["type"] == "resume" and last["body"]["reason"] == "restore to paused-1"
     finally:
@@ -457,8 +456,7 @@ def test_restore_killed_after_the_machine_came_back_is_finished_by_recover(env, 
     mine = [r for r in report if r["session"] == agent]
     assert mine and any("finished" in a for a in mine[0]["actions"]), report
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
-    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
-              if x]
+    events = events_of(store, agent, e)
     kinds = [ev["type"] for ev in events]
     i = len(kinds) - 1 - kinds[::-1].index("restore.begin")
     assert kinds[i:] == ["restore.begin", "reconcile", "restore.done", "recover"]
@@ -532,8 +530,7 @@ def test_recover_after_crash_and_a_dead_machine(env, agent: str) -> None:
     assert "doomed" in actions and "marked failed" in actions
     assert f"restored to checkpoint {last}" in actions
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
-    events = [json.loads(x) for x in run(store, "events", agent, "--json", env=e).stdout.split("\n")
-              if x]
+    events = events_of(store, agent, e)
     assert events[-1]["type"] == "recover"
     failed = [ev for ev in events if ev["type"] == "checkpoint.failed"]
     assert failed and failed[-1]["body"]["name"] == "doomed"
