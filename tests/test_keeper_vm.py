@@ -277,6 +277,29 @@ def test_a_fork_that_fails_is_rolled_back_and_says_so_in_the_parent(env, agent: 
     run(store, "session", "rm", new, env=e)
 
 
+def test_checkpoints_kept_by_session_rm_still_fork(env, agent: str) -> None:
+    store, e = env["store"], env["env"]
+    gone, child = f"kept-{env['tag']}", f"kc-{env['tag']}"
+    env["made"] += [gone, child]
+    run(store, "fork", agent, save(store, agent, e), gone, env=e)
+    cp = save(store, gone, e, "kept")
+    run(store, "session", "rm", gone, "--keep-checkpoints", env=e)
+    assert virsh("domstate", f"ksfs-{gone}").returncode != 0
+    # Only what the kept checkpoints' domain XML boots from is left of the machine's files.
+    assert sorted(p.name for p in (store / "vm" / gone).iterdir()) == ["initrd", "kernel"]
+    names = [c["name"] for c in json.loads(run(store, "checkpoints", gone, "--json",
+                                                env=e).stdout)]
+    assert cp in names
+    run(store, "fork", gone, cp, child, env=e)
+    assert virsh("domstate", f"ksfs-{child}").stdout.strip() == "running"
+    # Removing it for good takes the rest; the child boots from its own copies.
+    run(store, "session", "rm", gone, env=e)
+    assert not (store / "vm" / gone).exists()
+    assert save(store, child, e, "after")
+    run(store, "session", "rm", child, env=e)
+    assert run(store, "ledger", "verify", env=e).returncode == 0
+
+
 def test_pause_and_resume(env, agent: str) -> None:
     store, e = env["store"], env["env"]
     run(store, "pause", agent, env=e)

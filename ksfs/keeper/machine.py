@@ -212,7 +212,10 @@ class MachineVerbs:
         with session_lock(self.store_path, name):
             if rec.domain and rec.removed is None:
                 self.vm.destroy_and_undefine(rec.domain)
-                self.vm.remove_files(name)
+            if rec.domain:
+                # Kept checkpoints keep the kernel and initrd their forks boot from; a later
+                # removal without --keep-checkpoints takes those too.
+                self.vm.remove_files(name, keep_boot=keep_checkpoints)
             with self.store.env.begin(write=True) as txn:
                 self.ledger.remove_session(txn, name, keep_checkpoints=keep_checkpoints)
         self.checkpoint_changed(name, None)

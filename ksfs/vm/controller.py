@@ -335,9 +335,24 @@ class DomainController:
                 dom.undefineFlags(libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
                                   | libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)
 
-    def remove_files(self, session: str) -> None:
-        """Delete ``workdir/<session>/`` (its overlays, staging, log and state)."""
-        shutil.rmtree(self.session_dir(session), ignore_errors=True)
+    def remove_files(self, session: str, keep_boot: bool = False) -> None:
+        """Delete ``workdir/<session>/`` (its overlays, staging, log and state).
+
+        ``keep_boot``: leave the session's kernel and initrd, which its kept checkpoints' domain
+        XML names, so that forks of those checkpoints still boot.
+        """
+        d = self.session_dir(session)
+        if not keep_boot:
+            shutil.rmtree(d, ignore_errors=True)
+            return
+        boot = set(files.BOOT_NAMES.values())
+        for entry in d.iterdir() if d.is_dir() else ():
+            if entry.name in boot and entry.is_file():
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
     def console_log(self, session: str) -> Path | None:
         """The serial console log of the session's domain, if it logs to a file."""
