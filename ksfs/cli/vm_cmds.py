@@ -83,7 +83,9 @@ def session_list(ctx, as_json) -> None:
 
 @session.command("rm")
 @click.argument("name")
-@click.option("--keep-checkpoints", is_flag=True, help="Keep its checkpoints, read-only.")
+@click.option("--keep-checkpoints", is_flag=True,
+              help="Keep its checkpoints, read-only (cat, diff, fork); the name stays taken "
+                   "until a later rm without this flag.")
 @pass_ctx
 def session_rm(ctx, name, keep_checkpoints) -> None:
     """Destroy and undefine the session's domain and remove the session.
