@@ -14,6 +14,7 @@ from test_guestfs_helpers import make_tree
 
 from ksfs.errors import GuestFSUnreadable, IntegrityError
 from ksfs.guestfs import FileImageReader, GuestFS
+from ksfs.guestfs.layout import RO_COMPAT_METADATA_CSUM, crc32c
 from ksfs.guestfs.mkimage import build_ext4
 
 
@@ -26,12 +27,19 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return img
 
 
-def damaged(image: Path, tmp_path: Path, offset: int, data: bytes) -> Path:
+def damaged(image: Path, tmp_path: Path, offset: int, data: bytes,
+            sb_checksum: bool = False) -> Path:
+    """A copy of ``image`` with ``data`` at ``offset``; ``sb_checksum``: the superblock's
+    metadata_csum made to match again, so only what the change says is wrong."""
     copy = tmp_path / "damaged.img"
     shutil.copyfile(image, copy)
     with open(copy, "r+b") as f:
         f.seek(offset)
         f.write(data)
+        if sb_checksum:
+            f.seek(1024)
+            sb = f.read(0x3FC)
+            f.write(struct.pack("<I", crc32c(0xFFFFFFFF, sb)))
     return copy
 
 
@@ -45,6 +53,18 @@ def test_zeroed_superblock_magic(image: Path, tmp_path: Path) -> None:
     err = open_error(damaged(image, tmp_path, 1024 + 0x38, b"\0\0"))
     assert "superblock magic" in str(err)
     assert isinstance(err, IntegrityError) and err.errno == errno.EIO and err.exit_code == 6
+
+
+def test_superblock_that_fails_its_checksum(image: Path, tmp_path: Path) -> None:
+    with open(image, "rb") as f:
+        f.seek(1024 + 0x64)
+        assert struct.unpack("<I", f.read(4))[0] & RO_COMPAT_METADATA_CSUM  # mkfs's default
+    # The volume name: nothing but the checksum can tell this byte changed.
+    err = open_error(damaged(image, tmp_path, 1024 + 0x78, b"X"))
+    assert "the superblock fails its checksum (metadata_csum)" in str(err)
+    assert err.errno == errno.EIO
+    with FileImageReader(damaged(image, tmp_path, 1024 + 0x78, b"X", sb_checksum=True)) as r:
+        assert GuestFS.open(r).read("small.txt", 0, 6) == b"hello\n"
 
 
 def test_open_or_reason(image: Path, tmp_path: Path) -> None:
@@ -61,7 +81,8 @@ def test_unknown_incompat_feature(image: Path, tmp_path: Path) -> None:
         f.seek(1024 + 0x60)
         incompat = struct.unpack("<I", f.read(4))[0]
     err = open_error(damaged(image, tmp_path, 1024 + 0x60,
-                             struct.pack("<I", incompat | 0x1000 | 0x80000000)))
+                             struct.pack("<I", incompat | 0x1000 | 0x80000000),
+                             sb_checksum=True))
     assert "unsupported ext4 incompat feature(s): dirdata, 0x80000000" in str(err)
 
 

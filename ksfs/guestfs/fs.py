@@ -130,7 +130,7 @@ class GuestFS:
             if overlay:
                 sb_block, within = divmod(1024, sb.block_size)
                 raw = vol.read_blocks(sb_block, 1, "superblock")[within : within + 1024]
-                vol.set_overlay(overlay, layout.parse_superblock(raw, length))
+                vol.set_overlay(overlay, layout.parse_superblock(raw, length, checksum=False))
         elif recover:
             raise GuestFSUnreadable(why=f"{where}: needs recovery from an external journal")
         fs = cls(vol, where)

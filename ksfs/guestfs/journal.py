@@ -13,6 +13,7 @@ import struct
 from typing import TYPE_CHECKING, NamedTuple
 
 from ksfs.errors import GuestFSUnreadable
+from ksfs.guestfs.layout import crc32c
 
 if TYPE_CHECKING:
     from ksfs.guestfs.volume import Volume
@@ -23,28 +24,6 @@ INCOMPAT_REVOKE, INCOMPAT_64BIT, INCOMPAT_ASYNC_COMMIT = 0x1, 0x2, 0x4
 INCOMPAT_CSUM_V2, INCOMPAT_CSUM_V3, INCOMPAT_FAST_COMMIT = 0x8, 0x10, 0x20
 KNOWN_INCOMPAT = 0x3F
 TAG_ESCAPE, TAG_SAME_UUID, TAG_LAST = 0x1, 0x2, 0x8
-
-
-def _crc_table() -> tuple[int, ...]:
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return tuple(table)
-
-
-_CRC32C = _crc_table()
-
-
-def crc32c(crc: int, data: bytes) -> int:
-    """The kernel's ``crc32c(seed, data)``: no inversion in or out. Pure Python, ~6 MB/s, so
-    it is only run on the few journal blocks it guards (commit blocks, replayed blocks)."""
-    table = _CRC32C
-    for b in data:
-        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc
 
 
 class JournalCopy(NamedTuple):
