@@ -55,10 +55,20 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
                                            f"request body over {gw.max_body} bytes"))
         return
     method, path = scope["method"], scope["path"]
+    wire = wire_path(scope)
+    if wire is None:
+        # Appended to the provider's URL, a target such as "0:8080/v1/..." or ".evil.example/"
+        # would send the call, with the API key, to another host.
+        await send_reply(send, error_reply(
+            400, "invalid_request_error",
+            "the request target must be a path that starts with '/' (no absolute URL, "
+            "authority or control characters)"))
+        return
     if is_paid(method, body):
         try:
             answer, extra = await gw.paid_call(served, method, path,
-                                               scope.get("query_string", b""), headers, body)
+                                               scope.get("query_string", b""), headers, body,
+                                               wire=wire)
         except KsfsError as exc:
             answer, extra = ksfs_error_reply(exc), []
         if isinstance(answer, StreamThrough):
@@ -66,8 +76,17 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
         else:
             await send_reply(send, answer, extra)
         return
-    await served.upstream.passthrough(method, path, scope.get("query_string", b""), headers,
+    await served.upstream.passthrough(method, wire, scope.get("query_string", b""), headers,
                                       body, send)
+
+
+def wire_path(scope: dict) -> str | None:
+    """The path as the guest sent it (still percent-encoded, so ``a%2Fb`` stays one segment),
+    or None when it is not a plain origin-form path."""
+    raw = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
+    if not raw.startswith(b"/") or any(c <= 0x20 or c >= 0x7F for c in raw):
+        return None
+    return raw.decode("ascii")
 
 
 def _token_ok(headers: list[tuple[str, str]], token: str) -> bool:

@@ -82,6 +82,7 @@ class Route:
     method: str
     path: str
     query: bytes = b""
+    wire: str = ""  # the path as sent upstream: the guest's, still percent-encoded
 
 
 class Gateway:
@@ -164,14 +165,15 @@ class Gateway:
     # --- one paid call ------------------------------------------------------------------------
 
     async def paid_call(self, served: Served, method: str, path: str, query: bytes,
-                        headers: Headers, body: bytes) -> tuple[Reply | StreamThrough, Headers]:
+                        headers: Headers, body: bytes, wire: str | None = None
+                        ) -> tuple[Reply | StreamThrough, Headers]:
         """The answer to one call that may cost money, and the ksfs headers that go with it.
 
         Chat completions and every other paid route take the same path (store, budget, buy
         once), so no endpoint can spend past a budget or go uncounted; the route is part of the
         key, so one body sent to two endpoints is two calls.
         """
-        route = Route(method, path, query)
+        route = Route(method, path, query, wire or path)
         scope = route_scope(method, path, query)
         try:
             canon, obj = paid_body(scope, body, header(headers, "content-type"))
@@ -243,7 +245,7 @@ class Gateway:
         """Call upstream once, commit a completed response with its event, wake the waiters."""
         cost: tuple[int | None, float | None] = (None, None)
         try:
-            got = await served.upstream.fetch(route.method, route.path, headers, body,
+            got = await served.upstream.fetch(route.method, route.wire, headers, body,
                                               call.on_start, call.on_chunk, route.query)
             if isinstance(got, Reply) or not 200 <= got.status < 300:
                 call.error = got if isinstance(got, Reply) else _passed_back(got)

@@ -79,6 +79,8 @@ class Upstream:
         return f"Upstream({self.base_url!r})"
 
     def url(self, path: str, query: bytes = b"") -> str:
+        if not path.startswith("/"):  # the app refuses these; never build another host's URL
+            raise ValueError(f"upstream path {path[:80]!r} does not start with '/'")
         return self.base_url + path + (("?" + query.decode("latin-1")) if query else "")
 
     def outgoing(self, guest: Iterable[tuple[str, str]], identity: bool = False) -> Headers:
