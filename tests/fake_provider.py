@@ -21,6 +21,7 @@ or standalone (for an end-to-end test with a guest): ``python tests/fake_provide
 from __future__ import annotations
 
 import argparse
+import gzip
 import http.server
 import json
 import threading
@@ -47,8 +48,13 @@ class FakeProvider:
                  stream_usage: bool = True, chunk_delay: float = 0.0) -> None:
         self.delay = delay
         self.error = error
+        # True: as OpenAI, a stream's usage (and "usage": null on its other chunks) only when
+        # the request asks with stream_options.include_usage; False: never.
         self.stream_usage = stream_usage
         self.chunk_delay = chunk_delay
+        self.stream_end: str | None = None  # "no_done": no [DONE]; "error_event": fails mid-way
+        self.gzip = False  # compress JSON answers although asked for identity
+        self.reject_stream_options = False  # 400 for stream_options, as some servers do
         self.requests: list[Seen] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -108,6 +114,7 @@ class FakeProvider:
         old, self._stop = self._stop, threading.Event()
         old.set()
         self.delay, self.error, self.stream_usage, self.chunk_delay = 0.0, None, True, 0.0
+        self.stream_end, self.gzip, self.reject_stream_options = None, False, False
         self.most_active = 0
 
     def _note(self, seen: Seen) -> int:
@@ -146,6 +153,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         raw = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        if self.fake.gzip:
+            raw = gzip.compress(raw)
+            self.send_header("Content-Encoding", "gzip")
         self.send_header("Content-Length", str(len(raw)))
         self.send_header("X-Request-Id", f"req-{time.monotonic_ns()}")
         self.end_headers()
@@ -186,6 +196,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         req = json.loads(body)
         model = req.get("model", "unknown")
+        if fake.reject_stream_options and "stream_options" in req:
+            self._json(400, {"error": {"type": "invalid_request_error", "param": None,
+                                       "message": "Unrecognized request argument supplied: "
+                                                  "stream_options"}})
+            return
         if route == "/v1/embeddings":
             self._embeddings(req, model)
             return
@@ -197,7 +212,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                  "total_tokens": words + len(COMPLETION_WORDS)}
         cid = f"chatcmpl-{serial}-{time.monotonic_ns()}"  # differs on every real call
         if req.get("stream"):
-            self._stream(cid, model, usage)
+            asked = (req.get("stream_options") or {}).get("include_usage") is True
+            self._stream(cid, model, usage if asked and self.fake.stream_usage else None)
             return
         self._json(200, {
             "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -207,23 +223,31 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             "usage": usage,
         })
 
-    def _stream(self, cid: str, model: str, usage: dict) -> None:
+    def _stream(self, cid: str, model: str, usage: dict | None) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model}
+        if usage is not None:
+            base["usage"] = None  # as OpenAI: every chunk has it once usage is asked for
         events = [dict(base, choices=[{"index": 0, "delta": {"content": w + " "}}])
                   for w in COMPLETION_WORDS]
-        events.append(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]))
-        if self.fake.stream_usage:
+        if self.fake.stream_end == "error_event":  # as OpenAI reports a failure mid-stream
+            events = events[:3] + [{"error": {"type": "server_error", "code": None,
+                                              "message": "The server had an error"}}]
+        else:
+            events.append(dict(base, choices=[{"index": 0, "delta": {},
+                                               "finish_reason": "stop"}]))
+        if usage is not None and self.fake.stream_end is None:
             events.append(dict(base, choices=[], usage=usage))
         for ev in events:
             self._chunk(b"data: " + json.dumps(ev).encode() + b"\n\n")
             if self.fake.chunk_delay:
                 self.fake.sleep(self.fake.chunk_delay)
-        self._chunk(b"data: [DONE]\n\n")
+        if self.fake.stream_end is None:
+            self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
 
     def _embeddings(self, req: dict, model: str) -> None:

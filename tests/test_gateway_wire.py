@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_gateway_helpers import (  # with the shared fixtures, by name
     MARKER_KEY,
+    call,
     chat_body,
     client,
     events,
@@ -19,6 +22,7 @@ from test_gateway_helpers import (  # with the shared fixtures, by name
 )
 
 from ksfs.gateway import Gateway
+from ksfs.gateway.sse import HiddenUsage
 
 
 async def raw_request(port: int, target: bytes, body: bytes = b"") -> tuple[int, bytes]:
@@ -59,3 +63,119 @@ async def test_the_path_goes_upstream_as_the_guest_encoded_it(store, ledger, pro
         await c.post("/v1/files/x%2Fy", content=b'{"purpose": "t"}')  # paid
     assert [r.path for r in provider.requests] == ["/v1/models/a%2Fb%3Fc=1?limit=2",
                                                    "/v1/files/x%2Fy"]
+
+
+# --- streams: usage asked on the guest's behalf, and only whole answers stored ------------------
+
+
+def data_events(body: bytes) -> list:
+    out = []
+    for line in body.decode().splitlines():
+        if line.startswith("data: "):
+            out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return out
+
+
+async def test_a_stream_that_did_not_ask_for_usage_is_still_counted(store, ledger, provider,
+                                                                     nursery):
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    gw.set_budget("s1", tokens=20)
+    port = await nursery.start(gw.serve_session, "s1")
+    body = chat_body("one two three", stream=True)
+    del body["stream_options"]  # the openai client's default for stream=True
+    first = await call(port, body)
+    # The provider was asked for the usage; the guest got the stream it asked for.
+    sent = json.loads(provider.requests[-1].body)
+    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["messages"] == body["messages"]
+    got = data_events(first.content)
+    assert got[-1] == "[DONE]" and len(got) == 9
+    assert all("usage" not in ev and ev["choices"] for ev in got[:-1])
+    assert "".join(ev["choices"][0]["delta"].get("content", "") for ev in got[:-1]).split() \
+        == ["this", "is", "the", "fake", "provider", "answering", "you"]
+    u = gw.usage("s1")
+    assert (u["total_tokens"], u["unknown_usage_calls"]) == (3 + 7, 0)
+    # Stored as the guest got it: a replay is the same bytes, and costs nothing.
+    again = await call(port, body)
+    assert again.headers["x-ksfs-replay"] == "true" and again.content == first.content
+    # The budget sees streams: 10 + 10 reaches 20, the next is refused.
+    assert (await call(port, dict(body, n=2))).status_code == 200
+    assert (await call(port, dict(body, n=3))).status_code == 402
+    assert provider.count() == 2
+
+
+async def test_a_provider_that_refuses_stream_options_is_asked_as_the_guest_did(
+        store, ledger, provider, nursery):
+    provider.reject_stream_options = True
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    body = chat_body("no options please", stream=True)
+    del body["stream_options"]
+    r = await call(port, body)
+    assert r.status_code == 200 and data_events(r.content)[-1] == "[DONE]"
+    assert [json.loads(x.body).get("stream_options") for x in provider.requests] == [
+        {"include_usage": True}, None]
+    assert gw.usage("s1")["unknown_usage_calls"] == 1
+
+
+async def test_a_stream_that_fails_or_stops_short_is_passed_on_but_not_stored(
+        store, ledger, provider, nursery):
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    for n, end in enumerate(("error_event", "no_done")):
+        provider.stream_end = end
+        body = chat_body(f"doomed {n}", stream=True)
+        r = await call(port, body)
+        assert r.status_code == 200  # the headers were out before the stream went wrong
+        got = data_events(r.content)
+        errors = [ev["error"] for ev in got if isinstance(ev, dict) and "error" in ev]
+        assert errors[-1]["type"] == "upstream_stream_incomplete"
+        if end == "error_event":  # the provider's own error reaches the guest too
+            assert errors[0]["message"] == "The server had an error"
+        provider.stream_end = None
+        again = await call(port, body)  # not stored: bought again, and whole this time
+        assert again.headers["x-ksfs-replay"] == "false"
+        assert data_events(again.content)[-1] == "[DONE]"
+    assert provider.count() == 4
+    calls = events(ledger, "s1", "gateway.call")
+    assert [(e.body["stored"], e.body.get("error")) for e in calls] == [
+        (False, "stream_incomplete"), (True, None), (False, "stream_incomplete"), (True, None)]
+
+
+async def test_a_compressed_answer_is_stored_decoded(store, ledger, provider, nursery):
+    provider.gzip = True
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    body = chat_body("squeeze me")
+    first = await call(port, body)
+    assert "content-encoding" not in first.headers
+    assert first.json()["choices"][0]["message"]["content"].startswith("this is")
+    again = await call(port, body)
+    assert again.headers["x-ksfs-replay"] == "true" and again.content == first.content
+    assert gw.usage("s1")["total_tokens"] == 2 + 7
+
+
+SAMPLE_STREAM = (
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"h\\u00e9"}}],"usage":null}\n\n'
+    b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":null}'
+    b'\r\n\r\n'
+    b': a comment line\n\n'
+    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,'
+    b'"total_tokens":3}}\n\n'
+    b'data: [DONE]\n\n')
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, len(SAMPLE_STREAM)), max_size=12))
+def test_hidden_usage_gives_the_same_stream_however_it_arrives(cuts: list[int]) -> None:
+    whole = HiddenUsage.apply(SAMPLE_STREAM)
+    assert data_events(whole) == [
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "hé"}}]},
+        {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        "[DONE]"]
+    assert b": a comment line\n\n" in whole
+    f, out, last = HiddenUsage(), [], 0
+    for cut in sorted(cuts) + [len(SAMPLE_STREAM)]:
+        out.append(f.feed(SAMPLE_STREAM[last:cut]))
+        last = cut
+    assert b"".join(out) + f.flush() == whole

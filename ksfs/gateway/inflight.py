@@ -31,6 +31,9 @@ class Call:
     headers: Headers = field(default_factory=list)
     chunks: list[bytes] = field(default_factory=list)
     changed: trio.Event = field(default_factory=trio.Event)
+    # The provider's stream ended cleanly but was no whole answer (an error event, no end):
+    # its last chunk is passed on before the gateway's error, as it is whole.
+    ended_cleanly: bool = False
 
     def notify(self) -> None:
         self.changed.set()
@@ -83,7 +86,10 @@ class StreamThrough:
             rest = call.stored.body[len(done):]
         else:
             # Headers are out, so the failure goes in the stream, as providers send theirs.
-            rest = b"data: " + (call.error or lost_reply()).body + b"\n\n"
+            tail = b"".join(call.chunks[sent:]) if call.ended_cleanly else b""
+            if tail and not tail.endswith((b"\n\n", b"\r\n\r\n")):
+                tail += b"\n\n"
+            rest = tail + b"data: " + (call.error or lost_reply()).body + b"\n\n"
         await send({"type": "http.response.body", "body": rest, "more_body": False})
 
 

@@ -13,6 +13,7 @@ let the API key reach the store, an event or a log line.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -39,6 +40,7 @@ from ksfs.gateway.calls import (
 )
 from ksfs.gateway.inflight import Call, StreamThrough, header, ksfs_headers, reply_of
 from ksfs.gateway.prices import PriceTable, load_prices
+from ksfs.gateway.sse import HiddenUsage, incomplete, wants_usage_added, with_usage
 from ksfs.gateway.store import GatewayStore, StoredResponse, View, used_up
 from ksfs.gateway.upstream import (
     NOT_STORED,
@@ -83,6 +85,19 @@ class Route:
     path: str
     query: bytes = b""
     wire: str = ""  # the path as sent upstream: the guest's, still percent-encoded
+
+
+@dataclass(frozen=True)
+class Order:
+    """One purchase as the buyer task makes it."""
+
+    route: Route
+    headers: Headers
+    body: bytes  # as the guest sent it
+    model: str | None
+    stream: bool
+    digest: str
+    ask_usage: bool = False  # a chat stream sent with include_usage added on the guest's behalf
 
 
 class Gateway:
@@ -186,6 +201,8 @@ class Gateway:
         digest = request_digest(canon)
         model = obj.get("model") if isinstance(obj.get("model"), str) else None
         stream = obj.get("stream") is True
+        order = Order(route, headers, body, model, stream, digest,
+                      ask_usage=not scope and wants_usage_added(obj))
         ikey = lineage_bytes(view.lineage) + key
         mine = False
         while True:
@@ -207,8 +224,7 @@ class Gateway:
                 call = self._inflight[ikey] = Call()
                 mine = True
                 self._gate.started(view.lineage)
-                served.nursery.start_soon(self._buy, call, served, view, key, ikey, route,
-                                          headers, body, model, stream, digest)
+                served.nursery.start_soon(self._buy, call, served, view, key, ikey, order)
                 if stream:
                     return StreamThrough(call, key), []
             await call.done.wait()
@@ -240,22 +256,36 @@ class Gateway:
             session=view.session, budget=budget, used=used)
 
     async def _buy(self, call: Call, served: Served, view: View, key: bytes, ikey: bytes,
-                   route: Route, headers: Headers, body: bytes, model: str | None, stream: bool,
-                   digest: str) -> None:
+                   order: Order) -> None:
         """Call upstream once, commit a completed response with its event, wake the waiters."""
         cost: tuple[int | None, float | None] = (None, None)
+        route = order.route
         try:
-            got = await served.upstream.fetch(route.method, route.wire, headers, body,
-                                              call.on_start, call.on_chunk, route.query)
+            got, visible = await self._fetch(call, served.upstream, order)
+            if isinstance(got, Fetched) and 200 <= got.status < 300:
+                ctype = header(got.headers, "content-type") or ""
+                why = (incomplete(got.body, route.path)
+                       if order.stream or ctype.startswith("text/event-stream") else None)
+                if why is not None:
+                    # A 200 whose stream failed or stopped short: pass it on, never store it.
+                    call.ended_cleanly = True
+                    call.error = error_reply(
+                        502, "upstream_stream_incomplete",
+                        f"the model provider's stream {why}; it was not stored, so a retry "
+                        "buys it again")
+                    await trio.to_thread.run_sync(
+                        self.db.record_upstream_error, view.session, view.lineage, key,
+                        order.model, got.status, "stream_incomplete", route.path)
+                    return
             if isinstance(got, Reply) or not 200 <= got.status < 300:
                 call.error = got if isinstance(got, Reply) else _passed_back(got)
                 why = _error_type(call.error)
                 await trio.to_thread.run_sync(self.db.record_upstream_error, view.session,
-                                              view.lineage, key, model, call.error.status, why,
-                                              route.path)
+                                              view.lineage, key, order.model, call.error.status,
+                                              why, route.path)
                 return
             call.stored, cost = await trio.to_thread.run_sync(
-                self._commit, view, key, got, model, stream, digest, route.path)
+                self._commit, view, key, got, visible, order)
         except Exception as exc:  # a bug or a store failure must not take the server down
             log.error("gateway call for session %s failed: %s", view.session, exc)
             if call.error is None:
@@ -270,21 +300,47 @@ class Gateway:
             call.done.set()
             call.notify()
 
-    def _commit(self, view: View, key: bytes, got: Fetched, model: str | None, stream: bool,
-                digest: str, path: str
+    async def _fetch(self, call: Call, upstream: Upstream, order: Order
+                     ) -> tuple[Fetched | Reply, bytes]:
+        """The upstream answer and the body the guest is to get of it (the same bytes, but for
+        the usage chunk asked on the guest's behalf, which only the gateway reads)."""
+        route = order.route
+        if order.ask_usage:
+            hidden = HiddenUsage()
+
+            def on_chunk(data: bytes) -> None:
+                if out := hidden.feed(data):
+                    call.on_chunk(out)
+
+            got = await upstream.fetch(route.method, route.wire, order.headers,
+                                       with_usage(json.loads(order.body)), call.on_start,
+                                       on_chunk, route.query)
+            if not isinstance(got, Fetched) or got.status not in (400, 422) \
+                    or b"stream_options" not in got.body:
+                if tail := hidden.flush():
+                    call.on_chunk(tail)
+                return got, HiddenUsage.apply(got.body) if isinstance(got, Fetched) else b""
+            # A provider that does not know stream_options: ask as the guest did.
+            call.chunks.clear()
+        got = await upstream.fetch(route.method, route.wire, order.headers, order.body,
+                                   call.on_start, call.on_chunk, route.query)
+        return got, got.body if isinstance(got, Fetched) else b""
+
+    def _commit(self, view: View, key: bytes, got: Fetched, visible: bytes, order: Order
                 ) -> tuple[StoredResponse, tuple[int | None, float | None]]:
-        """Store the response; returns it with its (tokens, USD), each None when not known."""
+        """Store the response (``visible``: its body as the guest gets it); returns it with its
+        (tokens, USD), each None when not known."""
         ctype = header(got.headers, "content-type") or ""
-        sse = stream or ctype.startswith("text/event-stream")
-        usage = (usage_of_sse if sse else usage_of_json)(got.body, model)
+        sse = order.stream or ctype.startswith("text/event-stream")
+        usage = (usage_of_sse if sse else usage_of_json)(got.body, order.model)
         cost, priced = self.prices.cost(usage.model, usage.prompt_tokens,
                                         usage.completion_tokens)
         resp = StoredResponse(
             lineage=view.lineage, session=view.session, key=key.hex(), seq=-1,
-            status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=got.body,
-            model=usage.model, stream=sse, request_digest=digest, created=_now())
+            status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=visible,
+            model=usage.model, stream=sse, request_digest=order.digest, created=_now())
         stored = self.db.commit_call(view.session, view.lineage, key, resp, usage, cost, priced,
-                                     path)
+                                     order.route.path)
         # What the gate may learn a call's size from: only figures the provider reported (an
         # unpriced model's or a usage-less call's 0 would let every later call start at once).
         known = usage.known

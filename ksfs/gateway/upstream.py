@@ -114,7 +114,9 @@ class Upstream:
                     if on_start is not None:
                         on_start(resp.status_code, headers)
                     chunks = []
-                    async for chunk in resp.aiter_raw():
+                    # Decoded: a provider that compresses although asked for identity must
+                    # not have gzip stored (and replayed) without its content-encoding.
+                    async for chunk in resp.aiter_bytes():
                         chunks.append(chunk)
                         if on_chunk is not None:
                             on_chunk(chunk)
