@@ -54,6 +54,16 @@ def test_price_table_lookup_and_errors(prices_file):
     default = load_prices()
     assert default.cost("gpt-4o-mini", 1_000_000, 1_000_000) == (pytest.approx(0.75), True)
     assert default.price("gpt-4o-2024-08-06") == default.price("gpt-4o")
+    assert default.price("gpt-4o-mini-2024-07-18") == default.price("gpt-4o-mini")
+    assert default.price("gpt-3.5-turbo-0125") == default.price("gpt-3.5-turbo")
+    assert default.price("chatgpt-4o-latest") is None
+    assert default.price("gpt-4o-latest") == default.price("gpt-4o")
+    for model in ("o1", "o3", "o4-mini", "gpt-4-turbo", "gpt-3.5-turbo", "gpt-5"):
+        assert default.price(model) is not None, model
+    # Other models that only share a prefix have their own prices: not guessed.
+    for model in ("gpt-4o-audio-preview", "gpt-4o-realtime-preview-2024-12-17",
+                  "gpt-4o-mini-tts", "o3-pro"):
+        assert default.price(model) is None, model
     for bad in ("not toml [", "[x]\n", '[models."m"]\ninput = -1\noutput = 1\n',
                 '[models."m"]\ninput = "cheap"\noutput = 1\n'):
         with pytest.raises(BadInput):
@@ -136,6 +146,38 @@ async def test_usd_budget(gw, provider, nursery):
         gw.set_budget("s1", usd="lots")
 
 
+async def test_calls_larger_than_any_before_are_held_to_their_own_size(gw, ledger, provider,
+                                                                         nursery):
+    # QA (eighth session): sized by the largest completed call alone, a burst of long
+    # prompts after one short call all started together and spent 12x the budget.
+    gw.set_budget("s1", tokens=500)
+    port = await nursery.start(gw.serve_session, "s1")
+    assert (await call(port, chat_body("short", model="test-model"))).status_code == 200
+    provider.delay = 0.3
+    long_prompt = " ".join(["word"] * 250)  # ~1,300 bytes of JSON: reckoned ~330 tokens
+    replies = []
+
+    async def one(i: int) -> None:
+        replies.append(await call(port, chat_body(f"{i} {long_prompt}", model="test-model")))
+
+    async with trio.open_nursery() as calls:
+        for i in range(6):
+            calls.start_soon(one, i)
+    # 251 + 7 tokens each: the second starts only after the first is counted (8 + 2 x 330
+    # reckoned > 500), then the budget is used up; without the reckoning all six were bought.
+    assert sorted(r.status_code for r in replies) == [200] * 2 + [402] * 4
+    assert provider.most_active == 1
+    assert gw.usage("s1")["total_tokens"] == (1 + 7) + 2 * (251 + 7)
+    # A completion cap counts too: at max_tokens 4000 two fit beside each other in 10,000.
+    gw.set_budget("s1", tokens=10_000)
+    provider.most_active = 0
+    async with trio.open_nursery() as calls:
+        for i in range(3):
+            calls.start_soon(call, port, dict(chat_body(f"capped {i}", model="test-model"),
+                                              max_tokens=4000))
+    assert provider.most_active == 2
+
+
 async def test_calls_in_flight_cannot_spend_past_the_budget_together(gw, ledger, provider,
                                                                      nursery):
     # Each call is 2 prompt + 7 completion = 9 tokens; 25 tokens leave room for 3 calls' worth
@@ -161,12 +203,16 @@ async def test_calls_in_flight_cannot_spend_past_the_budget_together(gw, ledger,
 
 @pytest.mark.parametrize("warm_up", ["unpriced", "no usage"])
 async def test_a_call_that_cost_nothing_does_not_open_the_gate(gw, provider, nursery, warm_up):
-    # An unpriced model's call, or a stream without usage, is counted at 0 USD: that says
-    # nothing about what a priced call costs, so priced calls still start one at a time.
+    # A stream without usage is counted at 0 USD: that says nothing about what a priced call
+    # costs, so priced calls are still held to what their requests may cost. An unpriced
+    # model's call is not bought at all under a USD budget: its cost could not be counted.
     gw.set_budget("s1", usd=0.04)
     port = await nursery.start(gw.serve_session, "s1")
     if warm_up == "unpriced":
-        await call(port, chat_body("warm up", model="unpriced-model"))
+        r = await call(port, chat_body("warm up", model="unpriced-model"))
+        assert r.status_code == 402 and r.json()["error"]["reason"] == "unpriced_model"
+        assert "'unpriced-model' has no price" in r.json()["error"]["message"]
+        assert provider.count() == 0
     else:
         provider.stream_usage = False
         await call(port, chat_body("warm up", model="test-model", stream=True))
@@ -181,20 +227,21 @@ async def test_a_call_that_cost_nothing_does_not_open_the_gate(gw, provider, nur
         for i in range(8):
             calls.start_soon(one, i)
     assert sorted(r.status_code for r in replies) == [200] * 3 + [402] * 5
-    assert provider.most_active == 1 and gw.usage("s1")["cost_usd"] == pytest.approx(0.048)
+    # Each request reckons at 0.02 USD (about 80 bytes of body), so two fit the 0.04 at once.
+    assert provider.most_active == 2 and gw.usage("s1")["cost_usd"] == pytest.approx(0.048)
 
 
 async def test_calls_with_room_in_the_budget_still_run_at_once(gw, provider, nursery):
     gw.set_budget("s1", tokens=1000)
     provider.delay = 0.3
     port = await nursery.start(gw.serve_session, "s1")
-    async with trio.open_nursery() as calls:  # the first two: sizes unknown, one at a time
+    async with trio.open_nursery() as calls:  # the first two: reckoned from their requests
         for i in range(2):
             calls.start_soon(call, port, chat_body(f"first {i}", model="test-model"))
-    assert provider.most_active == 1
+    assert provider.most_active == 2
     provider.most_active = 0
     provider.delay = 1.0  # long enough for all six to be in flight at once on a busy machine
-    async with trio.open_nursery() as calls:  # now 9 tokens each: 6 fit beside each other
+    async with trio.open_nursery() as calls:  # about 20 tokens each: 6 fit beside each other
         for i in range(6):
             calls.start_soon(call, port, chat_body(f"then {i}", model="test-model"))
     assert provider.count() == 8 and provider.most_active == 6

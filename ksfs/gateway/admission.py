@@ -3,16 +3,17 @@
 A call's cost is known only once its response is in, so a budget checked at the door alone lets
 every call that starts while others are in flight through: ten concurrent calls on a budget with
 room for one were all bought. ``BudgetGate`` lets a new purchase of a lineage that has a budget
-start only when the budget still has room for it and for every purchase already in flight, each
-reckoned at the largest cost a completed call of this gateway has had on that lineage. Until one
-has completed the size of a call is unknown, so such purchases run one at a time. A purchase held
-back waits (the guest's request stays open) until one in flight ends, then is checked again, and
-refused with 402 if the budget is then used up.
+start only when the budget still has room for it and for every purchase already in flight. Each
+is reckoned at the larger of what its request says it may cost (``calls.estimated_tokens``:
+its size and its own completion cap, priced by the table) and the largest cost a completed call
+of this gateway has had on that lineage, so a burst of calls larger than any before is held
+back too. A purchase held back waits (the guest's request stays open) until one in flight ends,
+then is checked again, and refused with 402 if the budget is then used up.
 
 What is left: a single call can still go past the budget by its own size (as a provider's own
-limits allow), and one larger than every call before it can go past its reckoned share. The
-gate is per process: a standalone ``ksfs gateway`` beside the daemon does not see the daemon's
-calls in flight. Without a budget nothing is held back.
+limits allow), and one with no completion cap can cost more than its reckoning. The gate is per
+process: a standalone ``ksfs gateway`` beside the daemon does not see the daemon's calls in
+flight. Without a budget nothing is held back.
 """
 
 from __future__ import annotations
@@ -23,16 +24,27 @@ from typing import Any
 import trio
 
 
+@dataclass(frozen=True)
+class Reckoning:
+    """What one purchase is held to count for while it is in flight (USD None: unpriced)."""
+
+    tokens: int
+    usd: float | None
+
+
 @dataclass
 class _Lineage:
     flying: int = 0
+    flying_tokens: int = 0
+    flying_usd: float = 0.0
     largest_tokens: int | None = None
     largest_usd: float | None = None
     landed: trio.Event = field(default_factory=trio.Event)
 
 
 class BudgetGate:
-    """Per-lineage count of purchases in flight and the largest completed call's cost."""
+    """Per-lineage purchases in flight, what they are reckoned at, and the largest completed
+    call's cost."""
 
     def __init__(self) -> None:
         self._lineages: dict[str, _Lineage] = {}
@@ -40,19 +52,24 @@ class BudgetGate:
     def _of(self, lineage: str) -> _Lineage:
         return self._lineages.setdefault(lineage, _Lineage())
 
+    def reckon(self, lineage: str, tokens: int, usd: float | None) -> Reckoning:
+        """A new purchase's reckoning: its request's estimate, at least the largest known."""
+        state = self._of(lineage)
+        if usd is not None and state.largest_usd is not None:
+            usd = max(usd, state.largest_usd)
+        return Reckoning(max(tokens, state.largest_tokens or 0), usd)
+
     def may_start(self, lineage: str, budget: dict[str, Any] | None,
-                  used: dict[str, Any]) -> bool:
+                  used: dict[str, Any], new: Reckoning) -> bool:
         """Whether a new purchase fits beside those in flight (``used`` is what is spent)."""
         state = self._of(lineage)
         if budget is None or state.flying == 0:
             return True
-        calls = state.flying + 1
-        for kind, largest in (("tokens", state.largest_tokens), ("usd", state.largest_usd)):
-            if budget.get(kind) is None:
-                continue
-            if largest is None or used[kind] + calls * largest > budget[kind]:
-                return False  # a call's size unknown yet, or no room for one more
-        return True
+        if budget.get("tokens") is not None and (
+                used["tokens"] + state.flying_tokens + new.tokens > budget["tokens"]):
+            return False
+        return budget.get("usd") is None or (
+            new.usd is not None and used["usd"] + state.flying_usd + new.usd <= budget["usd"])
 
     async def wait_for_landing(self, lineage: str) -> None:
         """Until a purchase of ``lineage`` in flight ends (at once when none is)."""
@@ -60,13 +77,22 @@ class BudgetGate:
         if state.flying:
             await state.landed.wait()
 
-    def started(self, lineage: str) -> None:
-        self._of(lineage).flying += 1
+    def started(self, lineage: str, new: Reckoning) -> None:
+        state = self._of(lineage)
+        state.flying += 1
+        state.flying_tokens += new.tokens
+        state.flying_usd += new.usd or 0.0
 
-    def landed(self, lineage: str, tokens: int | None = None, usd: float | None = None) -> None:
-        """A purchase ended; ``tokens``/``usd`` are its cost when it completed and was counted."""
+    def landed(self, lineage: str, held: Reckoning, tokens: int | None = None,
+               usd: float | None = None) -> None:
+        """A purchase reckoned at ``held`` ended; ``tokens``/``usd`` are its cost when it
+        completed and was counted."""
         state = self._of(lineage)
         state.flying -= 1
+        state.flying_tokens -= held.tokens
+        state.flying_usd -= held.usd or 0.0
+        if state.flying == 0:
+            state.flying_tokens, state.flying_usd = 0, 0.0  # no float dust left behind
         if tokens is not None:
             state.largest_tokens = max(tokens, state.largest_tokens or 0)
         if usd is not None:

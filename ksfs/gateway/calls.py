@@ -88,6 +88,24 @@ def request_digest(canon: bytes) -> str:
     return blake3.blake3(canon).hexdigest()
 
 
+# A request's tokens reckoned from its size: about 4 bytes of JSON per token of English text,
+# which overstates a prompt (keys, quotes, escapes count) rather than understates it.
+BYTES_PER_TOKEN = 4
+COMPLETION_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
+def estimated_tokens(obj: dict[str, Any], body_bytes: int) -> tuple[int, int]:
+    """(prompt, completion) tokens a call may cost, reckoned from its request before it is
+    bought: the prompt from the body's size, the completion from its own cap (times ``n``)
+    when it sets one, else 0. Only for holding back purchases; never counted as usage."""
+    prompt = body_bytes // BYTES_PER_TOKEN
+    cap = next((obj[k] for k in COMPLETION_CAPS
+                if isinstance(obj.get(k), int) and not isinstance(obj.get(k), bool)), 0)
+    n = obj.get("n") if isinstance(obj.get("n"), int) and not isinstance(obj.get("n"), bool) \
+        else 1
+    return prompt, max(0, cap) * max(1, n)
+
+
 @dataclass(frozen=True)
 class Usage:
     """Token counts of one response; ``known`` False when the response carried no usage."""

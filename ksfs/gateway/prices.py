@@ -8,6 +8,7 @@ hiding in a wrong total. No I/O beyond reading the table file.
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -24,8 +25,15 @@ class Price:
     output: float
 
 
+# What may follow a priced name for the same model: a dated snapshot (gpt-4o-2024-08-06,
+# gpt-3.5-turbo-0125) or the moving alias "latest". Anything else (gpt-4o-audio-preview,
+# gpt-4o-realtime-...) is another model with its own prices, which must not be guessed.
+SNAPSHOT = re.compile(r"(\d{4}-\d{2}-\d{2}|\d{4}|latest)")
+
+
 class PriceTable:
-    """Model name -> Price. Lookup is exact, else the longest entry the name extends with '-'."""
+    """Model name -> Price. Lookup is exact, else the entry the name extends with a snapshot
+    suffix ("-2024-08-06", "-0125", "-latest")."""
 
     def __init__(self, prices: dict[str, Price], source: str = "") -> None:
         self.prices = dict(prices)
@@ -36,11 +44,14 @@ class PriceTable:
             return None
         if model in self.prices:
             return self.prices[model]
-        best = None
-        for name in self.prices:
-            if model.startswith(name + "-") and (best is None or len(name) > len(best)):
-                best = name
-        return None if best is None else self.prices[best]
+        base, sep, suffix = model.rpartition("-")
+        while sep:
+            if base in self.prices and SNAPSHOT.fullmatch(suffix):
+                return self.prices[base]
+            # "gpt-4o-2024-08-06": the date itself holds dashes; try the longer suffix.
+            base, sep, head = base.rpartition("-")
+            suffix = head + "-" + suffix
+        return None
 
     def cost(self, model: str | None, prompt_tokens: int, completion_tokens: int
              ) -> tuple[float, bool]:

@@ -27,10 +27,11 @@ import hypercorn.trio
 import trio
 
 from ksfs.errors import BadInput
-from ksfs.gateway.admission import BudgetGate
+from ksfs.gateway.admission import BudgetGate, Reckoning
 from ksfs.gateway.app import asgi_app
 from ksfs.gateway.calls import (
     derived_key,
+    estimated_tokens,
     header_key,
     paid_body,
     request_digest,
@@ -203,6 +204,8 @@ class Gateway:
         stream = obj.get("stream") is True
         order = Order(route, headers, body, model, stream, digest,
                       ask_usage=not scope and wants_usage_added(obj))
+        prompt, completion = estimated_tokens(obj, len(body))
+        est_usd, priced = self.prices.cost(model, prompt, completion)
         ikey = lineage_bytes(view.lineage) + key
         mine = False
         while True:
@@ -214,17 +217,20 @@ class Gateway:
                 if stored is not None:
                     return await self._replay(view, key, stored, digest)
                 budget, used = self.db.spending(view.lineage)
-                if used_up(budget, used):
-                    return (await self._refuse(view, key, model, path, budget, used),
+                unpriced = budget is not None and budget.get("usd") is not None and not priced
+                if used_up(budget, used) or unpriced:
+                    return (await self._refuse(view, key, model, path, budget, used, unpriced),
                             ksfs_headers(key, "refused"))
-                if not self._gate.may_start(view.lineage, budget, used):
+                held = self._gate.reckon(view.lineage, prompt + completion, est_usd)
+                if not self._gate.may_start(view.lineage, budget, used, held):
                     # Calls in flight may spend what is left: wait for one, then look again.
                     await self._gate.wait_for_landing(view.lineage)
                     continue
                 call = self._inflight[ikey] = Call()
                 mine = True
-                self._gate.started(view.lineage)
-                served.nursery.start_soon(self._buy, call, served, view, key, ikey, order)
+                self._gate.started(view.lineage, held)
+                served.nursery.start_soon(self._buy, call, served, view, key, ikey, order,
+                                          held)
                 if stream:
                     return StreamThrough(call, key), []
             await call.done.wait()
@@ -245,18 +251,28 @@ class Gateway:
         return reply_of(stored), ksfs_headers(key, "true")
 
     async def _refuse(self, view: View, key: bytes, model: str | None, path: str,
-                      budget: dict[str, Any], used: dict[str, Any]) -> Reply:
+                      budget: dict[str, Any], used: dict[str, Any], unpriced: bool = False
+                      ) -> Reply:
         await trio.to_thread.run_sync(self.db.record_refusal, view.session, view.lineage, key,
-                                      model, budget, used, path)
-        return error_reply(
-            402, "budget_exceeded",
-            f"session {view.session!r} has used {used['tokens']} tokens and "
-            f"{used['usd']:.6f} USD of its budget of {_fmt_budget(budget)}; "
-            "nothing was sent upstream",
-            session=view.session, budget=budget, used=used)
+                                      model, budget, used, path,
+                                      "unpriced_model" if unpriced else "used_up")
+        if unpriced:
+            # Its cost could not be counted, so a USD budget would not hold against it.
+            why = (f"model {model!r} has no price in the gateway's price table, so session "
+                   f"{view.session!r}'s budget of {_fmt_budget(budget)} cannot be kept against "
+                   "it; add the model to the table (--prices) or remove the USD budget; "
+                   "nothing was sent upstream") if model else (
+                   f"the request names no model, so session {view.session!r}'s budget of "
+                   f"{_fmt_budget(budget)} cannot be kept against it; nothing was sent upstream")
+        else:
+            why = (f"session {view.session!r} has used {used['tokens']} tokens and "
+                   f"{used['usd']:.6f} USD of its budget of {_fmt_budget(budget)}; "
+                   "nothing was sent upstream")
+        return error_reply(402, "budget_exceeded", why, session=view.session, budget=budget,
+                           used=used, reason="unpriced_model" if unpriced else "used_up")
 
     async def _buy(self, call: Call, served: Served, view: View, key: bytes, ikey: bytes,
-                   order: Order) -> None:
+                   order: Order, held: Reckoning) -> None:
         """Call upstream once, commit a completed response with its event, wake the waiters."""
         cost: tuple[int | None, float | None] = (None, None)
         route = order.route
@@ -296,7 +312,7 @@ class Gateway:
         finally:
             # Unregister before waking: a waiter that loops must find the committed response.
             self._inflight.pop(ikey, None)
-            self._gate.landed(view.lineage, *cost)
+            self._gate.landed(view.lineage, held, *cost)
             call.done.set()
             call.notify()
 

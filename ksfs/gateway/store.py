@@ -266,8 +266,9 @@ class GatewayStore:
 
     def record_refusal(self, session: str, lineage: str, key: bytes, model: str | None,
                        budget: dict[str, Any], used: dict[str, Any],
-                       path: str = CHAT_PATH) -> Event:
-        body = {"key": key.hex(), "model": model, "budget": budget, "used": used, "path": path}
+                       path: str = CHAT_PATH, reason: str = "used_up") -> Event:
+        body = {"key": key.hex(), "model": model, "budget": budget, "used": used, "path": path,
+                "reason": reason}
         with self._write() as txn:
             event = self.ledger.append(txn, session, "budget.refused", body)
             self._bump(txn, lineage, "refused")
