@@ -190,6 +190,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if fake.error == "close":
             self.close_connection = True
             return
+        if fake.error == 401:  # as OpenAI: the key it was given, partly masked
+            given = self.headers.get("Authorization", "").removeprefix("Bearer ")
+            self._json(401, {"error": {"type": "invalid_request_error", "code": "invalid_api_key",
+                                       "message": "Incorrect API key provided: "
+                                                  f"{given[:8]}{'*' * 20}{given[-4:]}."}})
+            return
         if isinstance(fake.error, int):
             self._json(fake.error, {"error": {"type": "server_error",
                                               "message": f"fake failure {serial}"}})

@@ -161,3 +161,26 @@ def test_standalone_gateway_holds_every_paid_route_to_the_budget(served, provide
         assert r.status_code == 402 and r.json()["error"]["type"] == "budget_exceeded", path
     assert len(provider.requests) == asked
     assert json.loads(ksfs(store, "usage", "default", "--json").stdout)["refused"] == 3
+
+
+def test_a_stop_waits_for_calls_in_flight_to_be_stored(served, provider):
+    # QA (eighth session): a SIGTERM under a call in flight threw away a call already bought,
+    # unrecorded, and the retry bought it again.
+    store, port, proc = served
+    provider.delay = 2.0
+    answers: list[httpx.Response] = []
+    import threading
+
+    t = threading.Thread(target=lambda: answers.append(post(port, chat_body("in flight"))))
+    t.start()
+    deadline = time.monotonic() + 10
+    while provider.active == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert "waiting up to" in read_line(proc, time.monotonic() + 10)
+    t.join(30)
+    assert proc.wait(30) == 0
+    assert answers and answers[0].status_code == 200
+    with ChunkStore.open(store) as s:
+        calls = [e for e in Ledger(s).events("default") if e.type == "gateway.call"]
+        assert [e.body["stored"] for e in calls] == [True]

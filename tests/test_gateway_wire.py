@@ -179,3 +179,18 @@ def test_hidden_usage_gives_the_same_stream_however_it_arrives(cuts: list[int]) 
         out.append(f.feed(SAMPLE_STREAM[last:cut]))
         last = cut
     assert b"".join(out) + f.flush() == whole
+
+
+async def test_the_guest_sees_no_part_of_the_key_and_picks_no_billing(store, ledger, provider,
+                                                                       nursery):
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    provider.error = 401
+    r = await call(port, chat_body("bad key"),
+                   headers={"OpenAI-Organization": "org-guest", "OpenAI-Project": "proj-guest"})
+    assert r.status_code == 401
+    assert r.json()["error"]["message"] == "Incorrect API key provided: sk-***."
+    assert MARKER_KEY[-4:] not in r.text and MARKER_KEY[:8] not in r.text
+    seen = provider.requests[-1].headers
+    assert seen["authorization"] == f"Bearer {MARKER_KEY}"
+    assert "openai-organization" not in seen and "openai-project" not in seen

@@ -19,6 +19,7 @@ from ksfs.cli import emit_json, main, pass_ctx
 from ksfs.errors import BadInput, NoSuchSession
 
 DEFAULT_SESSION = "default"
+DRAIN_S = 30.0  # how long a stop waits for calls in flight to be stored
 
 
 @main.group()
@@ -105,8 +106,21 @@ async def _serve(gw: Any, session: str, host: str, port: int, upstream: str,
             shown = f"[{host}]" if ":" in host else host
             click.echo(f"ksfs gateway: session {session} on http://{shown}:{bound} -> {upstream}")
             async for _ in signals:
-                nursery.cancel_scope.cancel()
                 break
+            # Calls already bought are stored before the stop (a second signal stops at once).
+            if gw.inflight_count():
+                click.echo(f"ksfs gateway: stopping; waiting up to {DRAIN_S:g} s for "
+                           f"{gw.inflight_count()} call(s) in flight")
+            async with trio.open_nursery() as draining:
+                async def second_signal() -> None:
+                    async for _ in signals:
+                        draining.cancel_scope.cancel()
+                        return
+
+                draining.start_soon(second_signal)
+                await gw.drain(min(DRAIN_S, gw.timeout))
+                draining.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
 
 
 def _is_loopback(host: str) -> bool:

@@ -65,16 +65,20 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
             "authority or control characters)"))
         return
     if is_paid(method, body):
+        gw.answering += 1  # a stop waits for this answer to be written (Gateway.drain)
         try:
-            answer, extra = await gw.paid_call(served, method, path,
-                                               scope.get("query_string", b""), headers, body,
-                                               wire=wire)
-        except KsfsError as exc:
-            answer, extra = ksfs_error_reply(exc), []
-        if isinstance(answer, StreamThrough):
-            await answer.send_to(send)
-        else:
-            await send_reply(send, answer, extra)
+            try:
+                answer, extra = await gw.paid_call(served, method, path,
+                                                   scope.get("query_string", b""), headers,
+                                                   body, wire=wire)
+            except KsfsError as exc:
+                answer, extra = ksfs_error_reply(exc), []
+            if isinstance(answer, StreamThrough):
+                await answer.send_to(send)
+            else:
+                await send_reply(send, answer, extra)
+        finally:
+            gw.answering -= 1
         return
     await served.upstream.passthrough(method, wire, scope.get("query_string", b""), headers,
                                       body, send)

@@ -51,6 +51,7 @@ from ksfs.gateway.upstream import (
     Upstream,
     error_reply,
     keep_headers,
+    without_keys,
 )
 from ksfs.ledger.keys import lineage_bytes
 
@@ -58,6 +59,7 @@ log = logging.getLogger("ksfs.gateway")
 
 MAX_BODY = 16 * 1024 * 1024
 DEFAULT_TIMEOUT = 300.0
+DRAIN_POLL_S = 0.02
 API_KEY_ENV = ("KSFS_UPSTREAM_API_KEY", "OPENAI_API_KEY")
 
 
@@ -123,6 +125,8 @@ class Gateway:
         self.ports: dict[str, int] = {}  # session -> bound port, while served
         self._inflight: dict[bytes, Call] = {}
         self._gate = BudgetGate()
+        self.stopping = False  # set by drain(): no new purchase starts
+        self.answering = 0  # paid requests being answered (the app counts them)
 
     def __repr__(self) -> str:  # never show the key
         return f"Gateway({self.upstream_url!r}, sessions={sorted(self.ports)})"
@@ -141,6 +145,20 @@ class Gateway:
         return self.db.set_budget(session, tokens=tokens, usd=usd)
 
     # --- serving ------------------------------------------------------------------------------
+
+    def inflight_count(self) -> int:
+        return len(self._inflight)
+
+    async def drain(self, timeout: float) -> int:
+        """Start no new purchase and wait (up to ``timeout`` s) for those in flight to be
+        stored, so a stop does not throw away calls already paid for; returns how many are
+        still in flight. Replays, and duplicates of calls in flight, are still answered."""
+        self.stopping = True
+        with trio.move_on_after(timeout):
+            # Until every purchase is stored and every paid answer written out to its guest.
+            while self._inflight or self.answering:
+                await trio.sleep(DRAIN_POLL_S)
+        return len(self._inflight)
 
     async def serve_session(self, session: str, port: int = 0, host: str = "127.0.0.1", *,
                             token: str | None = None,
@@ -216,6 +234,9 @@ class Gateway:
                 stored = self.db.find(view, hkey, canon)
                 if stored is not None:
                     return await self._replay(view, key, stored, digest)
+                if self.stopping:
+                    return error_reply(503, "gateway_stopping",
+                                       "the gateway is stopping; retry the call shortly"), []
                 budget, used = self.db.spending(view.lineage)
                 unpriced = budget is not None and budget.get("usd") is not None and not priced
                 if used_up(budget, used) or unpriced:
@@ -302,6 +323,16 @@ class Gateway:
                 return
             call.stored, cost = await trio.to_thread.run_sync(
                 self._commit, view, key, got, visible, order)
+        except trio.Cancelled:
+            # The server is stopping under a call it may already have paid for: at least say
+            # so in the log of the session (the retry buys it again).
+            call.error = error_reply(503, "gateway_stopping",
+                                     "the gateway stopped before the call completed")
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.db.record_upstream_error, view.session,
+                                              view.lineage, key, order.model, 503,
+                                              "gateway_stopped", route.path)
+            raise
         except Exception as exc:  # a bug or a store failure must not take the server down
             log.error("gateway call for session %s failed: %s", view.session, exc)
             if call.error is None:
@@ -367,7 +398,7 @@ class Gateway:
 
 
 def _passed_back(got: Fetched) -> Reply:
-    return Reply(got.status, keep_headers(got.headers, NOT_STORED), got.body)
+    return Reply(got.status, keep_headers(got.headers, NOT_STORED), without_keys(got.body))
 
 
 def _error_type(reply: Reply) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -23,8 +24,12 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })
-# Never forwarded from the guest: the key is the gateway's to give, the idempotency key is ours.
-GUEST_ONLY = frozenset({"authorization", "idempotency-key", "cookie"})
+# Never forwarded from the guest: the key is the gateway's to give, the idempotency key is ours,
+# and which organization or project the key bills is the operator's choice, not the guest's.
+GUEST_ONLY = frozenset({"authorization", "idempotency-key", "cookie", "openai-organization",
+                        "openai-project"})
+# An API key as providers echo it in errors ("Incorrect API key provided: sk-proj-****abcd").
+KEY_ECHO = re.compile(rb"\b(sk|rk)-[A-Za-z0-9_*-]{4,}")
 # Not kept with a stored response: they describe one delivery, not the response.
 NOT_STORED = HOP_BY_HOP | {"date", "server", "set-cookie", "content-encoding", "alt-svc",
                            "x-ksfs-replay", "x-ksfs-key"}
@@ -55,6 +60,12 @@ def error_reply(status: int, type_: str, message: str, **extra: object) -> Reply
     body = json.dumps({"error": {"type": type_, "message": message, **extra}},
                       sort_keys=True).encode("utf-8")
     return Reply(status, [("content-type", "application/json")], body)
+
+
+def without_keys(body: bytes) -> bytes:
+    """An error body with any API key the provider echoed in it masked: even partly masked,
+    the operator's key is not the guest's to see."""
+    return KEY_ECHO.sub(rb"\1-***", body)
 
 
 def keep_headers(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> Headers:
@@ -149,6 +160,8 @@ class Upstream:
                         "headers": _encode(headers)})
             try:
                 async for chunk in resp.aiter_raw():
+                    if resp.status_code >= 400 and not resp.headers.get("content-encoding"):
+                        chunk = without_keys(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except httpx.HTTPError as exc:
                 # Headers are out: all we can do is end the body early and say so in the log.
