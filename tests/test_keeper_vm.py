@@ -300,6 +300,60 @@ def test_checkpoints_kept_by_session_rm_still_fork(env, agent: str) -> None:
     assert run(store, "ledger", "verify", env=e).returncode == 0
 
 
+def test_a_name_too_long_for_a_libvirt_domain_is_refused_up_front(env) -> None:
+    store, e = env["store"], env["env"]
+    long = "n" * 243  # a valid name, but /etc/libvirt/qemu/ksfs-NAME.xml.new would not fit
+    res = run(store, "session", "new", long, check=False, env=e)
+    assert res.returncode == 2 and "at most 242 bytes" in res.stderr
+    assert long not in run(store, "session", "list", env=e).stdout
+    assert virsh("domstate", f"ksfs-{long}").returncode != 0
+
+
+def test_a_machine_undefined_behind_ksfs_is_made_again(env, agent: str) -> None:
+    """QA (eighth session): a session whose domain was destroyed and undefined outside ksfs
+    could not be restored, and stopped recover (and so the mount's start) for every session
+    after it. Done here through a relative --store, which libvirt once refused."""
+    store, e = env["store"], env["env"]
+    gone = f"undef-{env['tag']}"
+    env["made"].append(gone)
+
+    def rel(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        res = subprocess.run([*KSFS, "--store", store.name, *args], cwd=store.parent, env=e,
+                             capture_output=True, text=True, timeout=300)
+        assert not check or res.returncode == 0, res.stderr
+        return res
+
+    rel("fork", agent, save(store, agent, e), gone)
+    cp = rel("save", gone, "before-undefine").stdout.strip().splitlines()[-1]
+    virsh("destroy", f"ksfs-{gone}", check=True)
+    virsh("undefine", f"ksfs-{gone}", check=True)
+    report = json.loads(rel("recover", "--json").stdout)
+    actions = {r["session"]: r["actions"] for r in report}
+    assert actions[gone] == [f"machine was absent: restored to checkpoint {cp}"], actions
+    assert virsh("domstate", f"ksfs-{gone}").stdout.strip() == "running"
+    assert "Persistent:     yes" in virsh("dominfo", f"ksfs-{gone}").stdout
+    assert save(store, gone, e)  # and it goes on as a session
+    run(store, "session", "rm", gone, env=e)
+
+
+def test_a_chain_rebuilt_outside_ksfs_is_read_whole(env, agent: str, tmp_path: Path) -> None:
+    """QA (eighth session): after a virsh blockcopy the session's chain root was gone, and
+    every later save failed with an internal error (a base without its changed ranges)."""
+    store, e = env["store"], env["env"]
+    moved = f"bcopy-{env['tag']}"
+    env["made"].append(moved)
+    run(store, "fork", agent, save(store, agent, e), moved, env=e)
+    save(store, moved, e)
+    tmp_path.chmod(0o755)
+    virsh("blockcopy", f"ksfs-{moved}", "vda", str(tmp_path / "copy.qcow2"), "--format",
+          "qcow2", "--transient-job", "--wait", "--pivot", check=True)
+    after = save(store, moved, e, "after-blockcopy")
+    assert transcript_lines(store, moved, after, e)
+    assert save(store, moved, e)  # and the next save is incremental again
+    run(store, "session", "rm", moved, env=e)
+    assert run(store, "check", env=e).returncode == 0
+
+
 def test_pause_and_resume(env, agent: str) -> None:
     store, e = env["store"], env["env"]
     run(store, "pause", agent, env=e)
@@ -441,6 +495,13 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
         assert virsh("domstate", f"ksfs-{fork_name}").stdout.strip() == "running"
         c3 = save(store, fork_name, e)
         assert transcript_lines(store, fork_name, c3, e)
+        # One domain, one session: a second adopt would commit into the first one's chain.
+        twice = run(store, "session", "adopt", f"again-{env['tag']}", dom, check=False, env=e)
+        assert twice.returncode == 4 and f"already kept by session '{name}'" in twice.stderr
+        missing = run(store, "session", "adopt", f"none-{env['tag']}", f"nosuch-{env['tag']}",
+                      check=False, env=e)
+        assert missing.returncode == 3 and "no libvirt domain named" in missing.stderr
+        assert f"again-{env['tag']}" not in run(store, "session", "list", env=e).stdout
 
 
 def test_fork_killed_before_its_define_is_defined_by_recover(env, agent: str) -> None:
@@ -521,6 +582,13 @@ def test_adopt_a_domain_with_two_disks(env, guest: Path, tmp_path: Path) -> None
         assert "vdb" in fork_xml and str(data) not in fork_xml  # its own copy of vdb
         c3 = save(store, fork_name, e)
         assert transcript_lines(store, fork_name, c3, e)
+        # One domain, one session: a second adopt would commit into the first one's chain.
+        twice = run(store, "session", "adopt", f"again-{env['tag']}", dom, check=False, env=e)
+        assert twice.returncode == 4 and f"already kept by session '{name}'" in twice.stderr
+        missing = run(store, "session", "adopt", f"none-{env['tag']}", f"nosuch-{env['tag']}",
+                      check=False, env=e)
+        assert missing.returncode == 3 and "no libvirt domain named" in missing.stderr
+        assert f"again-{env['tag']}" not in run(store, "session", "list", env=e).stdout
         assert cat(store, e, fork_name, c3, "disk-vdb.raw") == raw.read_bytes()
 
 

@@ -173,3 +173,18 @@ def test_rename_for_fork_changes_identity_log_and_lineage_only() -> None:
 ])
 def test_set_cmdline_arg(cmdline: str, expected: str) -> None:
     assert domxml.set_cmdline_arg(cmdline, "ksfs.lineage", "L") == expected
+
+
+def test_set_fw_cfg_replaces_only_the_ksfs_entries() -> None:
+    # QA (eighth session): a fork of an adopted domain lost the user's own fw_cfg entries.
+    xml = ("<domain type='qemu'><name>d</name><sysinfo type='fwcfg'>"
+           "<entry name='opt/user/setting'>kept</entry>"
+           "<entry name='opt/ksfs/gateway'>http://old</entry></sysinfo></domain>")
+    new = domxml.set_fw_cfg(xml, {"opt/ksfs/gateway": "http://new", "opt/ksfs/token": "t"})
+    assert domxml.fw_cfg(new) == {"opt/user/setting": "kept", "opt/ksfs/gateway": "http://new",
+                                  "opt/ksfs/token": "t"}
+    assert domxml.fw_cfg(domxml.set_fw_cfg(xml, {})) == {"opt/user/setting": "kept"}
+    bare = "<domain type='qemu'><name>d</name></domain>"
+    assert "sysinfo" not in domxml.set_fw_cfg(bare, {})
+    with pytest.raises(VMError):
+        domxml.set_fw_cfg(bare, {"opt/other": "x"})

@@ -298,7 +298,7 @@ def main(ctx: click.Context, store_path: str) -> None:
     from ksfs.heap import tune_for_bulk_reads
 
     tune_for_bulk_reads()  # imports, saves and reads stream 8 MiB batches: see ksfs/heap.py
-    ctx.obj = Context(store_path)
+    ctx.obj = Context(os.path.abspath(store_path))
 
 
 FAMILIES = ("store_cmds", "ledger_cmds", "vm_cmds", "mount_cmds", "gateway_cmds")

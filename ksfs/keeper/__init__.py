@@ -6,6 +6,7 @@ same methods. The keeper never imports pyfuse3 or click, and reaches libvirt onl
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ksfs.keeper.branching import RestoreVerbs
@@ -24,7 +25,8 @@ class Keeper(OfflineVerbs, MachineVerbs, RestoreVerbs, Recovery, GuestLink, Diff
         from ksfs.cas import ChunkStore
         from ksfs.ledger import Ledger
 
-        self.store_path = Path(store_path)
+        # Absolute: libvirt refuses relative snapshot paths, and a daemon's cwd is not ours.
+        self.store_path = Path(os.path.abspath(store_path))
         self.store = ChunkStore.open(self.store_path, create=create)
         self.ledger = Ledger(self.store)
         self._init_views()

@@ -20,6 +20,7 @@ from ksfs.crashpoints import crash_point
 from ksfs.errors import (
     AlreadyExists,
     BadInput,
+    BadName,
     KsfsError,
     NotFound,
     NotPermitted,
@@ -44,8 +45,19 @@ def disk_file_name(index: int, target: str) -> str:
     return "disk.raw" if index == 0 else f"disk-{target}.raw"
 
 
+DOMAIN_PREFIX = "ksfs-"
+# libvirt keeps a persistent domain in /etc/libvirt/qemu/NAME.xml, written through NAME.xml.new:
+# with the prefix, a session name longer than this makes a file name over 255 bytes.
+DOMAIN_NAME_MAX = 255 - len(".xml.new") - len(DOMAIN_PREFIX)
+
+
 def domain_name_for(session: str) -> str:
-    return f"ksfs-{session}"
+    """The libvirt domain of a session ksfs makes; BadName when libvirt could not keep it."""
+    if len(session.encode("utf-8")) > DOMAIN_NAME_MAX:
+        raise BadName(name=session[:20] + "...",
+                      why=f"a session with a machine needs a name of at most {DOMAIN_NAME_MAX} "
+                          f"bytes (its domain {DOMAIN_PREFIX}NAME is a file name for libvirt)")
+    return f"{DOMAIN_PREFIX}{session}"
 
 
 class MachineVerbs:
@@ -116,8 +128,8 @@ class MachineVerbs:
             raise BadInput("memory must be 16 MiB to 1 TiB and vcpus 1 to 64")
         from ksfs.vm.files import inspect_disk
 
-        plan = inspect_disk(spec["disk"])  # an encrypted or foreign disk: refused before a record
         domain = domain_name_for(name)
+        plan = inspect_disk(spec["disk"])  # an encrypted or foreign disk: refused before a record
         with session_lock(self.store_path, name):
             if self.vm.exists(domain):
                 raise AlreadyExists(what="libvirt domain", name=domain)
@@ -195,8 +207,14 @@ class MachineVerbs:
     def adopt_session(self, name: str, domain: str) -> SessionRecord:
         """Take an existing libvirt domain (file-backed raw or qcow2 disks) under ksfs."""
         validate_name(name, "session name")
+        holder = next((s.name for s in self.ledger.sessions() if s.domain == domain), None)
+        if holder is not None:
+            # Two sessions on one domain would commit into each other's disk chains, and
+            # removing either would destroy the other's machine.
+            raise AlreadyExists(f"domain {domain!r} is already kept by session {holder!r}")
         with session_lock(self.store_path, name):
-            self.vm.lookup(domain)  # NotFound-ish VMError before anything is written
+            if not self.vm.exists(domain):
+                raise NotFound(f"no libvirt domain named {domain!r}")
             with self.store.env.begin(write=True) as txn:
                 rec = self.ledger.create_session(
                     txn, name, domain=domain, config={"transcript_path": DEFAULT_TRANSCRIPT},
@@ -308,10 +326,13 @@ class MachineVerbs:
             for i, disk in enumerate(frozen.disks):
                 fname = disk_file_name(i, disk.target)
                 prev = base.file(fname) if base is not None else None
+                # Without the changed ranges (the disk's chain was rebuilt outside ksfs, e.g.
+                # by a virsh blockcopy) the whole disk is read, and a base alone means nothing.
                 changed = disk.changed if prev is not None else None
                 before = disk.source.bytes_read
                 f = ingest.add_file(disk.source, chunking="fixed",
-                                    base=prev.manifest if prev else None, changed=changed)
+                                    base=prev.manifest if prev and changed is not None else None,
+                                    changed=changed)
                 bytes_read += disk.source.bytes_read - before
                 base_read += f.base_bytes_read
                 files.append(FileRecord(fname, f.manifest, f.size, f.stored, f.chunking,

@@ -50,7 +50,11 @@ class Recovery:
         report = []
         for rec in self.ledger.sessions():
             with session_lock(self.store_path, rec.name):
-                done = self._recover_session(rec)
+                try:
+                    done = self._recover_session(rec)
+                except KsfsError as exc:
+                    # One session that cannot be brought back must not stop the others.
+                    done = [f"could not recover: {exc}"]
             if done:
                 self._record_recover(rec, done)
                 report.append({"session": rec.name, "actions": done})

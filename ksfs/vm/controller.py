@@ -332,8 +332,12 @@ class DomainController:
             raise VMError(f"looking up {domain} failed: {exc.get_error_message()}") from exc
         with step(domain, "undefining"):
             if persistent:
+                # A domain with libvirt snapshot or checkpoint metadata (virt-manager's) is
+                # otherwise refused, after it was destroyed.
                 dom.undefineFlags(libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
-                                  | libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)
+                                  | libvirt.VIR_DOMAIN_UNDEFINE_NVRAM
+                                  | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
+                                  | libvirt.VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA)
 
     def remove_files(self, session: str, keep_boot: bool = False) -> None:
         """Delete ``workdir/<session>/`` (its overlays, staging, log and state).

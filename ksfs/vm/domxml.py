@@ -191,23 +191,34 @@ def rename_for_fork(xml: str, name: str, console_log: Path | None, lineage: str 
     return ET.tostring(root, encoding="unicode")
 
 
+KSFS_FW_CFG = "opt/ksfs/"
+
+
 def set_fw_cfg(xml: str, entries: dict[str, str]) -> str:
-    """Set the domain's fw_cfg entries (``<sysinfo type='fwcfg'>``), replacing any it had.
+    """Set the domain's ksfs fw_cfg entries (``<sysinfo type='fwcfg'>``, names under
+    ``opt/ksfs/``), replacing the ksfs ones it had and keeping every other entry (an adopted
+    domain's own).
 
     fw_cfg is how a guest learns per-domain facts that must follow a restore or fork rather than
     its memory: QEMU builds the entries from the new definition, they are not in the migration
-    stream. Names must start with ``opt/``.
+    stream.
     """
+    for name in entries:
+        if not name.startswith(KSFS_FW_CFG):
+            raise VMError(f"fw_cfg entry {name!r} must start with {KSFS_FW_CFG}")
     root = _parse(xml)
-    for el in root.findall("sysinfo"):
-        if el.get("type") == "fwcfg":
-            root.remove(el)
+    sysinfo = root.find("sysinfo[@type='fwcfg']")
+    if sysinfo is not None:
+        for el in list(sysinfo):
+            if (el.get("name") or "").startswith(KSFS_FW_CFG):
+                sysinfo.remove(el)
     if entries:
-        sysinfo = ET.SubElement(root, "sysinfo", {"type": "fwcfg"})
+        if sysinfo is None:
+            sysinfo = ET.SubElement(root, "sysinfo", {"type": "fwcfg"})
         for name, value in sorted(entries.items()):
-            if not name.startswith("opt/"):
-                raise VMError(f"fw_cfg entry {name!r} must start with opt/")
             ET.SubElement(sysinfo, "entry", {"name": name}).text = value
+    if sysinfo is not None and len(sysinfo) == 0:
+        root.remove(sysinfo)
     return ET.tostring(root, encoding="unicode")
 
 

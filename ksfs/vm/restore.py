@@ -129,7 +129,8 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
         staged = stage(ctl, session, domain, reserve(ctl, session), memory, disks)
     state = ctl.load_state(session)
     try:
-        dom = ctl.lookup(domain)
+        # A domain undefined behind ksfs's back is made again from the checkpoint's XML.
+        dom = ctl.lookup(domain) if ctl.exists(domain) else None
     except BaseException:
         staged.discard()
         raise
@@ -145,8 +146,11 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
         # own (a checkpoint's XML may name a parent's copy or a guest directory since gone).
         new_xml = files.own_boot_files(new_xml, ctl.session_dir(session), ctl.workdir, domain,
                                        keep_outside=state.adopted)
-        with step(domain, "reading its UUID"):
-            uuid = dom.UUIDString()
+        if dom is not None:
+            with step(domain, "reading its UUID"):
+                uuid = dom.UUIDString()
+        else:
+            uuid = domxml.uuid_of(new_xml)
         if domxml.uuid_of(new_xml) != uuid or domxml.domain_name(new_xml) != domain:
             # A checkpoint of another domain (a parent's): take this domain's identity, keeping
             # everything else, and put it in the header, as libvirt checks the UUID there.
@@ -158,12 +162,16 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
         crash_point("vm.restore")
         t1 = time.monotonic()
         with step(domain, "stopping the running machine for a restore"):
-            if dom.isActive():
+            if dom is not None and dom.isActive():
                 dom.destroy()
         t2 = time.monotonic()
         with step(domain, "restoring from the memory image"):
             ctl.conn.restoreFlags(str(mem), new_xml, libvirt.VIR_DOMAIN_SAVE_PAUSED)
         t3 = time.monotonic()
+        if dom is None:
+            with step(domain, "defining the restored machine again"):
+                ctl.conn.defineXML(ctl.conn.lookupByName(domain).XMLDesc(
+                    libvirt.VIR_DOMAIN_XML_SECURE))
         own = {t: p for t, p in domxml.boot_files(new_xml).items()
                if Path(p).parent == ctl.session_dir(session)}
         _redefine(ctl, domain, overlays, own)
