@@ -144,3 +144,10 @@ def test_a_failed_read_leaves_no_hole(keeper, monkeypatch):
         keeper.events_bytes("s")
     monkeypatch.setattr(keeper.ledger, "lineage_events", real)
     assert keeper.events_bytes("s") == fresh_events(keeper, "s")
+
+
+def test_status_of_a_session_removed_with_its_checkpoints_kept(keeper):
+    assert keeper.status("s")["state"] == "offline"
+    keeper.remove_session("s", keep_checkpoints=True)
+    status = keeper.status("s")
+    assert status["state"] == "removed" and status["last_checkpoint"] == "c1"

@@ -116,7 +116,9 @@ class Views:
         rec = self.ledger.session(session)
         latest = self.ledger.latest_checkpoint(session)
         state = "offline"
-        if rec.domain:
+        if rec.removed is not None:
+            state = "removed"  # kept checkpoints only: no machine to ask about
+        elif rec.domain:
             state = self.machine_state(session)
         return {
             "session": rec.name,
