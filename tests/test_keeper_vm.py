@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -437,10 +438,11 @@ def test_kill_9_during_save(env, agent: str) -> None:
     assert run(store, "ledger", "verify", env=e).returncode == 0
 
 
-def plain_domain_xml(dom: str, spec: dict, disks: list[tuple[Path, str, str]]) -> str:
+def plain_domain_xml(dom: str, spec: dict, disks: list[tuple[Path, str, str]],
+                     extra: str = "") -> str:
     """A domain as a user would write it for virsh define: the guest's kernel, plain disks
-    given as (file, format, target), a pty console; nothing ksfs adds."""
-    devices = "".join(
+    given as (file, format, target), a pty console, ``extra`` devices; nothing ksfs adds."""
+    devices = extra + "".join(
         f"<disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
         f"<source file='{path}'/><target dev='{target}' bus='virtio'/></disk>"
         for path, fmt, target in disks)
@@ -481,7 +483,14 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
     disk = tmp_path / "plain.qcow2"
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", spec["disk"], str(disk)], check=True)
     tmp_path.chmod(0o755)
-    xml = plain_domain_xml(dom, spec, [(disk, "qcow2", "vda")])
+    with socket.socket() as free:  # a fixed VNC port and a unix channel: the parent's own
+        free.bind(("127.0.0.1", 0))
+        vnc = free.getsockname()[1]
+    sock = tmp_path / "agent.sock"
+    extra = (f"<graphics type='vnc' port='{vnc}' autoport='no' listen='127.0.0.1'/>"
+             f"<channel type='unix'><source mode='bind' path='{sock}'/>"
+             "<target type='virtio' name='org.qemu.guest_agent.0'/></channel>")
+    xml = plain_domain_xml(dom, spec, [(disk, "qcow2", "vda")], extra)
     name = f"adopted-{env['tag']}"
     fork_name = f"adopted-fork-{env['tag']}"
     with adopted(env, tmp_path / "plain.xml", xml, dom, name, fork_name):
@@ -493,6 +502,9 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
         assert virsh("domstate", dom).stdout.strip() == "running"
         run(store, "fork", name, c2, fork_name, env=e)
         assert virsh("domstate", f"ksfs-{fork_name}").stdout.strip() == "running"
+        forked = virsh("dumpxml", f"ksfs-{fork_name}").stdout
+        assert f"port='{vnc}'" not in forked and str(store / "vm" / fork_name) in forked
+        assert f"port='{vnc}'" in virsh("dumpxml", dom).stdout and sock.exists()
         c3 = save(store, fork_name, e)
         assert transcript_lines(store, fork_name, c3, e)
         # One domain, one session: a second adopt would commit into the first one's chain.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import struct
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,32 @@ def test_set_fw_cfg_replaces_only_the_ksfs_entries() -> None:
     assert "sysinfo" not in domxml.set_fw_cfg(bare, {})
     with pytest.raises(VMError):
         domxml.set_fw_cfg(bare, {"opt/other": "x"})
+
+
+def test_a_fork_gets_its_own_host_endpoints() -> None:
+    # QA (eighth session): a fixed VNC port or a TCP serial made forks fail ("Failed to reserve
+    # port", "Address already in use"), and a unix channel was taken over from the parent.
+    xml = """<domain type='qemu'><name>p</name><uuid>6f1c7a55-0d4f-4c4e-9a3b-6c1d2f3e4a5b</uuid>
+<devices>
+<graphics type='vnc' port='5977' autoport='no' websocket='5978' listen='127.0.0.1'/>
+<graphics type='spice' autoport='yes'/>
+<serial type='tcp'><source mode='bind' host='127.0.0.1' service='4577'/>
+<protocol type='raw'/><target port='0'/></serial>
+<console type='tcp'><source mode='bind' host='127.0.0.1' service='4577'/>
+<protocol type='raw'/><target type='serial' port='0'/></console>
+<serial type='tcp'><source mode='connect' host='127.0.0.1' service='4600'/><target port='1'/>
+</serial>
+<channel type='unix'><source mode='bind' path='/run/user/agent.sock'/>
+<target type='virtio' name='org.qemu.guest_agent.0'/></channel>
+</devices></domain>"""
+    out = ET.fromstring(domxml.rename_for_fork(xml, "ksfs-f", None, None, Path("/s/f")))
+    vnc, spice = out.findall("devices/graphics")
+    assert vnc.get("autoport") == "yes" and vnc.get("port") is None
+    assert vnc.get("websocket") == "-1" and vnc.get("listen") == "127.0.0.1"
+    assert spice.attrib == {"type": "spice", "autoport": "yes"}
+    serial0, serial1 = out.findall("devices/serial")
+    port = serial0.find("source").get("service")
+    assert port != "4577" and int(port) > 0
+    assert out.find("devices/console/source").get("service") == port  # mirrors serial0
+    assert serial1.find("source").get("service") == "4600"  # connecting: left alone
+    assert out.find("devices/channel/source").get("path") == "/s/f/channel0-agent.sock"

@@ -159,9 +159,12 @@ def set_disk_sources(xml: str, sources: dict[str, tuple[str, str]]) -> str:
     return ET.tostring(root, encoding="unicode")
 
 
-def rename_for_fork(xml: str, name: str, console_log: Path | None, lineage: str | None) -> str:
-    """The same machine as a new domain: new name, UUID and MACs; log path and lineage rewritten."""
+def rename_for_fork(xml: str, name: str, console_log: Path | None, lineage: str | None,
+                    session_dir: Path | None = None) -> str:
+    """The same machine as a new domain: new name, UUID and MACs; log path and lineage
+    rewritten; host endpoints the parent holds (see ``_own_endpoints``) made the fork's own."""
     root = _parse(xml)
+    _own_endpoints(root, session_dir)
     root.find("name").text = name  # type: ignore[union-attr]
     uuid_el = root.find("uuid")
     if uuid_el is None:
@@ -189,6 +192,49 @@ def rename_for_fork(xml: str, name: str, console_log: Path | None, lineage: str 
                 root.remove(el)
     root.attrib.pop("id", None)
     return ET.tostring(root, encoding="unicode")
+
+
+CHARDEVS = ("serial", "console", "channel", "parallel")
+
+
+def _own_endpoints(root: ET.Element, session_dir: Path | None) -> None:
+    """Give a fork its own host endpoints where the parent's definition fixes them, since the
+    parent keeps running on them: a fixed VNC/SPICE port becomes an automatic one, a character
+    device listening on a TCP port gets a free port of the same host, one listening on a unix
+    socket gets a socket in the fork's directory. None of this is guest-visible (it is not in
+    the migration stream), so the fork's memory still fits its devices."""
+    for g in root.iterfind("devices/graphics"):
+        if g.get("autoport") == "no" or g.get("port") not in (None, "-1"):
+            g.set("autoport", "yes")
+            for attr in ("port", "tlsPort"):
+                g.attrib.pop(attr, None)
+        if g.get("websocket") not in (None, "-1"):
+            g.set("websocket", "-1")
+    moved: dict[tuple[str, ...], str] = {}  # a console that mirrors serial0 moves with it
+    for kind in CHARDEVS:
+        for n, dev in enumerate(root.iterfind(f"devices/{kind}")):
+            src = dev.find("source")
+            if src is None or src.get("mode") != "bind":
+                continue
+            if dev.get("type") == "tcp" and src.get("service"):
+                key = ("tcp", src.get("host") or "", src.get("service") or "")
+                if key not in moved:
+                    moved[key] = str(_free_port(src.get("host") or "127.0.0.1"))
+                src.set("service", moved[key])
+            elif dev.get("type") == "unix" and src.get("path") and session_dir is not None:
+                key = ("unix", src.get("path") or "")
+                if key not in moved:
+                    moved[key] = str(session_dir / f"{kind}{n}-{Path(key[1]).name}")
+                src.set("path", moved[key])
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 KSFS_FW_CFG = "opt/ksfs/"

@@ -236,7 +236,7 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         _check_disks(src_xml, disks, new_domain)
         log = d / "console.log" if domxml.console_log_path(src_xml) else None
         new_xml = domxml.rename_for_fork(src_xml, new_domain, log,
-                                         new_session if lineage is None else lineage)
+                                         new_session if lineage is None else lineage, d)
         new_xml = domxml.set_disk_sources(
             new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
         # The fork's own kernel and initrd (linked from its parent's copies in the store), so
