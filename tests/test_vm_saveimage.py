@@ -218,3 +218,12 @@ def test_a_fork_gets_its_own_host_endpoints() -> None:
     assert out.find("devices/console/source").get("service") == port  # mirrors serial0
     assert serial1.find("source").get("service") == "4600"  # connecting: left alone
     assert out.find("devices/channel/source").get("path") == "/s/f/channel0-agent.sock"
+
+
+def test_a_fork_keeps_the_namespace_prefixes_of_the_definition() -> None:
+    xml = ("<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>"
+           "<name>p</name><metadata><qa:note xmlns:qa='http://example.org/qa/1'>kept"
+           "</qa:note></metadata><qemu:commandline><qemu:arg value='-no-user-config'/>"
+           "</qemu:commandline></domain>")
+    out = domxml.rename_for_fork(xml, "ksfs-f", None, None)
+    assert "<qa:note" in out and "<qemu:commandline>" in out and "ns0:" not in out

@@ -8,6 +8,7 @@ user's own domain loses nothing. Must never guess at devices it does not underst
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import uuid as uuidlib
@@ -90,7 +91,15 @@ def random_mac() -> str:
     return "52:54:00:" + ":".join(f"{random.randrange(256):02x}" for _ in range(3))
 
 
+_XMLNS = re.compile(r"""xmlns:([A-Za-z_][\w.-]*)\s*=\s*["']([^"']+)["']""")
+
+
 def _parse(xml: str) -> ET.Element:
+    # ElementTree writes namespaces back as ns0:, ns1:...; a user's <metadata> (or libvirt's
+    # qemu: command line) must come back with the prefixes it was written with.
+    for prefix, uri in _XMLNS.findall(xml):
+        with contextlib.suppress(ValueError):  # ns0-style prefixes are ElementTree's own
+            ET.register_namespace(prefix, uri)
     try:
         return ET.fromstring(xml)
     except ET.ParseError as exc:
