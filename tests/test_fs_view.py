@@ -205,3 +205,52 @@ def test_a_partitioned_image_of_another_name_shows_the_partition_with_the_transc
         assert (c / "transcript").read_text() == '{"seq": 1, "text": "hello"}\n'
         assert (c / "fs" / "agent" / "transcript.jsonl").read_bytes() == \
             (root / "agent" / "transcript.jsonl").read_bytes()
+
+
+def debugfs(img: Path, *requests: str) -> None:
+    for req in requests:
+        subprocess.run(["debugfs", "-w", "-R", req, str(img)], capture_output=True, check=True)
+
+
+def test_damaged_entries_leave_the_rest_of_the_tree_readable(tmp_path: Path) -> None:
+    """QA (eighth session): one entry whose inode was cleared made its whole directory (and
+    `ksfs diff`) fail with ENOENT; a directory whose size was damaged to 2^40 hung the mount;
+    device nodes showed as 0:0."""
+    src = tmp_path / "src"
+    make_tree(src, 4)
+    for name in ("a", "b", "c"):
+        (src / "work" / "bad").mkdir(exist_ok=True)
+        (src / "work" / "bad" / name).write_text(name)
+    (src / "work" / "big").mkdir()
+    (src / "work" / "big" / "inside").write_text("still here")
+    os.mknod(src / "work" / "chr", 0o620 | 0o020000, os.makedev(1, 3))
+    os.mknod(src / "work" / "blk", 0o660 | 0o060000, os.makedev(259, 70000))
+    imgs = {}
+    for name in ("A", "B"):
+        imgs[name] = tmp_path / name / "disk.raw"
+        imgs[name].parent.mkdir()
+        build_ext4(src, imgs[name], 64)
+    debugfs(imgs["B"], "clri /work/bad/a", "sif /work/big size 0x10000000000",
+            "sif /work/link size 0x10000000000")
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "A", [imgs["A"]])
+        k.import_files("s", "B", [imgs["B"]])
+    with mounted(store) as mnt:
+        fs = mnt / "sessions" / "s" / "checkpoints" / "B" / "fs"
+        ls = subprocess.run(["ls", str(fs / "work" / "bad"), str(fs / "work" / "big")],
+                            capture_output=True, text=True, timeout=30)
+        assert ls.returncode == 0, ls.stderr
+        assert sorted(os.listdir(fs / "work" / "bad")) == ["b", "c"]
+        assert os.listdir(fs / "work" / "big") == ["inside"]
+        assert (fs / "work" / "bad" / "b").read_text() == "b"
+        with pytest.raises(OSError):
+            os.readlink(fs / "work" / "link")  # a 1 TiB target is damage: EIO, not a hang
+        for node, want in (("chr", os.makedev(1, 3)), ("blk", os.makedev(259, 70000))):
+            got = os.lstat(fs / "work" / node)
+            assert got.st_rdev == want and got.st_mode == os.lstat(src / "work" / node).st_mode
+        res = subprocess.run([*KSFS, "--store", str(store), "diff", "s", "A", "B", "--json"],
+                             capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    changes = {c["path"]: c["kind"] for c in json.loads(res.stdout)["files"]}
+    assert changes.get("work/bad/a") == "removed" and "work/bad/b" not in changes

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,16 @@ def test_inode_number_out_of_range(image: Path) -> None:
         fs = GuestFS.open(reader)
         with pytest.raises(GuestFSUnreadable, match="outside"):
             fs.stat(10**9)
+
+
+@pytest.mark.parametrize("request_", ["ssv feature_incompat 0", "ssv inodes_count 5"])
+def test_a_superblock_damaged_into_other_valid_values_is_refused_at_open(
+        image: Path, tmp_path: Path, request_: str) -> None:
+    # QA (eighth session): these parsed (debugfs keeps the checksum right), and then every
+    # listing failed with EIO instead of fs/ being empty with the reason.
+    copy = tmp_path / "ssv.img"
+    shutil.copyfile(image, copy)
+    subprocess.run(["debugfs", "-w", "-R", request_, str(copy)], capture_output=True,
+                   check=True)
+    err = open_error(copy)
+    assert err.errno == errno.EIO

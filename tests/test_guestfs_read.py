@@ -28,6 +28,14 @@ VARIANTS = {
     "plain": [*B4K, "-O", "^64bit,^metadata_csum,^flex_bg,^huge_file"],
     "meta-bg": [*B4K, "-O", "meta_bg,^resize_inode"],
     "bigalloc": [*B4K, "-O", "bigalloc", "-C", "16384"],
+    # 1 KiB bigalloc: first_data_block is 0, yet the descriptors follow the superblock's own
+    # block 1 (QA, eighth session: read from block 1 they were the superblock).
+    "bigalloc-1k": ["-b", "1024", "-O", "bigalloc", "-C", "16384"],
+    # 17 groups of 8 MiB: the second meta group starts at group 16, which holds a superblock
+    # backup only under sparse_super2's rule (its last group), not sparse_super's; 184 inodes
+    # a group, so the tree's last files are in group 16.
+    "meta-bg-sparse-super2": ["-b", "1024", "-N", "3100",
+                              "-O", "meta_bg,sparse_super2,^resize_inode"],
     "largedir": [*B4K, "-O", "large_dir"],
     "casefold": [*B4K, "-O", "casefold"],
     "64k-blocks": ["-b", "65536", "-T", "default"],
@@ -46,7 +54,8 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def image(request: pytest.FixtureRequest, source: Path,
           tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("guestfs-img") / f"{request.param}.img"
-    mib = 320 if request.param == "64k-blocks" else 96  # 3000 small files of 64 KiB each
+    # 3000 small files of 64 KiB each; 17 block groups of 1 KiB blocks
+    mib = {"64k-blocks": 320, "meta-bg-sparse-super2": 136}.get(request.param, 96)
     build_ext4(source, out, mib, VARIANTS[request.param])
     yield request.param, out
     out.unlink()
@@ -91,8 +100,19 @@ def test_features_are_the_ones_asked_for(fs: GuestFS, image: tuple[str, Path]) -
     assert bool(big.flags & layout.FL_EXTENTS) == (name != "ext3-blockmap")
     small = vol.inode(fs.resolve("inline-100"))
     assert bool(small.flags & layout.FL_INLINE_DATA) == (name == "inline")
-    assert vol.bs == {"1k-blocks": 1024, "64k-blocks": 65536}.get(name, 4096)
-    assert bool(vol.sb.incompat & layout.INCOMPAT_META_BG) == (name == "meta-bg")
+    assert vol.bs == {"1k-blocks": 1024, "64k-blocks": 65536, "bigalloc-1k": 1024,
+                      "meta-bg-sparse-super2": 1024}.get(name, 4096)
+    assert bool(vol.sb.incompat & layout.INCOMPAT_META_BG) == name.startswith("meta-bg")
+    if name == "meta-bg-sparse-super2":
+        assert vol.sb.group_count == 17 and vol.sb.backup_bgs == (1, 16)
+        dirs, highest = [2], 0
+        while dirs:
+            for _, ino, is_dir in fs.listdir_ino(dirs.pop()):
+                highest = max(highest, ino)
+                dirs += [ino] if is_dir else []
+        assert highest > 16 * vol.sb.inodes_per_group  # group 16's descriptors were read
+    if name == "bigalloc-1k":
+        assert vol.sb.first_data_block == 0
     if name == "default":
         assert vol.sb.incompat & layout.INCOMPAT_64BIT and vol.sb.incompat & 0x200
         islands = vol.inode(fs.resolve("islands.bin"))

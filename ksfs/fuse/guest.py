@@ -55,13 +55,13 @@ class GuestNode(Node):
         return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, st.blocks,
                     self.mtime, self.entry_timeout, self.attr_timeout, kind=stat.S_IFMT(st.mode),
                     uid=st.uid, gid=st.gid, nlink=st.nlink,
-                    times_ns=(st.atime_ns, st.mtime_ns, st.ctime_ns))
+                    times_ns=(st.atime_ns, st.mtime_ns, st.ctime_ns), rdev=st.rdev)
 
 
 class GuestDir(GuestNode, Dir):
     def children(self) -> list[tuple[str, Node]]:
-        return [(name, guest_node(self.cp, self.fs, ino))
-                for name, ino, _ in self.fs.listdir_ino(self.st.ino)]
+        return [(name, node_of(self.cp, self.fs, st))
+                for name, st in self.fs.listdir_stats(self.st.ino)]
 
     def lookup(self, name: str) -> Node:
         return guest_node(self.cp, self.fs, self.fs.lookup(self.st.ino, name))
@@ -106,7 +106,10 @@ class _InodeReader:
 
 
 def guest_node(cp: CheckpointDir, fs: Any, ino: int) -> Node:
-    st = fs.stat_ino(ino)
+    return node_of(cp, fs, fs.stat_ino(ino))
+
+
+def node_of(cp: CheckpointDir, fs: Any, st: Any) -> Node:
     if stat.S_ISDIR(st.mode):
         return GuestDir(cp, fs, st)
     if stat.S_ISLNK(st.mode):

@@ -64,6 +64,7 @@ class Attr:
     nlink: int | None = None
     # The guest's files keep their own three times to the nanosecond; None: all are mtime.
     times_ns: tuple[int, int, int] | None = None  # (atime, mtime, ctime)
+    rdev: int = 0  # a guest device node's numbers
 
 
 class Node:

@@ -48,7 +48,7 @@ def entry_attributes(ino: int, attr: Attr, uid: int, gid: int) -> pyfuse3.EntryA
     e.st_nlink = attr.nlink or (2 if attr.is_dir else 1)
     e.st_uid = uid if attr.uid is None else attr.uid
     e.st_gid = gid if attr.gid is None else attr.gid
-    e.st_rdev = 0
+    e.st_rdev = attr.rdev
     e.st_size = attr.size
     e.st_blksize = 128 * 1024
     e.st_blocks = attr.blocks

@@ -14,12 +14,16 @@ same (BLAKE3 ids: equal ids mean equal bytes). Everything else is read and compa
 from __future__ import annotations
 
 import bisect
+import logging
 import stat as st
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ksfs.errors import GuestFSUnreadable
 from ksfs.guestfs import layout
 from ksfs.guestfs.fs import ROOT_INO, GuestFS, GuestStat
+
+log = logging.getLogger(__name__)
 
 WINDOW = 256  # blocks compared at a time: bounded memory for any file size
 
@@ -85,13 +89,12 @@ def diff_trees(fs_a: GuestFS, fs_b: GuestFS, *, attrs: bool = False) -> list[Cha
 
 def _diff_dir(fs_a: GuestFS, dir_a: int, fs_b: GuestFS, dir_b: int, prefix: str,
               out: list[Change], attrs: bool = False) -> None:
-    a = {name: ino for name, ino, _ in fs_a.listdir_ino(dir_a)}
-    b = {name: ino for name, ino, _ in fs_b.listdir_ino(dir_b)}
+    a = dict(fs_a.listdir_stats(dir_a))  # entries whose inode cannot be read are left out
+    b = dict(fs_b.listdir_stats(dir_b))
     # diff sorts names bytewise (LC_ALL=C): surrogateescape'd str would not, bytes do
     for name in sorted(a.keys() | b.keys(), key=lambda n: n.encode("utf-8", "surrogateescape")):
         path = prefix + name
-        sa = fs_a.stat_ino(a[name]) if name in a else None
-        sb = fs_b.stat_ino(b[name]) if name in b else None
+        sa, sb = a.get(name), b.get(name)
         if sa is None:
             out.append(Change("added", path, None, kind_of(sb), None, _size(sb)))
         elif sb is None:
@@ -113,6 +116,16 @@ def _diff_dir(fs_a: GuestFS, dir_a: int, fs_b: GuestFS, dir_b: int, prefix: str,
 
 
 def _same(fs_a: GuestFS, sa: GuestStat, fs_b: GuestFS, sb: GuestStat) -> bool:
+    try:
+        return _same_or_raise(fs_a, sa, fs_b, sb)
+    except GuestFSUnreadable as exc:
+        # One damaged file (an extent tree, a symlink's size) is reported as changed; it
+        # must not take the comparison of the rest of the tree with it.
+        log.warning("comparing guest inodes %d and %d: %s", sa.ino, sb.ino, exc)
+        return False
+
+
+def _same_or_raise(fs_a: GuestFS, sa: GuestStat, fs_b: GuestFS, sb: GuestStat) -> bool:
     if sa.is_symlink:
         return fs_a.readlink_bytes(sa.ino) == fs_b.readlink_bytes(sb.ino)
     if not sa.is_file:

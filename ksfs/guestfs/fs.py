@@ -9,6 +9,7 @@ cannot read exactly raises GuestFSUnreadable (or NoSuchFile for a name that is n
 
 from __future__ import annotations
 
+import logging
 import os
 import stat as st
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from ksfs.guestfs.image import Partition, Reader, find_filesystems, read_exact
 from ksfs.guestfs.journal import journal_overlay
 from ksfs.guestfs.layout import Inode
 from ksfs.guestfs.volume import LRU, Volume
+
+log = logging.getLogger(__name__)
 
 ROOT_INO = 2
 FT_DIR = 2
@@ -58,6 +61,9 @@ def _encode(name: str | bytes) -> bytes:
 
 def _decode(name: bytes) -> str:
     return name.decode("utf-8", "surrogateescape")
+
+
+SYMLINK_MAX = 4096  # PATH_MAX: the longest target a symlink can hold
 
 
 class GuestFS:
@@ -136,6 +142,14 @@ class GuestFS:
         fs = cls(vol, where)
         if not st.S_ISDIR(vol.inode(ROOT_INO).mode):
             raise GuestFSUnreadable(why=f"{where}: inode 2 is not a directory")
+        try:
+            # The first entries of the root: a superblock whose features or counts were
+            # damaged can still parse, and then every listing would fail with EIO instead of
+            # the filesystem being refused once, with its reason.
+            next(fs.listdir_ino(ROOT_INO), None)
+        except (GuestFSUnreadable, NoSuchFile) as exc:
+            raise GuestFSUnreadable(why=f"{where}: its root directory cannot be read "
+                                        f"({exc.fields.get('why', exc)})") from None
         return fs
 
     @classmethod
@@ -191,6 +205,20 @@ class GuestFS:
         for name, ino, is_dir, _ in self.listdir_from(dir_ino):
             yield name, ino, is_dir
 
+    def listdir_stats(self, dir_ino: int) -> Iterator[tuple[str, GuestStat]]:
+        """(name, stat) of each entry whose inode can be read: an entry pointing at a cleared
+        or unlinked inode (e2fsck's "deleted/unused inode"), or one past the inode table, is
+        left out, as the kernel lists such a name but cannot stat it. One bad entry must not
+        take its whole directory (or a diff of the tree) with it."""
+        for name, ino, _ in self.listdir_ino(dir_ino):
+            try:
+                st = self.stat_ino(ino)
+            except (NoSuchFile, GuestFSUnreadable) as exc:
+                log.warning("%s: entry %r of directory inode %d left out: %s", self.where,
+                            name, dir_ino, exc)
+                continue
+            yield name, st
+
     def listdir_from(self, dir_ino: int, after: int = 0) -> Iterator[tuple[str, int, bool, int]]:
         """(name, ino, is_dir, cookie) of each entry but . and .. past position ``after``.
 
@@ -224,6 +252,10 @@ class GuestFS:
         inode = self._inode(ino)
         if inode.kind != layout.S_IFLNK:
             raise BadInput(f"guest inode {ino} is not a symbolic link")
+        if inode.size > SYMLINK_MAX:
+            # The kernel reads a target from one page at most; a larger size is damage, and
+            # reading it whole could take the daemon's memory.
+            raise GuestFSUnreadable(why=f"symlink inode {ino} claims {inode.size} bytes")
         if inode.flags & layout.FL_INLINE_DATA or inode.flags & layout.FL_EXTENTS:
             return self.volume.read_data(inode, 0, inode.size)
         sb = self.volume.sb
@@ -296,7 +328,15 @@ class GuestFS:
                 yield name, ino, ftype, 60 + end
             return
         n_blocks = (inode.size + vol.bs - 1) // vol.bs
-        step = 16  # map a few blocks at a time so a huge directory is never mapped whole
+        if inode.flags & layout.FL_EXTENTS:
+            # One mapping of the whole size: its runs are the (cached) extents, so a hole of
+            # any size (a damaged i_size of 2^40) is one run, skipped, as the kernel skips it.
+            step = max(1, n_blocks)
+        else:
+            # Block-mapped directories are never sparse (ext2/3 grow them block by block): a
+            # size past the blocks the inode holds is damage, not holes to walk one by one.
+            n_blocks = min(n_blocks, inode.blocks_512 * 512 // vol.bs)
+            step = 16  # map a few blocks at a time so a huge directory is never mapped whole
         for first in range(after // vol.bs, n_blocks, step):
             for lblk, count, phys in vol.runs(inode, first, min(n_blocks, first + step)):
                 if phys is None:

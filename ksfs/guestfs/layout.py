@@ -39,6 +39,7 @@ INCOMPAT_NAMES = {
     INCOMPAT_DIRDATA: "dirdata",
 }
 COMPAT_HAS_JOURNAL = 0x4
+COMPAT_SPARSE_SUPER2 = 0x200
 RO_COMPAT_HUGE_FILE = 0x8
 RO_COMPAT_METADATA_CSUM = 0x400
 SB_CHECKSUM_TYPE_CRC32C = 1
@@ -106,6 +107,8 @@ class Superblock:
     ro_compat: int
     journal_inum: int
     cluster_size: int
+    # sparse_super2: the only two groups besides 0 that keep a superblock copy (0: none)
+    backup_bgs: tuple[int, int] | None = None
 
     @property
     def has_filetype(self) -> bool:
@@ -163,8 +166,11 @@ def parse_superblock(raw: bytes, fs_bytes: int, checksum: bool = True) -> Superb
             f"holds only {fs_bytes}"
         )
     groups = (blocks - first_data + bpg - 1) // bpg
-    if groups * ipg < inodes_count:
-        raise GuestFSUnreadable(why="superblock inode count exceeds its groups")
+    if groups * ipg != inodes_count:
+        # as the kernel's ext4_check_geometry ("inodes count not valid"): a count that does not
+        # fill its groups exactly is damage, and would hide every inode past it
+        raise GuestFSUnreadable(why=f"superblock inode count {inodes_count} does not match "
+                                    f"its {groups} groups of {ipg}")
     cluster = block_size << max(0, log_cluster - log_block) if ro_compat & 0x200 else block_size
     return Superblock(
         block_size=block_size, blocks_count=blocks, first_data_block=first_data,
@@ -172,6 +178,8 @@ def parse_superblock(raw: bytes, fs_bytes: int, checksum: bool = True) -> Superb
         inode_size=inode_size, desc_size=desc_size, group_count=groups,
         first_meta_bg=first_meta_bg, compat=compat, incompat=incompat, ro_compat=ro_compat,
         journal_inum=journal_inum, cluster_size=cluster,
+        backup_bgs=struct.unpack_from("<II", raw, 0x24C) if compat & COMPAT_SPARSE_SUPER2
+        else None,
     )
 
 

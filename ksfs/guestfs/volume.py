@@ -120,8 +120,12 @@ class Volume:
             first = gdt_index * per_block
             block = sb.first_data_block + first * sb.blocks_per_group
             block += 1 if self._has_super(first) else 0
+            if self.bs == 1024 and gdt_index == 0 and sb.first_data_block == 0:
+                block += 1  # 1 KiB bigalloc: group 0 starts at block 0, its super in block 1
         else:
-            block = sb.first_data_block + 1 + gdt_index
+            # Right after the superblock's own block (the kernel's descriptor_loc): block 2
+            # with 1 KiB blocks even when first_data_block is 0 (bigalloc), else block 1.
+            block = 1024 // self.bs + 1 + gdt_index
         desc = self.read_within(block, slot * sb.desc_size, sb.desc_size,
                                 f"group descriptor {group}")
         table = struct.unpack_from("<I", desc, 0x08)[0]
@@ -131,6 +135,11 @@ class Volume:
         return table
 
     def _has_super(self, group: int) -> bool:
+        """Whether ``group`` keeps a superblock copy (the kernel's ext4_bg_has_super)."""
+        if group == 0:
+            return True
+        if self.sb.backup_bgs is not None:  # sparse_super2: two backups at most, by number
+            return group in self.sb.backup_bgs
         if group <= 1 or not self.sb.ro_compat & 0x1:  # sparse_super
             return True
         for base in (3, 5, 7):
