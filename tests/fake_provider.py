@@ -165,9 +165,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         headers = {k.lower(): v for k, v in self.headers.items()}
         return self.fake._note(Seen(self.command, self.path, headers, body))
 
+    def _bad_key(self) -> None:
+        """As OpenAI answers a wrong key: the key it was given, partly masked."""
+        given = self.headers.get("Authorization", "").removeprefix("Bearer ")
+        self._json(401, {"error": {"type": "invalid_request_error", "code": "invalid_api_key",
+                                   "message": "Incorrect API key provided: "
+                                              f"{given[:8]}{'*' * 20}{given[-4:]}."}})
+
     def do_GET(self) -> None:
         self._seen(b"")
-        if self.path.split("?")[0] == "/v1/models":
+        if self.fake.error == 401:
+            self._bad_key()
+        elif self.path.split("?")[0] == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "gpt-4o-mini", "object": "model"}],
                              "query": self.path.partition("?")[2]})
         else:
@@ -190,11 +199,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if fake.error == "close":
             self.close_connection = True
             return
-        if fake.error == 401:  # as OpenAI: the key it was given, partly masked
-            given = self.headers.get("Authorization", "").removeprefix("Bearer ")
-            self._json(401, {"error": {"type": "invalid_request_error", "code": "invalid_api_key",
-                                       "message": "Incorrect API key provided: "
-                                                  f"{given[:8]}{'*' * 20}{given[-4:]}."}})
+        if fake.error == 401:
+            self._bad_key()
             return
         if isinstance(fake.error, int):
             self._json(fake.error, {"error": {"type": "server_error",
@@ -246,7 +252,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         else:
             events.append(dict(base, choices=[{"index": 0, "delta": {},
                                                "finish_reason": "stop"}]))
-        if usage is not None and self.fake.stream_end is None:
+        if usage is not None and self.fake.stream_end != "error_event":
             events.append(dict(base, choices=[], usage=usage))
         for ev in events:
             self._chunk(b"data: " + json.dumps(ev).encode() + b"\n\n")

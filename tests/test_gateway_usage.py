@@ -204,7 +204,7 @@ async def test_calls_in_flight_cannot_spend_past_the_budget_together(gw, ledger,
 @pytest.mark.parametrize("warm_up", ["unpriced", "no usage"])
 async def test_a_call_that_cost_nothing_does_not_open_the_gate(gw, provider, nursery, warm_up):
     # A stream without usage is counted at 0 USD: that says nothing about what a priced call
-    # costs, so priced calls are still held to what their requests may cost. An unpriced
+    # costs, so priced calls without a cap still start one at a time. An unpriced
     # model's call is not bought at all under a USD budget: its cost could not be counted.
     gw.set_budget("s1", usd=0.04)
     port = await nursery.start(gw.serve_session, "s1")
@@ -213,6 +213,10 @@ async def test_a_call_that_cost_nothing_does_not_open_the_gate(gw, provider, nur
         assert r.status_code == 402 and r.json()["error"]["reason"] == "unpriced_model"
         assert "'unpriced-model' has no price" in r.json()["error"]["message"]
         assert provider.count() == 0
+        # A request that names no model (a file upload) is not billed by the token: it goes.
+        async with client(port) as c:
+            up = await c.post("/v1/embeddings", content=b'{"input": "no model named"}')
+        assert up.status_code == 200 and provider.count("/v1/embeddings") == 1
     else:
         provider.stream_usage = False
         await call(port, chat_body("warm up", model="test-model", stream=True))
@@ -227,18 +231,18 @@ async def test_a_call_that_cost_nothing_does_not_open_the_gate(gw, provider, nur
         for i in range(8):
             calls.start_soon(one, i)
     assert sorted(r.status_code for r in replies) == [200] * 3 + [402] * 5
-    # Each request reckons at 0.02 USD (about 80 bytes of body), so two fit the 0.04 at once.
-    assert provider.most_active == 2 and gw.usage("s1")["cost_usd"] == pytest.approx(0.048)
+    # No cap and no priced call completed to size them by: one at a time.
+    assert provider.most_active == 1 and gw.usage("s1")["cost_usd"] == pytest.approx(0.048)
 
 
 async def test_calls_with_room_in_the_budget_still_run_at_once(gw, provider, nursery):
     gw.set_budget("s1", tokens=1000)
     provider.delay = 0.3
     port = await nursery.start(gw.serve_session, "s1")
-    async with trio.open_nursery() as calls:  # the first two: reckoned from their requests
+    async with trio.open_nursery() as calls:  # the first two: no cap, size unknown: one by one
         for i in range(2):
             calls.start_soon(call, port, chat_body(f"first {i}", model="test-model"))
-    assert provider.most_active == 2
+    assert provider.most_active == 1
     provider.most_active = 0
     provider.delay = 1.0  # long enough for all six to be in flight at once on a busy machine
     async with trio.open_nursery() as calls:  # about 20 tokens each: 6 fit beside each other

@@ -4,8 +4,10 @@ when they ended as a complete answer; a compressed answer is stored decoded."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+import httpx
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -140,6 +142,11 @@ async def test_a_stream_that_fails_or_stops_short_is_passed_on_but_not_stored(
     calls = events(ledger, "s1", "gateway.call")
     assert [(e.body["stored"], e.body.get("error")) for e in calls] == [
         (False, "stream_incomplete"), (True, None), (False, "stream_incomplete"), (True, None)]
+    # What the provider billed counts even when the stream is not stored (review: a provider
+    # that never sends [DONE] made every stream free and the budget void).
+    assert [e.body["total_tokens"] for e in calls] == [0, 2 + 7, 2 + 7, 2 + 7]
+    u = gw.usage("s1")
+    assert (u["total_tokens"], u["upstream_errors"], u["paid_calls"]) == (27, 2, 4)
 
 
 async def test_a_compressed_answer_is_stored_decoded(store, ledger, provider, nursery):
@@ -194,3 +201,67 @@ async def test_the_guest_sees_no_part_of_the_key_and_picks_no_billing(store, led
     seen = provider.requests[-1].headers
     assert seen["authorization"] == f"Bearer {MARKER_KEY}"
     assert "openai-organization" not in seen and "openai-project" not in seen
+    # Passed through (a GET), and compressed as the guest's client allows: masked all the same.
+    provider.gzip = True
+    async with client(port) as c:
+        r = await c.get("/v1/models", headers={"accept-encoding": "gzip"})
+    assert r.status_code == 401 and "sk-***" in r.text and MARKER_KEY[-4:] not in r.text
+
+
+async def test_a_server_stopped_under_a_call_of_a_removed_session_stops_cleanly(
+        store, ledger, provider):
+    """Review (eighth session): the daemon stops a removed session's server; the record of the
+    call it stopped under failed (the session is read-only now), and that error escaped the
+    cancellation and took the daemon down."""
+    from ksfs.daemon.gateways import _serve_one
+
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    provider.delay = 3.0
+    async with trio.open_nursery() as n:
+        scope = await n.start(_serve_one, gw, "s1", 0, None)
+        while "s1" not in gw.ports:
+            await trio.sleep(0.01)
+        async def doomed() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # its server goes away under it
+                await call(gw.ports["s1"], chat_body("doomed"))
+
+        n.start_soon(doomed)
+        while provider.active == 0:
+            await trio.sleep(0.01)
+        with ledger.env.begin(write=True) as txn:
+            ledger.remove_session(txn, "s1", keep_checkpoints=True)
+        scope.cancel()
+        await trio.sleep(0.3)
+        n.cancel_scope.cancel()
+    assert "s1" not in gw.ports
+
+
+async def test_two_paths_that_decode_alike_are_two_calls(store, ledger, provider, nursery):
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    body = json.dumps({"model": "test-embed", "input": "same body"}).encode()
+    async with client(port) as c:
+        one = await c.post("/v1/embeddings/a%2Fb", content=body)
+        two = await c.post("/v1/embeddings/a/b", content=body)
+    assert one.headers["x-ksfs-key"] != two.headers["x-ksfs-key"]
+    assert [r.path for r in provider.requests] == ["/v1/embeddings/a%2Fb", "/v1/embeddings/a/b"]
+
+
+def test_a_request_is_reckoned_within_bounds() -> None:
+    from ksfs.gateway.calls import CAP_MAX, estimated_tokens
+
+    assert estimated_tokens({"max_tokens": 10**400, "n": 10**9}, 400) == (100, CAP_MAX * 128)
+    assert estimated_tokens({"max_completion_tokens": 50, "n": 2}, 40) == (10, 100)
+    assert estimated_tokens({"max_tokens": True}, 40) == (10, None)  # a bool is no cap
+    assert estimated_tokens({}, 40) == (10, None)
+
+
+def test_filler_after_the_end_of_a_stream_does_not_release_it() -> None:
+    """Review (eighth session): bytes that only trail [DONE] (a blank line, a keep-alive
+    comment), arriving as a chunk of their own, let the guest see [DONE] before the commit."""
+    from ksfs.gateway.inflight import Call
+
+    c = Call()
+    for chunk in (b"data: 1\n\n", b"data: [DONE]\n\n", b"\n", b": keep-alive\n\n"):
+        c.on_chunk(chunk)
+    assert c.chunks == [b"data: 1\n\n", b"data: [DONE]\n\n\n: keep-alive\n\n"]

@@ -108,8 +108,9 @@ async def _serve(gw: Any, session: str, host: str, port: int, upstream: str,
             async for _ in signals:
                 break
             # Calls already bought are stored before the stop (a second signal stops at once).
+            wait = min(DRAIN_S, gw.timeout)
             if gw.inflight_count():
-                click.echo(f"ksfs gateway: stopping; waiting up to {DRAIN_S:g} s for "
+                click.echo(f"ksfs gateway: stopping; waiting up to {wait:g} s for "
                            f"{gw.inflight_count()} call(s) in flight")
             async with trio.open_nursery() as draining:
                 async def second_signal() -> None:
@@ -118,7 +119,7 @@ async def _serve(gw: Any, session: str, host: str, port: int, upstream: str,
                         return
 
                 draining.start_soon(second_signal)
-                await gw.drain(min(DRAIN_S, gw.timeout))
+                await gw.drain(wait)
                 draining.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
 

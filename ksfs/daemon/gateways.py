@@ -42,7 +42,10 @@ async def _serve_one(gateway: Any, session: str, port: int, token: str,
         task_status.started(scope)
         try:
             await gateway.serve_session(session, port=port, token=token)
-        except (KsfsError, OSError) as exc:
-            # A port taken by something else: say so once; the session's guest gets no gateway.
-            log.error("gateway for session %s on port %s could not start: %s", session, port, exc)
+        except* (KsfsError, OSError) as group:
+            # A port taken by something else (or a server that failed while running, e.g. its
+            # session removed under it): say so once; the session's guest gets no gateway,
+            # and the daemon, with every other session's gateway, runs on.
+            log.error("gateway for session %s on port %s stopped: %s", session, port,
+                      group.exceptions[0])
             await trio.sleep_forever()

@@ -94,16 +94,24 @@ BYTES_PER_TOKEN = 4
 COMPLETION_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
-def estimated_tokens(obj: dict[str, Any], body_bytes: int) -> tuple[int, int]:
+CAP_MAX = 10**7  # a cap or n beyond any model's is reckoned at this (and never overflows)
+
+
+def estimated_tokens(obj: dict[str, Any], body_bytes: int) -> tuple[int, int | None]:
     """(prompt, completion) tokens a call may cost, reckoned from its request before it is
-    bought: the prompt from the body's size, the completion from its own cap (times ``n``)
-    when it sets one, else 0. Only for holding back purchases; never counted as usage."""
+    bought: the prompt from the body's size, the completion from its own cap (times ``n``);
+    completion None when the request sets no cap (it may generate any number). Only for
+    holding back purchases; never counted as usage."""
     prompt = body_bytes // BYTES_PER_TOKEN
-    cap = next((obj[k] for k in COMPLETION_CAPS
-                if isinstance(obj.get(k), int) and not isinstance(obj.get(k), bool)), 0)
-    n = obj.get("n") if isinstance(obj.get("n"), int) and not isinstance(obj.get("n"), bool) \
-        else 1
-    return prompt, max(0, cap) * max(1, n)
+
+    def whole(v: Any) -> int | None:
+        return min(v, CAP_MAX) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    cap = next((c for k in COMPLETION_CAPS if (c := whole(obj.get(k))) is not None), None)
+    if cap is None:
+        return prompt, None
+    n = whole(obj.get("n")) or 1
+    return prompt, max(0, cap) * min(max(1, n), 128)
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,19 @@ class Call:
         self.notify()
 
     def on_chunk(self, chunk: bytes) -> None:
-        self.chunks.append(chunk)
+        if self.chunks and _trailing_only(chunk):
+            # Blank lines or comments after an event (a keep-alive after [DONE]) stay with the
+            # chunk before them, which is still withheld: the end of a stream is never sent
+            # because some filler came after it.
+            self.chunks[-1] += chunk
+        else:
+            self.chunks.append(chunk)
         self.notify()
+
+
+def _trailing_only(chunk: bytes) -> bool:
+    """Nothing but line ends and SSE comment lines (":" ...)."""
+    return all(not line or line.startswith(b":") for line in chunk.splitlines())
 
 
 @dataclass

@@ -30,6 +30,7 @@ from ksfs.errors import BadInput
 from ksfs.gateway.admission import BudgetGate, Reckoning
 from ksfs.gateway.app import asgi_app
 from ksfs.gateway.calls import (
+    CHAT_PATH,
     derived_key,
     estimated_tokens,
     header_key,
@@ -208,7 +209,9 @@ class Gateway:
         key, so one body sent to two endpoints is two calls.
         """
         route = Route(method, path, query, wire or path)
-        scope = route_scope(method, path, query)
+        # Other routes are keyed by the path as sent upstream: /v1/files/a%2Fb and /v1/files/a/b
+        # are two resources, so two calls.
+        scope = route_scope(method, path if path == CHAT_PATH else route.wire, query)
         try:
             canon, obj = paid_body(scope, body, header(headers, "content-type"))
             hval = header(headers, "idempotency-key")
@@ -223,7 +226,7 @@ class Gateway:
         order = Order(route, headers, body, model, stream, digest,
                       ask_usage=not scope and wants_usage_added(obj))
         prompt, completion = estimated_tokens(obj, len(body))
-        est_usd, priced = self.prices.cost(model, prompt, completion)
+        est_usd, priced = self.prices.cost(model, prompt, completion or 0)
         ikey = lineage_bytes(view.lineage) + key
         mine = False
         while True:
@@ -238,11 +241,15 @@ class Gateway:
                     return error_reply(503, "gateway_stopping",
                                        "the gateway is stopping; retry the call shortly"), []
                 budget, used = self.db.spending(view.lineage)
-                unpriced = budget is not None and budget.get("usd") is not None and not priced
+                # A named model without a price: its cost could not be counted. A request that
+                # names none (a file upload, a batch's cancel) is not billed by the token.
+                unpriced = (budget is not None and budget.get("usd") is not None
+                            and model is not None and not priced)
                 if used_up(budget, used) or unpriced:
                     return (await self._refuse(view, key, model, path, budget, used, unpriced),
                             ksfs_headers(key, "refused"))
-                held = self._gate.reckon(view.lineage, prompt + completion, est_usd)
+                held = self._gate.reckon(view.lineage, prompt + (completion or 0),
+                                         est_usd if priced else None, completion is not None)
                 if not self._gate.may_start(view.lineage, budget, used, held):
                     # Calls in flight may spend what is left: wait for one, then look again.
                     await self._gate.wait_for_landing(view.lineage)
@@ -282,9 +289,7 @@ class Gateway:
             why = (f"model {model!r} has no price in the gateway's price table, so session "
                    f"{view.session!r}'s budget of {_fmt_budget(budget)} cannot be kept against "
                    "it; add the model to the table (--prices) or remove the USD budget; "
-                   "nothing was sent upstream") if model else (
-                   f"the request names no model, so session {view.session!r}'s budget of "
-                   f"{_fmt_budget(budget)} cannot be kept against it; nothing was sent upstream")
+                   "nothing was sent upstream")
         else:
             why = (f"session {view.session!r} has used {used['tokens']} tokens and "
                    f"{used['usd']:.6f} USD of its budget of {_fmt_budget(budget)}; "
@@ -298,22 +303,21 @@ class Gateway:
         cost: tuple[int | None, float | None] = (None, None)
         route = order.route
         try:
-            got, visible = await self._fetch(call, served.upstream, order)
+            got, hidden = await self._fetch(call, served.upstream, order)
             if isinstance(got, Fetched) and 200 <= got.status < 300:
-                ctype = header(got.headers, "content-type") or ""
-                why = (incomplete(got.body, route.path)
-                       if order.stream or ctype.startswith("text/event-stream") else None)
+                # Off the loop: a long stream's whole body is scanned (and filtered) here.
+                stored, why, cost = await trio.to_thread.run_sync(
+                    self._commit, view, key, got, hidden, order)
                 if why is not None:
-                    # A 200 whose stream failed or stopped short: pass it on, never store it.
+                    # A 200 whose stream failed or stopped short: passed on, never stored.
                     call.ended_cleanly = True
                     call.error = error_reply(
                         502, "upstream_stream_incomplete",
                         f"the model provider's stream {why}; it was not stored, so a retry "
                         "buys it again")
-                    await trio.to_thread.run_sync(
-                        self.db.record_upstream_error, view.session, view.lineage, key,
-                        order.model, got.status, "stream_incomplete", route.path)
-                    return
+                else:
+                    call.stored = stored
+                return
             if isinstance(got, Reply) or not 200 <= got.status < 300:
                 call.error = got if isinstance(got, Reply) else _passed_back(got)
                 why = _error_type(call.error)
@@ -321,17 +325,20 @@ class Gateway:
                                               view.lineage, key, order.model, call.error.status,
                                               why, route.path)
                 return
-            call.stored, cost = await trio.to_thread.run_sync(
-                self._commit, view, key, got, visible, order)
         except trio.Cancelled:
             # The server is stopping under a call it may already have paid for: at least say
             # so in the log of the session (the retry buys it again).
             call.error = error_reply(503, "gateway_stopping",
                                      "the gateway stopped before the call completed")
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self.db.record_upstream_error, view.session,
-                                              view.lineage, key, order.model, 503,
-                                              "gateway_stopped", route.path)
+                try:
+                    await trio.to_thread.run_sync(self.db.record_upstream_error, view.session,
+                                                  view.lineage, key, order.model, 503,
+                                                  "gateway_stopped", route.path)
+                except Exception as exc:  # noqa: BLE001 - a removed session, a full disk:
+                    # the stop must go on, and an error here would replace the cancellation
+                    log.error("could not record the call stopped under session %s: %s",
+                              view.session, exc)
             raise
         except Exception as exc:  # a bug or a store failure must not take the server down
             log.error("gateway call for session %s failed: %s", view.session, exc)
@@ -348,9 +355,10 @@ class Gateway:
             call.notify()
 
     async def _fetch(self, call: Call, upstream: Upstream, order: Order
-                     ) -> tuple[Fetched | Reply, bytes]:
-        """The upstream answer and the body the guest is to get of it (the same bytes, but for
-        the usage chunk asked on the guest's behalf, which only the gateway reads)."""
+                     ) -> tuple[Fetched | Reply, bool]:
+        """The upstream answer, and whether it carries a usage chunk asked on the guest's
+        behalf (which only the gateway reads: ``HiddenUsage`` takes it out of what the guest
+        gets, as it arrives and in what is stored)."""
         route = order.route
         if order.ask_usage:
             hidden = HiddenUsage()
@@ -359,39 +367,60 @@ class Gateway:
                 if out := hidden.feed(data):
                     call.on_chunk(out)
 
+            refusals: list[tuple[int, Headers]] = []
+
+            def on_start(status: int, headers: Headers) -> None:
+                # A refusal may be of stream_options: held back, so that the guest's stream
+                # of the second attempt still streams.
+                if status in (400, 422):
+                    refusals.append((status, headers))
+                else:
+                    call.on_start(status, headers)
+
             got = await upstream.fetch(route.method, route.wire, order.headers,
-                                       with_usage(json.loads(order.body)), call.on_start,
+                                       with_usage(json.loads(order.body)), on_start,
                                        on_chunk, route.query)
             if not isinstance(got, Fetched) or got.status not in (400, 422) \
                     or b"stream_options" not in got.body:
+                if refusals:
+                    call.on_start(*refusals[0])
                 if tail := hidden.flush():
                     call.on_chunk(tail)
-                return got, HiddenUsage.apply(got.body) if isinstance(got, Fetched) else b""
+                return got, True
             # A provider that does not know stream_options: ask as the guest did.
             call.chunks.clear()
         got = await upstream.fetch(route.method, route.wire, order.headers, order.body,
                                    call.on_start, call.on_chunk, route.query)
-        return got, got.body if isinstance(got, Fetched) else b""
+        return got, False
 
-    def _commit(self, view: View, key: bytes, got: Fetched, visible: bytes, order: Order
-                ) -> tuple[StoredResponse, tuple[int | None, float | None]]:
-        """Store the response (``visible``: its body as the guest gets it); returns it with its
-        (tokens, USD), each None when not known."""
+    def _commit(self, view: View, key: bytes, got: Fetched, hidden: bool, order: Order
+                ) -> tuple[StoredResponse | None, str | None,
+                           tuple[int | None, float | None]]:
+        """Store a 2xx response as the guest gets it; returns (the stored response, None, its
+        (tokens, USD)), each None when not known. A stream that is no whole answer is not
+        stored but counted: (None, why, cost)."""
         ctype = header(got.headers, "content-type") or ""
         sse = order.stream or ctype.startswith("text/event-stream")
         usage = (usage_of_sse if sse else usage_of_json)(got.body, order.model)
         cost, priced = self.prices.cost(usage.model, usage.prompt_tokens,
                                         usage.completion_tokens)
+        # What the gate may learn a call's size from: only figures the provider reported (an
+        # unpriced model's or a usage-less call's 0 would let every later call start at once).
+        learned = (usage.total_tokens if usage.known else None,
+                   cost if usage.known and priced else None)
+        why = incomplete(got.body, order.route.path) if sse else None
+        if why is not None:
+            self.db.record_unstored_call(view.session, view.lineage, key, usage, cost, priced,
+                                         got.status, "stream_incomplete", order.route.path)
+            return None, why, learned
+        visible = HiddenUsage.apply(got.body) if hidden else got.body
         resp = StoredResponse(
             lineage=view.lineage, session=view.session, key=key.hex(), seq=-1,
             status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=visible,
             model=usage.model, stream=sse, request_digest=order.digest, created=_now())
         stored = self.db.commit_call(view.session, view.lineage, key, resp, usage, cost, priced,
                                      order.route.path)
-        # What the gate may learn a call's size from: only figures the provider reported (an
-        # unpriced model's or a usage-less call's 0 would let every later call start at once).
-        known = usage.known
-        return stored, (usage.total_tokens if known else None, cost if known and priced else None)
+        return stored, None, learned
 
 
 # --- small helpers ----------------------------------------------------------------------------

@@ -254,6 +254,24 @@ class GatewayStore:
             txn.put(dbkey, stored.encode(), db=self._resp)
             return stored
 
+    def record_unstored_call(self, session: str, lineage: str, key: bytes, usage: Usage,
+                             cost: float, priced: bool, status: int, error: str,
+                             path: str = CHAT_PATH) -> Event:
+        """A call the provider answered (and billed) but that is not stored: a stream that
+        carried an error or stopped short. Its usage, when it reported one, counts against
+        the budget like any paid call's; it is also counted as an upstream error."""
+        body = {"key": key.hex(), "model": usage.model, "status": status, "error": error,
+                "stored": False, "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens, "total_tokens": usage.total_tokens,
+                "usage_known": usage.known, "cost_usd": cost, "priced": priced, "path": path}
+        with self._write() as txn:
+            event = self.ledger.append(txn, session, "gateway.call", body)
+            totals = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
+            totals.add_call(usage, cost, priced)
+            totals.upstream_errors += 1
+            txn.put(lineage_bytes(lineage), totals.encode(), db=self._usage)
+            return event
+
     def record_replay(self, session: str, lineage: str, key: bytes,
                       stored: StoredResponse) -> Event:
         body = {"key": key.hex(), "model": stored.model, "status": stored.status,

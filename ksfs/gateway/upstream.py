@@ -155,13 +155,21 @@ class Upstream:
                 502, "upstream_unreachable",
                 f"the model provider could not be reached ({type(exc).__name__})"))
         try:
+            if resp.status_code >= 400:
+                # An error is small: read it whole and decoded, so a key the provider echoes
+                # is masked however it was compressed or split.
+                try:
+                    body = await resp.aread()  # decoded
+                except httpx.HTTPError:
+                    body = b""
+                return await send_reply(send, Reply(resp.status_code, keep_headers(
+                    resp.headers.items(), HOP_BY_HOP | {"content-encoding"}),
+                    without_keys(body)))
             headers = keep_headers(resp.headers.items(), HOP_BY_HOP)
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": _encode(headers)})
             try:
                 async for chunk in resp.aiter_raw():
-                    if resp.status_code >= 400 and not resp.headers.get("content-encoding"):
-                        chunk = without_keys(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except httpx.HTTPError as exc:
                 # Headers are out: all we can do is end the body early and say so in the log.
