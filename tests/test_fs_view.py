@@ -231,7 +231,7 @@ def test_damaged_entries_leave_the_rest_of_the_tree_readable(tmp_path: Path) -> 
         imgs[name].parent.mkdir()
         build_ext4(src, imgs[name], 64)
     debugfs(imgs["B"], "clri /work/bad/a", "sif /work/big size 0x10000000000",
-            "sif /work/link size 0x10000000000")
+            "sif /work/link size 0x10000000000", "sif /work/deep/er block[0] 0")
     store = tmp_path / "store"
     with Keeper(store, create=True) as k:
         k.import_files("s", "A", [imgs["A"]])
@@ -254,3 +254,6 @@ def test_damaged_entries_leave_the_rest_of_the_tree_readable(tmp_path: Path) -> 
     assert res.returncode == 0, res.stderr
     changes = {c["path"]: c["kind"] for c in json.loads(res.stdout)["files"]}
     assert changes.get("work/bad/a") == "removed" and "work/bad/b" not in changes
+    # A directory whose extent tree is damaged is one change; the rest is still compared.
+    assert changes.get("work/deep/er") == "changed" and changes.get("work/link") == "changed"
+    assert "work/small.txt" not in changes

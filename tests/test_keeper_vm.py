@@ -514,6 +514,13 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
                       check=False, env=e)
         assert missing.returncode == 3 and "no libvirt domain named" in missing.stderr
         assert f"again-{env['tag']}" not in run(store, "session", "list", env=e).stdout
+        # The user undefines their own domain: recover does not make it again behind them.
+        virsh("destroy", dom)
+        virsh("undefine", dom, check=True)
+        report = json.loads(run(store, "recover", "--json", env=e).stdout)
+        assert {r["session"]: r["actions"] for r in report}[name] == [
+            "adopted domain is gone: not made again (ksfs restore would)"]
+        assert virsh("domstate", dom).returncode != 0
 
 
 def test_fork_killed_before_its_define_is_defined_by_recover(env, agent: str) -> None:
@@ -601,6 +608,13 @@ def test_adopt_a_domain_with_two_disks(env, guest: Path, tmp_path: Path) -> None
                       check=False, env=e)
         assert missing.returncode == 3 and "no libvirt domain named" in missing.stderr
         assert f"again-{env['tag']}" not in run(store, "session", "list", env=e).stdout
+        # The user undefines their own domain: recover does not make it again behind them.
+        virsh("destroy", dom)
+        virsh("undefine", dom, check=True)
+        report = json.loads(run(store, "recover", "--json", env=e).stdout)
+        assert {r["session"]: r["actions"] for r in report}[name] == [
+            "adopted domain is gone: not made again (ksfs restore would)"]
+        assert virsh("domstate", dom).returncode != 0
         assert cat(store, e, fork_name, c3, "disk-vdb.raw") == raw.read_bytes()
 
 

@@ -217,7 +217,7 @@ def test_a_fork_gets_its_own_host_endpoints() -> None:
     assert port != "4577" and int(port) > 0
     assert out.find("devices/console/source").get("service") == port  # mirrors serial0
     assert serial1.find("source").get("service") == "4600"  # connecting: left alone
-    assert out.find("devices/channel/source").get("path") == "/s/f/channel0-agent.sock"
+    assert out.find("devices/channel/source").get("path") == "/s/f/channel0.sock"
 
 
 def test_a_fork_keeps_the_namespace_prefixes_of_the_definition() -> None:
@@ -227,3 +227,22 @@ def test_a_fork_keeps_the_namespace_prefixes_of_the_definition() -> None:
            "</qemu:commandline></domain>")
     out = domxml.rename_for_fork(xml, "ksfs-f", None, None)
     assert "<qa:note" in out and "<qemu:commandline>" in out and "ns0:" not in out
+
+
+def test_a_fork_socket_path_stays_short_whatever_the_names() -> None:
+    # Review (eighth session): sockets were named after the parent's, growing with each
+    # generation, and a long session name went past sun_path's 108 bytes.
+    xml = ("<domain type='qemu'><name>p</name><devices>"
+           "<graphics type='vnc'><listen type='socket' socket='/var/run/p/vnc.sock'/></graphics>"
+           "<channel type='unix'><source mode='bind' path='/run/user/agent.sock'/>"
+           "<target type='virtio' name='org.qemu.guest_agent.0'/></channel></devices></domain>")
+    short = ET.fromstring(domxml.rename_for_fork(xml, "f", None, None, Path("/s/vm/f")))
+    assert short.find("devices/graphics/listen").get("socket") == "/s/vm/f/graphics0.sock"
+    again = domxml.rename_for_fork(ET.tostring(short, encoding="unicode"), "g", None, None,
+                                   Path("/s/vm/g"))
+    assert ET.fromstring(again).find("devices/channel/source").get("path") == \
+        "/s/vm/g/channel0.sock"
+    deep = Path("/root/.local/share/ksfs/vm") / ("n" * 200)
+    long = ET.fromstring(domxml.rename_for_fork(xml, "h", None, None, deep))
+    path = long.find("devices/channel/source").get("path")
+    assert path.startswith(str(domxml.SOCKET_DIR) + "/") and len(path) <= 107

@@ -38,7 +38,8 @@ def mount_options(allow_other: bool = False, debug: bool = False) -> set[str]:
     opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks mode bits
     # No max_read option: the kernel default is unlimited, and libfuse refuses one it did not
     # negotiate itself; requests are then bounded by max_pages (MAX_READ).
-    opts |= {"fsname=ksfs", "subtype=ksfs"}
+    # nodev, nosuid: a guest's device nodes and setuid files under fs/ are shown, never used.
+    opts |= {"fsname=ksfs", "subtype=ksfs", "nodev", "nosuid"}
     if allow_other:
         opts.add("allow_other")
     if debug:

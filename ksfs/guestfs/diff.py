@@ -106,7 +106,15 @@ def _diff_dir(fs_a: GuestFS, dir_a: int, fs_b: GuestFS, dir_b: int, prefix: str,
             if sa.is_dir:
                 if moved:  # the directory itself, before what changed inside it
                     out.append(Change("attrs", path, "dir", "dir", None, None, moved))
-                _diff_dir(fs_a, sa.ino, fs_b, sb.ino, path + "/", out, attrs)
+                inside: list[Change] = []
+                try:
+                    _diff_dir(fs_a, sa.ino, fs_b, sb.ino, path + "/", inside, attrs)
+                except GuestFSUnreadable as exc:
+                    # A directory whose own blocks are damaged: reported as changed, whole;
+                    # the rest of the tree is still compared.
+                    log.warning("comparing guest directory %s: %s", path, exc)
+                    inside = [Change("changed", path, "dir", "dir", None, None)]
+                out.extend(inside)
             elif not _same(fs_a, sa, fs_b, sb):
                 out.append(Change("changed", path, kind_of(sa), kind_of(sb), sa.size, sb.size,
                                   moved))

@@ -335,7 +335,11 @@ class GuestFS:
         else:
             # Block-mapped directories are never sparse (ext2/3 grow them block by block): a
             # size past the blocks the inode holds is damage, not holes to walk one by one.
-            n_blocks = min(n_blocks, inode.blocks_512 * 512 // vol.bs)
+            held = inode.blocks_512 * 512 // vol.bs
+            if held < n_blocks:
+                log.warning("%s: directory inode %d claims %d blocks and holds %d: read as %d",
+                            self.where, dir_ino, n_blocks, held, held)
+                n_blocks = held
             step = 16  # map a few blocks at a time so a huge directory is never mapped whole
         for first in range(after // vol.bs, n_blocks, step):
             for lblk, count, phys in vol.runs(inode, first, min(n_blocks, first + step)):

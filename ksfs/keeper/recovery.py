@@ -50,11 +50,13 @@ class Recovery:
         report = []
         for rec in self.ledger.sessions():
             with session_lock(self.store_path, rec.name):
+                done: list[str] = []
                 try:
-                    done = self._recover_session(rec)
+                    self._recover_session(rec, done)
                 except KsfsError as exc:
-                    # One session that cannot be brought back must not stop the others.
-                    done = [f"could not recover: {exc}"]
+                    # One session that cannot be brought back must not stop the others; what
+                    # was done for it before the failure is still reported.
+                    done.append(f"could not recover: {exc}")
             if done:
                 self._record_recover(rec, done)
                 report.append({"session": rec.name, "actions": done})
@@ -76,8 +78,8 @@ class Recovery:
             except NotFound:
                 pass  # the parent is gone too: the report is all that is left
 
-    def _recover_session(self, rec: Any) -> list[str]:
-        actions: list[str] = []
+    def _recover_session(self, rec: Any, actions: list[str]) -> list[str]:
+        """Mend one session; what was done is appended to ``actions`` as it is done."""
         restore_to = None
         for ev in self._unfinished(rec.name):
             name = ev.body.get("name") or f"c_{ev.seq:04d}"
@@ -100,7 +102,8 @@ class Recovery:
         try:
             state = self.vm.state(rec.domain)
         except KsfsError as exc:
-            return actions + [f"machine state unknown: {exc}"]
+            actions.append(f"machine state unknown: {exc}")
+            return actions
         if state in ("running", "paused") and self.vm.persist(rec.name, rec.domain):
             actions.append("machine was only a transient domain (a fork killed before its "
                            "define): defined")
@@ -111,9 +114,11 @@ class Recovery:
             # incoming migration fails in QEMU, so resume rather than redo the restore.
             self.vm.resume(rec.domain)
             if restore_to:
-                return actions + [f"machine was left paused by the restore to {restore_to}: "
-                                  "resumed"]
-            return actions + ["machine was left paused by an interrupted verb: resumed"]
+                actions.append(f"machine was left paused by the restore to {restore_to}: "
+                               "resumed")
+                return actions
+            actions.append("machine was left paused by an interrupted verb: resumed")
+            return actions
         if state in ("running", "paused"):
             return actions
         if rec.parent is not None and not self.ledger.checkpoint_names(rec.name) \
@@ -123,7 +128,13 @@ class Recovery:
                 self.ledger.remove_session(txn, rec.name)
             self.checkpoint_changed(rec.name, None)
             self.vm.remove_files(rec.name)
-            return actions + ["fork never started: rolled back"]
+            actions.append("fork never started: rolled back")
+            return actions
+        if state == "absent" and self._adopted(rec.name):
+            # The user's own domain, undefined by the user: not made again behind their back
+            # at the daemon's start (`ksfs restore` still brings it back when asked).
+            actions.append("adopted domain is gone: not made again (ksfs restore would)")
+            return actions
         target = restore_to or self._last_good(rec.name)
         if target:
             self._restore_locked(rec, target)
@@ -168,6 +179,10 @@ class Recovery:
             "checkpoint": target, "begin_seq": begin.seq, "reconcile_seq": rec_ev.seq,
             "recovered": True})
         return True
+
+    def _adopted(self, session: str) -> bool:
+        first = self.ledger.event(session, 0)
+        return first is not None and first.type == "session.adopted"
 
     def _paused_by_user(self, session: str) -> bool:
         """True when the session's last pause/resume event is a ``pause``."""

@@ -206,19 +206,28 @@ def rename_for_fork(xml: str, name: str, console_log: Path | None, lineage: str 
 CHARDEVS = ("serial", "console", "channel", "parallel")
 
 
+# sun_path holds 108 bytes with its NUL; a socket path longer than this goes to SOCKET_DIR.
+SOCKET_PATH_MAX = 107
+SOCKET_DIR = Path("/run/ksfs")
+
+
 def _own_endpoints(root: ET.Element, session_dir: Path | None) -> None:
     """Give a fork its own host endpoints where the parent's definition fixes them, since the
-    parent keeps running on them: a fixed VNC/SPICE port becomes an automatic one, a character
-    device listening on a TCP port gets a free port of the same host, one listening on a unix
-    socket gets a socket in the fork's directory. None of this is guest-visible (it is not in
-    the migration stream), so the fork's memory still fits its devices."""
-    for g in root.iterfind("devices/graphics"):
+    parent keeps running on them: a fixed VNC/SPICE port becomes an automatic one, a graphics
+    or character device listening on a unix socket gets a socket of the fork's own (in its
+    directory, or ``SOCKET_DIR`` when that path would be too long for a socket), one listening
+    on a TCP port a free port of the same host. None of this is guest-visible (it is not in the
+    migration stream), so the fork's memory still fits its devices."""
+    for n, g in enumerate(root.iterfind("devices/graphics")):
         if g.get("autoport") == "no" or g.get("port") not in (None, "-1"):
             g.set("autoport", "yes")
             for attr in ("port", "tlsPort"):
                 g.attrib.pop(attr, None)
         if g.get("websocket") not in (None, "-1"):
             g.set("websocket", "-1")
+        for el in (g, *g.iterfind("listen")):
+            if el.get("socket") and session_dir is not None:
+                el.set("socket", _own_socket(session_dir, f"graphics{n}"))
     moved: dict[tuple[str, ...], str] = {}  # a console that mirrors serial0 moves with it
     for kind in CHARDEVS:
         for n, dev in enumerate(root.iterfind(f"devices/{kind}")):
@@ -228,22 +237,39 @@ def _own_endpoints(root: ET.Element, session_dir: Path | None) -> None:
             if dev.get("type") == "tcp" and src.get("service"):
                 key = ("tcp", src.get("host") or "", src.get("service") or "")
                 if key not in moved:
-                    moved[key] = str(_free_port(src.get("host") or "127.0.0.1"))
+                    # no host: QEMU listens on every address, so the port must be free on all
+                    moved[key] = str(_free_port(src.get("host") or "0.0.0.0"))
                 src.set("service", moved[key])
             elif dev.get("type") == "unix" and src.get("path") and session_dir is not None:
                 key = ("unix", src.get("path") or "")
                 if key not in moved:
-                    moved[key] = str(session_dir / f"{kind}{n}-{Path(key[1]).name}")
+                    moved[key] = _own_socket(session_dir, f"{kind}{n}")
                 src.set("path", moved[key])
+
+
+def _own_socket(session_dir: Path, name: str) -> str:
+    """A socket path of the fork's own, short enough for sun_path whatever its name's length
+    (a fork of a fork gets the same short name, not a longer one)."""
+    path = str(session_dir / f"{name}.sock")
+    if len(path.encode()) <= SOCKET_PATH_MAX:
+        return path
+    import hashlib
+
+    digest = hashlib.blake2b(path.encode(), digest_size=10).hexdigest()
+    return str(SOCKET_DIR / f"{digest}.sock")
 
 
 def _free_port(host: str) -> int:
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    except OSError as exc:
+        raise VMError(f"finding a free port on {host} for a fork's serial device failed: "
+                      f"{exc.strerror or exc}") from exc
 
 
 KSFS_FW_CFG = "opt/ksfs/"

@@ -170,13 +170,18 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
         t3 = time.monotonic()
         if dom is None:
             with step(domain, "defining the restored machine again"):
-                ctl.conn.defineXML(ctl.conn.lookupByName(domain).XMLDesc(
-                    libvirt.VIR_DOMAIN_XML_SECURE))
+                ctl.conn.defineXML(new_xml)
         own = {t: p for t, p in domxml.boot_files(new_xml).items()
                if Path(p).parent == ctl.session_dir(session)}
         _redefine(ctl, domain, overlays, own)
         timings.update(destroy=t2 - t1, restore=t3 - t2, redefine=time.monotonic() - t3)
     except BaseException:
+        if dom is None:
+            # The machine this restore made again runs on the files removed below: stop it.
+            with contextlib.suppress(libvirt.libvirtError):
+                ctl.conn.lookupByName(domain).destroy()
+            with contextlib.suppress(libvirt.libvirtError):
+                ctl.conn.lookupByName(domain).undefine()
         for p in (*bases.values(), *overlays.values()):
             p.unlink(missing_ok=True)
         raise
@@ -237,6 +242,8 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         log = d / "console.log" if domxml.console_log_path(src_xml) else None
         new_xml = domxml.rename_for_fork(src_xml, new_domain, log,
                                          new_session if lineage is None else lineage, d)
+        if str(domxml.SOCKET_DIR) in new_xml:  # a socket path too long for its directory
+            domxml.SOCKET_DIR.mkdir(mode=0o700, exist_ok=True)
         new_xml = domxml.set_disk_sources(
             new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
         # The fork's own kernel and initrd (linked from its parent's copies in the store), so
