@@ -154,7 +154,8 @@ def test_several_disk_images_are_not_guessed(world) -> None:
     store, _ = world
     d = as_json(store, "c1", "two")
     assert d["files"] is None and d["disk"] is None and d["files_error"] is None
-    assert d["files_not_compared"] == "sess/two has 2 disk images (a.img, b.img) and no disk.raw"
+    assert d["files_not_compared"] == ("sess/two has 2 disk images (a.img, b.img), no disk.raw "
+                                       "and none holding the transcript")
     assert d["guest_disks"] == {"a": "disk0.raw", "b": None}
     assert _stored(d)["a.img"]["kind"] == "added"
     out = run(store, "c1", "two")

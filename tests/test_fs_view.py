@@ -257,3 +257,24 @@ def test_damaged_entries_leave_the_rest_of_the_tree_readable(tmp_path: Path) -> 
     # A directory whose extent tree is damaged is one change; the rest is still compared.
     assert changes.get("work/deep/er") == "changed" and changes.get("work/link") == "changed"
     assert "work/small.txt" not in changes
+
+
+def test_of_several_disks_the_one_holding_the_transcript_is_the_guest(tmp_path: Path) -> None:
+    """QA (eighth session): an adopted domain's first disk (stored as disk.raw) may be a data
+    disk; the guest's files and its transcript were then looked for on the wrong one."""
+    root, data = tmp_path / "root", tmp_path / "data"
+    make_tree(root, 5)
+    data.mkdir()
+    (data / "just-data.bin").write_bytes(b"\1" * 5000)
+    (tmp_path / "A").mkdir()
+    build_ext4(data, tmp_path / "A" / "disk.raw", 32)
+    build_ext4(root, tmp_path / "A" / "disk-vdb.raw", 64)
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "two", [tmp_path / "A" / "disk.raw", tmp_path / "A" / "disk-vdb.raw"])
+        assert k.guest_disk(k.ledger.checkpoint("s", "two"))[0].name == "disk-vdb.raw"
+    with mounted(store) as mnt:
+        cp = mnt / "sessions" / "s" / "checkpoints" / "two"
+        assert (cp / "fs" / "work" / "small.txt").read_text() == "hello guest\n"
+        assert (cp / "transcript").read_bytes() == \
+            (root / "agent" / "transcript.jsonl").read_bytes()

@@ -100,19 +100,20 @@ class GuestFS:
         if holding is not None and ext and ext != parts[:1]:
             for p in ext:
                 fs = attempt(p)
-                if fs is not None and fs._holds(holding):
+                if fs is not None and fs.holds(holding):
                     return fs
         if len(ext) > 1:
             same_tier = [p for p in ext if p.tier == parts[0].tier]
             if len(same_tier) > 1:
                 for p in same_tier:
                     fs = attempt(p)
-                    if fs is not None and fs._holds(b"etc", directory=True):
+                    if fs is not None and fs.holds(b"etc", directory=True):
                         return fs
         first = opened.get(parts[0])  # opened already when it could be
         return first if first is not None else cls._open_at(reader, parts[0])  # (or its error)
 
-    def _holds(self, path: str | bytes, directory: bool = False) -> bool:
+    def holds(self, path: str | bytes, directory: bool = False) -> bool:
+        """Whether ``path`` exists here (as a directory, with ``directory``)."""
         try:
             ino = self.resolve(path)
             return not directory or self.stat_ino(ino).is_dir

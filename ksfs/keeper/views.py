@@ -27,6 +27,7 @@ from ksfs.model import (
 log = logging.getLogger(__name__)
 
 EVENT_LOGS_KEPT = 64  # lineages whose rendered event log is kept between stats
+GUEST_DISKS_KEPT = 1024  # multi-disk checkpoints whose guest disk choice is remembered
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -74,6 +75,10 @@ class EventLogView:
 
 class Views:
     def _init_views(self) -> None:
+        # (session, checkpoint, seq) -> the disk holding its transcript ("": none), for
+        # checkpoints with several disks: found once, by opening their filesystems
+        self._guest_disks: OrderedDict[tuple, str] = OrderedDict()
+        self._guest_disks_lock = threading.Lock()
         self._event_logs: OrderedDict[str, EventLogView] = OrderedDict()
         self._event_logs_lock = threading.Lock()
         self._holders = ChunkHolders(self.store, self.ledger)
@@ -249,22 +254,45 @@ class Views:
         rec = self.ledger.session(session)
         return rec.config.get("transcript_path", DEFAULT_TRANSCRIPT)
 
-    @staticmethod
-    def guest_disk(record: CheckpointRecord) -> tuple[FileRecord | None, str | None]:
+    def guest_disk(self, record: CheckpointRecord) -> tuple[FileRecord | None, str | None]:
         """The disk image whose guest files stand for ``record`` (``fs/``, the transcript,
-        ``ksfs diff``): ``disk.raw``, else its only ``disk*.raw`` or ``*.img``; or (None, why
-        none)."""
-        f = record.file("disk.raw")
-        if f is not None:
-            return f, None
-        disks = sorted((f for f in record.files if is_disk_image(f.name)), key=lambda f: f.name)
-        if len(disks) == 1:
-            return disks[0], None
+        ``ksfs diff``): its only disk image (``disk*.raw``, ``*.img``); of several, the first
+        (``disk.raw``, then by name) whose filesystem holds the session's transcript, else
+        ``disk.raw`` (an adopted domain's first disk may be a data disk and its second the
+        guest's root); or (None, why none)."""
+        disks = sorted((f for f in record.files if is_disk_image(f.name)),
+                       key=lambda f: (f.name != "disk.raw", f.name))
         label = f"{record.session}/{record.name}"
         if not disks:
             return None, f"{label} has no disk image"
+        if len(disks) == 1:
+            return disks[0], None
+        key = (record.session, record.name, record.seq)
+        with self._guest_disks_lock:
+            name = self._guest_disks.get(key)
+        if name is None:
+            name = self._disk_holding_transcript(record, disks) or ""
+            with self._guest_disks_lock:
+                self._guest_disks[key] = name
+                while len(self._guest_disks) > GUEST_DISKS_KEPT:
+                    self._guest_disks.popitem(last=False)
+        chosen = next((f for f in disks if f.name == (name or "disk.raw")), None)
+        if chosen is not None:
+            return chosen, None
         return None, (f"{label} has {len(disks)} disk images "
-                      f"({', '.join(f.name for f in disks)}) and no disk.raw")
+                      f"({', '.join(f.name for f in disks)}), no disk.raw and none holding "
+                      f"the transcript")
+
+    def _disk_holding_transcript(self, record: CheckpointRecord,
+                                 disks: list[FileRecord]) -> str | None:
+        from ksfs.guestfs import GuestFS
+
+        for f in disks:
+            reader, path = self._guest_reader(record, f)
+            fs, _ = GuestFS.open_or_reason(reader, path)
+            if fs is not None and fs.holds(path):
+                return f.name
+        return None
 
     def guest_fs(self, record: CheckpointRecord):
         """The guest filesystem of a checkpoint's disk, or None when it has no disk; on a
