@@ -265,3 +265,36 @@ def test_filler_after_the_end_of_a_stream_does_not_release_it() -> None:
     for chunk in (b"data: 1\n\n", b"data: [DONE]\n\n", b"\n", b": keep-alive\n\n"):
         c.on_chunk(chunk)
     assert c.chunks == [b"data: 1\n\n", b"data: [DONE]\n\n\n: keep-alive\n\n"]
+
+
+async def test_a_duplicate_of_a_stream_in_flight_follows_it(store, ledger, provider, nursery):
+    """QA (eighth session): a retry of a stream still in flight got no byte, not even its
+    headers, until the whole stream was in: a generation longer than the client's read timeout
+    timed out on every retry."""
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=30)
+    port = await nursery.start(gw.serve_session, "s1")
+    provider.chunk_delay = 0.25  # 10 events: about 2.5 s
+    body = chat_body("slow stream", stream=True)
+    got: dict[str, tuple[float, bytes, dict]] = {}
+
+    async def one(name: str) -> None:
+        start = trio.current_time()
+        first = None
+        data = b""
+        async with client(port) as c, c.stream("POST", "/v1/chat/completions", json=body,
+                                                headers={"idempotency-key": "k1"}) as r:
+            async for chunk in r.aiter_raw():
+                first = trio.current_time() - start if first is None else first
+                data += chunk
+        got[name] = (first, data, dict(r.headers))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(one, "buyer")
+        await trio.sleep(0.6)
+        n.start_soon(one, "retry")
+    assert provider.count() == 1
+    assert got["retry"][1] == got["buyer"][1] and data_events(got["retry"][1])[-1] == "[DONE]"
+    assert got["retry"][0] < 1.5  # its first bytes came while the stream was still going
+    assert got["retry"][2]["x-ksfs-replay"] == "true"
+    assert got["buyer"][2]["x-ksfs-replay"] == "false"
+    assert gw.usage("s1")["replays"] == 1 and len(events(ledger, "s1", "gateway.replay")) == 1

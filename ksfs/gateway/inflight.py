@@ -8,6 +8,7 @@ or the provider: it must never send a guest the end of a response that is not st
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -24,6 +25,7 @@ class Call:
     ``changed`` is set (and replaced) on every step, for the one caller streaming it through.
     """
 
+    digest: str = ""  # of the request that bought it: a duplicate must be the same request
     done: trio.Event = field(default_factory=trio.Event)
     stored: StoredResponse | None = None
     error: Reply | None = None
@@ -67,6 +69,8 @@ class StreamThrough:
 
     call: Call
     key: bytes
+    # For a duplicate following the buyer's purchase: records it as a replay once stored.
+    replayed: Callable[[StoredResponse], Awaitable[None]] | None = None
 
     async def send_to(self, send) -> None:
         call = self.call
@@ -76,11 +80,13 @@ class StreamThrough:
         if call.status is None or not 200 <= call.status < 300 or not sse:
             await call.done.wait()
             if call.stored is not None:
-                reply, replay = reply_of(call.stored), "false"
+                reply, replay = reply_of(call.stored), self._replay_header
+                await self._record_replay()
             else:
                 reply, replay = call.error or lost_reply(), "error"
             return await send_reply(send, reply, ksfs_headers(self.key, replay))
-        headers = keep_headers(call.headers, NOT_STORED) + ksfs_headers(self.key, "false")
+        headers = keep_headers(call.headers, NOT_STORED) + ksfs_headers(self.key,
+                                                                         self._replay_header)
         await send({"type": "http.response.start", "status": call.status,
                     "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
         sent = 0
@@ -101,7 +107,16 @@ class StreamThrough:
             if tail and not tail.endswith((b"\n\n", b"\r\n\r\n")):
                 tail += b"\n\n"
             rest = tail + b"data: " + (call.error or lost_reply()).body + b"\n\n"
+        await self._record_replay()  # before the end goes out: a guest that has it, counted
         await send({"type": "http.response.body", "body": rest, "more_body": False})
+
+    @property
+    def _replay_header(self) -> str:
+        return "false" if self.replayed is None else "true"
+
+    async def _record_replay(self) -> None:
+        if self.replayed is not None and self.call.stored is not None:
+            await self.replayed(self.call.stored)
 
 
 def header(headers: Headers, name: str) -> str | None:

@@ -254,13 +254,22 @@ class Gateway:
                     # Calls in flight may spend what is left: wait for one, then look again.
                     await self._gate.wait_for_landing(view.lineage)
                     continue
-                call = self._inflight[ikey] = Call()
+                call = self._inflight[ikey] = Call(digest=digest)
                 mine = True
                 self._gate.started(view.lineage, held)
                 served.nursery.start_soon(self._buy, call, served, view, key, ikey, order,
                                           held)
                 if stream:
                     return StreamThrough(call, key), []
+            elif stream and not mine and call.digest == digest:
+                # A duplicate of a stream in flight (a guest retrying after a restore, or
+                # after its own read timeout) follows it as it arrives, end withheld until
+                # stored like the buyer's, instead of waiting for the whole of it.
+                async def replayed(stored: StoredResponse) -> None:
+                    await trio.to_thread.run_sync(self.db.record_replay, view.session,
+                                                  view.lineage, key, stored)
+
+                return StreamThrough(call, key, replayed), []
             await call.done.wait()
             if call.error is not None:
                 return call.error, ksfs_headers(key, "error")
