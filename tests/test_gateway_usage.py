@@ -146,6 +146,19 @@ async def test_usd_budget(gw, provider, nursery):
         gw.set_budget("s1", usd="lots")
 
 
+async def burst(port: int, bodies: list[dict]) -> list:
+    """Every body sent at once; the replies in the order they came."""
+    replies = []
+
+    async def one(body: dict) -> None:
+        replies.append(await call(port, body))
+
+    async with trio.open_nursery() as calls:
+        for body in bodies:
+            calls.start_soon(one, body)
+    return replies
+
+
 async def test_calls_larger_than_any_before_are_held_to_their_own_size(gw, ledger, provider,
                                                                          nursery):
     # QA (eighth session): sized by the largest completed call alone, a burst of long
@@ -155,14 +168,8 @@ async def test_calls_larger_than_any_before_are_held_to_their_own_size(gw, ledge
     assert (await call(port, chat_body("short", model="test-model"))).status_code == 200
     provider.delay = 0.3
     long_prompt = " ".join(["word"] * 250)  # ~1,300 bytes of JSON: reckoned ~330 tokens
-    replies = []
-
-    async def one(i: int) -> None:
-        replies.append(await call(port, chat_body(f"{i} {long_prompt}", model="test-model")))
-
-    async with trio.open_nursery() as calls:
-        for i in range(6):
-            calls.start_soon(one, i)
+    replies = await burst(port, [chat_body(f"{i} {long_prompt}", model="test-model")
+                                 for i in range(6)])
     # 251 + 7 tokens each: the second starts only after the first is counted (8 + 2 x 330
     # reckoned > 500), then the budget is used up; without the reckoning all six were bought.
     assert sorted(r.status_code for r in replies) == [200] * 2 + [402] * 4
@@ -185,14 +192,7 @@ async def test_calls_in_flight_cannot_spend_past_the_budget_together(gw, ledger,
     gw.set_budget("s1", tokens=25)
     provider.delay = 0.3
     port = await nursery.start(gw.serve_session, "s1")
-    replies = []
-
-    async def one(i: int) -> None:
-        replies.append(await call(port, chat_body(f"call {i}", model="test-model")))
-
-    async with trio.open_nursery() as calls:
-        for i in range(8):
-            calls.start_soon(one, i)
+    replies = await burst(port, [chat_body(f"call {i}", model="test-model") for i in range(8)])
     codes = sorted(r.status_code for r in replies)
     assert codes == [200] * 3 + [402] * 5
     assert provider.count() == 3 and provider.most_active == 1
@@ -222,14 +222,8 @@ async def test_a_call_that_cost_nothing_does_not_open_the_gate(gw, provider, nur
         await call(port, chat_body("warm up", model="test-model", stream=True))
         provider.stream_usage = True
     provider.delay = 0.3
-    replies = []
-
-    async def one(i: int) -> None:  # 2 + 7 tokens of test-model: 0.016 USD each
-        replies.append(await call(port, chat_body(f"priced {i}", model="test-model")))
-
-    async with trio.open_nursery() as calls:
-        for i in range(8):
-            calls.start_soon(one, i)
+    # 2 + 7 tokens of test-model each: 0.016 USD
+    replies = await burst(port, [chat_body(f"priced {i}", model="test-model") for i in range(8)])
     assert sorted(r.status_code for r in replies) == [200] * 3 + [402] * 5
     # No cap and no priced call completed to size them by: one at a time.
     assert provider.most_active == 1 and gw.usage("s1")["cost_usd"] == pytest.approx(0.048)
