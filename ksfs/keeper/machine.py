@@ -207,15 +207,19 @@ class MachineVerbs:
     def adopt_session(self, name: str, domain: str) -> SessionRecord:
         """Take an existing libvirt domain (file-backed raw or qcow2 disks) under ksfs."""
         validate_name(name, "session name")
-        holder = next((s.name for s in self.ledger.sessions() if s.domain == domain), None)
-        if holder is not None:
-            # Two sessions on one domain would commit into each other's disk chains, and
-            # removing either would destroy the other's machine.
-            raise AlreadyExists(f"domain {domain!r} is already kept by session {holder!r}")
         with session_lock(self.store_path, name):
             if not self.vm.exists(domain):
                 raise NotFound(f"no libvirt domain named {domain!r}")
             with self.store.env.begin(write=True) as txn:
+                # In the write transaction (one at a time, across processes): two adopts of
+                # one domain under two names cannot both see it free.
+                holder = next((s.name for s in self.ledger.sessions(txn)
+                               if s.domain == domain), None)
+                if holder is not None:
+                    # Two sessions on one domain would commit into each other's disk chains,
+                    # and removing either would destroy the other's machine.
+                    raise AlreadyExists(f"domain {domain!r} is already kept by session "
+                                        f"{holder!r}")
                 rec = self.ledger.create_session(
                     txn, name, domain=domain, config={"transcript_path": DEFAULT_TRANSCRIPT},
                     adopted=True,
