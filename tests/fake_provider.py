@@ -55,6 +55,7 @@ class FakeProvider:
         self.stream_end: str | None = None  # "no_done": no [DONE]; "error_event": fails mid-way
         self.gzip = False  # compress JSON answers although asked for identity
         self.reject_stream_options = False  # 400 for stream_options, as some servers do
+        self.stream_as_json = False  # answer a stream request with one JSON body
         self.requests: list[Seen] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -115,6 +116,7 @@ class FakeProvider:
         old.set()
         self.delay, self.error, self.stream_usage, self.chunk_delay = 0.0, None, True, 0.0
         self.stream_end, self.gzip, self.reject_stream_options = None, False, False
+        self.stream_as_json = False
         self.most_active = 0
 
     def _note(self, seen: Seen) -> int:
@@ -223,7 +225,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         usage = {"prompt_tokens": words, "completion_tokens": len(COMPLETION_WORDS),
                  "total_tokens": words + len(COMPLETION_WORDS)}
         cid = f"chatcmpl-{serial}-{time.monotonic_ns()}"  # differs on every real call
-        if req.get("stream"):
+        if req.get("stream") and not fake.stream_as_json:
             asked = (req.get("stream_options") or {}).get("include_usage") is True
             self._stream(cid, model, usage if asked and self.fake.stream_usage else None)
             return

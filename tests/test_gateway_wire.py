@@ -298,3 +298,16 @@ async def test_a_duplicate_of_a_stream_in_flight_follows_it(store, ledger, provi
     assert got["retry"][2]["x-ksfs-replay"] == "true"
     assert got["buyer"][2]["x-ksfs-replay"] == "false"
     assert gw.usage("s1")["replays"] == 1 and len(events(ledger, "s1", "gateway.replay")) == 1
+
+
+async def test_a_stream_request_answered_with_one_json_body_is_stored(store, ledger, provider,
+                                                                      nursery):
+    provider.stream_as_json = True
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    body = chat_body("json please", stream=True)
+    first = await call(port, body)
+    assert first.status_code == 200 and first.json()["object"] == "chat.completion"
+    again = await call(port, body)
+    assert again.headers["x-ksfs-replay"] == "true" and again.content == first.content
+    assert provider.count() == 1 and gw.usage("s1")["total_tokens"] == 2 + 7

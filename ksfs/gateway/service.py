@@ -409,7 +409,9 @@ class Gateway:
         (tokens, USD)), each None when not known. A stream that is no whole answer is not
         stored but counted: (None, why, cost)."""
         ctype = header(got.headers, "content-type") or ""
-        sse = order.stream or ctype.startswith("text/event-stream")
+        # A provider may answer a stream request with one JSON body: that is the answer, whole.
+        sse = ctype.startswith("text/event-stream") or (
+            order.stream and not ctype.startswith("application/json"))
         usage = (usage_of_sse if sse else usage_of_json)(got.body, order.model)
         cost, priced = self.prices.cost(usage.model, usage.prompt_tokens,
                                         usage.completion_tokens)
