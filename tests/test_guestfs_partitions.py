@@ -70,3 +70,21 @@ def test_no_linux_partition(tmp_path: Path) -> None:
     with FileImageReader(disk) as reader, pytest.raises(GuestFSUnreadable) as err:
         GuestFS.open(reader)
     assert "no Linux (0x83) partition" in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["header", "entries"])
+def test_a_damaged_primary_gpt_is_read_from_its_backup(plain: tuple[Path, Path],
+                                                       tmp_path: Path, damage: str) -> None:
+    """QA (eighth session): sfdisk and the kernel read a GPT whose primary header (or entry
+    array) is damaged from the backup at the disk's end; ksfs gave an empty fs/."""
+    src, img = plain
+    disk = tmp_path / "disk.img"
+    offset = build_partitioned(img, disk, table="gpt")
+    with open(disk, "r+b") as f:
+        f.seek(512 if damage == "header" else 1024)  # sector 1, or the first entries
+        f.write(bytes(512))
+    with FileImageReader(disk) as reader:
+        found = find_filesystem(reader)
+        assert found[0] == offset and found[2].startswith("GPT partition 2")
+        assert compare_with_dir(GuestFS.open(reader), src, exact=False,
+                                skip=("lost+found",)) > 3000

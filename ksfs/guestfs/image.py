@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import struct
 import uuid
+import zlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -254,16 +255,44 @@ def _logical(reader: Reader, ext_start: int, found: list[Partition]) -> None:
     raise GuestFSUnreadable(why="the chain of extended boot records does not end")
 
 
-def _gpt_partitions(reader: Reader) -> list[Partition]:
-    header = read_exact(reader, SECTOR, 92, "GPT header")
-    if header[:8] != b"EFI PART":
-        raise GuestFSUnreadable(why="protective MBR but no GPT header at sector 1")
-    table_lba, count, entry_size = struct.unpack_from("<QII", header, 0x48)
-    if not 128 <= entry_size <= 4096 or count > 4096:
-        raise GuestFSUnreadable(
-            why=f"GPT header is damaged ({count} entries of {entry_size} bytes)"
-        )
+def _gpt_table(reader: Reader, lba: int) -> tuple[bytes, int, int] | None:
+    """(entries, count, entry size) of the GPT header at ``lba`` when it and its entries pass
+    their CRC32s, else None."""
+    if lba < 1 or (lba + 1) * SECTOR > reader.size:
+        return None
+    header = read_exact(reader, lba * SECTOR, SECTOR, "GPT header")
+    size = struct.unpack_from("<I", header, 0x0C)[0]
+    if header[:8] != b"EFI PART" or not 92 <= size <= SECTOR:
+        return None
+    if zlib.crc32(header[:0x10] + bytes(4) + header[0x14:size]) != \
+            struct.unpack_from("<I", header, 0x10)[0]:
+        return None
+    table_lba, count, entry_size, table_crc = struct.unpack_from("<QIII", header, 0x48)
+    if not 128 <= entry_size <= 4096 or count > 4096 or \
+            (table_lba + (count * entry_size + SECTOR - 1) // SECTOR) * SECTOR > reader.size:
+        return None
     table = read_exact(reader, table_lba * SECTOR, count * entry_size, "GPT partition table")
+    return (table, count, entry_size) if zlib.crc32(table) == table_crc else None
+
+
+def _gpt_partitions(reader: Reader) -> list[Partition]:
+    # The primary header at sector 1, else (damaged) the backup at the last sector, as the
+    # kernel reads a GPT; a primary that only fails its checksums is still taken when there
+    # is no good backup.
+    got = _gpt_table(reader, 1) or _gpt_table(reader, reader.size // SECTOR - 1)
+    if got is None:
+        header = read_exact(reader, SECTOR, 92, "GPT header")
+        if header[:8] != b"EFI PART":
+            raise GuestFSUnreadable(why="protective MBR but no GPT header at sector 1, nor a "
+                                        "valid backup at the last sector")
+        table_lba, count, entry_size = struct.unpack_from("<QII", header, 0x48)
+        if not 128 <= entry_size <= 4096 or count > 4096:
+            raise GuestFSUnreadable(
+                why=f"GPT header is damaged ({count} entries of {entry_size} bytes)"
+            )
+        got = (read_exact(reader, table_lba * SECTOR, count * entry_size,
+                          "GPT partition table"), count, entry_size)
+    table, count, entry_size = got
     found: list[Partition] = []
     for i in range(count):
         entry = table[i * entry_size : (i + 1) * entry_size]
