@@ -634,6 +634,14 @@ def test_recover_after_crash_and_a_dead_machine(env, agent: str) -> None:
     assert f"restored to checkpoint {last}" in actions
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
     events = events_of(store, agent, e)
+    # What the dead machine wrote after last-good was kept first, as a disks-only checkpoint.
+    kept = [ev["body"]["name"] for ev in events
+            if ev["type"] == "checkpoint.published" and ev["body"].get("disks_only")]
+    assert kept and f"saved as checkpoint {kept[-1]} (no memory)" in actions
+    assert len(transcript_lines(store, agent, kept[-1], e)) >= len(
+        transcript_lines(store, agent, last, e))
+    refused = run(store, "restore", agent, kept[-1], check=False, env=e)
+    assert refused.returncode == 12 and "no memory image" in refused.stderr
     assert events[-1]["type"] == "recover"
     failed = [ev for ev in events if ev["type"] == "checkpoint.failed"]
     assert failed and failed[-1]["body"]["name"] == "doomed"

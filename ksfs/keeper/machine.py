@@ -312,6 +312,26 @@ class MachineVerbs:
                         session, name, exc)
         return record
 
+    def _save_stopped_disks(self, rec: SessionRecord, reason: str) -> CheckpointRecord:
+        """A checkpoint of the disks of the session's machine, which is not running (shut off,
+        crashed): what it wrote since its last checkpoint, kept before anything replaces it.
+        It has no memory, so it is read (cat, fs/, diff), not restored or forked."""
+        session = rec.name
+        taken = set(self.ledger.checkpoint_names(session))
+        begin = self.ledger.record(session, "checkpoint.begin", {"name": None,
+                                                                 "reason": reason})
+        name = checkpoint_name_for_seq(begin.seq, taken)
+        frozen = None
+        try:
+            frozen = self.vm.stopped(session, rec.domain)
+            return self._ingest_frozen(rec, name, begin.seq, frozen, None)
+        except BaseException as exc:
+            self._record_failure(session, name, exc, begin.seq)
+            raise
+        finally:
+            if frozen is not None:
+                frozen.close()
+
     def _ingest_frozen(self, rec: SessionRecord, name: str, seq: int, frozen,
                        frozen_seq: int | None = None):
         """Store the frozen memory and disks, then publish the record in one transaction."""
@@ -320,13 +340,15 @@ class MachineVerbs:
         files: list[FileRecord] = []
         bytes_read = 0  # from the frozen disk layers (allocated data; zero clusters cost nothing)
         base_read = 0  # stored bytes of the disks' base chunks read back to patch changes
+        memory_base_read = 0  # the old versions the memory's deltas were made against
         with self.store.ingest() as ingest:
-            prev_memory = base.file(MEMORY_FILE) if base is not None else None
-            f = ingest.add_file(str(frozen.memory_path), chunking="cdc",
-                                like=prev_memory.manifest if prev_memory else None)
-            memory_base_read = f.base_bytes_read  # the old versions its deltas were made against
-            files.append(FileRecord(MEMORY_FILE, f.manifest, f.size, f.stored, f.chunking,
-                                    f.digest))
+            if frozen.memory_path is not None:  # else the disks of a stopped machine
+                prev_memory = base.file(MEMORY_FILE) if base is not None else None
+                f = ingest.add_file(str(frozen.memory_path), chunking="cdc",
+                                    like=prev_memory.manifest if prev_memory else None)
+                memory_base_read = f.base_bytes_read
+                files.append(FileRecord(MEMORY_FILE, f.manifest, f.size, f.stored, f.chunking,
+                                        f.digest))
             for i, disk in enumerate(frozen.disks):
                 fname = disk_file_name(i, disk.target)
                 prev = base.file(fname) if base is not None else None
@@ -360,6 +382,8 @@ class MachineVerbs:
                             incremental=base is not None)
                 if frozen.pause_forced:
                     body["pause_forced"] = True  # the guest dirtied memory faster than the copy
+                if frozen.memory_path is None:
+                    body["disks_only"] = True  # a stopped machine's disks: nothing to run from
                 self.ledger.append(txn, session, "checkpoint.published", body)
         crash_point("record.commit")
         self.checkpoint_changed(session, name)

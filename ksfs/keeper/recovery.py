@@ -17,6 +17,7 @@ from typing import Any
 
 from ksfs.errors import KsfsError, NotFound
 from ksfs.keeper.locks import session_lock
+from ksfs.keeper.machine import MEMORY_FILE
 
 OPENERS = {"checkpoint.begin": ("checkpoint.published", "checkpoint.failed"),
            "restore.begin": ("restore.done", "restore.failed")}
@@ -136,6 +137,19 @@ class Recovery:
             actions.append("adopted domain is gone: not made again (ksfs restore would)")
             return actions
         target = restore_to or self._last_good(rec.name)
+        if target and state != "absent":
+            # What the machine wrote since that checkpoint is on its disks: kept first, or
+            # the machine is left as it is (a restore would delete it).
+            try:
+                kept = self._save_stopped_disks(
+                    rec, f"disks of the machine found {state}, kept before recover restores "
+                         f"{target}")
+            except KsfsError as exc:
+                actions.append(f"machine was {state}; its disks could not be saved, so it was "
+                               f"not restored to {target}: {exc}")
+                return actions
+            actions.append(f"disks of the {state} machine saved as checkpoint {kept.name} "
+                           "(no memory)")
         if target:
             self._restore_locked(rec, target)
             actions.append(f"machine was {state}: restored to checkpoint {target}")
@@ -193,5 +207,9 @@ class Recovery:
         return last == "pause"
 
     def _last_good(self, session: str) -> str | None:
-        latest = self.ledger.latest_checkpoint(session)
-        return latest.name if latest else None
+        """The newest checkpoint a machine can run from (one with memory: not the disks-only
+        checkpoint of a stopped machine)."""
+        for name in reversed(self.ledger.checkpoint_names(session)):
+            if self.ledger.checkpoint(session, name).file(MEMORY_FILE) is not None:
+                return name
+        return None

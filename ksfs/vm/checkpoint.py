@@ -196,6 +196,33 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
                   meter.paused_s, meter.t1 - meter.t0, meter.forced)
 
 
+def stopped(ctl: DomainController, session: str, domain: str) -> Frozen:
+    """The disks of a domain that is not running (shut off, crashed), as a Frozen without
+    memory: nothing writes them, so its chain is read as it is. Nothing is committed or
+    removed here; what the caller does next (a restore) replaces the chain anyway."""
+    state = ctl.load_state(session)
+    dom = ctl.lookup(domain)
+    with step(domain, "reading the definition of a stopped machine"):
+        if dom.isActive():
+            raise VMError(f"domain {domain} is running; its disks are not stopped")
+        xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE)
+    frozen_disks: list[FrozenDisk] = []
+    try:
+        for disk in domxml.disks(xml):
+            frozen_disks.append(_frozen_disk(disk, state.disks.get(disk.target)))
+    except BaseException:
+        for fd in frozen_disks:
+            fd.source.close()
+        raise
+    bases = {state.disks[d.target].base_checkpoint if d.target in state.disks else None
+             for d in frozen_disks}
+    base = bases.pop() if len(bases) == 1 else None
+    if base is None:
+        for fd in frozen_disks:
+            fd.changed = None
+    return Frozen(session, domain, "stopped", None, xml, frozen_disks, base)
+
+
 def _frozen_disk(disk: domxml.DiskInfo, tracked: object) -> FrozenDisk:
     top = disk.source
     source = ChainSource(Path(top), f"mapping frozen disk {disk.target}")

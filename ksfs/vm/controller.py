@@ -211,6 +211,13 @@ class DomainController:
 
         return snapshot(self, session, domain, live=live, on_freeze=on_freeze)
 
+    def stopped(self, session: str, domain: str) -> Frozen:
+        """The disks of a domain that is not running, to be saved before anything replaces
+        them; see ksfs.vm.checkpoint.stopped. Close it (``Frozen.close``) when done."""
+        from ksfs.vm.checkpoint import stopped
+
+        return stopped(self, session, domain)
+
     def finish(self, frozen: Frozen, checkpoint: str | None = None) -> None:
         """Commit the frozen layers into their root and drop the memory staging file."""
         from ksfs.vm.checkpoint import finish

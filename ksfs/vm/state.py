@@ -90,7 +90,7 @@ class Frozen:
     session: str
     domain: str
     token: str
-    memory_path: Path
+    memory_path: Path | None  # None: the disks of a stopped machine (no memory to save)
     xml: str
     disks: list[FrozenDisk]
     base_checkpoint: str | None  # what ``changed`` is relative to; None with changed=None
