@@ -92,8 +92,6 @@ def request_digest(canon: bytes) -> str:
 # which overstates a prompt (keys, quotes, escapes count) rather than understates it.
 BYTES_PER_TOKEN = 4
 COMPLETION_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
-
-
 CAP_MAX = 10**7  # a cap or n beyond any model's is reckoned at this (and never overflows)
 
 

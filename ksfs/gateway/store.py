@@ -234,20 +234,15 @@ class GatewayStore:
         If the key is already stored (a second process raced us) the first response is kept and
         returned; the call is still counted, since it was paid.
         """
-        body = {"key": key.hex(), "model": usage.model, "status": response.status,
-                "stream": response.stream, "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens, "total_tokens": usage.total_tokens,
-                "usage_known": usage.known, "cost_usd": cost, "priced": priced, "stored": True,
-                "path": path}
+        body = _paid_call_body(key, usage, cost, priced, response.status, path,
+                               stream=response.stream, stored=True)
         dbkey = lineage_bytes(lineage) + key
         with self._write() as txn:
             existing = txn.get(dbkey, db=self._resp)
             if existing is not None:
                 body["stored"] = False
             event = self.ledger.append(txn, session, "gateway.call", body)
-            totals = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
-            totals.add_call(usage, cost, priced)
-            txn.put(lineage_bytes(lineage), totals.encode(), db=self._usage)
+            self._count_paid(txn, lineage, usage, cost, priced)
             if existing is not None:
                 return StoredResponse.decode(existing)
             stored = StoredResponse(**{**asdict(response), "seq": event.seq})
@@ -260,16 +255,11 @@ class GatewayStore:
         """A call the provider answered (and billed) but that is not stored: a stream that
         carried an error or stopped short. Its usage, when it reported one, counts against
         the budget like any paid call's; it is also counted as an upstream error."""
-        body = {"key": key.hex(), "model": usage.model, "status": status, "error": error,
-                "stored": False, "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens, "total_tokens": usage.total_tokens,
-                "usage_known": usage.known, "cost_usd": cost, "priced": priced, "path": path}
+        body = _paid_call_body(key, usage, cost, priced, status, path, error=error,
+                               stored=False)
         with self._write() as txn:
             event = self.ledger.append(txn, session, "gateway.call", body)
-            totals = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
-            totals.add_call(usage, cost, priced)
-            totals.upstream_errors += 1
-            txn.put(lineage_bytes(lineage), totals.encode(), db=self._usage)
+            self._count_paid(txn, lineage, usage, cost, priced, upstream_error=True)
             return event
 
     def record_replay(self, session: str, lineage: str, key: bytes,
@@ -325,10 +315,26 @@ class GatewayStore:
                 txn.put(lin, json.dumps(_budget_dict(tokens, usd)).encode(), db=self._budgets)
             return self.ledger.append(txn, session, "budget.set", _budget_dict(tokens, usd))
 
+    def _count_paid(self, txn: lmdb.Transaction, lineage: str, usage: Usage, cost: float,
+                    priced: bool, upstream_error: bool = False) -> None:
+        totals = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
+        totals.add_call(usage, cost, priced)
+        totals.upstream_errors += 1 if upstream_error else 0
+        txn.put(lineage_bytes(lineage), totals.encode(), db=self._usage)
+
     def _bump(self, txn: lmdb.Transaction, lineage: str, counter: str) -> None:
         totals = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
         setattr(totals, counter, getattr(totals, counter) + 1)
         txn.put(lineage_bytes(lineage), totals.encode(), db=self._usage)
+
+
+def _paid_call_body(key: bytes, usage: Usage, cost: float, priced: bool, status: int,
+                    path: str, **more: Any) -> dict[str, Any]:
+    """The body of the ``gateway.call`` event of a call the provider answered and billed."""
+    return {"key": key.hex(), "model": usage.model, "status": status,
+            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "usage_known": usage.known, "cost_usd": cost,
+            "priced": priced, "path": path, **more}
 
 
 class _Txn:

@@ -20,9 +20,9 @@ checkpoint it forked from), and down through each fork's log from event 0 to B. 
 which session's log it is from; ``events_path`` lists the stretches of each log. The set is the
 same for (A, B) and (B, A). Sessions with no common root lineage have no path: no events.
 
-The guest files and disk clusters are those of each checkpoint's disk image: ``disk.raw`` (a
-machine's first disk), else its only disk image (a name import chunks as one: ``disk*.raw``,
-``*.img``). With none, or several and no ``disk.raw``, ``files_not_compared`` says so.
+The guest files and disk clusters are those of each checkpoint's guest disk
+(``keeper.guest_disk``: its only disk image, else the one holding the session's transcript,
+else ``disk.raw``). With none, ``files_not_compared`` says why.
 """
 
 from __future__ import annotations

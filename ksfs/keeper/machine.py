@@ -29,6 +29,7 @@ from ksfs.keeper.locks import session_lock
 from ksfs.model import (
     DEFAULT_TRANSCRIPT,
     CheckpointRecord,
+    Event,
     FileRecord,
     SessionRecord,
     TranscriptInfo,
@@ -279,11 +280,7 @@ class MachineVerbs:
     def _save_locked(self, rec: SessionRecord, name: str | None, reason: str,
                      live: bool = True) -> CheckpointRecord:
         session = rec.name
-        taken = set(self.ledger.checkpoint_names(session))  # stable under the session lock
-        if name is not None and name in taken:
-            raise AlreadyExists(what="checkpoint", name=name)
-        begin = self.ledger.record(session, "checkpoint.begin", {"name": name, "reason": reason})
-        name = name or checkpoint_name_for_seq(begin.seq, taken)
+        begin, name = self._begin_checkpoint(session, name, reason)
         frozen = None
         try:
             # The last host event when the guest froze: events after it (a model call that
@@ -312,15 +309,22 @@ class MachineVerbs:
                         session, name, exc)
         return record
 
+    def _begin_checkpoint(self, session: str, name: str | None, reason: str
+                          ) -> tuple[Event, str]:
+        """Record ``checkpoint.begin``; returns it and the checkpoint's name (``name``, else
+        c_ and the begin's seq). Called under the session lock, so the names are stable."""
+        taken = set(self.ledger.checkpoint_names(session))
+        if name is not None and name in taken:
+            raise AlreadyExists(what="checkpoint", name=name)
+        begin = self.ledger.record(session, "checkpoint.begin", {"name": name, "reason": reason})
+        return begin, name or checkpoint_name_for_seq(begin.seq, taken)
+
     def _save_stopped_disks(self, rec: SessionRecord, reason: str) -> CheckpointRecord:
         """A checkpoint of the disks of the session's machine, which is not running (shut off,
         crashed): what it wrote since its last checkpoint, kept before anything replaces it.
         It has no memory, so it is read (cat, fs/, diff), not restored or forked."""
         session = rec.name
-        taken = set(self.ledger.checkpoint_names(session))
-        begin = self.ledger.record(session, "checkpoint.begin", {"name": None,
-                                                                 "reason": reason})
-        name = checkpoint_name_for_seq(begin.seq, taken)
+        begin, name = self._begin_checkpoint(session, None, reason)
         frozen = None
         try:
             frozen = self.vm.stopped(session, rec.domain)

@@ -26,7 +26,7 @@ from ksfs.crashpoints import crash_point
 from ksfs.errors import NotRunning, VMError
 from ksfs.vm import domxml, saveimage
 from ksfs.vm.chain import ChainSource, create_overlay
-from ksfs.vm.state import DiskState, Frozen, FrozenDisk
+from ksfs.vm.state import DiskState, Frozen, FrozenDisk, SessionState
 from ksfs.vm.steps import step
 
 if TYPE_CHECKING:
@@ -174,22 +174,12 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
                     "reactivated it and took the snapshot again", domain)
         meter = _take(ctl, dom, domain, disks, memory, overlays, skip, flags, live, on_freeze,
                       was_paused)
-    frozen_disks: list[FrozenDisk] = []
     try:
         crash_point("vm.snapshot")
         # The XML libvirt stored in the image itself: exactly what a restore of it starts from.
         xml = saveimage.read_header(memory).xml
-        for disk in disks:
-            frozen_disks.append(_frozen_disk(disk, state.disks.get(disk.target)))
-        bases = {state.disks[t].base_checkpoint if t in state.disks else None
-                 for t in overlays}
-        base = bases.pop() if len(bases) == 1 else None
-        if base is None:
-            for fd in frozen_disks:
-                fd.changed = None
+        frozen_disks, base = _frozen_chain(state, disks)
     except BaseException:
-        for fd in frozen_disks:
-            fd.source.close()
         memory.unlink(missing_ok=True)
         raise
     return Frozen(session, domain, f"snap-{n}", memory, xml, frozen_disks, base,
@@ -206,9 +196,18 @@ def stopped(ctl: DomainController, session: str, domain: str) -> Frozen:
         if dom.isActive():
             raise VMError(f"domain {domain} is running; its disks are not stopped")
         xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE)
+    frozen_disks, base = _frozen_chain(state, domxml.disks(xml))
+    return Frozen(session, domain, "stopped", None, xml, frozen_disks, base)
+
+
+def _frozen_chain(state: SessionState, disks: list[domxml.DiskInfo]
+                  ) -> tuple[list[FrozenDisk], str | None]:
+    """Each disk's frozen chain as a source, and the one checkpoint their changed ranges are
+    relative to (None, and every disk read whole, when the disks disagree or none has one).
+    On failure the sources opened so far are closed."""
     frozen_disks: list[FrozenDisk] = []
     try:
-        for disk in domxml.disks(xml):
+        for disk in disks:
             frozen_disks.append(_frozen_disk(disk, state.disks.get(disk.target)))
     except BaseException:
         for fd in frozen_disks:
@@ -220,7 +219,7 @@ def stopped(ctl: DomainController, session: str, domain: str) -> Frozen:
     if base is None:
         for fd in frozen_disks:
             fd.changed = None
-    return Frozen(session, domain, "stopped", None, xml, frozen_disks, base)
+    return frozen_disks, base
 
 
 def _frozen_disk(disk: domxml.DiskInfo, tracked: object) -> FrozenDisk:
