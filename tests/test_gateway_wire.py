@@ -256,6 +256,25 @@ def test_a_request_is_reckoned_within_bounds() -> None:
     assert estimated_tokens({}, 40) == (10, None)
 
 
+def test_stream_usage_is_read_from_whole_events() -> None:
+    """The usage of a stream is found as the stream's events are parsed: a U+2028 inside a
+    chunk's text and a usage object split over two data lines (both valid SSE) used to hide
+    it from a line-by-line reader, and the call counted 0 tokens."""
+    from ksfs.gateway.sse import usage_of_sse
+
+    text = json.dumps({"choices": [{"delta": {"content": "a\u2028b"}}],
+                       "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+                       "model": "m-1"}, ensure_ascii=False)
+    u = usage_of_sse(f"data: {text}\n\ndata: [DONE]\n\n".encode(), "asked")
+    assert (u.model, u.prompt_tokens, u.completion_tokens, u.total_tokens, u.known) == (
+        "m-1", 3, 4, 7, True)
+    split = (b'data: {"choices": [],\ndata: "usage": {"prompt_tokens": 5, '
+             b'"completion_tokens": 6, "total_tokens": 11}}\r\n\r\ndata: [DONE]\n\n')
+    assert usage_of_sse(split, "asked").total_tokens == 11
+    none = usage_of_sse(b"data: {\"choices\": []}\n\ndata: [DONE]\n\n", "asked")
+    assert (none.model, none.total_tokens, none.known) == ("asked", 0, False)
+
+
 def test_filler_after_the_end_of_a_stream_does_not_release_it() -> None:
     """Review (eighth session): bytes that only trail [DONE] (a blank line, a keep-alive
     comment), arriving as a chunk of their own, let the guest see [DONE] before the commit."""

@@ -123,7 +123,7 @@ class Usage:
     known: bool = False
 
 
-def _usage_from(obj: Any, model: str | None) -> Usage | None:
+def usage_from(obj: Any, model: str | None) -> Usage | None:
     """The usage an OpenAI-style object carries: its own ``usage``, else that of the
     ``response`` it wraps (the events of a streamed /v1/responses call). Chat completions and
     embeddings count prompt_tokens/completion_tokens; /v1/responses says input_tokens/
@@ -146,7 +146,7 @@ def _usage_from(obj: Any, model: str | None) -> Usage | None:
     return Usage(model, prompt, completion, total, True)
 
 
-def _model_of(obj: Any) -> str | None:
+def model_of(obj: Any) -> str | None:
     if not isinstance(obj, dict):
         return None
     for holder in (obj, obj.get("response")):
@@ -161,33 +161,5 @@ def usage_of_json(body: bytes, request_model: str | None) -> Usage:
         obj = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return Usage(request_model)
-    model = _model_of(obj) or request_model
-    return _usage_from(obj, model) or Usage(model)
-
-
-def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
-    """Usage of a streamed response: the last ``data:`` chunk that carries a usage object.
-
-    OpenAI-style chat streams send it in a final chunk when asked (``stream_options``); a
-    /v1/responses stream in its ``response.completed`` event. Without one the call counts 0
-    tokens and is marked unknown.
-    """
-    model = request_model
-    found: Usage | None = None
-    for line in body.decode("utf-8", "replace").splitlines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if not data or data == "[DONE]":
-            continue
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            continue
-        model = _model_of(obj) or model
-        u = _usage_from(obj, model)
-        if u is not None:
-            found = u
-    if found is None:
-        return Usage(model)
-    return Usage(model, found.prompt_tokens, found.completion_tokens, found.total_tokens, True)
+    model = model_of(obj) or request_model
+    return usage_from(obj, model) or Usage(model)

@@ -38,11 +38,16 @@ from ksfs.gateway.calls import (
     request_digest,
     route_scope,
     usage_of_json,
-    usage_of_sse,
 )
 from ksfs.gateway.inflight import Call, StreamThrough, header, ksfs_headers, reply_of
 from ksfs.gateway.prices import PriceTable, load_prices
-from ksfs.gateway.sse import HiddenUsage, incomplete, wants_usage_added, with_usage
+from ksfs.gateway.sse import (
+    HiddenUsage,
+    incomplete,
+    usage_of_sse,
+    wants_usage_added,
+    with_usage,
+)
 from ksfs.gateway.store import GatewayStore, StoredResponse, View, used_up
 from ksfs.gateway.upstream import (
     NOT_STORED,

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from ksfs.gateway.calls import CHAT_PATH
+from ksfs.gateway.calls import CHAT_PATH, Usage, model_of, usage_from
 
 RESPONSES_PATH = "/v1/responses"
 # Terminal events of a Responses API stream that carry a whole response.
@@ -87,6 +87,29 @@ def incomplete(body: bytes, path: str) -> str | None:
     if path == RESPONSES_PATH and not done:
         return "ended without response.completed"
     return None
+
+
+def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
+    """Usage of a streamed response: the last event whose data carries a usage object.
+
+    OpenAI-style chat streams send it in a final chunk when asked (``stream_options``); a
+    /v1/responses stream in its ``response.completed`` event. Without one the call counts 0
+    tokens and is marked unknown. Events are read as ``incomplete`` reads them: data split over
+    several lines is one JSON text, and a U+2028 inside a string does not end a line.
+    """
+    model = request_model
+    found: Usage | None = None
+    for raw in split_events(body):
+        if b"{" not in raw:
+            continue
+        obj = _json_of(parse_event(raw)[1])
+        model = model_of(obj) or model
+        u = usage_from(obj, model)
+        if u is not None:
+            found = u
+    if found is None:
+        return Usage(model)
+    return Usage(model, found.prompt_tokens, found.completion_tokens, found.total_tokens, True)
 
 
 def wants_usage_added(obj: dict[str, Any]) -> bool:
