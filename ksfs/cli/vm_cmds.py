@@ -138,7 +138,8 @@ def restore(ctx, session_name, checkpoint, as_json) -> None:
         return
     outcome = res.get("reconcile", {}).get("outcome", "?")
     saved = res.get("saved_as")
-    click.echo(f"{session_name} restored to {checkpoint} (reconcile: {outcome}"
+    booted = "; booted from its disks, as it has no memory" if res.get("booted") else ""
+    click.echo(f"{session_name} restored to {checkpoint} (reconcile: {outcome}{booted}"
                + (f"; the state before was saved as {saved})" if saved else ")"))
 
 

@@ -31,11 +31,9 @@ class RestoreVerbs:
     # --- restore and fork -------------------------------------------------------------------
 
     def _checkpoint_readers(self, record: CheckpointRecord, xml_disks: list) -> tuple[Any, dict]:
+        """The checkpoint's memory (None for the disks of a stopped machine, which boot
+        instead) and disks, each as a store file, keyed by disk target."""
         mem = record.file(MEMORY_FILE)
-        if mem is None:
-            raise NotPermitted(
-                f"checkpoint {record.session}/{record.name} has no memory image to run from"
-            )
         disks = {}
         for i, d in enumerate(xml_disks):
             f = record.file(disk_file_name(i, d.target))
@@ -43,7 +41,7 @@ class RestoreVerbs:
                 raise NotPermitted(f"checkpoint {record.session}/{record.name} has no disk "
                                    f"{d.target}")
             disks[d.target] = self.store.open_file(f.manifest)
-        return self.store.open_file(mem.manifest), disks
+        return (self.store.open_file(mem.manifest) if mem else None), disks
 
     def _xml_disks(self, record: CheckpointRecord) -> list:
         from ksfs.vm import domxml
@@ -127,16 +125,19 @@ class RestoreVerbs:
             steps = dict(restored.timings, save_first=t_saved - t0,
                          wait_for_materialize=t_staged - t_saved, reconcile=t2 - t1,
                          resume=time.monotonic() - t2)
-            done = self.ledger.record(session, "restore.done", {
-                "checkpoint": checkpoint, "begin_seq": begin.seq,
-                "reconcile_seq": rec_ev.seq, "seconds": round(time.monotonic() - t0, 3),
-                "steps": {k: round(v, 3) for k, v in steps.items()}})
+            body = {"checkpoint": checkpoint, "begin_seq": begin.seq,
+                    "reconcile_seq": rec_ev.seq, "seconds": round(time.monotonic() - t0, 3),
+                    "steps": {k: round(v, 3) for k, v in steps.items()}}
+            if memory is None:
+                body["booted"] = True  # no memory: its disks were booted, not resumed
+            done = self.ledger.record(session, "restore.done", body)
         except BaseException as exc:
             self.ledger.record(session, "restore.failed",
                                {"checkpoint": checkpoint, "reason": _reason(exc)})
             raise
         return {"session": session, "checkpoint": checkpoint, "seq": done.seq,
-                "saved_as": saved.name if saved else None, "reconcile": rec_ev.body}
+                "saved_as": saved.name if saved else None, "reconcile": rec_ev.body,
+                "booted": memory is None}
 
     def fork(self, session: str, checkpoint: str, new: str) -> SessionRecord:
         """A new session running from ``checkpoint`` in its own domain; the parent runs on."""

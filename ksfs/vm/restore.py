@@ -4,8 +4,10 @@ Both materialize each disk from its reader into a new sparse base file with a fr
 on top (so the next snapshot is incremental against this checkpoint), materialize the memory
 save image, and restore it paused with ``virDomainRestoreFlags``. A restore passes the updated
 XML as libvirt's ``dxml``; a fork rewrites the XML in the save image's own header (new name,
-UUID, MACs, disks, log, lineage), since libvirt refuses a dxml that changes the UUID. The caller
-resumes. Must never touch the parent of a fork, nor files outside the session's directory.
+UUID, MACs, disks, log, lineage), since libvirt refuses a dxml that changes the UUID. A
+checkpoint without memory (the disks of a machine found stopped) is booted paused from its disks
+and XML instead. The caller resumes. Must never touch the parent of a fork, nor files outside
+the session's directory.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ if TYPE_CHECKING:
 
 
 def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
-                     memory: object, disks: dict[str, object]) -> tuple[Path, dict[str, Path],
-                                                                       dict[str, Path]]:
-    """Write memory and disks into the session's directory: (memory, bases, overlays).
+                     memory: object | None, disks: dict[str, object]
+                     ) -> tuple[Path | None, dict[str, Path], dict[str, Path]]:
+    """Write memory and disks into the session's directory: (memory, bases, overlays); no
+    memory file when ``memory`` is None.
 
     Each file is written by its own thread: the readers (store files) are thread-safe, and
     hashing and decompression in the store release the GIL. Touches no state.json, so it may
@@ -42,10 +45,10 @@ def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
     a snapshot clears those from staging as leftovers of a dead process.
     """
     d = ctl.session_dir(session)
-    mem = d / "staging" / f"restore-{n}.image"
+    mem = d / "staging" / f"restore-{n}.image" if memory is not None else None
     bases = {t: d / f"{domxml_safe(t)}-base-{n}.raw" for t in disks}
     overlays = {t: d / f"{domxml_safe(t)}-{n}.qcow2" for t in disks}
-    jobs = [(memory, mem, f"materializing the memory image of {domain}")]
+    jobs = [(memory, mem, f"materializing the memory image of {domain}")] if mem else []
     jobs += [(reader, bases[t], f"materializing disk {t} of {domain}")
              for t, reader in disks.items()]
     made: list[Path] = []  # overlays created here: a file that was in the way is not ours
@@ -58,10 +61,12 @@ def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
             create_overlay(overlays[target], base, "raw",
                            f"creating the overlay of {target} of {domain}", ctl.cluster_size)
             made.append(overlays[target])
-        saveimage.read_header(mem)  # fail here, clearly, on a damaged memory image
+        if mem is not None:
+            saveimage.read_header(mem)  # fail here, clearly, on a damaged memory image
     except BaseException:
         for p in (mem, *bases.values(), *made):
-            p.unlink(missing_ok=True)
+            if p is not None:
+                p.unlink(missing_ok=True)
         raise
     return mem, bases, overlays
 
@@ -94,14 +99,15 @@ class Staged:
     """A checkpoint's memory and disks written out for a restore that has not happened yet."""
 
     n: int
-    memory: Path
+    memory: Path | None  # None: a checkpoint without memory, booted from its disks
     bases: dict[str, Path]  # disk target -> materialized base
     overlays: dict[str, Path]
     seconds: float
 
     def discard(self) -> None:
         for p in (self.memory, *self.bases.values(), *self.overlays.values()):
-            p.unlink(missing_ok=True)
+            if p is not None:
+                p.unlink(missing_ok=True)
 
 
 def reserve(ctl: DomainController, session: str) -> int:
@@ -112,7 +118,7 @@ def reserve(ctl: DomainController, session: str) -> int:
     return n
 
 
-def stage(ctl: DomainController, session: str, domain: str, n: int, memory: object,
+def stage(ctl: DomainController, session: str, domain: str, n: int, memory: object | None,
           disks: dict[str, object]) -> Staged:
     """Materialize a restore's files under number ``n`` (from ``reserve``). Safe to run on
     another thread while the same session saves, so a restore's save-first and its
@@ -122,7 +128,7 @@ def stage(ctl: DomainController, session: str, domain: str, n: int, memory: obje
     return Staged(n, mem, bases, overlays, time.monotonic() - t0)
 
 
-def restore(ctl: DomainController, session: str, domain: str, memory: object,
+def restore(ctl: DomainController, session: str, domain: str, memory: object | None,
             disks: dict[str, object], xml: str | None, checkpoint: str | None,
             staged: Staged | None = None) -> Restored:
     if staged is None:
@@ -137,8 +143,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
     n, mem, bases, overlays = staged.n, staged.memory, staged.bases, staged.overlays
     timings = {"materialize": staged.seconds}
     try:
-        header = saveimage.read_header(mem)
-        new_xml = xml or header.xml
+        new_xml = _start_xml(mem, xml, domain)
         _check_disks(new_xml, bases, domain)
         new_xml = domxml.set_disk_sources(
             new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
@@ -158,15 +163,15 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
             root.find("name").text = domain  # type: ignore[union-attr]
             root.find("uuid").text = uuid  # type: ignore[union-attr]
             new_xml = ET.tostring(root, encoding="unicode")
-            saveimage.rewrite_xml(mem, new_xml)
+            if mem is not None:
+                saveimage.rewrite_xml(mem, new_xml)
         crash_point("vm.restore")
         t1 = time.monotonic()
         with step(domain, "stopping the running machine for a restore"):
             if dom is not None and dom.isActive():
                 dom.destroy()
         t2 = time.monotonic()
-        with step(domain, "restoring from the memory image"):
-            ctl.conn.restoreFlags(str(mem), new_xml, libvirt.VIR_DOMAIN_SAVE_PAUSED)
+        _start_paused(ctl, domain, mem, new_xml, dxml=new_xml)
         t3 = time.monotonic()
         if dom is None:
             with step(domain, "defining the restored machine again"):
@@ -186,7 +191,8 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
             p.unlink(missing_ok=True)
         raise
     finally:
-        mem.unlink(missing_ok=True)
+        if mem is not None:
+            mem.unlink(missing_ok=True)
     label = checkpoint or f"restore-{n}"
     old_roots = {Path(ds.root) for ds in state.disks.values()}
     state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
@@ -200,6 +206,28 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object,
             continue  # an adopted disk in our directory is still the user's
         p.unlink(missing_ok=True)
     return Restored(domain, session, {t: str(p) for t, p in bases.items()}, label, timings)
+
+
+def _start_xml(mem: Path | None, xml: str | None, domain: str) -> str:
+    """The XML a checkpoint starts from: the one given, else its save image's."""
+    if xml:
+        return xml
+    if mem is None:
+        raise VMError(f"a checkpoint of {domain} without memory needs its domain XML to boot")
+    return saveimage.read_header(mem).xml
+
+
+def _start_paused(ctl: DomainController, domain: str, mem: Path | None, xml: str,
+                  dxml: str | None) -> None:
+    """Start the machine paused: from its memory image (with ``dxml``, else the image's own
+    XML), else booted from its disks with ``xml`` (an inactive persistent domain of that name
+    and UUID takes it as its live definition)."""
+    if mem is not None:
+        with step(domain, "restoring from the memory image"):
+            ctl.conn.restoreFlags(str(mem), dxml, libvirt.VIR_DOMAIN_SAVE_PAUSED)
+    else:
+        with step(domain, "booting from the checkpoint's disks (it has no memory)"):
+            ctl.conn.createXML(xml, libvirt.VIR_DOMAIN_START_PAUSED)
 
 
 def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path],
@@ -218,7 +246,7 @@ def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path],
         ctl.conn.defineXML(inactive)
 
 
-def fork(ctl: DomainController, new_session: str, new_domain: str, memory: object,
+def fork(ctl: DomainController, new_session: str, new_domain: str, memory: object | None,
          disks: dict[str, object], xml: str | None, lineage: str | None,
          checkpoint: str | None, fw_cfg: dict[str, str] | None = None) -> Restored:
     if ctl.exists(new_domain):
@@ -236,8 +264,7 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         raise
     dom = None
     try:
-        header = saveimage.read_header(mem)
-        src_xml = xml or header.xml
+        src_xml = _start_xml(mem, xml, new_domain)
         _check_disks(src_xml, disks, new_domain)
         log = d / "console.log" if domxml.console_log_path(src_xml) else None
         new_xml = domxml.rename_for_fork(src_xml, new_domain, log,
@@ -251,7 +278,8 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         new_xml = files.own_boot_files(new_xml, d, ctl.workdir, new_domain)
         if fw_cfg is not None:
             new_xml = domxml.set_fw_cfg(new_xml, fw_cfg)
-        saveimage.rewrite_xml(mem, new_xml)
+        if mem is not None:
+            saveimage.rewrite_xml(mem, new_xml)
         # Written before the domain exists, so a fork killed between its restore and its
         # define leaves a machine recover can define and the next save can use.
         label = checkpoint or f"fork-{n}"
@@ -259,8 +287,8 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         ctl.save_state(new_session, state)
         crash_point("vm.fork")
         t1 = time.monotonic()
-        with step(new_domain, "restoring the fork from the memory image"):
-            ctl.conn.restoreFlags(str(mem), None, libvirt.VIR_DOMAIN_SAVE_PAUSED)
+        _start_paused(ctl, new_domain, mem, new_xml, dxml=None)  # the header's, rewritten
+        with step(new_domain, "looking up the fork"):
             dom = ctl.conn.lookupByName(new_domain)
         t2 = time.monotonic()
         crash_point("vm.fork.define")
@@ -275,7 +303,8 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         ctl.remove_files(new_session)
         raise
     finally:
-        mem.unlink(missing_ok=True)
+        if mem is not None:
+            mem.unlink(missing_ok=True)
     timings = {"materialize": t1 - t0, "restore": t2 - t1, "redefine": time.monotonic() - t2}
     return Restored(new_domain, new_session, {t: str(p) for t, p in bases.items()}, label,
                     timings)
