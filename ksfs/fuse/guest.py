@@ -42,7 +42,8 @@ def _guest_fs(cp: CheckpointDir) -> Any:
 
 
 class GuestNode(Node):
-    """Attributes of one guest inode, taken from its stat."""
+    """Attributes of one guest inode, taken from its stat. Its st_blocks is 0: the bytes are
+    disk.raw's, counted there, so ``du`` of a checkpoint is what deleting it frees."""
 
     def __init__(self, cp: CheckpointDir, fs: Any, st: Any) -> None:
         # Node's own constructor: StoredFile's (a later base of GuestFile) takes other arguments.
@@ -52,13 +53,15 @@ class GuestNode(Node):
 
     def attr(self) -> Attr:
         st = self.st
-        return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, st.blocks,
+        return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, 0,
                     self.mtime, self.entry_timeout, self.attr_timeout, kind=stat.S_IFMT(st.mode),
                     uid=st.uid, gid=st.gid, nlink=st.nlink,
                     times_ns=(st.atime_ns, st.mtime_ns, st.ctime_ns), rdev=st.rdev)
 
 
 class GuestDir(GuestNode, Dir):
+    names_checked = False  # a guest's names are any bytes but '/' and NUL
+
     def children(self) -> list[tuple[str, Node]]:
         return [(name, node_of(self.cp, self.fs, st))
                 for name, st in self.fs.listdir_stats(self.st.ino)]
@@ -80,7 +83,7 @@ class GuestFile(GuestNode, StoredFile):
         return self.st.size
 
     def blocks(self) -> int:
-        return self.st.blocks
+        return 0  # see GuestNode
 
     def open_reader(self) -> Any:
         return _InodeReader(self.fs, self.st.ino, self.st.size)

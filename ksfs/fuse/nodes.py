@@ -104,6 +104,9 @@ class Node:
 class Dir(Node):
     is_dir = True
     mode = DIR_MODE
+    # Its entries are names a user or the ledger gave (validate_name's): a lookup of any other
+    # name is answered "no such entry" before the directory is asked.
+    names_checked = True
 
     def children(self) -> list[tuple[str, Node]]:
         """Every child, in a stable order, each with its node (attributes must be cheap)."""

@@ -235,12 +235,14 @@ class CheckpointTree:
         if name == "..":
             ppath = self._paths.get(parent, ())[:-1]
             return self._walk(ppath, name)
-        try:
-            validate_name(name)
-        except BadInput:
-            # Nothing in the tree has such a name, and the ledger's keys cannot hold one.
-            raise NoSuchFile(what="entry", name=repr(name)) from None
-        node = self._dir(parent).lookup(name)
+        pdir = self._dir(parent)
+        if pdir.names_checked:
+            try:
+                validate_name(name)
+            except BadInput:
+                # Nothing the ledger keeps has such a name (a guest's own files may: fs/).
+                raise NoSuchFile(what="entry", name=repr(name)) from None
+        node = pdir.lookup(name)
         ino = self._intern(node, self._paths[parent] + (name,))
         return Entry(name, ino, self._nodes[ino].attr())
 
