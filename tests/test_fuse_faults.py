@@ -175,3 +175,44 @@ def test_umount_of_a_mount_in_use_is_busy_and_leaves_it_mounted(small_store):
                 f"ksfs: error: {mnt} is in use (a process has a file open or its working "
                 "directory there): not unmounted")
             assert os.path.ismount(mnt) and held.read() == memory.read_bytes()
+
+
+def test_umount_touches_only_ksfs_mounts_and_takes_any_path(small_store, tmp_path):
+    """QA (ninth session): run as root, `ksfs umount` unmounted whatever was mounted there (a
+    tmpfs, a loop-mounted disk), and a mount point with a space was "not mounted" (its
+    /proc/mounts field is escaped), so neither umount nor the mount's own check worked."""
+    import subprocess
+    import sys
+
+    store, disk, memory = small_store
+    skip_without_fuse()
+    cli = [sys.executable, "-m", "ksfs.cli", "--store", str(store)]
+    other = tmp_path / "other"
+    other.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "qa", str(other)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    odd = tmp_path / "with space\tand tab"
+    odd.mkdir()
+    try:
+        for verb, why in (("umount", "is not a ksfs mount (it is tmpfs)"),
+                          ("mount", "is already a mount point (of tmpfs)")):
+            res = subprocess.run(cli + [verb, str(other)], capture_output=True, text=True,
+                                 timeout=60)
+            assert res.returncode == 2 and why in res.stderr, res.stderr
+            assert os.path.ismount(other)
+        res = subprocess.run(cli + ["mount", str(odd)], capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert (odd / "sessions" / "s" / "checkpoints" / "c" / "memory").read_bytes() == \
+            memory.read_bytes()
+        again = subprocess.run(cli + ["mount", str(odd)], capture_output=True, text=True,
+                               timeout=60)
+        assert again.returncode == 2 and "already a ksfs mount" in again.stderr, again.stderr
+        res = subprocess.run(cli + ["umount", str(odd)], capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert not os.path.ismount(odd)
+    finally:
+        if os.path.ismount(odd):
+            subprocess.run(["fusermount3", "-uz", str(odd)], check=False)
+        subprocess.run(["umount", str(other)], check=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -14,11 +15,22 @@ import click
 from ksfs.cli import main, pass_ctx
 from ksfs.errors import BadInput, Busy, DaemonError, NoSuchFile
 
+KSFS_FSTYPE = "fuse.ksfs"
+_MOUNTS_ESCAPES = re.compile(r"\\([0-7]{3})")  # /proc/mounts writes " " as \040 and so on
 
-def _is_mounted(mountpoint: str) -> bool:
+
+def _mount_type(mountpoint: str) -> str | None:
+    """The type of the filesystem mounted on ``mountpoint`` (the last one mounted there), or
+    None when nothing is."""
     target = os.path.realpath(mountpoint)
+    found = None
     with open("/proc/mounts") as f:
-        return any(line.split()[1] == target for line in f)
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and _MOUNTS_ESCAPES.sub(
+                    lambda m: chr(int(m.group(1), 8)), fields[1]) == target:
+                found = fields[2]
+    return found
 
 
 @main.command()
@@ -47,8 +59,12 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
                        ) from None
     if not is_dir:
         raise BadInput(f"mount point {mountpoint} is not a directory")
-    if _is_mounted(mountpoint):
-        raise BadInput(f"{mountpoint} is already a mount point ({clear})")
+    there = _mount_type(mountpoint)
+    if there == KSFS_FSTYPE:
+        raise BadInput(f"{mountpoint} is already a ksfs mount (`ksfs umount {mountpoint}` "
+                       "unmounts it, also when its daemon died)")
+    if there is not None:
+        raise BadInput(f"{mountpoint} is already a mount point (of {there}); mount elsewhere")
     store = Path(ctx.store_path)
     _refuse_overlap(store, Path(mountpoint))
     # Make (or check) the store before the daemon's log file lands in its directory.
@@ -124,10 +140,14 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
 
     Example: ksfs umount /mnt/ksfs
     """
-    if not _is_mounted(mountpoint):
+    there = _mount_type(mountpoint)
+    if there is None:
         if not os.path.lexists(mountpoint):
             raise NoSuchFile(what="mount point", name=mountpoint)
         raise BadInput(f"{mountpoint} is not mounted")
+    if there != KSFS_FSTYPE:
+        # fusermount3 run by root unmounts whatever is there: never another filesystem.
+        raise BadInput(f"{mountpoint} is not a ksfs mount (it is {there}): not unmounted")
     res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True,
                          env=dict(os.environ, LC_ALL="C"))  # its strerror read below, in English
     if res.returncode != 0:
