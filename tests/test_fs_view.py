@@ -158,17 +158,26 @@ def test_unreadable_disk_gives_empty_fs_and_an_event(tmp_path: Path) -> None:
     mem = tmp_path / "memory"
     mem.write_bytes(random.Random(3).randbytes(100_000))
     store = tmp_path / "store"
+    from ksfs.fuse.guest import FS_KEPT
+
+    more = [f"bad-{i}" for i in range(FS_KEPT + 2)]  # more than the mount keeps open
     with Keeper(store, create=True) as k:
-        k.import_files("s", "bad", [img, mem])
+        for name in ["bad", *more]:
+            k.import_files("s", name, [img, mem])
     with mounted(store) as mnt:
         cp = mnt / "sessions" / "s" / "checkpoints" / "bad"
         assert os.listdir(cp / "fs") == []
+        for _ in range(2):  # each told of once, however often listed and reopened
+            for name in more:
+                assert os.listdir(cp.parent / name / "fs") == []
+                (cp.parent / name / "meta.json").read_bytes()
         assert (cp / "memory").read_bytes() == mem.read_bytes()
         assert (cp / "disk.raw").read_bytes() == img.read_bytes()
         events = [json.loads(x) for x in (mnt / "sessions" / "s" / "events").read_text()
                   .splitlines()]
         bad = [e for e in events if e["type"] == "fs.unreadable"]
         assert bad and bad[0]["body"]["checkpoint"] == "bad" and bad[0]["body"]["why"]
+        assert sorted(e["body"]["checkpoint"] for e in bad) == sorted(["bad", *more])
 
 
 def test_guest_files_read_on_a_thread_stored_files_on_the_loop(store_with_two) -> None:

@@ -83,6 +83,7 @@ class Views:
         self._event_logs_lock = threading.Lock()
         self._holders = ChunkHolders(self.store, self.ledger)
         self._checkpoint_listeners: list[Callable[[str, str | None], None]] = []
+        self._fs_rejected: set[tuple] = set()  # (session, checkpoint, seq) told of once
 
     def on_checkpoint_change(self, listener: Callable[[str, str | None], None]
                              ) -> Callable[[], None]:
@@ -243,8 +244,15 @@ class Views:
         except Exception:  # an unknown session has no log to record in
             pass
 
-    def reject_fs(self, session: str, checkpoint: str, why: str | None) -> None:
-        """Record that a checkpoint's guest filesystem cannot be shown, and why."""
+    def reject_fs(self, session: str, checkpoint: str, why: str | None,
+                  seq: int | None = None) -> None:
+        """Record that a checkpoint's guest filesystem cannot be shown, and why: once per
+        checkpoint for this keeper, however often the mount opens it again (a listing of
+        many such checkpoints evicts and reopens them)."""
+        key = (session, checkpoint, seq)
+        if key in self._fs_rejected:
+            return
+        self._fs_rejected.add(key)
         try:
             self.ledger.record(session, "fs.unreadable", {"checkpoint": checkpoint, "why": why})
         except KsfsError:
