@@ -539,6 +539,10 @@ def test_fork_killed_before_its_define_is_defined_by_recover(env, agent: str) ->
     assert mine and any("defined" in a for a in mine[0]["actions"]), report
     assert "Persistent:     yes" in virsh("dominfo", f"ksfs-{new}").stdout
     assert virsh("domstate", f"ksfs-{new}").stdout.strip() == "running"
+    # QA (ninth session): the fork ran on with no reconcile in its log.
+    assert any("reconciled" in a for a in mine[0]["actions"]), report
+    kinds = [ev["type"] for ev in events_of(store, new, e)]
+    assert kinds == ["lineage.forked", "reconcile", "recover"], kinds
     save(store, new, e)
     run(store, "session", "rm", new, env=e)
     assert virsh("domstate", f"ksfs-{new}").returncode != 0
@@ -565,6 +569,51 @@ def test_restore_killed_after_the_machine_came_back_is_finished_by_recover(env, 
     assert kinds[i:] == ["restore.begin", "reconcile", "restore.done", "recover"]
     assert events[i + 2]["body"]["recovered"] is True
     assert events[i + 2]["body"]["checkpoint"] == cp
+
+
+def test_restore_killed_after_libvirt_took_its_files_is_finished_by_recover(
+        env, agent: str) -> None:
+    """QA (ninth session): kill -9 after libvirt restored the machine but before the
+    controller recorded its new disks: recover marked the restore failed while the machine ran
+    the restored state. Now it finishes it: the new chain recorded, the persistent definition
+    pointed at it, reconcile and restore.done written, the machine running."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    res = run(store, "restore", agent, cp, check=False,
+              env=dict(e, KSFS_CRASH_AT="vm.restore.define"))
+    assert res.returncode == -signal.SIGKILL
+    report = json.loads(run(store, "recover", "--json", env=e).stdout)
+    mine = [r for r in report if r["session"] == agent]
+    assert mine and any("finished" in a for a in mine[0]["actions"]), report
+    assert mine[0]["failed"] is False
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    events = events_of(store, agent, e)
+    kinds = [ev["type"] for ev in events]
+    i = len(kinds) - 1 - kinds[::-1].index("restore.begin")
+    assert kinds[i:] == ["restore.begin", "reconcile", "restore.done", "recover"]
+    state = json.loads((Path(store) / "vm" / agent / "state.json").read_text())
+    assert "pending" not in state
+    roots = {d["root"] for d in state["disks"].values()}
+    assert {d["base_checkpoint"] for d in state["disks"].values()} == {f"{agent}/{cp}"}
+    persistent = virsh("dumpxml", "--inactive", f"ksfs-{agent}").stdout
+    for root in roots:  # the definition names the overlays on the new roots, not the old
+        assert Path(root).exists()
+        assert Path(root).name.replace("-base-", "-").replace(".raw", ".qcow2") in persistent
+    save(store, agent, e)  # and the next save works on the new chain
+
+
+def test_recover_that_cannot_reach_libvirt_fails_and_writes_nothing(env, agent: str) -> None:
+    """QA (ninth session): with libvirt out of reach, recover exited 0 and added a "machine
+    state unknown" recover event to every session's log on every run."""
+    store, e = env["store"], env["env"]
+    before = events_of(store, agent, e)
+    bad = dict(e, KSFS_LIBVIRT_URI="qemu+unix:///system?socket=/nonexistent/libvirt-sock")
+    res = run(store, "recover", "--json", check=False, env=bad)
+    assert res.returncode == 10, res.stderr
+    mine = [r for r in json.loads(res.stdout) if r["session"] == agent]
+    assert mine and mine[0]["failed"] is True and "could not recover" in mine[0]["actions"][0]
+    assert f"could not recover {agent}" in res.stderr
+    assert events_of(store, agent, e) == before
 
 
 def cat(store: Path, e: dict, *args: str) -> bytes:

@@ -6,9 +6,12 @@ keeper and its locks), else does the work here under the same locks.
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from ksfs.cli import DONE_NOTE, emit_json, main, pass_ctx, run_verb
+from ksfs.errors import VMError
 
 
 def _json_option(f):
@@ -191,19 +194,24 @@ def resume(ctx, session_name, as_json) -> None:
 def recover(ctx, as_json) -> None:
     """Finish or roll back what a dead daemon or host left half done, and re-adopt machines.
 
-    Interrupted checkpoints are marked failed (none was ever visible), interrupted restores are
-    run again, machines that are shut off come back from their last checkpoint, and forks that
-    never started are rolled back; each session touched gets a `recover` event. The mount runs
-    this at start.
+    Interrupted checkpoints are marked failed (none was ever visible); an interrupted restore
+    is finished when the machine already holds its checkpoint, else marked failed (and run
+    again when the machine is gone); a machine found shut off or crashed has its disks saved,
+    then comes back from its last checkpoint; forks that never started are rolled back, and
+    those that did are reconciled and run. Each session touched gets a `recover` event. Exits
+    10 when some session could not be recovered. The mount runs this at start.
 
     Example: ksfs recover --json
     """
     report = run_verb(ctx, "recover")
     if as_json:
         emit_json(report)
-        return
-    if not report:
+    elif not report:
         click.echo("recover: nothing to do")
-    for r in report:
+    for r in report if not as_json else ():
         for action in r["actions"]:
             click.echo(f"{r['session']}: {action}")
+    failed = [r["session"] for r in report if r.get("failed")]
+    if failed:
+        click.echo(f"ksfs: error: could not recover {', '.join(failed)}", err=True)
+        sys.exit(VMError.exit_code)

@@ -255,7 +255,7 @@ class MachineVerbs:
     def pause(self, session: str) -> dict[str, Any]:
         rec = self._machine(session)
         with session_lock(self.store_path, session):
-            self.vm.pause(rec.domain)
+            self.vm.pause(rec.domain, session)
             ev = self.ledger.record(session, "pause", {"domain": rec.domain})
         return {"session": session, "state": "paused", "seq": ev.seq}
 

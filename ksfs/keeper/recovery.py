@@ -48,19 +48,26 @@ class Recovery:
         return sorted(open_.values(), key=lambda e: e.seq)
 
     def recover(self) -> list[dict[str, Any]]:
+        """What was done, per session that needed anything; ``failed`` marks a session that
+        could not be brought back (the CLI then exits non-zero)."""
         report = []
         for rec in self.ledger.sessions():
             with session_lock(self.store_path, rec.name):
                 done: list[str] = []
+                failed = False
                 try:
                     self._recover_session(rec, done)
                 except KsfsError as exc:
                     # One session that cannot be brought back must not stop the others; what
                     # was done for it before the failure is still reported.
                     done.append(f"could not recover: {exc}")
+                    failed = True
             if done:
-                self._record_recover(rec, done)
-                report.append({"session": rec.name, "actions": done})
+                if len(done) > 1 or not failed:
+                    # Only what changed goes in the log: a look that failed (libvirt down)
+                    # and did nothing is for the report alone, or every retry would add one.
+                    self._record_recover(rec, done)
+                report.append({"session": rec.name, "actions": done, "failed": failed})
         return report
 
     def _record_recover(self, rec: Any, done: list[str]) -> None:
@@ -100,14 +107,17 @@ class Recovery:
                 actions.append(f"restore to {restore_to} begun at seq {ev.seq} marked failed")
         if not rec.domain:
             return actions
-        try:
-            state = self.vm.state(rec.domain)
-        except KsfsError as exc:
-            actions.append(f"machine state unknown: {exc}")
-            return actions
+        state = self.vm.state(rec.domain)  # a failure here: "could not recover"
         if state in ("running", "paused") and self.vm.persist(rec.name, rec.domain):
             actions.append("machine was only a transient domain (a fork killed before its "
                            "define): defined")
+        if state in ("running", "paused") and self._unreconciled_fork(rec):
+            # A fork killed after its machine came up, before its first reconcile: the guest
+            # runs from the fork point, which its log must say before it runs on.
+            target = self.ledger.checkpoint(rec.parent.session, rec.parent.checkpoint)
+            ev = self._reconcile_to(rec.name, target)
+            actions.append(f"fork of {rec.parent.session}/{rec.parent.checkpoint} had no "
+                           f"reconcile: reconciled ({ev.body.get('outcome')})")
         if state == "paused" and not self._paused_by_user(rec.name):
             # A verb killed while the machine was paused (a save's last copy, a restore or fork
             # not yet resumed) must not leave it stopped. A restore killed after libvirt loaded
@@ -129,6 +139,12 @@ class Recovery:
                 self.ledger.remove_session(txn, rec.name)
             self.checkpoint_changed(rec.name, None)
             self.vm.remove_files(rec.name)
+            try:  # the parent's log has its fork.created: say it came to nothing
+                self.ledger.record(rec.parent.session, "fork.failed", {
+                    "checkpoint": rec.parent.checkpoint, "session": rec.name,
+                    "lineage": rec.lineage, "reason": "interrupted (recovered)"})
+            except KsfsError:
+                pass  # a parent removed with its checkpoints kept: its log is closed
             actions.append("fork never started: rolled back")
             return actions
         if state == "absent" and self._adopted(rec.name):
@@ -168,6 +184,7 @@ class Recovery:
         if not rec.domain or not target:
             return False
         try:
+            self.vm.settle_restore(rec.name, rec.domain)
             if self.vm.holds_checkpoint(rec.name) != f"{rec.name}/{target}" \
                     or self.vm.state(rec.domain) not in ("running", "paused"):
                 return False
@@ -193,6 +210,12 @@ class Recovery:
             "checkpoint": target, "begin_seq": begin.seq, "reconcile_seq": rec_ev.seq,
             "recovered": True})
         return True
+
+    def _unreconciled_fork(self, rec: Any) -> bool:
+        """A fork whose log has no reconcile yet (a fork writes it before its machine runs)."""
+        if rec.parent is None:
+            return False
+        return not any(ev.type == "reconcile" for ev in self.ledger.events(rec.name))
 
     def _adopted(self, session: str) -> bool:
         first = self.ledger.event(session, 0)

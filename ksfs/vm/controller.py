@@ -241,6 +241,13 @@ class DomainController:
 
         return restore(self, session, domain, memory, disks, xml, checkpoint, staged)
 
+    def settle_restore(self, session: str, domain: str) -> str | None:
+        """Finish the controller's part of a restore killed after libvirt took its files; see
+        ksfs.vm.restore.settle. Returns the checkpoint label it finished, if any."""
+        from ksfs.vm.restore import settle
+
+        return settle(self, session, domain)
+
     def reserve_restore(self, session: str) -> int:
         """A file number for ``stage_restore``; call it from the verb's own thread."""
         from ksfs.vm.restore import reserve
@@ -265,10 +272,10 @@ class DomainController:
 
     # --- running, pausing, removing ----------------------------------------------------------
 
-    def pause(self, domain: str) -> None:
+    def pause(self, domain: str, session: str | None = None) -> None:
         dom = self.lookup(domain)
         if not dom.isActive():
-            raise NotRunning(session=domain)
+            raise NotRunning(session=session or domain)
         if dom.state()[0] != libvirt.VIR_DOMAIN_PAUSED:
             with step(domain, "pausing"):
                 dom.suspend()
@@ -276,11 +283,19 @@ class DomainController:
     def resume(self, domain: str) -> None:
         """Run a paused domain; start a shut-off one."""
         dom = self.lookup(domain)
-        with step(domain, "resuming"):
-            if not dom.isActive():
-                dom.create()
-            elif dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
-                dom.resume()
+        try:
+            with step(domain, "resuming"):
+                if not dom.isActive():
+                    dom.create()
+                elif dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
+                    dom.resume()
+        except VMError:
+            # libvirt finishes a job whose client died (a start, a snapshot's resume): between
+            # our look and our call it may have run the machine already, which is what we want.
+            with step(domain, "reading its state after a failed resume"):
+                running = dom.isActive() and dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
+            if not running:
+                raise
 
     def state(self, domain: str) -> str:
         """running, paused, shutoff, crashed, ... or "absent" when no such domain exists."""

@@ -165,6 +165,12 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
             new_xml = ET.tostring(root, encoding="unicode")
             if mem is not None:
                 saveimage.rewrite_xml(mem, new_xml)
+        # Before the machine is touched: once libvirt runs these files, a restore killed before
+        # it recorded them is finished by recover (settle), not left half known.
+        label = checkpoint or f"restore-{n}"
+        state.pending = {"label": label, "bases": {t: str(p) for t, p in bases.items()},
+                         "overlays": {t: str(p) for t, p in overlays.items()}}
+        ctl.save_state(session, state)
         crash_point("vm.restore")
         t1 = time.monotonic()
         with step(domain, "stopping the running machine for a restore"):
@@ -172,6 +178,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
                 dom.destroy()
         t2 = time.monotonic()
         _start_paused(ctl, domain, mem, new_xml, dxml=new_xml)
+        crash_point("vm.restore.define")
         t3 = time.monotonic()
         if dom is None:
             with step(domain, "defining the restored machine again"):
@@ -189,13 +196,25 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
                 ctl.conn.lookupByName(domain).undefine()
         for p in (*bases.values(), *overlays.values()):
             p.unlink(missing_ok=True)
+        if state.pending is not None:
+            state.pending = None
+            with contextlib.suppress(OSError):
+                ctl.save_state(session, state)
         raise
     finally:
         if mem is not None:
             mem.unlink(missing_ok=True)
-    label = checkpoint or f"restore-{n}"
+    _take_new_chain(ctl, session, state, bases, overlays, label)
+    return Restored(domain, session, {t: str(p) for t, p in bases.items()}, label, timings)
+
+
+def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
+                    bases: dict[str, Path], overlays: dict[str, Path], label: str) -> None:
+    """Record the restored chain roots as the session's disks and remove every other file of
+    the session (the old chain, leftovers of restores that died staging)."""
     old_roots = {Path(ds.root) for ds in state.disks.values()}
     state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
+    state.pending = None
     ctl.save_state(session, state)
     keep = set(bases.values()) | set(overlays.values())
     # memory images of restores that died staging (verbs on a session are serialized)
@@ -205,7 +224,36 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         if p in old_roots and state.adopted:
             continue  # an adopted disk in our directory is still the user's
         p.unlink(missing_ok=True)
-    return Restored(domain, session, {t: str(p) for t, p in bases.items()}, label, timings)
+
+
+def settle(ctl: DomainController, session: str, domain: str) -> str | None:
+    """Finish the controller's part of a restore killed after it handed its files to libvirt:
+    when the machine runs on the pending overlays, they become the session's chain (and the
+    persistent definition's), and the checkpoint label is returned; a pending restore the
+    machine does not run on is dropped with its files. None when nothing was pending."""
+    state = ctl.load_state(session)
+    pending = state.pending
+    if not pending:
+        return None
+    bases = {t: Path(p) for t, p in pending["bases"].items()}
+    overlays = {t: Path(p) for t, p in pending["overlays"].items()}
+    running_on = None
+    if ctl.exists(domain):
+        dom = ctl.lookup(domain)
+        with step(domain, "reading the disks it runs on"):
+            if dom.isActive():
+                running_on = {d.target: d.source for d in domxml.disks(dom.XMLDesc(0))}
+    if running_on != {t: str(p) for t, p in overlays.items()}:
+        for p in (*bases.values(), *overlays.values()):
+            p.unlink(missing_ok=True)
+        state.pending = None
+        ctl.save_state(session, state)
+        return None
+    own = {t: p for t, p in domxml.boot_files(dom.XMLDesc(0)).items()
+           if Path(p).parent == ctl.session_dir(session)}
+    _redefine(ctl, domain, overlays, own)
+    _take_new_chain(ctl, session, state, bases, overlays, pending["label"])
+    return pending["label"]
 
 
 def _start_xml(mem: Path | None, xml: str | None, domain: str) -> str:

@@ -30,6 +30,9 @@ class SessionState:
     disks: dict[str, DiskState] = field(default_factory=dict)
     counter: int = 0  # numbers the files a session's snapshots and restores create
     adopted: bool = False
+    # A restore between handing its files to libvirt and recording them in ``disks``:
+    # {"label", "bases": {target: path}, "overlays": {target: path}}; see restore.settle.
+    pending: dict | None = None
 
     def next_number(self) -> int:
         self.counter += 1
@@ -44,7 +47,8 @@ def load_state(path: Path) -> SessionState | None:
     except (OSError, ValueError) as exc:
         raise VMError(f"controller state {path} is unreadable: {exc}") from exc
     disks = {t: DiskState(**d) for t, d in data.get("disks", {}).items()}
-    return SessionState(data["domain"], disks, data.get("counter", 0), data.get("adopted", False))
+    return SessionState(data["domain"], disks, data.get("counter", 0), data.get("adopted", False),
+                        data.get("pending"))
 
 
 def save_state(path: Path, state: SessionState) -> None:
@@ -54,6 +58,8 @@ def save_state(path: Path, state: SessionState) -> None:
         "adopted": state.adopted,
         "disks": {t: vars(d) for t, d in state.disks.items()},
     }
+    if state.pending is not None:
+        data["pending"] = state.pending
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(data, indent=1) + "\n")
