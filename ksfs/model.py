@@ -164,7 +164,8 @@ class CheckpointRecord:
     files: tuple[FileRecord, ...]
     parent: str | None = None  # the session's previous checkpoint this one was built on
     domain_xml: str | None = None
-    transcript_seq: int | None = None  # last transcript seq seen in the guest disk, if read
+    # last transcript seq seen in the guest disk (-1: the transcript had no line), if read
+    transcript_seq: int | None = None
     # The session's last host event when the guest froze (a live snapshot runs the guest for a
     # while after checkpoint.begin): events after it are not in the checkpoint's machine state.
     frozen_seq: int | None = None

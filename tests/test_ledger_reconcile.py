@@ -130,6 +130,22 @@ def test_no_host_record_is_unrecorded(world):
     assert body["transcript"]["disk_seq"] == 4
 
 
+def test_a_checkpoint_of_an_empty_transcript_restores_consistent(world):
+    """QA (ninth session): a checkpoint taken after the guest made its transcript but before
+    its first line recorded no seq, and its restore was "unrecorded"; it records -1 (an empty
+    transcript's seq) and is consistent with the same empty transcript, behind a longer one."""
+    from ksfs.keeper.machine import _seen_seq
+
+    store, led, cp = world
+    empty = TranscriptInfo(None, None, 0)
+    assert _seen_seq(empty) == -1 and _seen_seq(None) is None
+    early = CheckpointRecord(cp.session, cp.name, cp.seq, cp.created, cp.files,
+                             transcript_seq=_seen_seq(empty))
+    body = _restore(led, early, empty)
+    assert body["outcome"] == "consistent" and body["truth"] == "both"
+    assert _restore(led, early, TranscriptInfo(2, _own(led), 3))["outcome"] == "ahead"
+
+
 def test_current_transcript_rolled_back(world):
     store, led, cp = world
     body = _restore(led, cp, TranscriptInfo(HOST_SEQ, _own(led), 11), current_transcript_seq=25)

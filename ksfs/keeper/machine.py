@@ -373,7 +373,7 @@ class MachineVerbs:
             record = CheckpointRecord(
                 session=session, name=name, seq=seq, created=time.time(), files=tuple(files),
                 parent=parent.name if parent else None, domain_xml=frozen.xml,
-                transcript_seq=transcript.last_seq if transcript else None,
+                transcript_seq=_seen_seq(transcript),
                 frozen_seq=frozen_seq,
             )
             with self.store.env.begin(write=True) as txn:
@@ -413,6 +413,16 @@ class MachineVerbs:
             return read_transcript(fs, self.transcript_path(rec.name))
         except KsfsError:
             return None
+
+def _seen_seq(transcript: TranscriptInfo | None) -> int | None:
+    """The transcript seq a checkpoint records: its last line's; -1 for a transcript that is
+    there but has no whole line yet (as reconcile counts an empty one), so a restore of a
+    checkpoint taken before the guest's first line is consistent, not "unrecorded"; None when
+    none was read."""
+    if transcript is None:
+        return None
+    return -1 if transcript.last_seq is None else transcript.last_seq
+
 
 class _SourceReader:
     """Adapts a frozen disk source (``pread``) to the reader shape guestfs takes (``read``)."""
