@@ -4,7 +4,8 @@
 Mounts a fresh store, creates a session running the agent-like guest with `mkdir`, takes
 checkpoints with `mkdir`, forks one with `mkdir forks/`, restores one with `echo > resume`, shows
 the tree with `ls` and a `cmp` between two checkpoints, prints the store figures and the dedup
-ratio, then cleans up (sessions removed, domains gone, unmounted). Prints where time goes.
+ratio, then cleans up (sessions removed, domains gone, unmounted, its directory under /var/tmp
+removed; `--keep` leaves the store there to look at). Prints where time goes.
 """
 
 from __future__ import annotations
@@ -101,8 +102,13 @@ def main() -> int:
         print(f"dedup ratio: {figures['logical_bytes']} logical bytes stored in "
               f"{figures['stored_bytes']} bytes = {figures['dedup_ratio']}x")
     finally:
-        step("clean up: remove the sessions, unmount")
+        keep = "--keep" in sys.argv[1:]
+        step("clean up: remove the sessions, unmount" + ("" if keep else f", remove {WORK}"))
         cleanup(mnt)
+        if keep:
+            print(f"(the store is kept at {WORK / 'store'}: ksfs --store {WORK / 'store'} ...)")
+        elif not os.path.ismount(mnt):
+            shutil.rmtree(WORK, ignore_errors=True)
     print(f"\ndemo finished in {time.monotonic() - T0:.1f}s")
     return 0
 
