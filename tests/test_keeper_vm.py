@@ -715,3 +715,26 @@ def test_recover_after_crash_and_a_dead_machine(env, agent: str) -> None:
     assert virsh("domstate", f"ksfs-{booted_fork}").stdout.strip() == "running"
     grown = wait_transcript(store, booted_fork, e, len(kept_lines) + 1)
     assert transcript_lines(store, booted_fork, grown, e)[:len(kept_lines)] == kept_lines
+
+
+def test_taken_names_and_verbs_with_nothing_to_do(env, agent: str) -> None:
+    """QA (ninth session): `session new`/`fork` onto a taken name blamed the libvirt domain
+    (and `session new` without a guest blamed the missing template first); pause of a paused
+    machine and resume of a running one each added an event for nothing."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    no_guest = {k: v for k, v in e.items() if k != "KSFS_GUEST"}
+    for args, env_ in ((["session", "new", agent], no_guest), (["fork", agent, cp, agent], e)):
+        res = run(store, *args, check=False, env=env_)
+        assert res.returncode == 4, res.stderr
+        assert f"session {agent!r} already exists" in res.stderr, res.stderr
+    before = events_of(store, agent, e)
+    assert json.loads(run(store, "resume", agent, "--json", env=e).stdout)["seq"] is None
+    assert events_of(store, agent, e) == before
+    assert json.loads(run(store, "pause", agent, "--json", env=e).stdout)["seq"] is not None
+    assert json.loads(run(store, "pause", agent, "--json", env=e).stdout)["seq"] is None
+    assert json.loads(run(store, "resume", agent, "--json", env=e).stdout)["seq"] is not None
+    kinds = [ev["type"] for ev in events_of(store, agent, e)[len(before):]]
+    assert kinds == ["pause", "resume"]
+    verify = json.loads(run(store, "ledger", "verify", "--json", env=e).stdout)
+    assert verify["clean"] is True and verify["problems"] == [] and verify["sessions"] >= 1

@@ -110,8 +110,10 @@ def ledger_group() -> None:
 
 
 @ledger_group.command()
+@click.option("--json", "as_json", is_flag=True,
+              help="Print {clean, problems, and the counts} as JSON (same exit codes).")
 @pass_ctx
-def verify(ctx) -> None:
+def verify(ctx, as_json: bool) -> None:
     """Check the ledger: rebuild every lineage from its own chain, gapless seqs from 0, every
     event decodes, every checkpoint's manifests in the store, every fork's parent recorded.
 
@@ -121,6 +123,11 @@ def verify(ctx) -> None:
     """
     led = ctx.ledger()
     problems = led.verify(ctx.store())
+    if as_json:
+        emit_json(dict(led.stats(), clean=not problems, problems=list(problems)))
+        if problems:
+            raise click.exceptions.Exit(IntegrityError.exit_code)
+        return
     if not problems:
         st = led.stats()
         click.echo(f"ledger: clean ({st['sessions']} sessions, {st['lineages']} lineages, "

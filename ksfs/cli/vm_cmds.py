@@ -89,14 +89,16 @@ def session_list(ctx, as_json) -> None:
 @click.option("--keep-checkpoints", is_flag=True,
               help="Keep its checkpoints, read-only (cat, diff, fork); the name stays taken "
                    "until a later rm without this flag.")
+@_json_option
 @pass_ctx
-def session_rm(ctx, name, keep_checkpoints) -> None:
+def session_rm(ctx, name, keep_checkpoints, as_json) -> None:
     """Destroy and undefine the session's domain and remove the session.
 
     Example: ksfs session rm agent --keep-checkpoints
     """
-    run_verb(ctx, "session_rm", name=name, keep_checkpoints=keep_checkpoints)
-    click.echo(f"removed session {name}")
+    res = run_verb(ctx, "session_rm", name=name, keep_checkpoints=keep_checkpoints)
+    emit_json(res) if as_json else click.echo(
+        f"removed session {name}" + (" (its checkpoints kept)" if keep_checkpoints else ""))
 
 
 @main.command()
@@ -180,7 +182,8 @@ def pause(ctx, session_name, as_json) -> None:
 @_json_option
 @pass_ctx
 def resume(ctx, session_name, as_json) -> None:
-    """Run SESSION's paused machine again (to go back in time, use restore).
+    """Run SESSION's paused machine again; one that is shut off is booted (to go back in
+    time, use restore).
 
     Example: ksfs resume agent
     """

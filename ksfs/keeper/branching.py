@@ -144,6 +144,7 @@ class RestoreVerbs:
         validate_name(session, "session name")
         validate_name(checkpoint, "checkpoint name")
         validate_name(new, "session name")
+        self._refuse_taken_session(new)
         parent = self.ledger.session(session)
         target = self.ledger.checkpoint(session, checkpoint)
         xml_disks = self._xml_disks(target)

@@ -122,6 +122,7 @@ class MachineVerbs:
     ) -> SessionRecord:
         """Define and start domain ``ksfs-NAME`` from a guest directory or kernel/initrd/disk."""
         validate_name(name, "session name")
+        self._refuse_taken_session(name)  # before the guest is looked for: the likelier slip
         spec = self._guest_spec(guest, kernel, initrd, disk)
         memory = int(memory or spec.get("memory_mib") or 256)
         vcpus = int(vcpus or spec.get("vcpus") or 1)
@@ -151,6 +152,15 @@ class MachineVerbs:
                     extra_cmdline=f"ksfs.lineage={rec.lineage}", fw_cfg=self.guest_facts(rec),
                 )
             return rec
+
+    def _refuse_taken_session(self, name: str) -> None:
+        """AlreadyExists naming the session (not its libvirt domain) when the name is taken,
+        also by a removed session whose checkpoints were kept."""
+        try:
+            self.ledger.session(name)
+        except NotFound:
+            return
+        raise AlreadyExists(what="session", name=name)
 
     @contextlib.contextmanager
     def _undone_on_failure(self, name: str, domain: str | None = None) -> Iterator[None]:
@@ -255,6 +265,8 @@ class MachineVerbs:
     def pause(self, session: str) -> dict[str, Any]:
         rec = self._machine(session)
         with session_lock(self.store_path, session):
+            if self.vm.state(rec.domain) == "paused":
+                return {"session": session, "state": "paused", "seq": None}  # nothing to do
             self.vm.pause(rec.domain, session)
             ev = self.ledger.record(session, "pause", {"domain": rec.domain})
         return {"session": session, "state": "paused", "seq": ev.seq}
@@ -262,6 +274,8 @@ class MachineVerbs:
     def resume(self, session: str) -> dict[str, Any]:
         rec = self._machine(session)
         with session_lock(self.store_path, session):
+            if self.vm.state(rec.domain) == "running":
+                return {"session": session, "state": "running", "seq": None}  # nothing to do
             self.vm.resume(rec.domain)
             ev = self.ledger.record(session, "resume", {"domain": rec.domain})
         return {"session": session, "state": "running", "seq": ev.seq}
