@@ -19,6 +19,7 @@ EVENT_TYPES = frozenset(
     {
         "session.created",
         "session.adopted",
+        "session.removing",
         "session.removed",
         "checkpoint.begin",
         "checkpoint.published",

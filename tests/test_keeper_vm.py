@@ -738,3 +738,25 @@ def test_taken_names_and_verbs_with_nothing_to_do(env, agent: str) -> None:
     assert kinds == ["pause", "resume"]
     verify = json.loads(run(store, "ledger", "verify", "--json", env=e).stdout)
     assert verify["clean"] is True and verify["problems"] == [] and verify["sessions"] >= 1
+
+
+def test_session_rm_killed_after_the_machine_went_is_finished_by_recover(env, agent: str
+                                                                          ) -> None:
+    """QA (ninth session): a `session rm` killed after it destroyed the machine left the
+    session, and recover booted its machine again from the last checkpoint."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    gone = f"rm-killed-{env['tag']}"
+    env["made"].append(gone)
+    run(store, "fork", agent, cp, gone, env=e)
+    res = run(store, "session", "rm", gone, check=False,
+              env=dict(e, KSFS_CRASH_AT="session.remove"))
+    assert res.returncode == -signal.SIGKILL
+    assert virsh("domstate", f"ksfs-{gone}").returncode != 0
+    report = json.loads(run(store, "recover", "--json", env=e).stdout)
+    mine = [r for r in report if r["session"] == gone]
+    assert mine and mine[0]["actions"][0].startswith("removal begun at seq"), report
+    assert virsh("domstate", f"ksfs-{gone}").returncode != 0
+    listed = json.loads(run(store, "session", "list", "--json", env=e).stdout)
+    assert gone not in {s["session"] for s in listed}
+    assert not (Path(store) / "vm" / gone).exists()

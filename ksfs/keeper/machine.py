@@ -244,15 +244,23 @@ class MachineVerbs:
         rec = self.ledger.session(name)
         with session_lock(self.store_path, name):
             if rec.domain and rec.removed is None:
-                self.vm.destroy_and_undefine(rec.domain)
-            if rec.domain:
-                # Kept checkpoints keep the kernel and initrd their forks boot from; a later
-                # removal without --keep-checkpoints takes those too.
-                self.vm.remove_files(name, keep_boot=keep_checkpoints)
-            with self.store.env.begin(write=True) as txn:
-                self.ledger.remove_session(txn, name, keep_checkpoints=keep_checkpoints)
-        self.checkpoint_changed(name, None)
+                # Said first: a removal killed after the machine went is finished by recover,
+                # which would otherwise boot the machine again.
+                self.ledger.record(name, "session.removing", {"keep_checkpoints": keep_checkpoints})
+            self._remove_locked(rec, keep_checkpoints)
         return {"session": name, "removed": True, "kept_checkpoints": keep_checkpoints}
+
+    def _remove_locked(self, rec: SessionRecord, keep_checkpoints: bool) -> None:
+        if rec.domain and rec.removed is None:
+            self.vm.destroy_and_undefine(rec.domain)
+            crash_point("session.remove")
+        if rec.domain:
+            # Kept checkpoints keep the kernel and initrd their forks boot from; a later
+            # removal without --keep-checkpoints takes those too.
+            self.vm.remove_files(rec.name, keep_boot=keep_checkpoints)
+        with self.store.env.begin(write=True) as txn:
+            self.ledger.remove_session(txn, rec.name, keep_checkpoints=keep_checkpoints)
+        self.checkpoint_changed(rec.name, None)
 
     def list_sessions(self) -> list[dict[str, Any]]:
         return [self.status(s.name) for s in self.ledger.sessions()]

@@ -75,10 +75,14 @@ class Recovery:
         that recover rolled back (its own log went with it)."""
         try:
             self.ledger.session(rec.name)
-            self.ledger.record(rec.name, "recover", {"actions": done})
-            return
         except NotFound:
             pass
+        else:
+            try:
+                self.ledger.record(rec.name, "recover", {"actions": done})
+            except KsfsError:
+                pass  # removed (by recover too) with its checkpoints kept: its log is closed
+            return
         if rec.parent is not None:
             try:
                 self.ledger.record(rec.parent.session, "recover",
@@ -88,6 +92,14 @@ class Recovery:
 
     def _recover_session(self, rec: Any, actions: list[str]) -> list[str]:
         """Mend one session; what was done is appended to ``actions`` as it is done."""
+        removing = self._removal_begun(rec.name)
+        if removing is not None:
+            # `session rm` was killed part way: finish it rather than bring the machine back.
+            keep = bool(removing.body.get("keep_checkpoints"))
+            self._remove_locked(rec, keep)
+            actions.append("removal begun at seq {} finished{}".format(
+                removing.seq, " (checkpoints kept)" if keep else ""))
+            return actions
         restore_to = None
         for ev in self._unfinished(rec.name):
             name = ev.body.get("name") or f"c_{ev.seq:04d}"
@@ -210,6 +222,16 @@ class Recovery:
             "checkpoint": target, "begin_seq": begin.seq, "reconcile_seq": rec_ev.seq,
             "recovered": True})
         return True
+
+    def _removal_begun(self, session: str) -> Any:
+        """The ``session.removing`` event of a removal that never finished: the session is
+        still listed and nothing but recover's own notes came after it (a session used again
+        after a removal that failed is not removed behind the user's back)."""
+        last = None
+        for ev in self.ledger.events(session):
+            if ev.type != "recover":
+                last = ev
+        return last if last is not None and last.type == "session.removing" else None
 
     def _unreconciled_fork(self, rec: Any) -> bool:
         """A fork whose log has no reconcile yet (a fork writes it before its machine runs)."""
