@@ -53,6 +53,9 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
 
     Example: ksfs import demo c1 disk.raw memory
     """
+    from ksfs.keeper.offline import import_paths
+
+    import_paths(session, checkpoint, files, disks)  # bad input makes no store
     keeper = ctx.open_keeper(create=True)
     update, finish = progress_bar(f"import {checkpoint}")
     try:

@@ -50,6 +50,41 @@ def is_disk_image(name: str) -> bool:
     return (name.startswith("disk") and name.endswith(".raw")) or name.endswith(".img")
 
 
+def import_paths(session: str, checkpoint: str | None, files: Iterable[str | os.PathLike],
+                 disks: Iterable[str | os.PathLike] = ()) -> tuple[list[Path], set[Path]]:
+    """The files an import would store, in order, and which of them are disks: every
+    argument checked (BadInput, BadName, NoSuchFile) without touching a store, so the command
+    line checks them before it opens, and maybe makes, one."""
+    validate_name(session, "session name")
+    if checkpoint is not None:
+        validate_name(checkpoint, "checkpoint name")
+    disk_set = {Path(d) for d in disks}
+    paths = [Path(f) for f in files] + sorted(disk_set - {Path(f) for f in files})
+    if not paths:
+        raise BadInput("nothing to import: name at least one file")
+    names = [p.name for p in paths]
+    for p in paths:
+        validate_name(p.name, "file name")
+        if p.name in CHECKPOINT_RESERVED_NAMES:
+            raise BadName(name=p.name, why="a checkpoint directory shows its own entry by "
+                          f"that name (reserved: {', '.join(CHECKPOINT_RESERVED_NAMES)})")
+        if not p.is_file():
+            if p.exists():
+                raise BadInput(f"{p} is not a regular file: only regular files are imported")
+            raise NoSuchFile(what="file to import", name=str(p))
+        if _claims_empty_but_is_not(p):
+            raise BadInput(f"{p} says it is empty but has content (a /proc or /sys file?): "
+                           "copy it to a regular file and import that")
+    if len(set(names)) != len(names):
+        first: dict[str, Path] = {}
+        for p, name in zip(paths, names, strict=True):
+            if name in first:
+                raise BadInput(f"{first[name]} and {p} would both be stored as {name!r}: "
+                               "a checkpoint keeps each file under its base name")
+            first[name] = p
+    return paths, disk_set
+
+
 class OfflineVerbs:
     def ensure_session(self, session: str) -> None:
         """Create an offline session (no machine) when ``session`` does not exist yet."""
@@ -76,33 +111,7 @@ class OfflineVerbs:
 
         ``map_files``: disk images may be read through a mapping (see ``FileSource.mapping``);
         only for a process that does nothing else, since a file cut short under it kills it."""
-        validate_name(session, "session name")
-        if checkpoint is not None:
-            validate_name(checkpoint, "checkpoint name")
-        disk_set = {Path(d) for d in disks}
-        paths = [Path(f) for f in files] + sorted(disk_set - {Path(f) for f in files})
-        if not paths:
-            raise BadInput("nothing to import: name at least one file")
-        names = [p.name for p in paths]
-        for p in paths:
-            validate_name(p.name, "file name")
-            if p.name in CHECKPOINT_RESERVED_NAMES:
-                raise BadName(name=p.name, why="a checkpoint directory shows its own entry by "
-                              f"that name (reserved: {', '.join(CHECKPOINT_RESERVED_NAMES)})")
-            if not p.is_file():
-                if p.exists():
-                    raise BadInput(f"{p} is not a regular file: only regular files are imported")
-                raise NoSuchFile(what="file to import", name=str(p))
-            if _claims_empty_but_is_not(p):
-                raise BadInput(f"{p} says it is empty but has content (a /proc or /sys file?): "
-                               "copy it to a regular file and import that")
-        if len(set(names)) != len(names):
-            first: dict[str, Path] = {}
-            for p, name in zip(paths, names, strict=True):
-                if name in first:
-                    raise BadInput(f"{first[name]} and {p} would both be stored as {name!r}: "
-                                   "a checkpoint keeps each file under its base name")
-                first[name] = p
+        paths, disk_set = import_paths(session, checkpoint, files, disks)
         self.ensure_session(session)
         with session_lock(self.store_path, session):
             taken = set(self.ledger.checkpoint_names(session))  # stable under the lock
