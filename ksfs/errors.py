@@ -4,13 +4,15 @@ Every error ksfs raises on purpose is a ``KsfsError``. Each class carries the er
 answers with and the exit code the command line ends with, and its docstring is its message
 template (filled from the keyword arguments given to the constructor), as borg does it.
 Lower-layer errors (lmdb, libvirt, OSError) are translated at each layer's boundary with
-``translate`` into the most specific class here. This module does no I/O.
+``translate`` into the most specific class here. This module does no I/O but one: asking how
+much space a store's file system has left, to tell a full disk behind LMDB's EIO.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno as _errno
+import os
 from collections.abc import Iterator
 
 
@@ -102,6 +104,10 @@ class IntegrityError(KsfsError):
 
     errno = _errno.EIO
     exit_code = 6
+
+
+class StoreDamaged(IntegrityError):
+    """the store at {path} is damaged: {why}"""
 
 
 class ChunkCorrupt(IntegrityError):
@@ -239,6 +245,18 @@ _LMDB_DAMAGE = {"CorruptedError", "PageNotFoundError", "InvalidError", "BadRslot
 # What the last line of defence turns into a ksfs error; any other errno escaping every layer
 # is a bug and keeps its traceback.
 _FOREIGN_ERRNOS = {_errno.ENOSPC, _errno.EDQUOT, _errno.EACCES, _errno.EPERM, _errno.EROFS}
+# LMDB reports a write its full disk cut short as EIO (mdb_page_flush: a short pwrite has no
+# errno): an EIO with less than this free where the store lives is a full disk, not a bad one.
+# A commit writes its dirty pages at once, so a few MiB can be missing and the rest still free.
+NEARLY_FULL_BYTES = 8 << 20
+
+
+def _free_bytes(where: object) -> int | None:
+    try:
+        st = os.statvfs(os.fspath(where))  # type: ignore[arg-type]
+    except (OSError, TypeError, ValueError):  # not a path ("the store"), or gone
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def from_foreign(exc: BaseException, where: object = "the store",
@@ -262,6 +280,13 @@ def from_foreign(exc: BaseException, where: object = "the store",
             return NoSpace(path=where, why=f"{what}: {text}")
         if "Permission denied" in text:
             return NotPermitted(f"the index of {where} cannot be opened: permission denied")
+        if "Read-only file system" in text:
+            return ReadOnly(what=f"the file system of the store at {where}")
+        if "Input/output error" in text:
+            free = _free_bytes(where)
+            if free is not None and free < NEARLY_FULL_BYTES:
+                return NoSpace(path=where, why=f"{what}: {text} with {free} bytes left on its "
+                               "file system (LMDB reports a write a full disk cut short as EIO)")
         if type(exc).__name__ in _LMDB_DAMAGE:
             return IntegrityError(f"the index of {where} is damaged ({text}); its packs are "
                                   "untouched: restore the index from a backup")

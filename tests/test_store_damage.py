@@ -1,12 +1,30 @@
-"""Bad import arguments are one line and their exit code, and make no store."""
+"""A damaged store layout is one line and its exit code, never a traceback, a signal, or a gc
+that deletes what it cannot see: a lost, emptied, foreign or truncated index, a pack cut short,
+index values no pack can hold, a packs directory gone or a pack that is a directory; bad
+import arguments that would make a store; a full or read-only file system under LMDB."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import random
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
+
+from ksfs.cas import ChunkStore
+from ksfs.cas import format as fmt
+from ksfs.cas import ingest as ingest_mod
+from ksfs.cas.packs import PackHandles
+from ksfs.cas.store import STORE_ID
+from ksfs.errors import ChunkCorrupt, NoSpace, StoreDamaged, from_foreign
+from tests.cas_helpers import put
 
 KSFS = [sys.executable, "-m", "ksfs.cli"]
 
@@ -24,6 +42,222 @@ def one_line(res: subprocess.CompletedProcess, code: int, *words: str) -> str:
     for w in words:
         assert w in err, err
     return err
+
+
+def packs_of(store: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (store / "packs").iterdir()}
+
+
+@pytest.fixture
+def made(tmp_path: Path) -> tuple[Path, Path]:
+    """(store, source file) with the file imported as s/a by the command line."""
+    src = tmp_path / "memory"
+    src.write_bytes(random.Random(1).randbytes(600_000))
+    store = tmp_path / "store"
+    res = ksfs(store, "import", "s", "a", str(src))
+    assert res.returncode == 0, res.stderr
+    return store, src
+
+
+def empty_index_as_older_ksfs_made_it(index: Path) -> None:
+    """An older ksfs opened a lost data.mdb with create: a new, empty environment with the
+    store's databases in it and no store id."""
+    (index / "data.mdb").unlink()
+    env = lmdb.open(str(index), max_dbs=32, map_size=1 << 30)
+    for name in ("chunks", "manifests", "packs", "cas_meta"):
+        env.open_db(name.encode())
+    env.close()
+
+
+# --- 1: an index lost, emptied or of another store -------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["emptied", "removed", "made-again-empty", "of-another-store"])
+def test_an_index_that_is_not_this_stores_is_damage_and_gc_deletes_no_pack(
+        made: tuple[Path, Path], tmp_path: Path, how: str) -> None:
+    store, src = made
+    index = store / "index"
+    if how == "emptied":
+        (index / "data.mdb").write_bytes(b"")
+    elif how == "removed":
+        (index / "data.mdb").unlink()
+    elif how == "made-again-empty":
+        empty_index_as_older_ksfs_made_it(index)
+    else:
+        other = tmp_path / "other"
+        assert ksfs(other, "import", "s", "a", str(src)).returncode == 0
+        shutil.copy(other / "index" / "data.mdb", index / "data.mdb")
+    before = packs_of(store)
+    assert before
+    for verb in (["check"], ["gc"], ["cat", "s", "a", "memory"], ["stats"],
+                 ["import", "s", "b", str(src)]):
+        one_line(ksfs(store, *verb), 6, "is damaged", str(index / "data.mdb"))
+    assert packs_of(store) == before
+
+
+def test_an_index_from_before_the_store_id_is_taken_and_marked(made: tuple[Path, Path]) -> None:
+    store, src = made
+    env = lmdb.open(str(store / "index"), max_dbs=32, map_size=1 << 30)
+    with env.begin(write=True, db=env.open_db(b"cas_meta")) as txn:
+        assert txn.pop(STORE_ID) is not None
+    env.close()
+    assert ksfs(store, "check").returncode == 0
+    assert subprocess.run(KSFS + ["--store", str(store), "cat", "s", "a", "memory"],
+                          capture_output=True).stdout == src.read_bytes()
+    with ChunkStore.open(store) as s, s.env.begin(db=s.db["cas_meta"]) as txn:
+        assert bytes(txn.get(STORE_ID)).decode() == s.marker["id"]
+
+
+def test_a_new_store_and_an_empty_one_open(tmp_path: Path) -> None:
+    with ChunkStore.open(tmp_path / "new", create=True) as s:
+        assert s.stats()["chunks"] == 0
+    with ChunkStore.open(tmp_path / "new") as s:
+        assert s.check().ok
+
+
+def test_an_index_directory_gone_is_damage_not_another_place(made: tuple[Path, Path]) -> None:
+    store, _ = made
+    shutil.rmtree(store / "index")
+    one_line(ksfs(store, "check"), 6, "index directory is missing")
+    one_line(ksfs(store, "import", "s", "b", str(made[1])), 6, "index directory is missing")
+    assert not (store / "index").exists()
+
+
+# --- 2: an index cut short -------------------------------------------------------------------
+
+
+def test_an_index_cut_short_is_refused_at_open_not_sigbus(made: tuple[Path, Path]) -> None:
+    store, _ = made
+    data = store / "index" / "data.mdb"
+    size = data.stat().st_size
+    assert size >= 4 * 4096, size
+    os.truncate(data, size // 2 // 4096 * 4096)
+    for verb in (["check"], ["cat", "s", "a", "memory"], ["gc"]):
+        one_line(ksfs(store, *verb), 6, "cut short", str(data))
+
+
+# --- 3: a pack cut short ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def multi_pack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(ingest_mod, "TARGET_PACK_BYTES", 256 * 1024)
+    s = ChunkStore.open(tmp_path / "store", create=True)
+    data = random.Random(3).randbytes(2 << 20)
+    f = put(s, data, chunking="cdc")
+    yield s, f, data
+    s.close()
+
+
+def test_check_without_data_finds_the_chunk_a_cut_pack_lost_its_end_of(multi_pack) -> None:
+    s, f, _ = multi_pack
+    with s.env.begin(db=s.db["chunks"]) as txn:
+        in_two = sorted(((fmt.Location.decode(v), bytes(k)) for k, v in txn.cursor()
+                         if fmt.Location.decode(v).pack == 2), key=lambda it: it[0].offset)
+    assert len(in_two) >= 4, in_two
+    straddler = in_two[len(in_two) // 2]
+    cut = straddler[0].offset + fmt.HEADER_SIZE + 100  # inside its payload
+    os.truncate(os.path.join(s.packs_dir, fmt.pack_name(2)), cut)
+    lost = {cid.hex() for loc, cid in in_two if loc.offset + loc.record_len > cut}
+    plain, read = s.check(read_data=False), s.check(read_data=True)
+    assert set(plain.damaged_chunks) == lost == set(read.damaged_chunks)
+    for rep in (plain, read):
+        assert "cut short" in rep.damaged_chunks[straddler[1].hex()]
+    with pytest.raises(ChunkCorrupt, match="cut short"):
+        s.read_chunk(straddler[1])
+
+
+# --- 4: index values no pack can hold ------------------------------------------------------
+
+
+def damage_location(store: Path, cid: bytes | None = None, **changes: int) -> str:
+    """Give a chunk's index entry (the first one's when cid is None) other figures; its hex id."""
+    with ChunkStore.open(store) as s, s.env.begin(write=True, db=s.db["chunks"]) as txn:
+        if cid is None:
+            cid = bytes(next(iter(txn.cursor()))[0])
+        loc = fmt.Location.decode(txn.get(cid))
+        txn.put(cid, fmt.Location(**{**loc.__dict__, **changes}).encode())
+    return cid.hex()
+
+
+@pytest.mark.parametrize("changes", [{"offset": 2**63 + 5}, {"offset": 2**64 - 1},
+                                     {"stored_len": 2**32 - 1}])
+def test_an_index_value_past_any_pack_is_damage_naming_the_chunk(
+        made: tuple[Path, Path], changes: dict) -> None:
+    store, _ = made
+    cid = damage_location(store, **changes)
+    one_line(ksfs(store, "cat", "s", "a", "memory"), 6, cid)
+    res = ksfs(store, "check")
+    assert res.returncode == 6 and f"chunk {cid}: damaged (its index entry is damaged" in \
+        res.stdout, res.stdout + res.stderr
+
+
+def test_gc_leaves_a_pack_whose_index_value_is_damaged(tmp_path: Path) -> None:
+    """The damaged chunk is live in a thin pack: gc would copy it, and names it instead."""
+    store = tmp_path / "store"
+    rnd = random.Random(4)
+    keep, drop = tmp_path / "keep", tmp_path / "drop"
+    keep.write_bytes(rnd.randbytes(100_000))
+    drop.write_bytes(rnd.randbytes(900_000))
+    assert ksfs(store, "import", "s", "a", str(keep), str(drop)).returncode == 0
+    res = ksfs(store, "import", "s", "b", str(keep), "--json")
+    assert res.returncode == 0, res.stderr
+    (kept,) = json.loads(res.stdout)["files"]
+    assert ksfs(store, "rm", "s", "a").returncode == 0
+    with ChunkStore.open(store) as s:
+        first = s.load_manifest(kept["manifest"]).entries[0][0]
+    cid = damage_location(store, first, offset=2**63 + 5)
+    res = ksfs(store, "gc")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert f"chunk {cid}" in res.stdout and "left as it was" in res.stdout, res.stdout
+
+
+def test_pack_handles_refuse_an_offset_past_any_pack(tmp_path: Path) -> None:
+    (tmp_path / fmt.pack_name(1)).write_bytes(b"x" * 100)
+    h = PackHandles(str(tmp_path))
+    try:
+        for n, off in ((10, 2**63 + 5), (10, -1), (2**32, 0)):
+            with pytest.raises(OSError):
+                h.pread(1, n, off)
+        assert h.pread(1, 10, 0) == b"x" * 10
+    finally:
+        h.close()
+
+
+# --- 6: the packs directory gone, a pack that is a directory -------------------------------
+
+
+def test_a_packs_directory_gone_is_damage_and_not_made_again(made: tuple[Path, Path]) -> None:
+    store, src = made
+    shutil.rmtree(store / "packs")
+    for verb in (["stats"], ["check"], ["gc"], ["import", "s", "b", str(src)]):
+        one_line(ksfs(store, *verb), 6, "packs directory is missing")
+    assert not (store / "packs").exists()
+
+
+def test_a_packs_directory_gone_after_open_is_damage(tmp_path: Path) -> None:
+    with ChunkStore.open(tmp_path / "s", create=True) as s:
+        put(s, random.Random(5).randbytes(100_000), chunking="cdc")
+        shutil.rmtree(s.packs_dir)
+        for call in (s.stats, s.check):
+            with pytest.raises(StoreDamaged, match="packs directory is missing"):
+                call()
+
+
+def test_a_pack_that_is_a_directory_is_a_damaged_pack(made: tuple[Path, Path]) -> None:
+    store, _ = made
+    (pack,) = (store / "packs").iterdir()
+    pack.unlink()
+    pack.mkdir()
+    res = ksfs(store, "check")
+    assert res.returncode == 6 and "Traceback" not in res.stderr, res.stderr
+    assert f"pack {int(pack.stem)}: its file is not a regular file" in res.stdout, res.stdout
+    assert "missing (its pack" in res.stdout
+    res = ksfs(store, "check", "--read-data")
+    assert res.returncode == 6 and "Traceback" not in res.stderr, res.stderr
+    res = ksfs(store, "gc")
+    assert "Traceback" not in res.stderr, res.stderr
+    assert pack.is_dir()
 
 
 # --- 5: bad input to import makes no store --------------------------------------------------
@@ -45,3 +279,56 @@ def test_import_with_bad_input_makes_no_store(tmp_path: Path, args: list[str], c
             for a in args]
     one_line(ksfs(store, "import", *args), code)
     assert not store.exists()
+
+
+# --- 7: a full or read-only file system under LMDB -----------------------------------------
+
+
+@contextlib.contextmanager
+def small_fs(where: Path, size: str = "64m") -> Iterator[Path]:
+    where.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(fs: Path) -> None:
+    with open(fs / "filler", "wb", buffering=0) as f:
+        for size in (1 << 20, 4096, 1):  # down to the last byte
+            with contextlib.suppress(OSError):
+                while f.write(b"\1" * size):
+                    pass
+
+
+def test_a_commit_a_full_disk_cut_short_is_no_space_not_eio(tmp_path: Path) -> None:
+    """Only the index grows (the file is stored already): LMDB says ENOSPC or, for a short
+    write, EIO; both are exit 9."""
+    src = tmp_path / "small"
+    src.write_bytes(random.Random(7).randbytes(3_000_000))
+    with small_fs(tmp_path / "fs") as fs:
+        store = fs / "store"
+        assert ksfs(store, "import", "s", "a", str(src)).returncode == 0
+        fill(fs)
+        for i in range(4):
+            one_line(ksfs(store, "import", "s", f"b{i}", str(src)), 9, "no space left")
+        exc = lmdb.Error("mdb_txn_commit: Input/output error")
+        assert isinstance(from_foreign(exc, store), NoSpace)
+    # with room to spare an EIO is what it says
+    assert not isinstance(from_foreign(exc, tmp_path), NoSpace)
+
+
+def test_a_read_only_file_system_is_one_line_exit_12(tmp_path: Path) -> None:
+    src = tmp_path / "small"
+    src.write_bytes(b"x" * 1000)
+    with small_fs(tmp_path / "fs", "8m") as fs:
+        store = fs / "store"
+        assert ksfs(store, "import", "s", "a", str(src)).returncode == 0
+        if subprocess.run(["mount", "-o", "remount,ro", str(fs)]).returncode != 0:
+            pytest.skip("cannot remount the tmpfs read-only")
+        for verb in (["stats"], ["check"], ["import", "s", "b", str(src)]):
+            one_line(ksfs(store, *verb), 12, "read-only", str(store))

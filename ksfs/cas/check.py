@@ -9,6 +9,7 @@ The report names every reference (checkpoint file) that depends on something dam
 from __future__ import annotations
 
 import os
+import stat as stat_
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ import zstandard
 
 from ksfs.cas import format as fmt
 from ksfs.cas.packs import decode_payload
-from ksfs.cas.store import index_errors
+from ksfs.cas.store import index_errors, list_packs_dir
 from ksfs.errors import IntegrityError, ManifestCorrupt
 
 if TYPE_CHECKING:
@@ -112,12 +113,13 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
     live: dict[int, int] = {}
     for _, loc in chunks:
         live[loc.pack] = live.get(loc.pack, 0) + loc.record_len
-    disk = {}
-    for name in os.listdir(store.packs_dir):
-        if name.endswith(".pack") and name[:-5].isdigit():
-            disk[int(name[:-5])] = os.stat(os.path.join(store.packs_dir, name)).st_size
+    disk, odd = _pack_files(store)
+    for no in odd:
+        rep.damaged_packs[no] = "its file is not a regular file"
     for no, (size, live_bytes) in packs.items():
-        if no not in disk:
+        if no in odd:
+            pass
+        elif no not in disk:
             rep.damaged_packs[no] = "its file is missing"
         elif disk[no] < size:
             rep.damaged_packs[no] = f"its file has {disk[no]} bytes, the index expects {size}"
@@ -139,10 +141,18 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
     rep.chunks_checked = len(chunks)
     by_pack: dict[int, list[tuple[bytes, fmt.Location]]] = {}
     for cid, loc in chunks:
-        if loc.pack in rep.damaged_packs and loc.pack not in disk:
+        end = loc.offset + loc.record_len
+        if (why := loc.problem()) is not None:
+            rep.damaged_chunks[cid.hex()] = why
+        elif loc.pack in odd:
+            rep.missing_chunks[cid.hex()] = f"its pack {loc.pack} is not a regular file"
+        elif loc.pack in rep.damaged_packs and loc.pack not in disk:
             rep.missing_chunks[cid.hex()] = f"its pack {loc.pack} is missing"
-        elif loc.offset + loc.record_len > packs.get(loc.pack, (0, 0))[0]:
+        elif end > packs.get(loc.pack, (0, 0))[0]:
             rep.damaged_chunks[cid.hex()] = f"it lies past the end of pack {loc.pack}"
+        elif loc.pack in disk and end > disk[loc.pack]:
+            # the index's figure is what was committed; the file is what a read gets
+            rep.damaged_chunks[cid.hex()] = _cut_short(loc, disk[loc.pack])
         else:
             by_pack.setdefault(loc.pack, []).append((cid, loc))
     for no, items in by_pack.items():
@@ -192,6 +202,30 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
             for ref in refs:
                 rep.affected_references.setdefault(ref, []).append(why)
     return rep
+
+
+def _pack_files(store: ChunkStore) -> tuple[dict[int, int], set[int]]:
+    """({pack number: size} of the pack files in packs/, {numbers whose entry is no regular
+    file}: a directory or a device by a pack's name is damage to name, not one to read)."""
+    disk: dict[int, int] = {}
+    odd: set[int] = set()
+    for name in list_packs_dir(store.path, store.packs_dir):
+        if not (name.endswith(".pack") and name[:-5].isdigit()):
+            continue
+        try:
+            st = os.stat(os.path.join(store.packs_dir, name))
+        except FileNotFoundError:  # gone since the listing: as if never listed
+            continue
+        if stat_.S_ISREG(st.st_mode):
+            disk[int(name[:-5])] = st.st_size
+        else:
+            odd.add(int(name[:-5]))
+    return disk, odd
+
+
+def _cut_short(loc: fmt.Location, file_size: int) -> str:
+    return (f"pack {loc.pack} is cut short: its file ends at byte {file_size}, this record at "
+            f"{loc.offset + loc.record_len}")
 
 
 def _check_pack(store: ChunkStore, no: int, items: list[tuple[bytes, fmt.Location]],
@@ -266,6 +300,9 @@ def _verify_records(store: ChunkStore, jobs: list[tuple[bytes, fmt.Location, byt
     d = zstandard.ZstdDecompressor()
     found = []
     for cid, loc, rec in jobs:
+        if len(rec) < loc.record_len:  # the file shrank since check listed it
+            found.append((cid.hex(), "its pack is cut short"))
+            continue
         why = _header_problem(rec[: fmt.HEADER_SIZE], cid, loc)
         if why is None:
             try:

@@ -42,6 +42,11 @@ BASE_ID_SIZE = 32
 
 INDEX_VALUE = struct.Struct("<IQIIB")  # pack, record offset, stored len, plain len, codec[, base]
 PACK_VALUE = struct.Struct("<QQ")  # committed size of the pack file, live record bytes
+# Bounds no real index value comes near (packs close at 32 MiB, chunks are at most about 64 KiB
+# plus a page group): past them an entry is damage, not something to pread (an offset past
+# 2**63 is an OverflowError, a 4 GiB length a 4 GiB allocation).
+MAX_PACK_OFFSET = 1 << 40
+MAX_STORED_LEN = 1 << 26
 
 MANIFEST_MAGIC = b"KSM1"
 MANIFEST_HEADER = struct.Struct("<4sB3xQQ")
@@ -101,6 +106,18 @@ class Location:
     def decode(cls, raw: bytes) -> Location:
         base = bytes(raw[INDEX_VALUE.size :]) or None
         return cls(*INDEX_VALUE.unpack_from(raw), base=base)
+
+    def problem(self) -> str | None:
+        """What makes this location impossible (a damaged index value), or None. Decoding
+        stays lenient so check can list such entries; readers ask this before they read."""
+        if self.offset > MAX_PACK_OFFSET:
+            return f"its index entry is damaged: offset {self.offset} lies past any pack"
+        longest = max(self.stored_len, self.plain_len)
+        if longest > MAX_STORED_LEN:
+            return f"its index entry is damaged: a length of {longest} bytes, more than any chunk"
+        if self.codec not in CODECS:
+            return f"its index entry is damaged: unknown codec {self.codec}"
+        return None
 
 
 # In cas_meta: moved by every GC transaction that changes what holds what (a flattened delta

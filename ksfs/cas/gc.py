@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat as stat_
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -25,7 +26,7 @@ import zstandard
 from ksfs.cas import format as fmt
 from ksfs.cas.flatten import Flattened, append_to, commit_writers, flatten, release
 from ksfs.cas.packs import PackWriter, decode_payload, fsync_dir
-from ksfs.cas.store import index_errors
+from ksfs.cas.store import index_errors, list_packs_dir
 from ksfs.crashpoints import crash_point
 from ksfs.errors import IntegrityError, KsfsError, translate
 
@@ -129,12 +130,15 @@ def _drop_orphans(store: ChunkStore, res: GCResult) -> None:
     """Remove packs no index lists and cut tails abandoned ingests left after committed bytes."""
     with store.env.begin(db=store.db["packs"]) as txn:
         packs = {int.from_bytes(k, "big"): fmt.PACK_VALUE.unpack(v) for k, v in txn.cursor()}
-    for name in os.listdir(store.packs_dir):
+    for name in list_packs_dir(store.path, store.packs_dir):
         if not (name.endswith(".pack") and name[:-5].isdigit()):
             continue
         no, path = int(name[:-5]), os.path.join(store.packs_dir, name)
         with translate("reclaim pack", path):
-            st_size = os.stat(path).st_size
+            st = os.lstat(path)
+            if not stat_.S_ISREG(st.st_mode):
+                continue  # not a pack any ingest wrote: check names it, gc leaves it be
+            st_size = st.st_size
             if no not in packs:
                 os.unlink(path)
                 store.handles.forget(no)
@@ -210,20 +214,32 @@ def _copy_pack(store: ChunkStore, no: int, items: list[tuple[bytes, fmt.Location
     """Copy the live records of pack no to the newest writer; None if one of them is damaged."""
     path = os.path.join(store.packs_dir, fmt.pack_name(no))
     records = []
-    with translate("read pack for repacking", path):
+    for cid, loc in items:
+        why = loc.problem()
+        if why is not None:
+            res.skipped_packs[no] = f"chunk {cid.hex()}: {why}"
+            return None
+    try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            for cid, loc in items:
+    except OSError as exc:  # reading only: no full disk here, the pack itself is the trouble
+        res.skipped_packs[no] = f"it cannot be opened: {exc.strerror}"
+        return None
+    try:
+        for cid, loc in items:
+            try:
                 rec = os.pread(fd, loc.record_len, loc.offset)
-                try:
-                    decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, dctx,
-                                   store.read_base)
-                except IntegrityError as exc:
-                    res.skipped_packs[no] = str(exc)
-                    return None
-                records.append((cid, loc, rec[fmt.HEADER_SIZE :]))
-        finally:
-            os.close(fd)
+            except OSError as exc:  # EIO, or a directory by the pack's name (EISDIR)
+                res.skipped_packs[no] = f"it cannot be read: {exc.strerror}"
+                return None
+            try:
+                decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, dctx,
+                               store.read_base)
+            except IntegrityError as exc:
+                res.skipped_packs[no] = str(exc)
+                return None
+            records.append((cid, loc, rec[fmt.HEADER_SIZE :]))
+    finally:
+        os.close(fd)
     copies = []
     for cid, loc, payload in records:
         copies.append((cid, append_to(writers, store, first_no, cid, payload, loc.plain_len,

@@ -33,6 +33,7 @@ from ksfs.cas.chunking import (
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, encode_alone
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.cas.patching import Patcher
+from ksfs.cas.store import list_packs_dir
 from ksfs.crashpoints import crash_point
 from ksfs.errors import BadInput, ChunkCorrupt, ChunkMissing, IntegrityError, KsfsError
 
@@ -383,7 +384,7 @@ class Ingest:
                 w = PackWriter.try_reopen(store.packs_dir, no, lambda: self._committed_size(no))
                 if w is not None:
                     return w
-        on_disk = [int(n[:-5]) for n in os.listdir(store.packs_dir)
+        on_disk = [int(n[:-5]) for n in list_packs_dir(store.path, store.packs_dir)
                    if n.endswith(".pack") and n[:-5].isdigit()]
         next_no = max([next_no, *(n + 1 for n in on_disk)])
         return PackWriter.create(store.packs_dir, next_no)

@@ -226,6 +226,9 @@ class PackHandles:
 
     def pread(self, no: int, n: int, offset: int) -> bytes:
         """Read from pack ``no``; FileNotFoundError if the pack is gone (GC moved its chunks)."""
+        if n > fmt.MAX_STORED_LEN + fmt.HEADER_SIZE:  # a damaged length, not one to allocate
+            raise OSError(errno.EINVAL, f"a read of {n} bytes is more than any record",
+                          os.path.join(self.packs_dir, fmt.pack_name(no)))
         return self._on_fd(no, os.pread, n, offset)
 
     def preadv(self, no: int, buffers: list, offset: int) -> int:
@@ -233,6 +236,10 @@ class PackHandles:
         return self._on_fd(no, os.preadv, buffers, offset)
 
     def _on_fd(self, no: int, call: Callable[..., Any], *args: Any) -> Any:
+        offset = args[-1]
+        if not 0 <= offset <= fmt.MAX_PACK_OFFSET:  # a damaged index value: no pack is that big
+            raise OSError(errno.EINVAL, f"offset {offset} lies past any pack",
+                          os.path.join(self.packs_dir, fmt.pack_name(no)))
         h = self._acquire(no)
         try:
             return call(h.fd, *args)

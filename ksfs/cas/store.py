@@ -14,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import stat as stat_
 import sys
 import tempfile
 import threading
@@ -37,6 +38,7 @@ from ksfs.errors import (
     NoSpace,
     NotAStore,
     NotPermitted,
+    StoreDamaged,
     from_foreign,
     from_os_error,
     translate,
@@ -53,23 +55,73 @@ LAYOUT = ("index", "packs", "staging", "vm")
 MAP_SIZE = 1 << 40 if sys.maxsize > 2**32 else 1 << 30  # sparse: LMDB only maps, never fills
 MAX_DBS = 32
 CAS_DBS = ("chunks", "manifests", "packs", "cas_meta")
+# In cas_meta: the id (from the marker) of the store the index was made for. LMDB makes a new,
+# empty environment wherever its file is missing or empty, and an empty index reads as an empty
+# store: check would call it clean and gc would delete every pack as unlisted. So an index
+# without this key (or naming another store) is refused as damage.
+STORE_ID = b"store_id"
+RESTORE_INDEX = "its packs are untouched: restore the index from a backup"
 
 _envs: dict[str, list[Any]] = {}  # realpath -> [env, users]: LMDB forbids opening one env twice
 _envs_lock = threading.Lock()
 
 
-def _open_env(path: str) -> lmdb.Environment:
+def _open_env(path: str, create: bool = False) -> lmdb.Environment:
+    """The shared environment of the index directory ``path``; only ``create`` (a new store)
+    may make its file, and a file cut short is refused before anything reads through the map."""
     with _envs_lock:
         slot = _envs.get(path)
         if slot is None:
+            data = os.path.join(path, "data.mdb")
+            if not create:
+                _require_index_file(data)
             try:
                 env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=MAX_DBS, subdir=True,
-                                max_readers=512, create=True)
+                                max_readers=512, create=create)
             except lmdb.Error as exc:
-                raise _lmdb_error("open the index", path, exc) from exc
+                raise _lmdb_error("open the index", os.path.dirname(path), exc) from exc
+            try:
+                _require_whole_file(env, data)
+            except BaseException:
+                env.close()
+                raise
             slot = _envs[path] = [env, 0]
         slot[1] += 1
         return slot[0]
+
+
+def _index_damaged(data: str, why: str) -> StoreDamaged:
+    store = os.path.dirname(os.path.dirname(data))
+    return StoreDamaged(path=store, why=f"its index {data} {why}; {RESTORE_INDEX}")
+
+
+def _require_index_file(data: str) -> None:
+    """Without MDB_CREATE LMDB still turns an empty file into a new environment: refuse first."""
+    try:
+        st = os.stat(data)
+    except FileNotFoundError:
+        raise _index_damaged(data, "is missing") from None
+    except OSError as exc:
+        raise from_os_error(exc, "open the index", data) from exc
+    if not stat_.S_ISREG(st.st_mode):
+        raise _index_damaged(data, "is not a regular file")
+    if st.st_size == 0:
+        raise _index_damaged(data, "is empty")
+
+
+def _require_whole_file(env: lmdb.Environment, data: str) -> None:
+    """LMDB reads pages through a mapping: a page past the end of a truncated file is SIGBUS,
+    not an error, so the file must hold every page the newest meta page counts. (The file only
+    grows: LMDB writes pages before the meta page that counts them, and never shrinks it.)"""
+    try:
+        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        have = os.stat(data).st_size
+    except lmdb.Error as exc:
+        raise _lmdb_error("open the index", os.path.dirname(os.path.dirname(data)), exc) from exc
+    except OSError as exc:
+        raise from_os_error(exc, "open the index", data) from exc
+    if have < need:
+        raise _index_damaged(data, f"is cut short ({have} bytes of the {need} it uses)")
 
 
 def _close_env(path: str) -> None:
@@ -107,13 +159,17 @@ class ChunkStore:
         self.marker = marker
         self.level = level
         self.index_path = os.path.realpath(os.path.join(path, "index"))
+        self.packs_dir = os.path.join(path, "packs")
         self.env = _open_env(self.index_path)
         try:
-            self.db = {name: self.env.open_db(name.encode()) for name in CAS_DBS}
+            self.db = self._open_dbs()
+            self._require_own_index()
         except lmdb.Error as exc:
             _close_env(self.index_path)
             raise _lmdb_error("open the store's databases", path, exc) from exc
-        self.packs_dir = os.path.join(path, "packs")
+        except BaseException:
+            _close_env(self.index_path)
+            raise
         self.handles = PackHandles(self.packs_dir)
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
@@ -122,6 +178,41 @@ class ChunkStore:
         self.relocated_reads = 0
 
     # --- opening -------------------------------------------------------------------------
+
+    def _open_dbs(self) -> dict[str, Any]:
+        """The cas databases, which every store's index has had since it was made."""
+        dbs = {}
+        for name in CAS_DBS:
+            try:
+                dbs[name] = self.env.open_db(name.encode(), create=False)
+            except lmdb.NotFoundError:
+                raise _index_damaged(os.path.join(self.index_path, "data.mdb"),
+                                     f"has no {name!r} database") from None
+        return dbs
+
+    def _require_own_index(self) -> None:
+        """The index names this store (``STORE_ID``). An index from before that key existed
+        is taken, and marked, unless it lists no chunk while packs/ holds pack files: that is
+        an index lost and made again empty (by an older ksfs), not a store."""
+        data = os.path.join(self.index_path, "data.mdb")
+        own = self.marker.get("id")
+        with self.env.begin(db=self.db["cas_meta"]) as txn:
+            named = txn.get(STORE_ID)
+            chunks = txn.stat(self.db["chunks"])["entries"] if named is None else 0
+        if named is not None:
+            if own is not None and bytes(named) != str(own).encode():
+                raise _index_damaged(data, f"belongs to another store (id {bytes(named)!r})")
+            return
+        if chunks == 0:
+            packs = [n for n in list_packs_dir(self.path, self.packs_dir)
+                     if n.endswith(".pack")]
+            if packs:
+                raise _index_damaged(data, f"lists no chunks, but packs/ holds {len(packs)} "
+                                     "pack file(s): the index was lost or emptied")
+        if own is not None:
+            with contextlib.suppress(lmdb.Error):  # a read-only store is read all the same
+                with self.env.begin(write=True, db=self.db["cas_meta"]) as txn:
+                    txn.put(STORE_ID, str(own).encode())
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], create: bool = False, level: int = 3) -> ChunkStore:
@@ -146,8 +237,10 @@ class ChunkStore:
             known = " or ".join(map(str, READABLE_VERSIONS))
             raise NotAStore(path=path, why=f"store format version {marker.get('version')!r} "
                             f"is not one this ksfs reads ({known})")
-        if not os.path.isdir(os.path.join(path, "index")):
-            raise NotAStore(path=path, why="its index/ directory is missing")
+        # the marker says this is a store: what is missing from it is damage, not another place
+        for sub in ("index", "packs"):
+            if not os.path.isdir(os.path.join(path, sub)):
+                raise StoreDamaged(path=path, why=f"its {sub} directory is missing")
         return cls(path, marker, level)
 
     def close(self) -> None:
@@ -267,6 +360,9 @@ class ChunkStore:
         raise AssertionError("unreachable")
 
     def _read_at(self, cid: bytes, loc: fmt.Location) -> bytes:
+        why = loc.problem()
+        if why is not None:
+            raise ChunkCorrupt(chunk=cid.hex(), why=why)
         try:
             raw = self.handles.pread(loc.pack, loc.record_len, loc.offset)
         except FileNotFoundError:
@@ -364,7 +460,7 @@ class ChunkStore:
                 packs += 1
                 live += fmt.PACK_VALUE.unpack(value)[1]
         pack_bytes = 0
-        for name in os.listdir(self.packs_dir):
+        for name in list_packs_dir(self.path, self.packs_dir):
             if name.endswith(".pack"):
                 try:
                     pack_bytes += os.stat(os.path.join(self.packs_dir, name)).st_size
@@ -372,6 +468,16 @@ class ChunkStore:
                     pass
         return {"stored_bytes": live, "chunks": chunks, "packs": packs,
                 "pack_bytes": pack_bytes, "manifests": manifests}
+
+
+def list_packs_dir(store: str, packs_dir: str) -> list[str]:
+    """The names in packs/; StoreDamaged when it is gone (it was there when the store opened)."""
+    try:
+        return os.listdir(packs_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        raise StoreDamaged(path=store, why="its packs directory is missing") from None
+    except OSError as exc:
+        raise from_os_error(exc, "list the packs directory", packs_dir) from exc
 
 
 def _create_layout(path: str) -> None:
@@ -396,13 +502,17 @@ def _create_layout(path: str) -> None:
         for sub in LAYOUT:
             os.makedirs(os.path.join(path, sub), exist_ok=True)
         open(os.path.join(path, "lock"), "a").close()
-        env = _open_env(os.path.realpath(os.path.join(path, "index")))
+        store_id = uuid.uuid4().hex
+        index = os.path.realpath(os.path.join(path, "index"))
+        env = _open_env(index, create=True)
         try:
-            for name in CAS_DBS:
-                env.open_db(name.encode())
+            with index_errors("create the index", path):
+                dbs = [env.open_db(name.encode()) for name in CAS_DBS]
+                with env.begin(write=True, db=dbs[CAS_DBS.index("cas_meta")]) as txn:
+                    txn.put(STORE_ID, store_id.encode())
         finally:
-            _close_env(os.path.realpath(os.path.join(path, "index")))
-        _write_marker(path, {"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex})
+            _close_env(index)
+        _write_marker(path, {"format": FORMAT, "version": VERSION, "id": store_id})
 
 
 def _write_marker(path: str, marker: dict[str, Any]) -> None:
