@@ -51,7 +51,9 @@ def ksfs(*args: str) -> str:
 
 def main() -> int:
     if WORK.exists():
-        cleanup(WORK / "mnt")
+        if not cleanup(WORK / "mnt"):
+            raise SystemExit(f"demo: {WORK} holds a demo that cannot be cleaned up (above); "
+                             "remove its sessions, then run again")
         shutil.rmtree(WORK)
     mnt = WORK / "mnt"
     mnt.mkdir(parents=True)
@@ -104,26 +106,36 @@ def main() -> int:
     finally:
         keep = "--keep" in sys.argv[1:]
         step("clean up: remove the sessions, unmount" + ("" if keep else f", remove {WORK}"))
-        cleanup(mnt)
-        if keep:
+        clean = cleanup(mnt)
+        if keep or not clean:
+            # Never removed under sessions still there: their machines would run on deleted
+            # disks, and the next run's clean-up could not find them.
             print(f"(the store is kept at {WORK / 'store'}: ksfs --store {WORK / 'store'} ...)")
-        elif not os.path.ismount(mnt):
+        else:
             shutil.rmtree(WORK, ignore_errors=True)
     print(f"\ndemo finished in {time.monotonic() - T0:.1f}s")
     return 0
 
 
-def cleanup(mnt: Path) -> None:
+def cleanup(mnt: Path) -> bool:
+    """Remove the demo's sessions (and so their machines) and unmount; True when all went."""
     env = dict(os.environ, KSFS_STORE=str(WORK / "store"))
+    clean = True
     if (WORK / "store").exists():
         listing = subprocess.run(KSFS + ["session", "list", "--json"], capture_output=True,
                                  text=True, env=env)
-        if listing.returncode == 0:
-            for sess in json.loads(listing.stdout or "[]"):
-                subprocess.run(KSFS + ["session", "rm", sess["session"]], env=env,
-                               capture_output=True)
+        if listing.returncode != 0:
+            print(f"demo: cannot list the sessions: {listing.stderr.strip()}", file=sys.stderr)
+            clean = False
+        for sess in json.loads(listing.stdout or "[]") if listing.returncode == 0 else []:
+            rm = subprocess.run(KSFS + ["session", "rm", sess["session"]], env=env,
+                                capture_output=True, text=True)
+            if rm.returncode != 0:
+                print(f"demo: {rm.stderr.strip()}", file=sys.stderr)
+                clean = False
     if os.path.ismount(mnt):
         subprocess.run(KSFS + ["umount", str(mnt)], env=env)
+    return clean and not os.path.ismount(mnt)
 
 
 if __name__ == "__main__":
