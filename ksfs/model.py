@@ -20,6 +20,7 @@ EVENT_TYPES = frozenset(
         "session.created",
         "session.adopted",
         "session.removing",
+        "session.remove_failed",
         "session.removed",
         "checkpoint.begin",
         "checkpoint.published",

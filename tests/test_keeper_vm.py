@@ -760,3 +760,55 @@ def test_session_rm_killed_after_the_machine_went_is_finished_by_recover(env, ag
     listed = json.loads(run(store, "session", "list", "--json", env=e).stdout)
     assert gone not in {s["session"] for s in listed}
     assert not (Path(store) / "vm" / gone).exists()
+
+
+def test_a_restore_failing_after_the_start_leaves_no_machine_on_deleted_files(env, agent: str
+                                                                              ) -> None:
+    """Review (ninth session): a restore that failed after libvirt started the machine removed
+    the files that machine ran on; every later save failed. The machine is stopped instead,
+    and recover brings the session back from its checkpoints."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    res = run(store, "restore", agent, cp, check=False,
+              env=dict(e, KSFS_FAIL_AT="vm.restore.define"))
+    assert res.returncode != 0 and "injected fault" in res.stderr
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "shut off"
+    report = json.loads(run(store, "recover", "--json", env=e).stdout)
+    mine = [r for r in report if r["session"] == agent]
+    assert mine and not mine[0]["failed"], report
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    save(store, agent, e)  # the chain it runs on is whole
+
+
+def test_a_save_before_recover_keeps_the_chain_a_killed_restore_left(env, agent: str) -> None:
+    """Review (ninth session): after a restore killed once libvirt ran its files, a save taken
+    before recover layered on them; recover's settle then deleted them under the machine."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    res = run(store, "restore", agent, cp, check=False,
+              env=dict(e, KSFS_CRASH_AT="vm.restore.define"))
+    assert res.returncode == -signal.SIGKILL
+    run(store, "resume", agent, env=e)
+    save(store, agent, e)
+    run(store, "recover", "--json", env=e)
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    live = virsh("dumpxml", f"ksfs-{agent}").stdout
+    for src in re.findall(r"<source file='([^']+)'", live):
+        assert Path(src).exists(), src
+    save(store, agent, e)
+
+
+def test_a_session_rm_that_failed_is_not_finished_by_recover(env, agent: str) -> None:
+    """Review (ninth session): a `session rm` that failed and said so left its intent, and the
+    next recover removed the session the user had kept using."""
+    store, e = env["store"], env["env"]
+    res = run(store, "session", "rm", agent, check=False,
+              env=dict(e, KSFS_FAIL_AT="session.remove"))
+    assert res.returncode != 0
+    kinds = [ev["type"] for ev in events_of(store, agent, e)]
+    assert kinds[-2:] == ["session.removing", "session.remove_failed"]
+    report = json.loads(run(store, "recover", "--json", env=e).stdout)
+    assert not any(a.startswith("removal") for r in report if r["session"] == agent
+                   for a in r["actions"]), report
+    listed = json.loads(run(store, "session", "list", "--json", env=e).stdout)
+    assert agent in {s["session"] for s in listed}

@@ -33,7 +33,7 @@ def _guest_fs(cp: CheckpointDir) -> Any:
             return _open[key]
     fs, why = cp.keeper.open_guest_fs(cp.load())  # fs_dir saw that it has a disk
     if fs is None:
-        cp.keeper.reject_fs(cp.session, cp.name, why, cp.seq)
+        cp.keeper.reject_fs(cp.session, cp.name, why, (cp.lineage, cp.seq))
     with _lock:
         _open[key] = fs
         while len(_open) > FS_KEPT:

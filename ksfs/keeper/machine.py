@@ -243,11 +243,18 @@ class MachineVerbs:
         """Destroy and undefine the session's domain (not an adopted one's disks) and forget it."""
         rec = self.ledger.session(name)
         with session_lock(self.store_path, name):
-            if rec.domain and rec.removed is None:
+            intent = rec.domain is not None and rec.removed is None
+            if intent:
                 # Said first: a removal killed after the machine went is finished by recover,
                 # which would otherwise boot the machine again.
                 self.ledger.record(name, "session.removing", {"keep_checkpoints": keep_checkpoints})
-            self._remove_locked(rec, keep_checkpoints)
+            try:
+                self._remove_locked(rec, keep_checkpoints)
+            except BaseException as exc:
+                if intent:  # failed and said so: the session stays the user's
+                    with contextlib.suppress(KsfsError):
+                        self.ledger.record(name, "session.remove_failed", {"reason": str(exc)})
+                raise
         return {"session": name, "removed": True, "kept_checkpoints": keep_checkpoints}
 
     def _remove_locked(self, rec: SessionRecord, keep_checkpoints: bool) -> None:
@@ -273,8 +280,10 @@ class MachineVerbs:
     def pause(self, session: str) -> dict[str, Any]:
         rec = self._machine(session)
         with session_lock(self.store_path, session):
-            if self.vm.state(rec.domain) == "paused":
-                return {"session": session, "state": "paused", "seq": None}  # nothing to do
+            if self.vm.state(rec.domain) == "paused" and self._paused_by_user(session):
+                # Nothing to do; a machine paused otherwise (virsh, a killed verb) gets the
+                # event, so recover knows the user wants it paused.
+                return {"session": session, "state": "paused", "seq": None}
             self.vm.pause(rec.domain, session)
             ev = self.ledger.record(session, "pause", {"domain": rec.domain})
         return {"session": session, "state": "paused", "seq": ev.seq}
@@ -282,7 +291,7 @@ class MachineVerbs:
     def resume(self, session: str) -> dict[str, Any]:
         rec = self._machine(session)
         with session_lock(self.store_path, session):
-            if self.vm.state(rec.domain) == "running":
+            if self.vm.state(rec.domain) == "running" and not self._paused_by_user(session):
                 return {"session": session, "state": "running", "seq": None}  # nothing to do
             self.vm.resume(rec.domain)
             ev = self.ledger.record(session, "resume", {"domain": rec.domain})
@@ -344,7 +353,7 @@ class MachineVerbs:
     def _save_stopped_disks(self, rec: SessionRecord, reason: str) -> CheckpointRecord:
         """A checkpoint of the disks of the session's machine, which is not running (shut off,
         crashed): what it wrote since its last checkpoint, kept before anything replaces it.
-        It has no memory, so it is read (cat, fs/, diff), not restored or forked."""
+        It has no memory: a restore or fork of it boots its disks."""
         session = rec.name
         begin, name = self._begin_checkpoint(session, None, reason)
         frozen = None

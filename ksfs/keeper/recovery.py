@@ -87,8 +87,8 @@ class Recovery:
             try:
                 self.ledger.record(rec.parent.session, "recover",
                                    {"actions": [f"fork {rec.name}: {a}" for a in done]})
-            except NotFound:
-                pass  # the parent is gone too: the report is all that is left
+            except KsfsError:
+                pass  # the parent is gone or its log closed: the report is all that is left
 
     def _recover_session(self, rec: Any, actions: list[str]) -> list[str]:
         """Mend one session; what was done is appended to ``actions`` as it is done."""
@@ -126,10 +126,16 @@ class Recovery:
         if state in ("running", "paused") and self._unreconciled_fork(rec):
             # A fork killed after its machine came up, before its first reconcile: the guest
             # runs from the fork point, which its log must say before it runs on.
-            target = self.ledger.checkpoint(rec.parent.session, rec.parent.checkpoint)
-            ev = self._reconcile_to(rec.name, target)
-            actions.append(f"fork of {rec.parent.session}/{rec.parent.checkpoint} had no "
-                           f"reconcile: reconciled ({ev.body.get('outcome')})")
+            point = f"{rec.parent.session}/{rec.parent.checkpoint}"
+            try:
+                target = self.ledger.checkpoint(rec.parent.session, rec.parent.checkpoint)
+            except NotFound:
+                actions.append(f"fork of {point} had no reconcile, and that checkpoint is gone: "
+                               "not reconciled")
+            else:
+                ev = self._reconcile_to(rec.name, target)
+                actions.append(f"fork of {point} had no reconcile: reconciled "
+                               f"({ev.body.get('outcome')})")
         if state == "paused" and not self._paused_by_user(rec.name):
             # A verb killed while the machine was paused (a save's last copy, a restore or fork
             # not yet resumed) must not leave it stopped. A restore killed after libvirt loaded
@@ -195,8 +201,10 @@ class Recovery:
         target = begin.body.get("checkpoint")
         if not rec.domain or not target:
             return False
+        # Not caught: a settle that could not look (libvirt down) must not let the restore be
+        # marked failed while it may have taken effect; the session is reported failed instead.
+        self.vm.settle_restore(rec.name, rec.domain)
         try:
-            self.vm.settle_restore(rec.name, rec.domain)
             if self.vm.holds_checkpoint(rec.name) != f"{rec.name}/{target}" \
                     or self.vm.state(rec.domain) not in ("running", "paused"):
                 return False
@@ -224,12 +232,13 @@ class Recovery:
         return True
 
     def _removal_begun(self, session: str) -> Any:
-        """The ``session.removing`` event of a removal that never finished: the session is
-        still listed and nothing but recover's own notes came after it (a session used again
-        after a removal that failed is not removed behind the user's back)."""
+        """The ``session.removing`` event of a removal that was killed: the session is still
+        listed and no ``session.remove_failed`` (a removal that failed and said so, after which
+        the session is the user's again) came after it. Other events after it (a model call the
+        guest finished as it went) do not count."""
         last = None
         for ev in self.ledger.events(session):
-            if ev.type != "recover":
+            if ev.type in ("session.removing", "session.remove_failed"):
                 last = ev
         return last if last is not None and last.type == "session.removing" else None
 

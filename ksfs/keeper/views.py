@@ -83,7 +83,7 @@ class Views:
         self._event_logs_lock = threading.Lock()
         self._holders = ChunkHolders(self.store, self.ledger)
         self._checkpoint_listeners: list[Callable[[str, str | None], None]] = []
-        self._fs_rejected: set[tuple] = set()  # (session, checkpoint, seq) told of once
+        self._fs_rejected: set[tuple] = set()  # (session, checkpoint, lineage, seq) told once
 
     def on_checkpoint_change(self, listener: Callable[[str, str | None], None]
                              ) -> Callable[[], None]:
@@ -245,14 +245,15 @@ class Views:
             pass
 
     def reject_fs(self, session: str, checkpoint: str, why: str | None,
-                  seq: int | None = None) -> None:
+                  at: tuple | None = None) -> None:
         """Record that a checkpoint's guest filesystem cannot be shown, and why: once per
         checkpoint for this keeper, however often the mount opens it again (a listing of
         many such checkpoints evicts and reopens them)."""
-        key = (session, checkpoint, seq)
-        if key in self._fs_rejected:
-            return
-        self._fs_rejected.add(key)
+        key = (session, checkpoint, at)  # at: (lineage, seq), so a name taken again is new
+        with self._guest_disks_lock:
+            if key in self._fs_rejected:
+                return
+            self._fs_rejected.add(key)
         try:
             self.ledger.record(session, "fs.unreadable", {"checkpoint": checkpoint, "why": why})
         except KsfsError:

@@ -142,6 +142,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         raise
     n, mem, bases, overlays = staged.n, staged.memory, staged.bases, staged.overlays
     timings = {"materialize": staged.seconds}
+    started = False
     try:
         new_xml = _start_xml(mem, xml, domain)
         _check_disks(new_xml, bases, domain)
@@ -178,6 +179,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
                 dom.destroy()
         t2 = time.monotonic()
         _start_paused(ctl, domain, mem, new_xml, dxml=new_xml)
+        started = True
         crash_point("vm.restore.define")
         t3 = time.monotonic()
         if dom is None:
@@ -188,10 +190,13 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         _redefine(ctl, domain, overlays, own)
         timings.update(destroy=t2 - t1, restore=t3 - t2, redefine=time.monotonic() - t3)
     except BaseException:
-        if dom is None:
-            # The machine this restore made again runs on the files removed below: stop it.
+        if started or dom is None:
+            # A machine started on the files removed below would run on deleted files that no
+            # save can read: stop it (the old one was stopped already; its definition and
+            # chain are untouched, so recover brings it back). One made again goes entirely.
             with contextlib.suppress(libvirt.libvirtError):
                 ctl.conn.lookupByName(domain).destroy()
+        if dom is None:
             with contextlib.suppress(libvirt.libvirtError):
                 ctl.conn.lookupByName(domain).undefine()
         for p in (*bases.values(), *overlays.values()):
@@ -226,6 +231,21 @@ def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
         p.unlink(missing_ok=True)
 
 
+def _chain_files(top: Path) -> set[Path]:
+    """The files of the qcow2/raw chain whose top is ``top`` (just ``top`` when it cannot be
+    read: a file in doubt is kept)."""
+    from ksfs.vm.chain import ChainSource
+
+    try:
+        source = ChainSource(top, "reading a disk chain")
+    except VMError:
+        return {top}
+    try:
+        return set(source.files) | {top}
+    finally:
+        source.close()
+
+
 def settle(ctl: DomainController, session: str, domain: str) -> str | None:
     """Finish the controller's part of a restore killed after it handed its files to libvirt:
     when the machine runs on the pending overlays, they become the session's chain (and the
@@ -238,14 +258,23 @@ def settle(ctl: DomainController, session: str, domain: str) -> str | None:
     bases = {t: Path(p) for t, p in pending["bases"].items()}
     overlays = {t: Path(p) for t, p in pending["overlays"].items()}
     running_on = None
+    in_use: set[Path] = set()  # every file of the domain's live and defined disk chains
     if ctl.exists(domain):
         dom = ctl.lookup(domain)
         with step(domain, "reading the disks it runs on"):
+            xmls = [dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)]
             if dom.isActive():
-                running_on = {d.target: d.source for d in domxml.disks(dom.XMLDesc(0))}
+                xmls.append(dom.XMLDesc(0))
+                running_on = {d.target: d.source for d in domxml.disks(xmls[-1])}
+        for x in xmls:
+            for d in domxml.disks(x):
+                in_use |= _chain_files(Path(d.source))
     if running_on != {t: str(p) for t, p in overlays.items()}:
+        # Not (or no longer: a save has layered on it since) exactly the restore's files:
+        # what no chain uses goes, and the session's state stays as the save left it.
         for p in (*bases.values(), *overlays.values()):
-            p.unlink(missing_ok=True)
+            if p not in in_use:
+                p.unlink(missing_ok=True)
         state.pending = None
         ctl.save_state(session, state)
         return None
