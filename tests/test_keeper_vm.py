@@ -788,9 +788,13 @@ def test_a_save_before_recover_keeps_the_chain_a_killed_restore_left(env, agent:
     res = run(store, "restore", agent, cp, check=False,
               env=dict(e, KSFS_CRASH_AT="vm.restore.define"))
     assert res.returncode == -signal.SIGKILL
-    run(store, "resume", agent, env=e)
-    save(store, agent, e)
-    run(store, "recover", "--json", env=e)
+    save(store, agent, e)  # finishes the restore first: its events, then the checkpoint
+    kinds = [ev["type"] for ev in events_of(store, agent, e)]
+    i = len(kinds) - 1 - kinds[::-1].index("restore.begin")
+    assert kinds[i:i + 4] == ["restore.begin", "reconcile", "restore.done",
+                              "checkpoint.begin"], kinds[i:]
+    report = json.loads(run(store, "recover", "--json", env=e).stdout)
+    assert not [r for r in report if r["session"] == agent], report
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
     live = virsh("dumpxml", f"ksfs-{agent}").stdout
     for src in re.findall(r"<source file='([^']+)'", live):

@@ -311,6 +311,9 @@ class MachineVerbs:
     def _save_locked(self, rec: SessionRecord, name: str | None, reason: str,
                      live: bool = True) -> CheckpointRecord:
         session = rec.name
+        # A restore killed after libvirt took its files (no daemon ran recover since): finish
+        # it first, so the log says where the machine came from and the save builds on it.
+        self._finish_killed_restore(rec)
         begin, name = self._begin_checkpoint(session, name, reason)
         frozen = None
         try:

@@ -194,6 +194,16 @@ class Recovery:
             actions.append("machine is gone and no checkpoint can bring it back")
         return actions
 
+    def _finish_killed_restore(self, rec: Any) -> None:
+        """Finish (or let settle drop) a restore whose controller part was cut short, when one
+        is pending; call it under the session's lock."""
+        if not rec.domain or not self.vm.restore_pending(rec.name):
+            return
+        for ev in self._unfinished(rec.name):
+            if ev.type == "restore.begin" and self._finish_restore(rec, ev):
+                return
+        self.vm.settle_restore(rec.name, rec.domain)  # not the machine's: dropped
+
     def _finish_restore(self, rec: Any, begin: Any) -> bool:
         """A restore killed after the controller had brought the machine back (its chain root
         holds the target, the domain exists) is finished, not failed: reconciled if it was not

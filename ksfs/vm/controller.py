@@ -241,6 +241,11 @@ class DomainController:
 
         return restore(self, session, domain, memory, disks, xml, checkpoint, staged)
 
+    def restore_pending(self, session: str) -> bool:
+        """A restore's files were handed to libvirt and not yet recorded (see settle)."""
+        state = load_state(self._state_path(session))
+        return state is not None and state.pending is not None
+
     def settle_restore(self, session: str, domain: str) -> str | None:
         """Finish the controller's part of a restore killed after libvirt took its files; see
         ksfs.vm.restore.settle. Returns the checkpoint label it finished, if any."""
