@@ -1,7 +1,8 @@
 """A damaged store layout is one line and its exit code, never a traceback, a signal, or a gc
 that deletes what it cannot see: a lost, emptied, foreign or truncated index, a pack cut short,
 index values no pack can hold, a packs directory gone or a pack that is a directory; bad
-import arguments that would make a store; a full or read-only file system under LMDB."""
+import arguments that would make a store; a full or read-only file system under LMDB; a file
+that changes while it is imported."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ksfs.cas import format as fmt
 from ksfs.cas import ingest as ingest_mod
 from ksfs.cas.packs import PackHandles
 from ksfs.cas.store import STORE_ID
-from ksfs.errors import ChunkCorrupt, NoSpace, StoreDamaged, from_foreign
+from ksfs.errors import BadInput, ChunkCorrupt, NoSpace, StoreDamaged, from_foreign
 from tests.cas_helpers import put
 
 KSFS = [sys.executable, "-m", "ksfs.cli"]
@@ -332,3 +333,45 @@ def test_a_read_only_file_system_is_one_line_exit_12(tmp_path: Path) -> None:
             pytest.skip("cannot remount the tmpfs read-only")
         for verb in (["stats"], ["check"], ["import", "s", "b", str(src)]):
             one_line(ksfs(store, *verb), 12, "read-only", str(store))
+
+
+# --- 8: a file that changes while it is imported ---------------------------------------------
+
+
+@pytest.mark.parametrize("chunking", ["cdc", "fixed"])
+@pytest.mark.parametrize("change, words", [
+    ("grow", "20971520 bytes when its import began, 25971520 now"),
+    ("shrink", "20971520 bytes when its import began, 1048576 now"),
+    ("rewrite", "it was written to"),
+])
+def test_a_file_that_changes_while_it_is_imported_is_refused(
+        tmp_path: Path, chunking: str, change: str, words: str) -> None:
+    """Growing, shrinking or rewritten after the first batch was read: refused alike (exit 2),
+    never stored at the size it had when it was opened."""
+    src = tmp_path / "file"
+    src.write_bytes(random.Random(8).randbytes(20 << 20))  # more than one 8 MiB read batch
+
+    def after_first_batch(done: int, total: int) -> None:
+        if after_first_batch.done:
+            return
+        after_first_batch.done = True
+        if change == "grow":
+            with open(src, "ab") as f:
+                f.write(b"y" * 5_000_000)
+        elif change == "shrink":
+            os.truncate(src, 1 << 20)
+        else:
+            with open(src, "r+b") as f:
+                f.seek(100)
+                f.write(b"z" * 10)
+            os.utime(src, ns=(0, 1))  # a rewrite within the clock's tick still shows
+
+    after_first_batch.done = False
+    with ChunkStore.open(tmp_path / "store", create=True) as s, s.ingest() as ing:
+        with pytest.raises(BadInput, match=f"{src} changed while it was imported") as caught:
+            ing.add_file(str(src), chunking=chunking, progress=after_first_batch)
+        assert words in str(caught.value)
+        assert caught.value.exit_code == 2
+        assert not ing.manifests
+        src.write_bytes(b"still" * 1000)  # a file left alone is stored as it is
+        assert ing.add_file(str(src), chunking=chunking).size == 5000

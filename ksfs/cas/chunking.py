@@ -39,7 +39,9 @@ class FileSource:
     def __init__(self, path: str | os.PathLike[str], mappable: bool = False) -> None:
         with translate("open source file", path):
             self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            self.size = os.fstat(self.fd).st_size
+            st = os.fstat(self.fd)
+        self.size = st.st_size
+        self._mtime_ns = st.st_mtime_ns
         self.path = os.fspath(path)
         self._map: mmap.mmap | None = None
         self._unmappable = not mappable
@@ -47,6 +49,18 @@ class FileSource:
     def pread(self, offset: int, n: int) -> bytes:
         with translate("read source file", self.path):
             return os.pread(self.fd, n, offset)
+
+    def change(self) -> str | None:
+        """How the file changed since it was opened (its size, or its modification time for
+        bytes rewritten in place), or None. What was read of a changing file is no version the
+        file ever had as a whole."""
+        with translate("stat source file", self.path):
+            st = os.fstat(self.fd)
+        if st.st_size != self.size:
+            return f"{self.size} bytes when its import began, {st.st_size} now"
+        if st.st_mtime_ns != self._mtime_ns:
+            return "it was written to"
+        return None
 
     def mapping(self) -> mmap.mmap | None:
         """The file mapped read-only (made once), or None where it cannot be mapped.

@@ -25,6 +25,7 @@ from ksfs.cas import format as fmt
 from ksfs.cas.chunking import (
     FIXED_SIZE,
     ZERO_CHUNK,
+    FileSource,
     changed_spans,
     iter_cdc,
     iter_fixed,
@@ -54,6 +55,16 @@ def _zero(n: int) -> bytes:
         if len(_zeros) < 256:
             _zeros[n] = z
     return z
+
+
+def _refuse_if_changed(src: Any) -> None:
+    """A file that grew, shrank or was written while it was read is refused, whatever its
+    chunking: what was read of it is no version the file ever had, and storing the first
+    ``size`` bytes of a growing file would cut it at a point nobody chose."""
+    change = src.change() if isinstance(src, FileSource) else None
+    if change is not None:
+        raise BadInput(f"{src.path} changed while it was imported ({change}): import it when "
+                       "nothing writes to it, or import a copy")
 
 
 @dataclass(frozen=True)
@@ -190,12 +201,16 @@ class Ingest:
                     done += length
                 if progress is not None:
                     progress(done, total)
+        except BadInput:  # a source that ended early: a file cut short under us says so
+            _refuse_if_changed(src)
+            raise
         finally:
             # On failure too: a chunker holding a view of a mapped source lets go of it here,
             # before add_file closes the source.
             pipeline.close()
             if hasattr(batches, "close"):
                 batches.close()
+        _refuse_if_changed(src)  # before its manifest is kept: a refused file leaves none
         if slots is not None:
             entries = slots
         raw = fmt.encode_manifest(entries, chunking)
