@@ -291,6 +291,11 @@ def test_checkpoints_kept_by_session_rm_still_fork(env, agent: str) -> None:
     names = [c["name"] for c in json.loads(run(store, "checkpoints", gone, "--json",
                                                 env=e).stdout)]
     assert cp in names
+    # Listed only with --all, as removed (its name stays taken).
+    def listed(*flags: str) -> dict:
+        return {r["session"]: r["state"] for r in json.loads(
+            run(store, "session", "list", "--json", *flags, env=e).stdout)}
+    assert gone not in listed() and listed("--all")[gone] == "removed"
     run(store, "fork", gone, cp, child, env=e)
     assert virsh("domstate", f"ksfs-{child}").stdout.strip() == "running"
     # Removing it for good takes the rest; the child boots from its own copies.

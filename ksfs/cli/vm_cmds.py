@@ -67,14 +67,16 @@ def session_adopt(ctx, name, domain, as_json) -> None:
 
 
 @session.command("list")
+@click.option("--all", "show_all", is_flag=True,
+              help="Also sessions removed with --keep-checkpoints (state: removed).")
 @_json_option
 @pass_ctx
-def session_list(ctx, as_json) -> None:
+def session_list(ctx, show_all, as_json) -> None:
     """List sessions with their state, domain, seq and last checkpoint.
 
     Example: ksfs session list --json
     """
-    rows = ctx.open_keeper().list_sessions()
+    rows = ctx.open_keeper().list_sessions(include_removed=show_all)
     if as_json:
         emit_json(rows)
         return

@@ -269,8 +269,11 @@ class MachineVerbs:
             self.ledger.remove_session(txn, rec.name, keep_checkpoints=keep_checkpoints)
         self.checkpoint_changed(rec.name, None)
 
-    def list_sessions(self) -> list[dict[str, Any]]:
-        return [self.status(s.name) for s in self.ledger.sessions()]
+    def list_sessions(self, include_removed: bool = False) -> list[dict[str, Any]]:
+        """Every live session's status; with ``include_removed`` also those removed with their
+        checkpoints kept (their names stay taken)."""
+        return [self.status(s.name)
+                for s in self.ledger.sessions(include_removed=include_removed)]
 
     def ping(self) -> str:
         return "pong"
