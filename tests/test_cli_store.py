@@ -191,9 +191,10 @@ def test_a_checkpoint_of_thousands_of_long_named_files(store: Path, tmp_path: Pa
     assert published["type"] == "checkpoint.published"
     assert body["files"] == names[:len(body["files"])] and 0 < len(body["files"]) < 1200
     assert body["files_not_listed"] == 1200 - len(body["files"])
-    ksfs(store, "rm", "s1", "c1")
+    said = json.loads(ksfs(store, "rm", "s1", "c1", "--json").stdout)
     deleted = json.loads(ksfs(store, "events", "s1", "--json").stdout.splitlines()[-1])["body"]
     assert len(deleted["files"]) + deleted["files_not_listed"] == 1200
+    assert said == dict(deleted, session="s1", event_seq=said["event_seq"])
     assert ksfs(store, "check").returncode == 0
 
 

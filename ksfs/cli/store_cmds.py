@@ -237,14 +237,16 @@ def check(ctx, read_data: bool, as_json: bool) -> None:
 @main.command("rm")
 @click.argument("session")
 @click.argument("checkpoint")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print what was deleted (its files, sizes, event seq) as JSON.")
 @pass_ctx
-def rm(ctx, session: str, checkpoint: str) -> None:
+def rm(ctx, session: str, checkpoint: str, as_json: bool) -> None:
     """Delete CHECKPOINT of SESSION (its chunks are freed by the next gc).
 
     Example: ksfs rm demo c1 && ksfs gc
     """
-    run_verb(ctx, "rm", session=session, checkpoint=checkpoint)  # the daemon's, when mounted
-    click.echo(f"deleted {session}/{checkpoint}")
+    res = run_verb(ctx, "rm", session=session, checkpoint=checkpoint)  # the daemon's if mounted
+    emit_json(res) if as_json else click.echo(f"deleted {session}/{checkpoint}")
 
 
 @main.command()

@@ -183,15 +183,17 @@ class OfflineVerbs:
         except Exception:  # the store itself may be what failed; the raise above says why
             pass
 
-    def delete_checkpoint(self, session: str, checkpoint: str) -> None:
+    def delete_checkpoint(self, session: str, checkpoint: str) -> dict[str, Any]:
+        """Delete a checkpoint's record (its chunks wait for gc); what was deleted."""
         validate_name(session, "session name")
         validate_name(checkpoint, "checkpoint name")
         self.ledger.checkpoint(session, checkpoint)  # unknown: say so before a lock file is made
         with session_lock(self.store_path, session):
             self.ledger.checkpoint(session, checkpoint)  # and again, stable under the lock
             with self.store.env.begin(write=True) as txn:
-                self.ledger.delete_checkpoint(txn, session, checkpoint)
+                ev = self.ledger.delete_checkpoint(txn, session, checkpoint)
         self.checkpoint_changed(session, checkpoint)
+        return dict(ev.body, session=session, event_seq=ev.seq)
 
     def checkpoint_record(self, session: str, checkpoint: str) -> CheckpointRecord:
         """The record of ``checkpoint``, the names checked first: '..' or '' is bad input,
