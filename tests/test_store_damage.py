@@ -375,3 +375,23 @@ def test_a_file_that_changes_while_it_is_imported_is_refused(
         assert not ing.manifests
         src.write_bytes(b"still" * 1000)  # a file left alone is stored as it is
         assert ing.add_file(str(src), chunking=chunking).size == 5000
+
+
+def test_two_processes_making_one_store_at_once_agree_on_its_id(tmp_path, monkeypatch) -> None:
+    """Review (ninth session): two creators of one new store each wrote an id of their own into
+    the index and the marker; when they interleaved, the marker named one and the index the
+    other, and the store was refused as damaged for ever."""
+    from ksfs.cas import store as store_mod
+
+    path = tmp_path / "store"
+    write_marker = store_mod._write_marker
+
+    def other_creator_first(where, marker):  # A is about to write its marker: B runs whole
+        monkeypatch.setattr(store_mod, "_write_marker", write_marker)
+        store_mod._create_layout(where)
+        write_marker(where, marker)
+
+    monkeypatch.setattr(store_mod, "_write_marker", other_creator_first)
+    store_mod._create_layout(str(path))
+    with store_mod.ChunkStore.open(path) as store:
+        assert store.marker["id"]

@@ -509,7 +509,14 @@ def _create_layout(path: str) -> None:
             with index_errors("create the index", path):
                 dbs = [env.open_db(name.encode()) for name in CAS_DBS]
                 with env.begin(write=True, db=dbs[CAS_DBS.index("cas_meta")]) as txn:
-                    txn.put(STORE_ID, store_id.encode())
+                    # Two processes making one store at once (two imports into a new --store)
+                    # both get here; write transactions run one at a time, so the second takes
+                    # the first's id and both markers agree with the index.
+                    named = txn.get(STORE_ID)
+                    if named is None:
+                        txn.put(STORE_ID, store_id.encode())
+                    else:
+                        store_id = bytes(named).decode()
         finally:
             _close_env(index)
         _write_marker(path, {"format": FORMAT, "version": VERSION, "id": store_id})
