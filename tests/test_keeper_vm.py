@@ -821,3 +821,37 @@ def test_a_session_rm_that_failed_is_not_finished_by_recover(env, agent: str) ->
                    for a in r["actions"]), report
     listed = json.loads(run(store, "session", "list", "--json", env=e).stdout)
     assert agent in {s["session"] for s in listed}
+
+
+def test_a_bare_ext_raw_disk_boots_with_root_on_it(tmp_path: Path) -> None:
+    """QA (ninth session): a distro guest given as --kernel/--initrd/--disk (no guest.json)
+    got no root=, and its initramfs found no root and the kernel panicked in a loop."""
+    from ksfs.guestfs.mkimage import build_ext4
+    from ksfs.keeper.machine import BASE_CMDLINE, default_cmdline
+    from ksfs.vm.files import inspect_disk
+
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    build_ext4(tree, tmp_path / "root.raw", 16)
+    (tmp_path / "blank.raw").write_bytes(bytes(4 << 20))
+    subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(tmp_path / "root.raw"),
+                    str(tmp_path / "root.qcow2")], check=True)
+    assert default_cmdline(inspect_disk(tmp_path / "root.raw")) == \
+        f"{BASE_CMDLINE} root=/dev/vda rw"
+    for other in ("blank.raw", "root.qcow2"):  # nothing says where a root is: no guess
+        assert default_cmdline(inspect_disk(tmp_path / other)) == BASE_CMDLINE
+
+
+def test_session_new_takes_a_kernel_command_line(env, guest: Path) -> None:
+    store, e = env["store"], env["env"]
+    spec = json.loads((guest / "guest.json").read_text())
+    name = f"cmdline-{env['tag']}"
+    files = ["--kernel", spec["kernel"], "--initrd", spec["initrd"], "--disk", spec["disk"]]
+    bad = run(store, "session", "new", name, *files, "--cmdline", " ", check=False, env=e)
+    assert bad.returncode == 2 and "--cmdline" in bad.stderr
+    env["made"].append(name)
+    run(store, "session", "new", name, *files, "--cmdline",
+        "console=ttyS0 panic=-1 quiet ksfs.qa=cmdline", env=e)
+    xml = virsh("dumpxml", f"ksfs-{name}").stdout
+    assert "ksfs.qa=cmdline" in xml and "ksfs.lineage=" in xml
+    run(store, "session", "rm", name, env=e)

@@ -37,9 +37,14 @@ def session() -> None:
 @click.option("--disk", type=click.Path(dir_okay=False), help="Disk image (raw or qcow2).")
 @click.option("--memory", type=click.IntRange(16, 1 << 20), help="Memory in MiB.")
 @click.option("--vcpus", type=click.IntRange(1, 64), help="Virtual CPUs.")
+@click.option("--cmdline", metavar="TEXT",
+              help="Kernel command line (default: a guest.json's \"cmdline\", else "
+                   "\"console=ttyS0 panic=-1 quiet\" plus \"root=/dev/vda rw\" when the disk is "
+                   "a raw image holding one ext filesystem).")
 @_json_option
 @pass_ctx
-def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, as_json) -> None:
+def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, cmdline,
+                as_json) -> None:
     """Define and start domain ksfs-NAME as session NAME.
 
     Without --guest or --kernel/--initrd/--disk the default guest template is used
@@ -48,7 +53,7 @@ def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, as_json) 
     Example: ksfs session new agent --guest /var/cache/ksfs/guest --memory 256
     """
     rec = run_verb(ctx, "session_new", name=name, guest=guest, kernel=kernel, initrd=initrd,
-                   disk=disk, memory=memory, vcpus=vcpus)
+                   disk=disk, memory=memory, vcpus=vcpus, cmdline=cmdline)
     emit_json(rec) if as_json else click.echo(f"session {name} running as {rec['domain']}")
 
 

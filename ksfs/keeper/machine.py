@@ -46,6 +46,26 @@ def disk_file_name(index: int, target: str) -> str:
     return "disk.raw" if index == 0 else f"disk-{target}.raw"
 
 
+BASE_CMDLINE = "console=ttyS0 panic=-1 quiet"
+
+
+def default_cmdline(plan: Any) -> str:
+    """The kernel command line of a guest that names none: the serial console, and for a raw
+    disk that is one bare ext filesystem (a distro's root, as tools like virt-make-fs make it)
+    ``root=/dev/vda rw``, without which a distro's initramfs finds no root and the kernel
+    panics. An initramfs that is the whole guest (ours) ignores both."""
+    from ksfs.guestfs.image import FileImageReader, has_ext_magic
+
+    if plan.fmt == "raw" and plan.convert is None:
+        try:
+            with FileImageReader(plan.source) as reader:
+                if has_ext_magic(reader, 0):
+                    return f"{BASE_CMDLINE} root=/dev/vda rw"
+        except (OSError, KsfsError):
+            pass
+    return BASE_CMDLINE
+
+
 DOMAIN_PREFIX = "ksfs-"
 # libvirt keeps a persistent domain in /etc/libvirt/qemu/NAME.xml, written through NAME.xml.new:
 # with the prefix, a session name longer than this makes a file name over 255 bytes.
@@ -119,6 +139,7 @@ class MachineVerbs:
         disk: str | None = None,
         memory: int | None = None,
         vcpus: int | None = None,
+        cmdline: str | None = None,
     ) -> SessionRecord:
         """Define and start domain ``ksfs-NAME`` from a guest directory or kernel/initrd/disk."""
         validate_name(name, "session name")
@@ -132,6 +153,9 @@ class MachineVerbs:
 
         domain = domain_name_for(name)
         plan = inspect_disk(spec["disk"])  # an encrypted or foreign disk: refused before a record
+        if cmdline is not None and (not cmdline.strip() or "\n" in cmdline or "\0" in cmdline):
+            raise BadInput("--cmdline must be one non-empty line")
+        cmdline = cmdline or spec.get("cmdline") or default_cmdline(plan)
         with session_lock(self.store_path, name):
             if self.vm.exists(domain):
                 raise AlreadyExists(what="libvirt domain", name=domain)
@@ -148,7 +172,7 @@ class MachineVerbs:
                 self.vm.create(
                     name, domain, spec["kernel"], spec["initrd"], plan,
                     memory_mib=memory, vcpus=vcpus,
-                    cmdline=spec.get("cmdline", "console=ttyS0 panic=-1 quiet"),
+                    cmdline=cmdline,
                     extra_cmdline=f"ksfs.lineage={rec.lineage}", fw_cfg=self.guest_facts(rec),
                 )
             return rec
