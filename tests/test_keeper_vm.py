@@ -855,3 +855,19 @@ def test_session_new_takes_a_kernel_command_line(env, guest: Path) -> None:
     xml = virsh("dumpxml", f"ksfs-{name}").stdout
     assert "ksfs.qa=cmdline" in xml and "ksfs.lineage=" in xml
     run(store, "session", "rm", name, env=e)
+
+
+def test_recover_brings_a_restored_machine_back_to_its_own_timeline(env, agent: str) -> None:
+    """QA (ninth session, Debian guest): after `restore S A` (whose save-first made a newer
+    checkpoint of the state left behind) the machine died; recover restored that newer
+    checkpoint, the timeline the user had restored away from, instead of A."""
+    store, e = env["store"], env["env"]
+    a = save(store, agent, e, f"timeline-a-{env['tag']}")
+    time.sleep(2)
+    left = json.loads(run(store, "restore", agent, a, "--json", env=e).stdout)["saved_as"]
+    assert left
+    virsh("destroy", f"ksfs-{agent}", check=True)
+    report = json.loads(run(store, "recover", "--json", env=e).stdout)
+    actions = " ".join(x for r in report if r["session"] == agent for x in r["actions"])
+    assert f"restored to checkpoint {a}" in actions, actions
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
