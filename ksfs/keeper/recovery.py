@@ -119,6 +119,9 @@ class Recovery:
                 actions.append(f"restore to {restore_to} begun at seq {ev.seq} marked failed")
         if not rec.domain:
             return actions
+        freed = self.vm.drop_leftovers(rec.name)  # under the session lock: no verb is running
+        if freed:
+            actions.append(f"{freed} bytes a killed verb left in the session's files removed")
         state = self.vm.state(rec.domain)  # a failure here: "could not recover"
         if state in ("running", "paused") and self.vm.persist(rec.name, rec.domain):
             actions.append("machine was only a transient domain (a fork killed before its "

@@ -366,6 +366,19 @@ class DomainController:
                                   | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
                                   | libvirt.VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA)
 
+    def drop_leftovers(self, session: str) -> int:
+        """Delete what a killed verb of the session left that nothing will read: memory images
+        in staging (a save's, a restore's) and half-materialized ``*.part`` files. Call it
+        holding the session's lock (no verb of it running). Returns the bytes given back."""
+        d = self.session_dir(session)
+        freed = 0
+        for p in [*(d / "staging").glob("*.save"), *(d / "staging").glob("restore-*.image*"),
+                  *d.glob("*.part")]:
+            with contextlib.suppress(FileNotFoundError):
+                freed += p.stat().st_blocks * 512
+                p.unlink()
+        return freed
+
     def remove_files(self, session: str, keep_boot: bool = False) -> None:
         """Delete ``workdir/<session>/`` (its overlays, staging, log and state).
 
