@@ -101,6 +101,10 @@ def session_list(ctx, show_all, as_json) -> None:
 def session_rm(ctx, name, keep_checkpoints, as_json) -> None:
     """Destroy and undefine the session's domain and remove the session.
 
+    An adopted domain is destroyed and undefined too, and the disks ksfs made for it (all of
+    its current disks after a restore) go with the session's files: keep what you need with
+    --keep-checkpoints or `ksfs cat` first.
+
     Example: ksfs session rm agent --keep-checkpoints
     """
     res = run_verb(ctx, "session_rm", name=name, keep_checkpoints=keep_checkpoints)
