@@ -264,7 +264,9 @@ class MachineVerbs:
             return rec
 
     def remove_session(self, name: str, keep_checkpoints: bool = False) -> dict[str, Any]:
-        """Destroy and undefine the session's domain (not an adopted one's disks) and forget it."""
+        """Destroy and undefine the session's domain, remove its files under ``vm/NAME/`` and
+        forget it (with ``keep_checkpoints``: keep its records, read-only). An adopted domain's
+        disk files outside ``vm/NAME/`` stay; see docs/limits.md."""
         rec = self.ledger.session(name)
         with session_lock(self.store_path, name):
             intent = rec.domain is not None and rec.removed is None
