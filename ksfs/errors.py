@@ -256,7 +256,8 @@ def _free_bytes(where: object) -> int | None:
         st = os.statvfs(os.fspath(where))  # type: ignore[arg-type]
     except (OSError, TypeError, ValueError):  # not a path ("the store"), or gone
         return None
-    return st.f_bavail * st.f_frsize
+    # root (the daemon, LMDB under it) writes into the reserved blocks too
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
 
 
 def from_foreign(exc: BaseException, where: object = "the store",

@@ -213,6 +213,28 @@ def test_gc_leaves_a_pack_whose_index_value_is_damaged(tmp_path: Path) -> None:
     assert f"chunk {cid}" in res.stdout and "left as it was" in res.stdout, res.stdout
 
 
+def test_a_damaged_dead_entry_does_not_make_gc_delete_a_live_pack(tmp_path: Path) -> None:
+    """Review (ninth session): a dead chunk whose index entry claims a huge length took its
+    pack's live figure to 0, and gc deleted the pack with the live chunks beside it."""
+    store = tmp_path / "store"
+    rnd = random.Random(5)
+    keep, drop = tmp_path / "keep", tmp_path / "drop"
+    keep.write_bytes(rnd.randbytes(300_000))
+    drop.write_bytes(rnd.randbytes(300_000))
+    assert ksfs(store, "import", "s", "a", str(keep)).returncode == 0
+    res = ksfs(store, "import", "s", "b", str(drop), "--json")
+    assert res.returncode == 0, res.stderr
+    (dropped,) = json.loads(res.stdout)["files"]
+    with ChunkStore.open(store) as s:
+        first = s.load_manifest(dropped["manifest"]).entries[0][0]
+    assert ksfs(store, "rm", "s", "b").returncode == 0
+    damage_location(store, first, stored_len=2**32 - 1)
+    res = ksfs(store, "gc")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert subprocess.run(KSFS + ["--store", str(store), "cat", "s", "a", "keep"],
+                          capture_output=True, timeout=300).stdout == keep.read_bytes()
+
+
 def test_pack_handles_refuse_an_offset_past_any_pack(tmp_path: Path) -> None:
     (tmp_path / fmt.pack_name(1)).write_bytes(b"x" * 100)
     h = PackHandles(str(tmp_path))
@@ -395,3 +417,18 @@ def test_two_processes_making_one_store_at_once_agree_on_its_id(tmp_path, monkey
     store_mod._create_layout(str(path))
     with store_mod.ChunkStore.open(path) as store:
         assert store.marker["id"]
+
+
+def test_processes_making_one_store_at_once_all_open_it(tmp_path: Path) -> None:
+    """Review (ninth session): a creator that listed the directory after another had put its
+    marker in place refused it as "a non-empty directory without a ksfs marker" (exit 5)."""
+    code = ("import sys\nfrom ksfs.cas import ChunkStore\n"
+            "ChunkStore.open(sys.argv[1], create=True).close()\n")
+    for round_ in range(8):
+        path = tmp_path / f"store{round_}"
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(path)],
+                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0], errors
+        with ChunkStore.open(path) as s:
+            assert s.marker["id"]

@@ -41,7 +41,7 @@ class FileSource:
             self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             st = os.fstat(self.fd)
         self.size = st.st_size
-        self._mtime_ns = st.st_mtime_ns
+        self._times_ns = (st.st_mtime_ns, st.st_ctime_ns)
         self.path = os.fspath(path)
         self._map: mmap.mmap | None = None
         self._unmappable = not mappable
@@ -58,7 +58,8 @@ class FileSource:
             st = os.fstat(self.fd)
         if st.st_size != self.size:
             return f"{self.size} bytes when its import began, {st.st_size} now"
-        if st.st_mtime_ns != self._mtime_ns:
+        # ctime too: it moves with every write and cannot be set back (an mtime can, by utime)
+        if (st.st_mtime_ns, st.st_ctime_ns) != self._times_ns:
             return "it was written to"
         return None
 

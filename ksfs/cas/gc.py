@@ -104,7 +104,8 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
             if bytes(k) not in marked:
                 loc = fmt.Location.decode(v)
                 dead_chunks.append(bytes(k))
-                freed[loc.pack] = freed.get(loc.pack, 0) + loc.record_len
+                if loc.problem() is None:  # a damaged length must not empty a live pack
+                    freed[loc.pack] = freed.get(loc.pack, 0) + loc.record_len
         for k in dead_chunks:
             txn.delete(k, db=db["chunks"])
         release(txn, store, freed)
@@ -157,11 +158,18 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
         thin = {no for no, (size, live) in packs.items() if size and live < threshold * size}
         empty = {no for no, (size, live) in packs.items() if live == 0}
         moving: dict[int, list[tuple[bytes, fmt.Location]]] = {}
-        if thin:
+        referenced: set[int] = set()
+        if thin or empty:
             for k, v in txn.cursor(db=db["chunks"]):
                 loc = fmt.Location.decode(v)
-                if loc.pack in thin:
+                referenced.add(loc.pack)
+                if loc.pack in thin or loc.pack in empty:
                     moving.setdefault(loc.pack, []).append((bytes(k), loc))
+        # A pack is removed only when no chunk points into it, whatever its live figure says
+        # (a figure made wrong by a damaged entry would otherwise delete live records):
+        # one still referenced is copied out like a thin one.
+        thin |= empty & referenced
+        empty -= referenced
         first_no = _first_pack_no(txn, store)
     if not thin and not empty:
         return

@@ -208,7 +208,10 @@ class ChunkStore:
                      if n.endswith(".pack")]
             if packs:
                 raise _index_damaged(data, f"lists no chunks, but packs/ holds {len(packs)} "
-                                     "pack file(s): the index was lost or emptied")
+                                     "pack file(s): the index was lost or emptied (if this "
+                                     "store never held a checkpoint, those packs are the "
+                                     "leftovers of a killed first import: removing "
+                                     "packs/*.pack lets it open)")
         if own is not None:
             with contextlib.suppress(lmdb.Error):  # a read-only store is read all the same
                 with self.env.begin(write=True, db=self.db["cas_meta"]) as txn:
@@ -487,6 +490,8 @@ def _create_layout(path: str) -> None:
     if os.path.isdir(path):
         with translate("list the store directory", path):
             names = os.listdir(path)
+        if MARKER in names:
+            return  # another process made it meanwhile (its marker comes last)
         extra = {n for n in names if not n.startswith(MARKER + ".")} - (set(LAYOUT) | {"lock"})
         if extra:
             raise NotAStore(path=path, why="it is a non-empty directory without a ksfs marker")
