@@ -874,3 +874,19 @@ def test_recover_brings_a_restored_machine_back_to_its_own_timeline(env, agent: 
     actions = " ".join(x for r in report if r["session"] == agent for x in r["actions"])
     assert f"restored to checkpoint {a}" in actions, actions
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+
+
+def test_a_restore_after_a_killed_restore_keeps_its_own_files(env, agent: str) -> None:
+    """Review (ninth session): a restore's save-first finished an earlier killed restore, whose
+    settle removed every file of the session but its chain: the files this restore was staging."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    res = run(store, "restore", agent, cp, check=False,
+              env=dict(e, KSFS_CRASH_AT="vm.restore.define"))
+    assert res.returncode == -signal.SIGKILL
+    out = json.loads(run(store, "restore", agent, cp, "--json", env=e).stdout)
+    assert out["checkpoint"] == cp
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    kinds = [ev["type"] for ev in events_of(store, agent, e)]
+    assert kinds.count("restore.done") >= 2 and kinds[-1] == "restore.done"
+    save(store, agent, e)

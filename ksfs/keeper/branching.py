@@ -84,6 +84,9 @@ class RestoreVerbs:
         session = rec.name
         target = self.ledger.checkpoint(session, checkpoint)
         xml_disks = self._xml_disks(target)
+        # Before this restore numbers and stages its files: settling a killed one removes
+        # every file of the session that is not its chain.
+        self._finish_killed_restore(rec)
         memory, disks = self._checkpoint_readers(target, xml_disks)
         t0 = time.monotonic()
         # The target's files are written while the current state is saved: the save waits

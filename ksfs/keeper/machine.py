@@ -155,7 +155,8 @@ class MachineVerbs:
         plan = inspect_disk(spec["disk"])  # an encrypted or foreign disk: refused before a record
         if cmdline is not None and (not cmdline.strip() or "\n" in cmdline or "\0" in cmdline):
             raise BadInput("--cmdline must be one non-empty line")
-        cmdline = cmdline or spec.get("cmdline") or default_cmdline(plan)
+        if cmdline is None:
+            cmdline = spec["cmdline"] if "cmdline" in spec else default_cmdline(plan)
         with session_lock(self.store_path, name):
             if self.vm.exists(domain):
                 raise AlreadyExists(what="libvirt domain", name=domain)
@@ -335,14 +336,15 @@ class MachineVerbs:
             validate_name(name, "checkpoint name")
         rec = self._machine(session)
         with session_lock(self.store_path, session):
+            # A restore killed after libvirt took its files (no daemon ran recover since):
+            # finished first, so the log says where the machine came from and the save builds
+            # on its chain.
+            self._finish_killed_restore(rec)
             return self._save_locked(rec, name, reason="save")
 
     def _save_locked(self, rec: SessionRecord, name: str | None, reason: str,
                      live: bool = True) -> CheckpointRecord:
         session = rec.name
-        # A restore killed after libvirt took its files (no daemon ran recover since): finish
-        # it first, so the log says where the machine came from and the save builds on it.
-        self._finish_killed_restore(rec)
         begin, name = self._begin_checkpoint(session, name, reason)
         frozen = None
         try:

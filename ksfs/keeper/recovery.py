@@ -277,16 +277,14 @@ class Recovery:
         """The checkpoint to bring a dead machine back to: the one its disks last were at (its
         chain root's: the last save, or the checkpoint a restore went to), so a machine that was
         restored to an earlier checkpoint is not put back on the timeline the user left (the
-        restore's save-first is newer); else the newest with memory of the session. Never the
-        disks-only checkpoint of a stopped machine."""
+        restore's save-first is newer), even one without memory (then booted); else the newest
+        with memory of the session."""
         held = self.vm.holds_checkpoint(session)
         if held and held.partition("/")[0] == session:
             try:
-                record = self.ledger.checkpoint(session, held.partition("/")[2])
+                return self.ledger.checkpoint(session, held.partition("/")[2]).name
             except NotFound:
-                record = None  # deleted since
-            if record is not None and record.file(MEMORY_FILE) is not None:
-                return record.name
+                pass  # deleted since
         for name in reversed(self.ledger.checkpoint_names(session)):
             if self.ledger.checkpoint(session, name).file(MEMORY_FILE) is not None:
                 return name

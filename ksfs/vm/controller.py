@@ -10,6 +10,7 @@ touches domains it was not asked about. Must never import the store, the ledger,
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,8 @@ from ksfs.vm.steps import step
 
 if TYPE_CHECKING:
     from ksfs.vm.restore import Staged
+
+log = logging.getLogger("ksfs.vm")
 
 _STATES = {
     libvirt.VIR_DOMAIN_NOSTATE: "nostate",
@@ -374,9 +377,14 @@ class DomainController:
         freed = 0
         for p in [*(d / "staging").glob("*.save"), *(d / "staging").glob("restore-*.image*"),
                   *d.glob("*.part")]:
-            with contextlib.suppress(FileNotFoundError):
-                freed += p.stat().st_blocks * 512
+            try:
+                size = p.stat().st_blocks * 512
                 p.unlink()
+                freed += size
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # left for the next save or restore, which clear it too
+                log.warning("cannot remove leftover %s: %s", p, exc.strerror or exc)
         return freed
 
     def remove_files(self, session: str, keep_boot: bool = False) -> None:
