@@ -258,14 +258,16 @@ def settle(ctl: DomainController, session: str, domain: str) -> str | None:
     bases = {t: Path(p) for t, p in pending["bases"].items()}
     overlays = {t: Path(p) for t, p in pending["overlays"].items()}
     running_on = None
+    live_xml = ""
     in_use: set[Path] = set()  # every file of the domain's live and defined disk chains
     if ctl.exists(domain):
         dom = ctl.lookup(domain)
         with step(domain, "reading the disks it runs on"):
             xmls = [dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)]
             if dom.isActive():
-                xmls.append(dom.XMLDesc(0))
-                running_on = {d.target: d.source for d in domxml.disks(xmls[-1])}
+                live_xml = dom.XMLDesc(0)
+                xmls.append(live_xml)
+                running_on = {d.target: d.source for d in domxml.disks(live_xml)}
         for x in xmls:
             for d in domxml.disks(x):
                 in_use |= _chain_files(Path(d.source))
@@ -278,7 +280,7 @@ def settle(ctl: DomainController, session: str, domain: str) -> str | None:
         state.pending = None
         ctl.save_state(session, state)
         return None
-    own = {t: p for t, p in domxml.boot_files(dom.XMLDesc(0)).items()
+    own = {t: p for t, p in domxml.boot_files(live_xml).items()
            if Path(p).parent == ctl.session_dir(session)}
     _redefine(ctl, domain, overlays, own)
     _take_new_chain(ctl, session, state, bases, overlays, pending["label"])
