@@ -345,16 +345,28 @@ def test_a_commit_a_full_disk_cut_short_is_no_space_not_eio(tmp_path: Path) -> N
     assert not isinstance(from_foreign(exc, tmp_path), NoSpace)
 
 
-def test_a_read_only_file_system_is_one_line_exit_12(tmp_path: Path) -> None:
+def test_a_store_on_a_read_only_file_system_reads_and_refuses_changes(tmp_path: Path) -> None:
+    """A store on read-only media or a snapshot reads as it is (LMDB opened without its lock
+    file, which cannot be made there); every change is one line, exit 12, and changes nothing."""
     src = tmp_path / "small"
-    src.write_bytes(b"x" * 1000)
+    src.write_bytes(random.Random(3).randbytes(300_000) + b"x" * 200_000)
     with small_fs(tmp_path / "fs", "8m") as fs:
         store = fs / "store"
         assert ksfs(store, "import", "s", "a", str(src)).returncode == 0
+        before = json.loads(ksfs(store, "stats", "--json").stdout)
         if subprocess.run(["mount", "-o", "remount,ro", str(fs)]).returncode != 0:
             pytest.skip("cannot remount the tmpfs read-only")
-        for verb in (["stats"], ["check"], ["import", "s", "b", str(src)]):
+        got = subprocess.run(KSFS + ["--store", str(store), "cat", "s", "a", "small"],
+                             capture_output=True, timeout=300)
+        assert got.returncode == 0 and got.stdout == src.read_bytes(), got.stderr
+        assert json.loads(ksfs(store, "stats", "--json").stdout) == before
+        for verb in (["check"], ["check", "--read-data"], ["ledger", "verify"],
+                     ["checkpoints", "s"], ["events", "s"]):
+            res = ksfs(store, *verb)
+            assert res.returncode == 0, (verb, res.stderr)
+        for verb in (["import", "s", "b", str(src)], ["rm", "s", "a"], ["gc"]):
             one_line(ksfs(store, *verb), 12, "read-only", str(store))
+        assert json.loads(ksfs(store, "stats", "--json").stdout) == before
 
 
 # --- 8: a file that changes while it is imported ---------------------------------------------

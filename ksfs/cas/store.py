@@ -79,7 +79,9 @@ def _open_env(path: str, create: bool = False) -> lmdb.Environment:
                 env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=MAX_DBS, subdir=True,
                                 max_readers=512, create=create)
             except lmdb.Error as exc:
-                raise _lmdb_error("open the index", os.path.dirname(path), exc) from exc
+                if create or not _on_read_only_fs(path):
+                    raise _lmdb_error("open the index", os.path.dirname(path), exc) from exc
+                env = _open_read_only_env(path)
             try:
                 _require_whole_file(env, data)
             except BaseException:
@@ -88,6 +90,26 @@ def _open_env(path: str, create: bool = False) -> lmdb.Environment:
             slot = _envs[path] = [env, 0]
         slot[1] += 1
         return slot[0]
+
+
+def _on_read_only_fs(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _open_read_only_env(path: str) -> lmdb.Environment:
+    """A store on a read-only file system (a snapshot, read-only media, a ro bind mount) is
+    read without LMDB's lock file, which cannot be made there. No writer can reach the index
+    through this mount; one writing through another, writable view of the same files is not
+    seen (LMDB's reader table lives in that lock file), and every chunk read is still checked
+    against its id."""
+    try:
+        return lmdb.open(path, map_size=MAP_SIZE, max_dbs=MAX_DBS, subdir=True,
+                         readonly=True, lock=False, create=False)
+    except lmdb.Error as exc:
+        raise _lmdb_error("open the index", os.path.dirname(path), exc) from exc
 
 
 def _index_damaged(data: str, why: str) -> StoreDamaged:
@@ -289,8 +311,16 @@ class ChunkStore:
     def lock(self, exclusive: bool, timeout: float | None = None) -> int:
         """Take the store-wide flock; return its fd (closing the fd releases it)."""
         lock_path = os.path.join(self.path, "lock")
-        with translate("open the store lock", lock_path):
+        try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exclusive or exc.errno != errno.EROFS:
+                raise from_os_error(exc, "open the store lock", lock_path) from exc
+            # a reader of a store on a read-only file system: nothing can change it from here;
+            # a lock file an earlier writer made still takes our shared lock
+            target = lock_path if os.path.exists(lock_path) else self.path
+            with translate("open the store lock", target):
+                fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         try:
             if timeout is None:
