@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +28,34 @@ def ksfs(store: Path, env: dict | None, *args: str, check: bool = True,
     if check and res.returncode != 0:
         raise AssertionError(f"ksfs {' '.join(args)} -> {res.returncode}: {res.stderr}")
     return res
+
+
+def ksfs_on_terminal(store: Path, env: dict | None, *args: str,
+                     timeout: float = 300) -> tuple[int, str, str]:
+    """Run ksfs with its standard error on a pseudo-terminal (standard output piped):
+    (exit code, stdout, what the terminal got)."""
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen(KSFS + ["--store", str(store), *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=terminal, env=env)
+    os.close(terminal)
+    got = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                part = os.read(controller, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not part:
+                break
+            got += part
+        out = proc.stdout.read().decode()
+        return proc.wait(timeout=max(1, deadline - time.monotonic())), out, got.decode()
+    finally:
+        os.close(controller)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def virsh(*args: str, check: bool = False) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_helpers import KSFS, guest_dir, ksfs, remove_sessions, virsh
+from tests.cli_helpers import KSFS, guest_dir, ksfs, ksfs_on_terminal, remove_sessions, virsh
 
 pytestmark = pytest.mark.vm
 
@@ -156,6 +156,47 @@ def test_save_prints_name_and_publishes(env, agent: str) -> None:
     assert len(json.loads(run(store, "checkpoints", agent, "--json", env=e).stdout)) == before
     assert run(store, "check", "--read-data", env=e).returncode == 0
     assert run(store, "ledger", "verify", env=e).returncode == 0
+
+
+def steps_drawn(terminal: str) -> list[str]:
+    """The step lines a command drew on its terminal, in order (each redraw starts with a
+    carriage return and an erase-line)."""
+    return [part for part in terminal.split("\r\x1b[K") if part]
+
+
+def test_save_restore_fork_show_their_steps_on_a_terminal_only(env, agent: str) -> None:
+    """On a terminal, long verbs draw one line saying their step (with bytes where they move
+    any) and erase it before their report; piped, they print nothing but the report."""
+    store, e = env["store"], env["env"]
+    rc, out, terminal = ksfs_on_terminal(store, e, "save", agent, "shown")
+    assert rc == 0 and out.splitlines()[-1] == "shown", (out, terminal)
+    drawn = steps_drawn(terminal)
+    assert drawn and all(d.startswith(f"save {agent}: ") for d in drawn), terminal
+    assert terminal.endswith("\r\x1b[K"), terminal  # erased: the report stands alone
+    assert any(re.search(r": storing the memory \d+% \([\d.]+ of [\d.]+ MiB\)", d)
+               for d in drawn), drawn
+    order = [next(i for i, d in enumerate(drawn) if want in d)
+             for want in ("taking the snapshot", "storing the memory", "publishing")]
+    assert order == sorted(order), drawn
+
+    rc, out, terminal = ksfs_on_terminal(store, e, "restore", agent, "shown")
+    assert rc == 0 and "restored to shown" in out, terminal
+    drawn = " | ".join(steps_drawn(terminal))
+    for want in ("saving the current state first", "writing the checkpoint's memory and disks",
+                 "restoring the machine", "loading the memory image"):
+        assert want in drawn, drawn
+
+    fork = f"shown-fork-{env['tag']}"
+    env["made"].append(fork)
+    rc, out, terminal = ksfs_on_terminal(store, e, "fork", agent, "shown", fork)
+    assert rc == 0, terminal
+    drawn = " | ".join(steps_drawn(terminal))
+    assert f"fork {fork}: writing the checkpoint's memory and disks" in drawn, drawn
+    run(store, "session", "rm", fork, env=e)
+
+    # piped (scripts, CI): not a byte of progress
+    res = run(store, "save", agent, env=e)
+    assert res.stderr == "", res.stderr
 
 
 def test_restore_continues_from_the_checkpoint(env, agent: str) -> None:

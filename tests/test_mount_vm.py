@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_helpers import KSFS, daemon_mount, guest_dir, ksfs, transcript
+from ksfs.daemon.client import call_daemon
+from tests.cli_helpers import KSFS, daemon_mount, guest_dir, ksfs, ksfs_on_terminal, transcript
 
 pytestmark = pytest.mark.vm
 
@@ -125,6 +126,22 @@ def test_cli_verbs_go_through_the_daemon_and_second_mount_refused(mounted, tmp_p
     name = ksfs(store, env, "save", s, "via-cli").stdout.strip().splitlines()[-1]
     # What the CLI did through the daemon is at once in the mount.
     assert name in os.listdir(mnt / "sessions" / s / "checkpoints")
+    # The daemon sends a verb's steps to the command that asked, which draws them on its
+    # terminal; a caller that did not ask gets the reply alone.
+    steps: list[tuple] = []
+    rec = call_daemon(store, "save", progress=lambda *a: steps.append(a), session=s,
+                      name="with-steps")
+    assert rec["name"] == "with-steps"
+    names = [st for st, _, _ in steps]
+    assert names[0] == "taking the snapshot" and "publishing the checkpoint" in names, steps
+    sized = [(d, t) for st, d, t in steps if st == "storing the memory"]
+    assert sized and all(0 <= d <= t for d, t in sized), steps
+    rc, out, terminal = ksfs_on_terminal(store, env, "save", s, "on-a-terminal")
+    assert rc == 0 and out.splitlines()[-1] == "on-a-terminal", terminal
+    assert f"\r\x1b[Ksave {s}: storing the memory " in terminal, terminal
+    assert terminal.endswith("\r\x1b[K"), terminal
+    assert call_daemon(store, "save", session=s)["name"] in os.listdir(
+        mnt / "sessions" / s / "checkpoints")
     other = tmp_path / "other"
     other.mkdir()
     for extra in ([], ["--foreground"]):

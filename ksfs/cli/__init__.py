@@ -57,19 +57,28 @@ class Context:
 pass_ctx = click.make_pass_decorator(Context)
 
 
-def run_verb(ctx: Context, verb: str, **args: Any) -> Any:
+def run_verb(ctx: Context, verb: str, steps: str | None = None, **args: Any) -> Any:
     """Run a keeper verb in the running daemon when there is one, else here under the same locks.
 
-    Either way the result comes back JSON-shaped, so commands print one kind of value.
+    Either way the result comes back JSON-shaped, so commands print one kind of value. With
+    ``steps`` (a label), a terminal's standard error shows the verb's progress meanwhile.
     """
+    from ksfs import progress
+    from ksfs.cli.stepline import StepLine
     from ksfs.daemon.client import NO_DAEMON, call_daemon
     from ksfs.daemon.protocol import VERBS, to_jsonable
 
-    result = call_daemon(ctx.store_path, verb, **args)
-    if result is not NO_DAEMON:
-        return result
-    keeper = ctx.open_keeper(create=verb in ("session_new", "session_adopt", "import"))
-    return to_jsonable(getattr(keeper, VERBS[verb])(**args))
+    line = StepLine.for_terminal(steps) if steps else None
+    try:
+        result = call_daemon(ctx.store_path, verb, progress=line, **args)
+        if result is not NO_DAEMON:
+            return result
+        keeper = ctx.open_keeper(create=verb in ("session_new", "session_adopt", "import"))
+        with progress.reporting(line):
+            return to_jsonable(getattr(keeper, VERBS[verb])(**args))
+    finally:
+        if line is not None:
+            line.close()
 
 
 def emit_json(obj: Any) -> None:

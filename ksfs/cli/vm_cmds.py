@@ -52,8 +52,9 @@ def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, cmdline,
 
     Example: ksfs session new agent --guest /var/cache/ksfs/guest --memory 256
     """
-    rec = run_verb(ctx, "session_new", name=name, guest=guest, kernel=kernel, initrd=initrd,
-                   disk=disk, memory=memory, vcpus=vcpus, cmdline=cmdline)
+    rec = run_verb(ctx, "session_new", steps=f"session new {name}", name=name, guest=guest,
+                   kernel=kernel, initrd=initrd, disk=disk, memory=memory, vcpus=vcpus,
+                   cmdline=cmdline)
     emit_json(rec) if as_json else click.echo(f"session {name} running as {rec['domain']}")
 
 
@@ -124,7 +125,7 @@ def save(ctx, session_name, name, as_json) -> None:
 
     Example: ksfs save agent before-upgrade
     """
-    rec = run_verb(ctx, "save", session=session_name, name=name)
+    rec = run_verb(ctx, "save", steps=f"save {session_name}", session=session_name, name=name)
     # taken: a report that cannot be written must not read as if the save failed
     click.get_current_context().meta[DONE_NOTE] = \
         f"checkpoint {session_name}/{rec['name']} was stored"
@@ -148,7 +149,8 @@ def restore(ctx, session_name, checkpoint, as_json) -> None:
 
     Example: ksfs restore agent before-upgrade
     """
-    res = run_verb(ctx, "restore", session=session_name, checkpoint=checkpoint)
+    res = run_verb(ctx, "restore", steps=f"restore {session_name}", session=session_name,
+                   checkpoint=checkpoint)
     if as_json:
         emit_json(res)
         return
@@ -170,7 +172,8 @@ def fork(ctx, session_name, checkpoint, new, as_json) -> None:
 
     Example: ksfs fork agent before-upgrade agent-try2
     """
-    rec = run_verb(ctx, "fork", session=session_name, checkpoint=checkpoint, new=new)
+    rec = run_verb(ctx, "fork", steps=f"fork {new}", session=session_name,
+                   checkpoint=checkpoint, new=new)
     emit_json(rec) if as_json else click.echo(
         f"session {new} forked from {session_name}/{checkpoint}, running as {rec['domain']}")
 
@@ -217,7 +220,7 @@ def recover(ctx, as_json) -> None:
 
     Example: ksfs recover --json
     """
-    report = run_verb(ctx, "recover")
+    report = run_verb(ctx, "recover", steps="recover")
     if as_json:
         emit_json(report)
     elif not report:

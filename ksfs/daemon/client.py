@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,13 @@ def socket_path(store_path: str | Path) -> Path:
     return Path(store_path) / SOCKET_NAME
 
 
-def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0, **args: Any) -> Any:
-    """Run ``verb`` in the daemon of ``store_path``; NO_DAEMON when there is none."""
+def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
+                progress: Callable[[str, int | None, int | None], None] | None = None,
+                **args: Any) -> Any:
+    """Run ``verb`` in the daemon of ``store_path``; NO_DAEMON when there is none.
+
+    With ``progress``, the daemon's progress lines for the verb are handed to it as they come
+    (``timeout`` then bounds the wait for each line, not the whole verb)."""
     check_verb(verb)
     path = socket_path(store_path)
     if not path.exists():
@@ -35,18 +41,33 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0, **arg
             sock.connect(str(path))
         except (ConnectionRefusedError, FileNotFoundError):
             return NO_DAEMON  # a stale socket of a daemon that died: work locally
-        sock.sendall(encode({"verb": verb, "args": args}))
-        buf = b""
-        while not buf.endswith(b"\n"):
-            part = sock.recv(65536)
-            if not part:
-                raise DaemonError("the daemon closed the control socket without answering")
-            buf += part
+        request: dict[str, Any] = {"verb": verb, "args": args}
+        if progress is not None:
+            request["progress"] = True
+        sock.sendall(encode(request))
+        reply = _read_reply(sock, progress)
     except TimeoutError:
         raise DaemonError(f"the daemon did not answer {verb!r} within {timeout:.0f}s") from None
     finally:
         sock.close()
-    reply = json.loads(buf)
     if not reply.get("ok"):
         raise RemoteError(reply)
     return reply.get("result")
+
+
+def _read_reply(sock: socket.socket, progress: Callable[..., None] | None) -> dict[str, Any]:
+    """The verb's reply line, handing progress lines before it to ``progress``."""
+    buf = b""
+    while True:
+        while b"\n" not in buf:
+            part = sock.recv(65536)
+            if not part:
+                raise DaemonError("the daemon closed the control socket without answering")
+            buf += part
+        line, _, buf = buf.partition(b"\n")
+        message = json.loads(line)
+        if "progress" not in message:
+            return message
+        if progress is not None:
+            step = message["progress"]
+            progress(step.get("step", ""), step.get("done"), step.get("total"))

@@ -1,19 +1,24 @@
 """The daemon's control socket server: a trio task answering the verbs of protocol.VERBS.
 
 Each request runs its keeper method in a worker thread, so a long save on one session does not
-hold up a verb on another; the keeper's own locks serialise verbs on one session.
+hold up a verb on another; the keeper's own locks serialise verbs on one session. A request that
+asks for progress gets ``{"progress": {"step", "done", "total"}}`` lines before its reply.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from ksfs import progress
 from ksfs.daemon.protocol import check_verb, encode, error_reply, to_jsonable
 from ksfs.errors import BadInput, KsfsError, from_foreign
 
@@ -51,14 +56,73 @@ async def _handle(keeper: Any, stream: trio.abc.Stream) -> None:
             buf += part
             if len(buf) > 1 << 20:
                 return
-        reply = await trio.to_thread.run_sync(_dispatch, keeper, buf)
+        if not _wants_progress(buf):
+            reply = await trio.to_thread.run_sync(_dispatch, keeper, buf)
+        else:
+            send, receive = trio.open_memory_channel(math.inf)
+            sink = _ProgressSink(send, trio.lowlevel.current_trio_token())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_forward_progress, receive, stream)
+                try:
+                    reply = await trio.to_thread.run_sync(_dispatch, keeper, buf, sink)
+                finally:
+                    send.close()
         try:
             await stream.send_all(encode(reply))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
 
-def _dispatch(keeper: Any, raw: bytes) -> dict[str, Any]:
+# At most this many progress lines a second, besides every change of step.
+PROGRESS_RATE = 10
+
+
+class _ProgressSink:
+    """Progress from the verb's threads, handed to the connection's task on the trio loop."""
+
+    def __init__(self, send: trio.MemorySendChannel, token: trio.lowlevel.TrioToken) -> None:
+        self.send = send
+        self.token = token
+        self.last: tuple[str, float] = ("", 0.0)
+        self.lock = threading.Lock()
+
+    def __call__(self, step: str, done: int | None, total: int | None) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if step == self.last[0] and now - self.last[1] < 1 / PROGRESS_RATE:
+                return
+            self.last = (step, now)
+        self.token.run_sync_soon(self._put, {"step": step, "done": done, "total": total})
+
+    def _put(self, item: dict[str, Any]) -> None:
+        try:
+            self.send.send_nowait(item)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the verb is over: a late step is of no use
+
+
+async def _forward_progress(receive: trio.MemoryReceiveChannel, stream: trio.abc.Stream) -> None:
+    async for item in receive:
+        try:
+            await stream.send_all(encode({"progress": item}))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the caller went away; the verb runs on
+
+
+def _wants_progress(raw: bytes) -> bool:
+    try:
+        request = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(request, dict) and request.get("progress") is True
+
+
+def _dispatch(keeper: Any, raw: bytes, sink: progress.Sink | None = None) -> dict[str, Any]:
+    with progress.reporting(sink):
+        return _dispatch_verb(keeper, raw)
+
+
+def _dispatch_verb(keeper: Any, raw: bytes) -> dict[str, Any]:
     try:
         try:
             request = json.loads(raw)

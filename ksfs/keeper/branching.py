@@ -8,10 +8,12 @@ first so nothing is lost, and a fork that cannot start is rolled back.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ksfs import progress
 from ksfs.crashpoints import crash_point
 from ksfs.errors import AlreadyExists, KsfsError, NotFound, NotPermitted
 from ksfs.keeper.locks import session_lock
@@ -93,13 +95,16 @@ class RestoreVerbs:
         # mostly on QEMU and libvirt, the writing on the store's decompression.
         n = self.vm.reserve_restore(session)
         pool = ThreadPoolExecutor(1, thread_name_prefix="restore-stage")
-        staging = pool.submit(self.vm.stage_restore, session, rec.domain, n, memory, disks)
+        # (in this verb's context: the staging reports its progress to the same caller)
+        staging = pool.submit(contextvars.copy_context().run, self.vm.stage_restore, session,
+                              rec.domain, n, memory, disks)
         pool.shutdown(wait=False)  # the thread ends with its one job
         try:
             saved = None
             if self.vm.state(rec.domain) in ("running", "paused"):
                 # Not live: the machine is replaced right after, so a shorter whole save beats
                 # a shorter pause, and the memory copy would compete with the staging.
+                progress.report("saving the current state first")
                 saved = self._save_locked(rec, None, reason=f"before restore to {checkpoint}",
                                           live=False)
             t_saved = time.monotonic()
@@ -111,6 +116,7 @@ class RestoreVerbs:
         try:
             staged = staging.result()
             t_staged = time.monotonic()
+            progress.report("restoring the machine")
             restored = self.vm.restore(session, rec.domain, memory, disks,
                                        xml=target.domain_xml,
                                        checkpoint=f"{session}/{checkpoint}", staged=staged)
@@ -167,6 +173,7 @@ class RestoreVerbs:
             try:
                 with self._undone_on_failure(new, domain):
                     memory, disks = self._checkpoint_readers(target, xml_disks)
+                    progress.report("starting the fork")
                     self.vm.fork(new, domain, memory, disks, xml=target.domain_xml,
                                  lineage=rec.lineage, checkpoint=f"{session}/{checkpoint}",
                                  fw_cfg=self.guest_facts(rec))

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ksfs import progress
 from ksfs.crashpoints import crash_point
 from ksfs.errors import (
     AlreadyExists,
@@ -170,6 +171,7 @@ class MachineVerbs:
             with self.store.env.begin(write=True) as txn:
                 rec = self.ledger.create_session(txn, name, domain=domain, config=config)
             with self._undone_on_failure(name, domain):
+                progress.report("defining and starting the machine")
                 self.vm.create(
                     name, domain, spec["kernel"], spec["initrd"], plan,
                     memory_mib=memory, vcpus=vcpus,
@@ -351,6 +353,7 @@ class MachineVerbs:
             # The last host event when the guest froze: events after it (a model call that
             # finished during a live copy) are not in this checkpoint's machine state.
             frozen_at: list[int] = []
+            progress.report("taking the snapshot")
             frozen = self.vm.snapshot(
                 session, rec.domain, live=live,
                 on_freeze=lambda: frozen_at.append(self.ledger.last_seq(session)))
@@ -414,7 +417,8 @@ class MachineVerbs:
             if frozen.memory_path is not None:  # else the disks of a stopped machine
                 prev_memory = base.file(MEMORY_FILE) if base is not None else None
                 f = ingest.add_file(str(frozen.memory_path), chunking="cdc",
-                                    like=prev_memory.manifest if prev_memory else None)
+                                    like=prev_memory.manifest if prev_memory else None,
+                                    progress=_stepper("storing the memory"))
                 memory_base_read = f.base_bytes_read
                 files.append(FileRecord(MEMORY_FILE, f.manifest, f.size, f.stored, f.chunking,
                                         f.digest))
@@ -427,12 +431,13 @@ class MachineVerbs:
                 before = disk.source.bytes_read
                 f = ingest.add_file(disk.source, chunking="fixed",
                                     base=prev.manifest if prev and changed is not None else None,
-                                    changed=changed)
+                                    changed=changed, progress=_stepper(f"storing disk {fname}"))
                 bytes_read += disk.source.bytes_read - before
                 base_read += f.base_bytes_read
                 files.append(FileRecord(fname, f.manifest, f.size, f.stored, f.chunking,
                                         f.digest))
             transcript = self._frozen_transcript(rec, frozen)
+            progress.report("publishing the checkpoint")
             ingest.seal()
             parent = self.ledger.latest_checkpoint(session)
             record = CheckpointRecord(
@@ -478,6 +483,14 @@ class MachineVerbs:
             return read_transcript(fs, self.transcript_path(rec.name))
         except KsfsError:
             return None
+
+def _stepper(step: str):
+    """An ingest's (done, total) callback reporting ``step``, or None when nobody listens."""
+    sink = progress.current()
+    if sink is None:
+        return None
+    return lambda done, total: progress.report(step, done, total, sink=sink)
+
 
 def _seen_seq(transcript: TranscriptInfo | None) -> int | None:
     """The transcript seq a checkpoint records: its last line's; -1 for a transcript that is

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ksfs import progress
 from ksfs.errors import VMError
 
 ZERO_BLOCK = 1 << 20
@@ -165,10 +166,12 @@ class ChainSource:
             self._fds.clear()
 
 
-def materialize(reader: object, path: Path, what: str, block: int = ZERO_BLOCK) -> int:
+def materialize(reader: object, path: Path, what: str, block: int = ZERO_BLOCK,
+                steps: progress.Steps | None = None) -> int:
     """Write a reader's bytes (``.size``, ``.read(offset, n)``) to ``path``, sparse, fsynced.
 
-    All-zero blocks are skipped so the file stays sparse. Returns the bytes written.
+    All-zero blocks are skipped so the file stays sparse. Returns the bytes written; ``steps``
+    counts the bytes gone through (holes too).
     """
     size = int(reader.size)  # type: ignore[attr-defined]
     written = 0
@@ -187,6 +190,8 @@ def materialize(reader: object, path: Path, what: str, block: int = ZERO_BLOCK) 
                     f.write(buf)
                     written += n
                 pos += n
+                if steps is not None:
+                    steps.add(n)
             f.truncate(size)
             f.flush()
             os.fsync(f.fileno())

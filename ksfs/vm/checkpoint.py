@@ -22,6 +22,7 @@ from xml.sax.saxutils import quoteattr
 
 import libvirt
 
+from ksfs import progress
 from ksfs.crashpoints import crash_point
 from ksfs.errors import NotRunning, VMError
 from ksfs.vm import domxml, saveimage
@@ -40,6 +41,8 @@ COMMIT_TIMEOUT = 600.0
 # ends with what is left (libvirt allows a suspend inside a snapshot job for this).
 LIVE_COPY_LIMIT = 3.0
 PAUSE_POLL = 0.005
+# How often the meter asks libvirt how far the memory copy is, for a caller's progress.
+PROGRESS_POLL = 0.25
 # QEMU's refusal of a migration (so a memory snapshot) while it is in run state "postmigrate".
 STALE_POSTMIGRATE = "paused due to previous migration"
 
@@ -58,6 +61,8 @@ class _PauseMeter:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pause-meter", daemon=True)
         self.forced = False
+        self.sink = progress.current()  # the meter's thread reports for the caller's verb
+        self._next_report = 0.0
 
     def __enter__(self) -> _PauseMeter:
         self.t0 = time.monotonic()
@@ -76,6 +81,9 @@ class _PauseMeter:
             except libvirt.libvirtError:
                 continue
             now = time.monotonic()
+            if self.sink is not None and now >= self._next_report:
+                self._next_report = now + PROGRESS_POLL
+                self._report_copy()
             if paused:
                 if self.first is None:
                     self.first = now
@@ -86,6 +94,18 @@ class _PauseMeter:
                 self.forced = True
                 with contextlib.suppress(libvirt.libvirtError):
                     self.dom.suspend()
+
+    def _report_copy(self) -> None:
+        try:
+            stats = self.dom.jobStats()
+        except libvirt.libvirtError:
+            return
+        # memory_processed counts the bytes sent (zero pages are not), so how far the copy is
+        # is what is no longer remaining; remaining is 0 for a moment before the copy starts.
+        total, left = stats.get("memory_total"), stats.get("memory_remaining")
+        if total and left is not None and (left or stats.get("memory_processed")):
+            progress.report("copying the machine's memory", total - left, total,
+                            sink=self.sink)
 
     def _still_copying(self) -> bool:
         """Memory is still being copied (not a pause too short for the polls, already over)."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import libvirt
 
+from ksfs import progress
 from ksfs.crashpoints import crash_point
 from ksfs.errors import AlreadyExists, VMError
 from ksfs.vm import domxml, files, saveimage
@@ -52,9 +53,11 @@ def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
     jobs += [(reader, bases[t], f"materializing disk {t} of {domain}")
              for t, reader in disks.items()]
     made: list[Path] = []  # overlays created here: a file that was in the way is not ours
+    steps = progress.Steps("writing the checkpoint's memory and disks",
+                           sum(int(r.size) for r, _, _ in jobs))  # type: ignore[attr-defined]
     try:
         with ThreadPoolExecutor(max_workers=min(len(jobs), 4)) as pool:
-            futures = [pool.submit(materialize, r, p, what) for r, p, what in jobs]
+            futures = [pool.submit(materialize, r, p, what, steps=steps) for r, p, what in jobs]
             for f in futures:
                 f.result()
         for target, base in bases.items():
@@ -302,9 +305,11 @@ def _start_paused(ctl: DomainController, domain: str, mem: Path | None, xml: str
     XML), else booted from its disks with ``xml`` (an inactive persistent domain of that name
     and UUID takes it as its live definition)."""
     if mem is not None:
+        progress.report("loading the memory image into the machine")
         with step(domain, "restoring from the memory image"):
             ctl.conn.restoreFlags(str(mem), dxml, libvirt.VIR_DOMAIN_SAVE_PAUSED)
     else:
+        progress.report("booting the checkpoint's disks (it has no memory)")
         with step(domain, "booting from the checkpoint's disks (it has no memory)"):
             ctl.conn.createXML(xml, libvirt.VIR_DOMAIN_START_PAUSED)
 

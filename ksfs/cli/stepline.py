@@ -1,0 +1,62 @@
+"""One line on a terminal's standard error saying where a long verb is: its step, how far
+(percent and bytes, when the step moves bytes) and the time so far. Redrawn in place at most
+ten times a second and erased when the verb ends, so the verb's own report stands alone. Nothing
+at all when standard error is not a terminal (scripts, pipes, CI logs)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TextIO
+
+REDRAW_EVERY = 0.1
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f}" if n >= 10 << 20 else f"{n / (1 << 20):.1f}"
+
+
+class StepLine:
+    def __init__(self, label: str, out: TextIO | None = None) -> None:
+        self.label = label
+        self.out = out or sys.stderr
+        self.t0 = time.monotonic()
+        self.drawn_at = 0.0
+        self.step = ""
+        self.shown = False
+        self.lock = threading.Lock()  # a local verb reports from several threads
+
+    @classmethod
+    def for_terminal(cls, label: str) -> StepLine | None:
+        try:
+            return cls(label) if sys.stderr.isatty() else None
+        except (AttributeError, ValueError):  # a closed or replaced stderr
+            return None
+
+    def __call__(self, step: str, done: int | None = None, total: int | None = None) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if step == self.step and now - self.drawn_at < REDRAW_EVERY:
+                return
+            self.step, self.drawn_at = step, now
+            text = f"{self.label}: {step}"
+            if total:
+                done = min(done or 0, total)  # a live memory copy sends dirty pages again
+                text += f" {100 * done // total}% ({_mib(done)} of {_mib(total)} MiB)"
+            text += f"  {now - self.t0:.1f}s"
+            self._write("\r\x1b[K" + text)
+            self.shown = True
+
+    def close(self) -> None:
+        with self.lock:
+            if self.shown:
+                self._write("\r\x1b[K")
+                self.shown = False
+
+    def _write(self, text: str) -> None:
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except (OSError, ValueError):  # the terminal went away: the verb goes on
+            pass

@@ -1,0 +1,70 @@
+"""Progress of the long verbs (save, restore, fork, session new): a step's name and, when it
+moves bytes, how many of how many.
+
+Whoever wants them installs a sink with ``reporting`` (the command line draws them on a
+terminal; the daemon sends them down the control socket to that command line); ``report`` is a
+no-op without one. The sink lives in a context variable, so concurrent verbs in the daemon's
+worker threads each report to their own caller; threads a verb starts itself take the sink with
+``current()`` and report through ``Steps``. Progress never breaks a verb: a failing sink is
+logged and dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[str, "int | None", "int | None"], None]
+
+_sink: contextvars.ContextVar[Sink | None] = contextvars.ContextVar("ksfs_progress", default=None)
+
+
+def current() -> Sink | None:
+    """The sink of the verb running in this thread (to hand to threads it starts)."""
+    return _sink.get()
+
+
+@contextlib.contextmanager
+def reporting(sink: Sink | None) -> Iterator[None]:
+    """Send the progress of what runs in the block (in this thread) to ``sink``."""
+    token = _sink.set(sink)
+    try:
+        yield
+    finally:
+        _sink.reset(token)
+
+
+def report(step: str, done: int | None = None, total: int | None = None,
+           sink: Sink | None = None) -> None:
+    """Tell this thread's caller (or ``sink``) that the verb is at ``step``."""
+    sink = sink or _sink.get()
+    if sink is None:
+        return
+    try:
+        sink(step, done, total)
+    except Exception:  # noqa: BLE001 - a caller gone away must not fail the save it asked for
+        log.debug("progress sink failed", exc_info=True)
+
+
+class Steps:
+    """Bytes of one step done by several threads at once (files written in parallel)."""
+
+    def __init__(self, step: str, total: int | None, sink: Sink | None = None) -> None:
+        self.step = step
+        self.total = total
+        self.sink = sink or _sink.get()
+        self.done = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if self.sink is None:
+            return
+        with self._lock:
+            self.done += n
+            done = self.done
+        report(self.step, done, self.total, sink=self.sink)

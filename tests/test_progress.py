@@ -1,0 +1,177 @@
+"""Progress of long verbs: the terminal line, the reporting context, and the control socket's
+progress lines (served by the real trio server over a real Unix socket; the verbs here are a
+small keeper class whose save reports steps, so the wire is tested without a machine: the
+machine verbs' own steps are tested in test_keeper_vm.py and test_mount_vm.py)."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from ksfs import progress
+from ksfs.cli.stepline import StepLine
+from ksfs.daemon.client import call_daemon
+from ksfs.daemon.protocol import RemoteError
+from ksfs.daemon.server import serve_control
+from ksfs.errors import NotFound
+
+
+def test_the_terminal_line_redraws_in_place_and_is_erased() -> None:
+    out = io.StringIO()
+    line = StepLine("save agent", out)
+    line("taking the snapshot")
+    line("storing the memory", 5 << 20, 20 << 20)
+    line("storing the memory", 6 << 20, 20 << 20)  # same step within 0.1 s: not redrawn
+    line("copying the machine's memory", 300 << 20, 256 << 20)  # counted past its total
+    line.close()
+    text = out.getvalue()
+    drawn = [p for p in text.split("\r\x1b[K") if p]
+    assert [d.rsplit("  ", 1)[0] for d in drawn] == [
+        "save agent: taking the snapshot",
+        "save agent: storing the memory 25% (5.0 of 20 MiB)",
+        "save agent: copying the machine's memory 100% (256 of 256 MiB)",
+    ]
+    assert all(d.rsplit("  ", 1)[1].endswith("s") for d in drawn)
+    assert text.endswith("\r\x1b[K")
+    line.close()  # twice: nothing more
+    assert out.getvalue() == text
+
+
+def test_the_terminal_line_draws_nothing_when_nothing_was_reported(monkeypatch) -> None:
+    out = io.StringIO()
+    StepLine("save agent", out).close()
+    assert out.getvalue() == ""
+    # off a terminal there is no line at all (scripts and CI logs get the report alone)
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    assert StepLine.for_terminal("x") is None
+
+
+def test_report_reaches_the_sink_of_its_own_context_only() -> None:
+    got: list[tuple] = []
+    progress.report("nobody listens")  # no sink: nothing happens
+    with progress.reporting(lambda *a: got.append(a)):
+        progress.report("one", 1, 2)
+        other: list[tuple] = []
+
+        def elsewhere() -> None:  # a thread of its own has no sink unless handed one
+            progress.report("lost")
+            with progress.reporting(lambda *a: other.append(a)):
+                progress.report("theirs")
+
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+    progress.report("after")
+    assert got == [("one", 1, 2)]
+    assert other == [("theirs", None, None)]
+
+
+def test_a_failing_sink_never_fails_the_verb() -> None:
+    def broken(*_a) -> None:
+        raise OSError("the terminal went away")
+
+    with progress.reporting(broken):
+        progress.report("step")  # no exception
+        progress.Steps("bytes", 10).add(5)
+
+
+def test_steps_add_up_bytes_from_several_threads() -> None:
+    got: list[tuple] = []
+    lock = threading.Lock()
+
+    def sink(*a) -> None:
+        with lock:
+            got.append(a)
+
+    with progress.reporting(sink):
+        steps = progress.Steps("writing", 4000)
+    threads = [threading.Thread(target=lambda: [steps.add(1) for _ in range(1000)])
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert max(d for _, d, _ in got) == 4000 and len(got) == 4000
+    assert {(s, t) for s, _, t in got} == {("writing", 4000)}
+
+
+class StepsKeeper:
+    """The keeper methods the control socket calls, as far as this test needs them."""
+
+    store_path = "/nonexistent"
+
+    def save(self, session: str, name: str | None = None) -> dict:
+        if session == "missing":
+            raise NotFound(what="session", name=session)
+        progress.report("taking the snapshot")
+        for i in range(1, 6):
+            progress.report("storing the memory", i << 20, 5 << 20)
+            time.sleep(0.12)  # slower than the daemon's rate limit: every step goes out
+        progress.report("publishing the checkpoint")
+        return {"session": session, "name": name or "c_0001"}
+
+
+def test_the_control_socket_sends_steps_then_the_reply(tmp_path: Path) -> None:
+    sock = tmp_path / "daemon.sock"
+    results: dict[str, object] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_control, StepsKeeper(), sock)
+
+            def client() -> None:
+                steps: list[tuple] = []
+                results["reply"] = call_daemon(tmp_path, "save", progress=lambda *a:
+                                               steps.append(a), session="s", name="n")
+                results["steps"] = steps
+                # a caller that does not ask for steps gets the reply alone
+                results["plain"] = call_daemon(tmp_path, "save", session="s")
+                try:
+                    call_daemon(tmp_path, "save", progress=steps.append, session="missing")
+                except RemoteError as exc:
+                    results["error"] = exc
+
+            await trio.to_thread.run_sync(client)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert results["reply"] == {"session": "s", "name": "n"}
+    assert results["plain"] == {"session": "s", "name": "c_0001"}
+    steps = results["steps"]
+    assert steps[0] == ("taking the snapshot", None, None)
+    assert steps[-1] == ("publishing the checkpoint", None, None)
+    assert [d for s, d, _ in steps if s == "storing the memory"] == [i << 20 for i in range(1, 6)]
+    assert results["error"].exit_code == NotFound.exit_code
+
+
+@pytest.mark.parametrize("raw", [b"not json\n", b'{"verb": "save", "progress": 1}\n'])
+def test_requests_without_a_true_progress_flag_get_no_steps(tmp_path: Path, raw: bytes) -> None:
+    import socket
+
+    sock_path = tmp_path / "daemon.sock"
+    got: dict[str, bytes] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_control, StepsKeeper(), sock_path)
+
+            def client() -> None:
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(str(sock_path))
+                s.sendall(raw)
+                data = b""
+                while not data.endswith(b"\n"):
+                    data += s.recv(65536)
+                got["data"] = data
+                s.close()
+
+            await trio.to_thread.run_sync(client)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert got["data"].count(b"\n") == 1 and b'"progress"' not in got["data"]
