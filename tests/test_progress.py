@@ -6,6 +6,7 @@ machine verbs' own steps are tested in test_keeper_vm.py and test_mount_vm.py)."
 from __future__ import annotations
 
 import io
+import random
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from ksfs.daemon.client import call_daemon
 from ksfs.daemon.protocol import RemoteError
 from ksfs.daemon.server import serve_control
 from ksfs.errors import NotFound
+from tests.cli_helpers import ksfs, ksfs_on_terminal
 
 
 def test_the_terminal_line_redraws_in_place_and_is_erased() -> None:
@@ -175,3 +177,24 @@ def test_requests_without_a_true_progress_flag_get_no_steps(tmp_path: Path, raw:
 
     trio.run(main)
     assert got["data"].count(b"\n") == 1 and b'"progress"' not in got["data"]
+
+
+def test_check_and_gc_show_their_steps_on_a_terminal(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    for name, seed in (("a", 1), ("b", 2)):
+        src = tmp_path / "memory"
+        src.write_bytes(random.Random(seed).randbytes(40 << 20))
+        ksfs(store, None, "import", "s", name, str(src))
+    rc, out, terminal = ksfs_on_terminal(store, None, "check", "--read-data")
+    assert rc == 0 and out.startswith("store clean"), (out, terminal)
+    drawn = [p for p in terminal.split("\r\x1b[K") if p]
+    assert drawn and all(d.startswith("check: reading and hashing every chunk ") for d in drawn)
+    assert terminal.endswith("\r\x1b[K")
+    ksfs(store, None, "rm", "s", "a")
+    rc, out, terminal = ksfs_on_terminal(store, None, "gc")
+    assert rc == 0 and out.startswith("gc: freed"), (out, terminal)
+    assert "gc: marking the chunks live checkpoints use" in terminal
+    assert "gc: sweeping what nothing uses" in terminal
+    # piped: the report alone
+    res = ksfs(store, None, "check", "--read-data")
+    assert res.stderr == "" and res.stdout.startswith("store clean")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import zstandard
 
+from ksfs import progress
 from ksfs.cas import format as fmt
 from ksfs.cas.packs import decode_payload
 from ksfs.cas.store import index_errors, list_packs_dir
@@ -155,8 +156,12 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
             rep.damaged_chunks[cid.hex()] = _cut_short(loc, disk[loc.pack])
         else:
             by_pack.setdefault(loc.pack, []).append((cid, loc))
+    steps = progress.Steps("reading and hashing every chunk" if read_data else
+                           "checking every chunk's header",
+                           sum(loc.record_len for items in by_pack.values() for _, loc in items))
     for no, items in by_pack.items():
         _check_pack(store, no, items, read_data, rep)
+        steps.add(sum(loc.record_len for _, loc in items))
     _check_bases(chunks, rep)
 
     # manifests: intact, and every chunk they name is indexed and sound

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import zstandard
 
+from ksfs import progress
 from ksfs.cas import format as fmt
 from ksfs.cas.flatten import Flattened, append_to, commit_writers, flatten, release
 from ksfs.cas.packs import PackWriter, decode_payload, fsync_dir
@@ -72,6 +73,7 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
     db = store.db
     # mark: a live manifest that cannot be read stops GC before it deletes anything
     marked: set[bytes] = set()
+    progress.report("marking the chunks live checkpoints use")
     with store.env.begin() as txn:
         for mid in live:
             info = store.load_manifest(mid.hex(), txn)
@@ -92,6 +94,7 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
     res.packs_written.extend(flat.packs)
     marked |= bases - flat.bases
     # sweep, in one transaction
+    progress.report("sweeping what nothing uses")
     with store.env.begin(write=True) as txn:
         dead_manifests = [bytes(k) for k in txn.cursor(db=db["manifests"]).iternext(values=False)
                           if bytes(k) not in live]
@@ -177,10 +180,13 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
     moved: list[tuple[bytes, fmt.Location]] = []
     done: list[int] = []
     dctx = zstandard.ZstdDecompressor()
+    steps = progress.Steps("repacking sparse packs", sum(
+        loc.record_len for no in thin - empty for _, loc in moving.get(no, ())))
     try:
         for no in sorted(thin - empty):
             items = sorted(moving.get(no, []), key=lambda it: it[1].offset)
             copies = _copy_pack(store, no, items, writers, first_no, dctx, res)
+            steps.add(sum(loc.record_len for _, loc in items))
             if copies is None:
                 continue
             if writers:

@@ -7,11 +7,13 @@ line on stderr and its class's exit code.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -76,6 +78,22 @@ def run_verb(ctx: Context, verb: str, steps: str | None = None, **args: Any) -> 
         keeper = ctx.open_keeper(create=verb in ("session_new", "session_adopt", "import"))
         with progress.reporting(line):
             return to_jsonable(getattr(keeper, VERBS[verb])(**args))
+    finally:
+        if line is not None:
+            line.close()
+
+
+@contextlib.contextmanager
+def steps_on_terminal(label: str) -> Iterator[None]:
+    """Show the steps of what runs in the block on a terminal's standard error (as run_verb's
+    ``steps``), for verbs the command runs here (check, gc)."""
+    from ksfs import progress
+    from ksfs.cli.stepline import StepLine
+
+    line = StepLine.for_terminal(label)
+    try:
+        with progress.reporting(line):
+            yield
     finally:
         if line is not None:
             line.close()

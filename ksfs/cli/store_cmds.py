@@ -7,7 +7,15 @@ import sys
 
 import click
 
-from ksfs.cli import DONE_NOTE, emit_json, human_bytes, main, pass_ctx, run_verb
+from ksfs.cli import (
+    DONE_NOTE,
+    emit_json,
+    human_bytes,
+    main,
+    pass_ctx,
+    run_verb,
+    steps_on_terminal,
+)
 from ksfs.errors import ChunkMissing, IntegrityError, KsfsError
 
 
@@ -219,7 +227,8 @@ def check(ctx, read_data: bool, as_json: bool) -> None:
     Example: ksfs check --read-data
     """
     keeper = ctx.open_keeper()
-    report = keeper.check(read_data=read_data)
+    with steps_on_terminal("check"):
+        report = keeper.check(read_data=read_data)
     problems = report.lines()
     if as_json:
         emit_json({"ok": report.ok, "problems": problems, "findings": report.findings(),
@@ -258,7 +267,9 @@ def gc(ctx, as_json: bool) -> None:
 
     Example: ksfs gc --json
     """
-    result = ctx.open_keeper().gc()
+    keeper = ctx.open_keeper()
+    with steps_on_terminal("gc"):
+        result = keeper.gc()
     data = result if isinstance(result, dict) else getattr(result, "__dict__", {"result": result})
     if as_json:
         emit_json(data)
