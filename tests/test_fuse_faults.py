@@ -216,3 +216,36 @@ def test_umount_touches_only_ksfs_mounts_and_takes_any_path(small_store, tmp_pat
         if os.path.ismount(odd):
             subprocess.run(["fusermount3", "-uz", str(odd)], check=False)
         subprocess.run(["umount", str(other)], check=False)
+
+
+def test_umount_given_another_store_waits_for_the_daemon_of_the_mount(small_store, tmp_path):
+    """QA (ninth session): `ksfs umount` waited on the daemon of its own --store, so with
+    another (or the default) store it returned while the mount's daemon was still closing.
+    The mount's `store` file says where its store is; umount waits on that daemon's lock."""
+    import fcntl
+    import json
+    import subprocess
+    import sys
+
+    store, disk, memory = small_store
+    skip_without_fuse()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cli = [sys.executable, "-m", "ksfs.cli"]
+    res = subprocess.run(cli + ["--store", str(store), "mount", str(mnt)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    try:
+        assert json.loads((mnt / "store").read_text())["path"] == str(store)
+        res = subprocess.run(cli + ["--store", str(tmp_path / "elsewhere"), "umount", str(mnt)],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert not os.path.ismount(mnt)
+        fd = os.open(store / "daemon.lock", os.O_RDWR)
+        try:  # the daemon is gone: its lock is free at once
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)

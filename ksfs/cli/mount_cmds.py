@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +33,27 @@ def _mount_type(mountpoint: str) -> str | None:
                     lambda m: chr(int(m.group(1), 8)), fields[1]) == target:
                 found = fields[2]
     return found
+
+
+def _mounted_store(mountpoint: str, wait: float = 2.0) -> str | None:
+    """The store the daemon serving ``mountpoint`` keeps (its ``store`` file says), or None
+    when that cannot be read within ``wait`` seconds (a daemon that no longer answers would
+    hold the read for ever: it is left to a thread the process does not wait for)."""
+    found: list[str] = []
+
+    def read() -> None:
+        try:
+            with open(os.path.join(mountpoint, "store"), "rb") as f:
+                path = json.loads(f.read(1 << 20)).get("path")
+        except (OSError, ValueError, AttributeError):
+            return
+        if isinstance(path, str) and os.path.isdir(path):
+            found.append(path)
+
+    reader = threading.Thread(target=read, name="umount-store", daemon=True)
+    reader.start()
+    reader.join(wait)
+    return found[0] if found else None
 
 
 @main.command()
@@ -148,6 +171,7 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
     if there != KSFS_FSTYPE:
         # fusermount3 run by root unmounts whatever is there: never another filesystem.
         raise BadInput(f"{mountpoint} is not a ksfs mount (it is {there}): not unmounted")
+    store = _mounted_store(mountpoint) or ctx.store_path
     res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True,
                          env=dict(os.environ, LC_ALL="C"))  # its strerror read below, in English
     if res.returncode != 0:
@@ -155,7 +179,7 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
             raise Busy(f"{mountpoint} is in use (a process has a file open or its working "
                        "directory there): not unmounted")
         raise DaemonError(f"could not unmount {mountpoint}: {res.stderr.strip()}")
-    lock = Path(ctx.store_path) / "daemon.lock"
+    lock = Path(store) / "daemon.lock"
     deadline = time.monotonic() + timeout
     import fcntl
 

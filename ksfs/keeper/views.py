@@ -168,7 +168,9 @@ class Views:
         return _json_bytes(self.usage(session))
 
     def store_bytes(self) -> bytes:
-        return _json_bytes(self.stats())
+        """The mount's ``store`` file: the store's figures and where it is (so ``ksfs umount``
+        finds the daemon to wait for whatever --store it was given)."""
+        return _json_bytes(dict(self.stats(), path=str(self.store_path)))
 
     def checkpoint_files(self, record: CheckpointRecord) -> list[str]:
         names = [f.name for f in record.files]
