@@ -81,14 +81,15 @@ def test_layout_and_sizes(mnt, sources, keeper):
         # that differs in two places (stored as deltas against c1's chunks). The mount counts
         # every checkpoint's chunks in the background after the first stat, so the figure
         # settles within a second or so of that.
-        want = math.ceil(keeper.exclusive_bytes(rec, name) / 512)
+        want = max(math.ceil(keeper.exclusive_bytes(rec, name) / 512), 1)
         deadline = time.monotonic() + 15
         while st.st_blocks != want and time.monotonic() < deadline:
             time.sleep(0.1)
             st = (cp(mnt, "s1", "c1") / name).stat()
         assert st.st_blocks == want
         assert st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o444
-    assert (cp(mnt, "s1", "c1") / "memory").stat().st_blocks == 0
+    # c2 holds every chunk of it: 1 block, not 0 (tar --sparse skips a file of 0 blocks)
+    assert (cp(mnt, "s1", "c1") / "memory").stat().st_blocks == 1
     assert 0 < (cp(mnt, "s1", "c2") / "disk.raw").stat().st_blocks < 2 * 128
     # ls -l tells the true sizes too.
     listing = subprocess.run(["ls", "-l", str(cp(mnt, "s1", "c1"))], capture_output=True,
@@ -170,6 +171,21 @@ def test_cmp_behaves_as_on_plain_files(mnt, sources):
     plain = run(sources["disk1"], sources["disk2"])
     assert through == plain and through[0] == 1
     assert f"byte {1 * MIB + 501}" in through[1]
+
+
+def test_tar_sparse_archives_checkpoints_as_they_are(mnt, sources, tmp_path):
+    """QA (tenth session): GNU tar --sparse stored a file of st_blocks 0 as one hole without
+    reading it, so a checkpoint whose chunks another checkpoint also held, and every record
+    file, came out of the archive as zeros."""
+    out = tmp_path / "out"
+    out.mkdir()
+    pack = subprocess.run(["tar", "-cSf", "-", "-C", str(cp(mnt, "s1", "c1")), "memory",
+                           "disk.raw", "meta.json"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-xf", "-", "-C", str(out)], input=pack, check=True)
+    assert (out / "memory").read_bytes() == sources["memory"].read_bytes()
+    assert (out / "disk.raw").read_bytes() == sources["disk1"].read_bytes()
+    assert (out / "meta.json").read_bytes() == (cp(mnt, "s1", "c1") / "meta.json").read_bytes()
+    assert json.loads((out / "meta.json").read_text())["name"] == "c1"
 
 
 def test_bad_input_gets_its_errno_and_event(mnt, keeper):
@@ -292,12 +308,12 @@ def test_st_blocks_follow_what_other_checkpoints_hold(mnt, keeper, tmp_path):
     keeper.import_files("held", "x1", [], disks=[tmp_path / "own.img"])
     keeper.import_files("held", "x2", [], disks=[tmp_path / "own.img"])
     f = cp(mnt, "held", "x1") / "own.img"
-    assert f.stat().st_blocks == 0  # x2 holds the same chunks
+    assert f.stat().st_blocks == 1  # x2 holds the same chunks (never 0: see blocks_for)
     keeper.delete_checkpoint("held", "x2")
     # Attributes of checkpoint files are cached for ever; the mount tells the kernel to drop
     # them once what other checkpoints hold has changed (within about a second).
     deadline = time.monotonic() + 15
-    while f.stat().st_blocks == 0 and time.monotonic() < deadline:
+    while f.stat().st_blocks == 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert f.stat().st_blocks * 512 >= len(data)  # random bytes: stored raw, now x1's alone
     assert f.stat().st_size == len(data) and f.read_bytes() == data

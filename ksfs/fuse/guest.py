@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from ksfs.fuse.dirs import CHECKPOINT_EXTRA_DIRS, CheckpointDir
-from ksfs.fuse.nodes import Attr, Dir, Node, StoredFile
+from ksfs.fuse.nodes import Attr, Dir, Node, StoredFile, blocks_for
 
 FS_KEPT = 16  # open guest filesystems kept (each holds a store reader and small caches)
 
@@ -42,8 +42,9 @@ def _guest_fs(cp: CheckpointDir) -> Any:
 
 
 class GuestNode(Node):
-    """Attributes of one guest inode, taken from its stat. Its st_blocks is 0: the bytes are
-    disk.raw's, counted there, so ``du`` of a checkpoint is what deleting it frees."""
+    """Attributes of one guest inode, taken from its stat. Its st_blocks is 1 for a file with
+    bytes, else 0: the bytes are disk.raw's, counted there, so ``du`` of a checkpoint is about
+    what deleting it frees; and not 0, which archivers read as a file all hole (blocks_for)."""
 
     def __init__(self, cp: CheckpointDir, fs: Any, st: Any) -> None:
         # Node's own constructor: StoredFile's (a later base of GuestFile) takes other arguments.
@@ -53,7 +54,8 @@ class GuestNode(Node):
 
     def attr(self) -> Attr:
         st = self.st
-        return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, 0,
+        blocks = blocks_for(0, st.size) if stat.S_ISREG(st.mode) else 0
+        return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, blocks,
                     self.mtime, self.entry_timeout, self.attr_timeout, kind=stat.S_IFMT(st.mode),
                     uid=st.uid, gid=st.gid, nlink=st.nlink,
                     times_ns=(st.atime_ns, st.mtime_ns, st.ctime_ns), rdev=st.rdev)
@@ -83,7 +85,7 @@ class GuestFile(GuestNode, StoredFile):
         return self.st.size
 
     def blocks(self) -> int:
-        return 0  # see GuestNode
+        return blocks_for(0, self.st.size)  # see GuestNode
 
     def open_reader(self) -> Any:
         return _InodeReader(self.fs, self.st.ino, self.st.size)

@@ -87,7 +87,8 @@ class Node:
         return 0
 
     def blocks(self) -> int:
-        return 0
+        """512-byte blocks ``stat`` reports: never 0 for a file with bytes (``blocks_for``)."""
+        return blocks_for(self.size(), self.size()) if not self.is_dir else 0
 
     def attr(self) -> Attr:
         return Attr(
@@ -171,6 +172,14 @@ class ResumeFile(DynamicFile):
         self.keeper.restore(self.session, text)
 
 
+def blocks_for(held: int, size: int) -> int:
+    """st_blocks for ``held`` bytes of a file of ``size``: at least 1 when the file has any
+    bytes. GNU tar's --sparse (and other archivers) take a file with st_blocks 0 for one whole
+    hole and store zeros without reading it, so a checkpoint file whose chunks other
+    checkpoints share, a record or a guest file must never say 0."""
+    return max(math.ceil(held / 512), 1 if size > 0 else 0)
+
+
 class StoredFile(Node):
     """A file of a checkpoint held in the chunk store: immutable bytes and true size; blocks =
     the stored bytes no other checkpoint holds (ZFS's ``used``, keeper.exclusive_bytes), which
@@ -196,7 +205,7 @@ class StoredFile(Node):
         if n is None:  # still counting every checkpoint's chunks: what this file brought in
             f = self.checkpoint.file(self.name)
             n = f.stored if f is not None else 0
-        return math.ceil(n / 512)
+        return blocks_for(n, self._size)
 
     def explain_missing(self, exc: Any) -> Any:
         """ESTALE when this checkpoint was deleted and collected while open; else exc."""
