@@ -52,6 +52,10 @@ FORMAT = "ksfs-store"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 LAYOUT = ("index", "packs", "staging", "vm")
+# What holds checkpoint bytes (memory images: the guest's secrets too) is its owner's alone;
+# the files inside stay readable by all, so a pack root wrote into a user's store still reads
+# for that user. vm/ is left to the umask: QEMU may run as another user and open files there.
+PRIVATE = ("index", "packs", "staging")
 MAP_SIZE = 1 << 40 if sys.maxsize > 2**32 else 1 << 30  # sparse: LMDB only maps, never fills
 MAX_DBS = 32
 CAS_DBS = ("chunks", "manifests", "packs", "cas_meta")
@@ -266,6 +270,7 @@ class ChunkStore:
         for sub in ("index", "packs"):
             if not os.path.isdir(os.path.join(path, sub)):
                 raise StoreDamaged(path=path, why=f"its {sub} directory is missing")
+        _make_private(path)
         return cls(path, marker, level)
 
     def close(self) -> None:
@@ -536,6 +541,7 @@ def _create_layout(path: str) -> None:
     with translate("create the store", path):
         for sub in LAYOUT:
             os.makedirs(os.path.join(path, sub), exist_ok=True)
+        _make_private(path)
         open(os.path.join(path, "lock"), "a").close()
         store_id = uuid.uuid4().hex
         index = os.path.realpath(os.path.join(path, "index"))
@@ -555,6 +561,20 @@ def _create_layout(path: str) -> None:
         finally:
             _close_env(index)
         _write_marker(path, {"format": FORMAT, "version": VERSION, "id": store_id})
+
+
+def _make_private(path: str) -> None:
+    """Close the store's data directories to other users (stores made before this rule are
+    closed at their next open by their owner)."""
+    for sub in PRIVATE:
+        where = os.path.join(path, sub)
+        try:
+            st = os.lstat(where)
+            if stat_.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and \
+                    stat_.S_IMODE(st.st_mode) & 0o077:
+                os.chmod(where, stat_.S_IMODE(st.st_mode) & 0o700)
+        except OSError:  # a read-only file system, another owner: reading goes on as it was
+            pass
 
 
 def _write_marker(path: str, marker: dict[str, Any]) -> None:

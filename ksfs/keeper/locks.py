@@ -16,17 +16,23 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ksfs.errors import Busy
+from ksfs.errors import Busy, translate
 
 
 @contextlib.contextmanager
 def session_lock(store_path: Path, session: str, timeout: float | None = None) -> Iterator[None]:
     """Hold the verb lock of ``session`` (by name: a name is one machine at a time)."""
     locks = Path(store_path) / "locks"
-    locks.mkdir(exist_ok=True)
+    with translate("make the session locks directory", locks):
+        # only the store's owner may take (and so hold up) its verbs
+        locks.mkdir(mode=0o700, exist_ok=True)
     # Hash the name so no name, however odd, can reach outside locks/.
     path = locks / (hashlib.blake2s(session.encode()).hexdigest()[:32] + ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # Read-only and readable by all (locks/ itself is the owner's): flock needs no write
+    # access, so a lock file another user made (root running one verb on a user's store)
+    # still serves the store's owner instead of refusing every later verb of the session.
+    with translate(f"open the lock of session {session!r}", path):
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -1,0 +1,90 @@
+"""A store is its owner's: its data directories are closed to other users, and what another
+user (root running one verb on a user's store) leaves in it does not lock its owner out.
+QA (tenth session): packs and index were world-readable, so any local user could copy them
+and read another user's checkpoints, memory images included; and one `sudo ksfs import` left a
+root-owned 0600 session lock that made every later verb of that session, and the owner's
+mount, fail with a traceback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ksfs.cas import ChunkStore
+from ksfs.cas.store import PRIVATE
+from tests.cli_helpers import ksfs
+
+NOBODY = 65534
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def test_a_new_store_keeps_its_data_from_other_users(tmp_path: Path) -> None:
+    src = tmp_path / "memory"
+    src.write_bytes(os.urandom(100_000))
+    store = tmp_path / "store"
+    ksfs(store, None, "import", "s", "c", str(src))
+    for sub in PRIVATE:
+        assert mode(store / sub) & 0o077 == 0, sub
+    assert mode(store / "locks") & 0o077 == 0
+    # vm/ stays open: QEMU may run as another user and open the machines' files there
+    assert mode(store / "vm") & 0o055 == 0o055
+
+
+def test_an_older_open_store_is_closed_at_its_next_open(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ChunkStore.open(store, create=True).close()
+    for sub in PRIVATE:
+        os.chmod(store / sub, 0o755)  # as stores made before the rule were
+    ChunkStore.open(store).close()
+    for sub in PRIVATE:
+        assert mode(store / sub) == 0o700, sub
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
+def test_a_session_lock_root_made_serves_the_stores_owner() -> None:
+    # a place the other user can reach (pytest's own temp directories are root's alone)
+    base = Path("/var/tmp") / f"ksfs-owner-{uuid.uuid4().hex[:8]}"
+    base.mkdir(mode=0o755)
+    try:
+        store = base / "store"
+        src = base / "f"
+        src.write_bytes(b"x" * 5000)
+        ksfs(store, None, "import", "s", "c1", str(src))  # as root: root's lock file
+        locks = list((store / "locks").iterdir())
+        assert locks and all(p.stat().st_uid == 0 for p in locks)
+        for root, dirs, files in os.walk(store):  # the store then becomes the user's
+            for name in [*dirs, *files]:
+                if Path(root, name) not in locks:
+                    os.chown(Path(root, name), NOBODY, NOBODY)
+        os.chown(store, NOBODY, NOBODY)
+        # ksfs is imported as root (the interpreter lives in root's home), then the process
+        # becomes the store's owner and takes the session's lock as a verb does
+        code = textwrap.dedent(f"""
+            import os, sys
+            from ksfs.keeper.locks import session_lock
+            os.setgroups([]); os.setegid({NOBODY}); os.seteuid({NOBODY})
+            with session_lock({str(store)!r}, "s"):
+                print("held")
+        """)
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0 and res.stdout == "held\n", res.stderr
+        # a lock file it cannot open at all is one ksfs error (exit 12), not a traceback
+        for p in locks:
+            os.chmod(p, 0o600)
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode != 0 and "NotPermitted" in res.stderr, res.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
