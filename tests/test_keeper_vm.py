@@ -931,3 +931,65 @@ def test_a_restore_after_a_killed_restore_keeps_its_own_files(env, agent: str) -
     kinds = [ev["type"] for ev in events_of(store, agent, e)]
     assert kinds.count("restore.done") >= 2 and kinds[-1] == "restore.done"
     save(store, agent, e)
+
+
+def test_a_restore_killed_with_its_files_written_leaves_nothing_after_recover(
+        env, agent: str) -> None:
+    """QA (tenth session): a restore killed after it wrote the target's disks, before it
+    recorded them (during its save-first, or right after), left a base and an overlay (a whole
+    sparse copy of the disk) that recover never removed."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    res = run(store, "restore", agent, cp, check=False,
+              env=dict(e, KSFS_CRASH_AT="restore.staged"))
+    assert res.returncode == -signal.SIGKILL
+    vmdir = store / "vm" / agent
+    disks = {p.name for p in vmdir.iterdir() if p.suffix in (".raw", ".qcow2")}
+    chain = {Path(p).name for p in chain_of(f"ksfs-{agent}")}
+    assert disks - chain, "the killed restore wrote no files?"
+    report = json.loads(run(store, "recover", "--json", env=e).stdout)
+    mine = [r for r in report if r["session"] == agent]
+    assert mine and any("left in the session's files removed" in a
+                        for a in mine[0]["actions"]), report
+    disks = {p.name for p in vmdir.iterdir() if p.suffix in (".raw", ".qcow2")}
+    assert disks == {Path(p).name for p in chain_of(f"ksfs-{agent}")}
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    assert json.loads(run(store, "recover", "--json", env=e).stdout) == []
+    save(store, agent, e)  # the machine's own chain is whole
+    assert run(store, "check", "--read-data", env=e).returncode == 0
+
+
+def test_a_fork_holds_its_parent_so_rm_and_session_rm_wait_for_it(env, agent: str) -> None:
+    """QA (tenth session): `rm` of the checkpoint being forked, then `gc`, made the fork fail
+    as damaged data (exit 6); `session rm` of the parent deleted its boot files under the
+    fork (exit 10). The fork takes its parent's lock: they wait, and the fork succeeds."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    new = f"held-{env['tag']}"
+    env["made"].append(new)
+    fork = subprocess.Popen(KSFS + ["--store", str(store), "fork", agent, cp, new],
+                            env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the fork has begun (its session exists)
+            if new in run(store, "session", "list", env=e).stdout:
+                break
+            time.sleep(0.05)
+        rm = run(store, "rm", agent, cp, check=False, env=e)  # waits for the fork
+        assert rm.returncode == 0, rm.stderr
+        # it waited until the fork had read what it needed and run (reconciled)
+        assert "reconcile" in [ev["type"] for ev in events_of(store, new, e)]
+        run(store, "gc", env=e)  # frees the checkpoint's chunks: after the fork read them
+        out, err = fork.communicate(timeout=300)
+    finally:
+        if fork.poll() is None:
+            fork.kill()
+            fork.wait()
+    assert fork.returncode == 0, err
+    assert virsh("domstate", f"ksfs-{new}").stdout.strip() == "running"
+    about = [ev["type"] for ev in events_of(store, agent, e)
+             if ev["type"].startswith("fork.") and ev["body"].get("session") == new]
+    assert about == ["fork.created"], about
+    # the fork's log: made from the checkpoint the parent no longer has
+    assert [ev["type"] for ev in events_of(store, new, e)][:2] == ["lineage.forked", "reconcile"]
+    run(store, "session", "rm", new, env=e)

@@ -198,3 +198,40 @@ def test_check_and_gc_show_their_steps_on_a_terminal(tmp_path: Path) -> None:
     # piped: the report alone
     res = ksfs(store, None, "check", "--read-data")
     assert res.stderr == "" and res.stdout.startswith("store clean")
+
+
+@pytest.mark.parametrize("with_steps", [False, True])
+def test_a_verb_finished_while_the_daemon_stops_still_answers(tmp_path: Path,
+                                                              with_steps: bool) -> None:
+    """QA (tenth session): `ksfs umount` during a restore served by the daemon made the
+    restore's caller say "the daemon closed the control socket without answering" (exit 13)
+    although the restore was done: the reply was sent in the cancelled scope."""
+    sock = tmp_path / "daemon.sock"
+    results: dict[str, object] = {}
+    started = threading.Event()
+
+    class SlowKeeper(StepsKeeper):
+        def save(self, session: str, name: str | None = None) -> dict:
+            started.set()
+            time.sleep(1.0)
+            progress.report("publishing the checkpoint")
+            return {"session": session, "name": "done-anyway"}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_control, SlowKeeper(), sock)
+
+            def client() -> None:
+                try:
+                    results["reply"] = call_daemon(
+                        tmp_path, "save", progress=(lambda *a: None) if with_steps else None,
+                        session="s")
+                except Exception as exc:  # noqa: BLE001 - the assertion below says what
+                    results["error"] = exc
+
+            nursery.start_soon(trio.to_thread.run_sync, client)
+            await trio.to_thread.run_sync(started.wait)
+            nursery.cancel_scope.cancel()  # the daemon stops while the verb runs
+
+    trio.run(main)
+    assert results.get("reply") == {"session": "s", "name": "done-anyway"}, results

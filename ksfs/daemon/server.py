@@ -56,23 +56,34 @@ async def _handle(keeper: Any, stream: trio.abc.Stream) -> None:
             buf += part
             if len(buf) > 1 << 20:
                 return
-        if not _wants_progress(buf):
-            reply = await trio.to_thread.run_sync(_dispatch, keeper, buf)
-        else:
-            send, receive = trio.open_memory_channel(math.inf)
-            sink = _ProgressSink(send, trio.lowlevel.current_trio_token())
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_forward_progress, receive, stream)
-                try:
-                    reply = await trio.to_thread.run_sync(_dispatch, keeper, buf, sink)
-                finally:
-                    send.close()
+        replies: list[dict[str, Any]] = []
         try:
-            await stream.send_all(encode(reply))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+            if not _wants_progress(buf):
+                replies.append(await trio.to_thread.run_sync(_dispatch, keeper, buf))
+            else:
+                send, receive = trio.open_memory_channel(math.inf)
+                sink = _ProgressSink(send, trio.lowlevel.current_trio_token())
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_forward_progress, receive, stream)
+                    try:
+                        replies.append(
+                            await trio.to_thread.run_sync(_dispatch, keeper, buf, sink))
+                    finally:
+                        send.close()
+        finally:
+            # The verb's thread is never abandoned, so a verb the daemon finished while it was
+            # told to stop (an unmount during a restore) still says so, shielded: else its
+            # caller would report a failure that did not happen.
+            if replies:
+                with trio.CancelScope(shield=True), trio.move_on_after(REPLY_TIMEOUT):
+                    try:
+                        await stream.send_all(encode(replies[0]))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
 
 
+# How long a reply may take to reach a caller that stopped reading.
+REPLY_TIMEOUT = 10
 # At most this many progress lines a second, besides every change of step.
 PROGRESS_RATE = 10
 

@@ -115,6 +115,7 @@ class RestoreVerbs:
             raise
         try:
             staged = staging.result()
+            crash_point("restore.staged")
             t_staged = time.monotonic()
             progress.report("restoring the machine")
             restored = self.vm.restore(session, rec.domain, memory, disks,
@@ -154,11 +155,15 @@ class RestoreVerbs:
         validate_name(checkpoint, "checkpoint name")
         validate_name(new, "session name")
         self._refuse_taken_session(new)
-        parent = self.ledger.session(session)
-        target = self.ledger.checkpoint(session, checkpoint)
-        xml_disks = self._xml_disks(target)
+        self.ledger.checkpoint(session, checkpoint)  # unknown: said before any lock file is made
         domain = domain_name_for(new)
-        with session_lock(self.store_path, new):
+        # The parent's lock too: while the fork reads the checkpoint, `rm` of it (and a gc
+        # after) or `session rm` of the parent waits, instead of pulling its chunks or its
+        # boot files out from under the fork. The parent's own verbs wait for the fork.
+        with session_lock(self.store_path, session), session_lock(self.store_path, new):
+            parent = self.ledger.session(session)
+            target = self.ledger.checkpoint(session, checkpoint)
+            xml_disks = self._xml_disks(target)
             if self.vm.exists(domain):
                 raise AlreadyExists(what="libvirt domain", name=domain)
             config = dict(parent.config)

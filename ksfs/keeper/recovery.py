@@ -119,7 +119,8 @@ class Recovery:
                 actions.append(f"restore to {restore_to} begun at seq {ev.seq} marked failed")
         if not rec.domain:
             return actions
-        freed = self.vm.drop_leftovers(rec.name)  # under the session lock: no verb is running
+        # under the session lock: no verb of it is running
+        freed = self.vm.drop_leftovers(rec.name, rec.domain)
         if freed:
             actions.append(f"{freed} bytes a killed verb left in the session's files removed")
         state = self.vm.state(rec.domain)  # a failure here: "could not recover"

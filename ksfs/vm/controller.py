@@ -369,14 +369,19 @@ class DomainController:
                                   | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
                                   | libvirt.VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA)
 
-    def drop_leftovers(self, session: str) -> int:
+    def drop_leftovers(self, session: str, domain: str | None = None) -> int:
         """Delete what a killed verb of the session left that nothing will read: memory images
-        in staging (a save's, a restore's) and half-materialized ``*.part`` files. Call it
-        holding the session's lock (no verb of it running). Returns the bytes given back."""
+        in staging (a save's, a restore's), half-materialized ``*.part`` files and, given the
+        session's domain, disk files none of its chains uses (restore.unused_disk_files).
+        Call it holding the session's lock (no verb of it running). Returns the bytes given
+        back."""
         d = self.session_dir(session)
         freed = 0
+        from ksfs.vm.restore import unused_disk_files
+
+        unused = unused_disk_files(self, session, domain) if domain else []
         for p in [*(d / "staging").glob("*.save"), *(d / "staging").glob("restore-*.image*"),
-                  *d.glob("*.part")]:
+                  *d.glob("*.part"), *unused]:
             try:
                 size = p.stat().st_blocks * 512
                 p.unlink()

@@ -234,19 +234,57 @@ def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
         p.unlink(missing_ok=True)
 
 
-def _chain_files(top: Path) -> set[Path]:
+def _chain_files(top: Path, strict: bool = False) -> set[Path]:
     """The files of the qcow2/raw chain whose top is ``top`` (just ``top`` when it cannot be
-    read: a file in doubt is kept)."""
+    read: a file in doubt is kept; with ``strict`` the VMError is raised)."""
     from ksfs.vm.chain import ChainSource
 
     try:
         source = ChainSource(top, "reading a disk chain")
     except VMError:
+        if strict:
+            raise
         return {top}
     try:
         return set(source.files) | {top}
     finally:
         source.close()
+
+
+def files_in_use(ctl: DomainController, domain: str, strict: bool = False
+                 ) -> tuple[set[Path], str]:
+    """Every file of the domain's live and defined disk chains, and its live XML ("" when it
+    is not running). The domain must exist. A chain that cannot be read counts as its top
+    alone, or with ``strict`` raises VMError."""
+    dom = ctl.lookup(domain)
+    live_xml = ""
+    with step(domain, "reading the disks it runs on"):
+        xmls = [dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)]
+        if dom.isActive():
+            live_xml = dom.XMLDesc(0)
+            xmls.append(live_xml)
+    in_use: set[Path] = set()
+    for x in xmls:
+        for d in domxml.disks(x):
+            in_use |= _chain_files(Path(d.source), strict)
+    return in_use, live_xml
+
+
+def unused_disk_files(ctl: DomainController, session: str, domain: str) -> list[Path]:
+    """Disk files in the session's directory that neither the domain's chains nor the
+    session's state name: what a restore or fork killed while it wrote the target's files
+    (before it recorded them as pending), or the old layers of a chain a killed verb had
+    replaced, left. Nothing when a restore is pending (settle decides about its files) or the
+    domain is gone (its state's roots are what it will be made again from)."""
+    state = ctl.load_state(session)
+    if state.pending or not ctl.exists(domain):
+        return []
+    try:
+        in_use, _ = files_in_use(ctl, domain, strict=True)
+    except VMError:
+        return []  # a chain it cannot read: no file is known to be unused
+    keep = in_use | {Path(ds.root) for ds in state.disks.values()}
+    return _session_files_except(ctl, session, keep)
 
 
 def settle(ctl: DomainController, session: str, domain: str) -> str | None:
@@ -262,18 +300,11 @@ def settle(ctl: DomainController, session: str, domain: str) -> str | None:
     overlays = {t: Path(p) for t, p in pending["overlays"].items()}
     running_on = None
     live_xml = ""
-    in_use: set[Path] = set()  # every file of the domain's live and defined disk chains
+    in_use: set[Path] = set()
     if ctl.exists(domain):
-        dom = ctl.lookup(domain)
-        with step(domain, "reading the disks it runs on"):
-            xmls = [dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)]
-            if dom.isActive():
-                live_xml = dom.XMLDesc(0)
-                xmls.append(live_xml)
-                running_on = {d.target: d.source for d in domxml.disks(live_xml)}
-        for x in xmls:
-            for d in domxml.disks(x):
-                in_use |= _chain_files(Path(d.source))
+        in_use, live_xml = files_in_use(ctl, domain)
+        if live_xml:
+            running_on = {d.target: d.source for d in domxml.disks(live_xml)}
     if running_on != {t: str(p) for t, p in overlays.items()}:
         # Not (or no longer: a save has layered on it since) exactly the restore's files:
         # what no chain uses goes, and the session's state stays as the save left it.
