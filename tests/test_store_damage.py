@@ -444,3 +444,43 @@ def test_processes_making_one_store_at_once_all_open_it(tmp_path: Path) -> None:
         assert [p.returncode for p in procs] == [0, 0, 0], errors
         with ChunkStore.open(path) as s:
             assert s.marker["id"]
+
+
+# --- 9: an import that fails leaves no session it made -------------------------------------
+
+
+def test_a_failed_import_into_a_new_session_leaves_no_session(tmp_path: Path) -> None:
+    """QA (tenth session): an import that failed after it made its session (a file the
+    kernel makes shorter than its size, a step failing, Ctrl-C) left an empty session behind,
+    so bad input changed the store; an existing session keeps its failure in its log."""
+    src = tmp_path / "ok"
+    src.write_bytes(b"seed" * 1000)
+    store = tmp_path / "store"
+    assert ksfs(store, "import", "seed", "c0", str(src)).returncode == 0
+    before = json.loads(ksfs(store, "stats", "--json").stdout)
+    env = dict(os.environ, KSFS_FAIL_AT="ingest.file")
+    res = subprocess.run(KSFS + ["--store", str(store), "import", "odd", "x1", str(src)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode != 0 and "injected fault" in res.stderr, res.stderr
+    assert json.loads(ksfs(store, "stats", "--json").stdout) == before
+    listed = json.loads(ksfs(store, "session", "list", "--json").stdout)
+    assert [r["session"] for r in listed] == ["seed"]
+    assert ksfs(store, "import", "odd", "x1", str(src)).returncode == 0  # the name is free
+    res = subprocess.run(KSFS + ["--store", str(store), "import", "seed", "c1", str(src)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode != 0
+    kinds = [json.loads(x)["type"] for x in ksfs(store, "events", "seed", "--json").stdout
+             .splitlines()]
+    assert kinds[-2:] == ["checkpoint.begin", "checkpoint.failed"]
+    assert ksfs(store, "check").returncode == 0
+    assert ksfs(store, "ledger", "verify").returncode == 0
+
+
+def test_a_file_shorter_than_its_size_is_named(tmp_path: Path) -> None:
+    kernel_made = next((p for p in ("/sys/kernel/mm/transparent_hugepage/enabled",
+                                    "/sys/devices/system/cpu/online", "/sys/kernel/uevent_seqnum")
+                        if os.path.isfile(p) and os.stat(p).st_size > 100), None)
+    if kernel_made is None:
+        pytest.skip("no sysfs file that claims more bytes than it has")
+    res = ksfs(tmp_path / "store", "import", "s", "c", kernel_made)
+    one_line(res, 2, kernel_made, "import a copy")

@@ -110,7 +110,10 @@ def read_exact(source: Source, offset: int, n: int) -> bytes:
     while got < n:
         more = source.pread(offset + got, n - got)
         if not more:
-            raise BadInput(f"source ended at byte {offset + got}, before its size {source.size}")
+            what = getattr(source, "path", None) or "the source"
+            raise BadInput(f"{what} ended at byte {offset + got}, before the {source.size} bytes "
+                           "its size says (a file the kernel makes as it is read, as in /proc "
+                           "or /sys, cannot be imported: import a copy)")
         parts.append(more)
         got += len(more)
     return b"".join(parts)

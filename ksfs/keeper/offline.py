@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +32,8 @@ from ksfs.model import (
 )
 
 Progress = Callable[[int, int], None]
+
+log = logging.getLogger(__name__)
 
 
 def _claims_empty_but_is_not(path: Path) -> bool:
@@ -86,8 +89,9 @@ def import_paths(session: str, checkpoint: str | None, files: Iterable[str | os.
 
 
 class OfflineVerbs:
-    def ensure_session(self, session: str) -> None:
-        """Create an offline session (no machine) when ``session`` does not exist yet."""
+    def ensure_session(self, session: str) -> bool:
+        """Create an offline session (no machine) when ``session`` does not exist yet; True
+        when this call made it."""
         validate_name(session, "session name")
         try:
             self.ledger.session(session)
@@ -96,7 +100,22 @@ class OfflineVerbs:
                 try:
                     self.ledger.create_session(txn, session)
                 except AlreadyExists:
-                    pass
+                    return False
+                return True
+        return False
+
+    def _forget_new_session(self, session: str) -> None:
+        """Take back a session an import made for itself and could not fill: bad input leaves
+        no session behind. (Under the session's lock; one that holds a checkpoint stays.)"""
+        try:
+            if self.ledger.checkpoint_names(session):
+                return
+            with self.store.env.begin(write=True) as txn:
+                self.ledger.remove_session(txn, session)
+        except KsfsError as exc:  # the import's own error is the one to report
+            log.warning("could not remove session %s its failed import made: %s", session, exc)
+            return
+        self.checkpoint_changed(session, None)
 
     def import_files(
         self,
@@ -112,59 +131,71 @@ class OfflineVerbs:
         ``map_files``: disk images may be read through a mapping (see ``FileSource.mapping``);
         only for a process that does nothing else, since a file cut short under it kills it."""
         paths, disk_set = import_paths(session, checkpoint, files, disks)
-        self.ensure_session(session)
+        made = self.ensure_session(session)
         with session_lock(self.store_path, session):
-            taken = set(self.ledger.checkpoint_names(session))  # stable under the lock
-            if checkpoint is not None and checkpoint in taken:
-                raise AlreadyExists(what="checkpoint", name=checkpoint)
-            begin = self.ledger.record(
-                session, "checkpoint.begin", {"name": checkpoint, "source": "import"}
-            )
-            name = checkpoint or checkpoint_name_for_seq(begin.seq, taken)
-            total = sum(p.stat().st_size for p in paths)
-            done = 0
-
-            def step(n: int, _total: int) -> None:
-                if progress:
-                    progress(done + n, total)
-
             try:
-                # the record's parent, and what new chunks are stored as deltas against (the
-                # session lock keeps it the latest until this commits)
-                parent = self.ledger.latest_checkpoint(session)
-                with self.store.ingest() as ingest:
-                    records = []
-                    for p in paths:
-                        chunking = "fixed" if (p in disk_set or is_disk_image(p.name)) else "cdc"
-                        prev = parent.file(p.name) if parent is not None else None
-                        f = ingest.add_file(str(p), chunking=chunking, progress=step,
-                                            like=prev.manifest if prev else None,
-                                            map_source=map_files)
-                        done += f.size
-                        records.append(
-                            FileRecord(p.name, f.manifest, f.size, f.stored, f.chunking, f.digest)
-                        )
-                    ingest.seal()
-                    record = CheckpointRecord(
-                        session=session,
-                        name=name,
-                        seq=begin.seq,
-                        created=time.time(),
-                        files=tuple(records),
-                        parent=parent.name if parent else None,
-                    )
-                    with self.store.env.begin(write=True) as txn:
-                        ingest.commit(txn)
-                        self.ledger.put_checkpoint(txn, record)
-                        self.ledger.append(
-                            txn, session, "checkpoint.published", self._published_body(record)
-                        )
-                    crash_point("record.commit")
-                    self.checkpoint_changed(session, name)
-            except BaseException as exc:
-                self._record_failure(session, name, exc, begin.seq)
+                return self._import_locked(session, checkpoint, paths, disk_set, progress,
+                                           map_files)
+            except BaseException:
+                if made:
+                    self._forget_new_session(session)
                 raise
-            return record
+
+    def _import_locked(self, session: str, checkpoint: str | None, paths: list[Path],
+                       disk_set: set[Path], progress: Progress | None, map_files: bool
+                       ) -> CheckpointRecord:
+        """import_files under the session's lock."""
+        taken = set(self.ledger.checkpoint_names(session))  # stable under the lock
+        if checkpoint is not None and checkpoint in taken:
+            raise AlreadyExists(what="checkpoint", name=checkpoint)
+        begin = self.ledger.record(
+            session, "checkpoint.begin", {"name": checkpoint, "source": "import"}
+        )
+        name = checkpoint or checkpoint_name_for_seq(begin.seq, taken)
+        total = sum(p.stat().st_size for p in paths)
+        done = 0
+
+        def step(n: int, _total: int) -> None:
+            if progress:
+                progress(done + n, total)
+
+        try:
+            # the record's parent, and what new chunks are stored as deltas against (the
+            # session lock keeps it the latest until this commits)
+            parent = self.ledger.latest_checkpoint(session)
+            with self.store.ingest() as ingest:
+                records = []
+                for p in paths:
+                    chunking = "fixed" if (p in disk_set or is_disk_image(p.name)) else "cdc"
+                    prev = parent.file(p.name) if parent is not None else None
+                    f = ingest.add_file(str(p), chunking=chunking, progress=step,
+                                        like=prev.manifest if prev else None,
+                                        map_source=map_files)
+                    done += f.size
+                    records.append(
+                        FileRecord(p.name, f.manifest, f.size, f.stored, f.chunking, f.digest)
+                    )
+                ingest.seal()
+                record = CheckpointRecord(
+                    session=session,
+                    name=name,
+                    seq=begin.seq,
+                    created=time.time(),
+                    files=tuple(records),
+                    parent=parent.name if parent else None,
+                )
+                with self.store.env.begin(write=True) as txn:
+                    ingest.commit(txn)
+                    self.ledger.put_checkpoint(txn, record)
+                    self.ledger.append(
+                        txn, session, "checkpoint.published", self._published_body(record)
+                    )
+                crash_point("record.commit")
+                self.checkpoint_changed(session, name)
+        except BaseException as exc:
+            self._record_failure(session, name, exc, begin.seq)
+            raise
+        return record
 
     def _published_body(self, record: CheckpointRecord) -> dict[str, Any]:
         return {
