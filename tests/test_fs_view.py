@@ -306,3 +306,49 @@ def test_of_several_disks_the_one_holding_the_transcript_is_the_guest(tmp_path: 
         assert (cp / "fs" / "work" / "small.txt").read_text() == "hello guest\n"
         assert (cp / "transcript").read_bytes() == \
             (root / "agent" / "transcript.jsonl").read_bytes()
+
+
+def test_walking_every_checkpoints_fs_keeps_few_guest_filesystems_open(tmp_path: Path) -> None:
+    """QA (tenth session): each checkpoint directory listed kept its guest filesystem (a store
+    reader of the whole disk, its chunk cache) for the life of the mount, since nodes live that
+    long: `ls -R`, `du` or a backup over many checkpoints grew the daemon ~1 MiB each, without
+    bound. Nodes now reach their filesystem through the few kept open (guest.FS_KEPT)."""
+    import gc
+
+    from ksfs.fuse import guest
+    from ksfs.fuse.tree import ROOT_INODE, CheckpointTree
+    from ksfs.guestfs import GuestFS
+
+    src = tmp_path / "src"
+    make_tree(src, 3)
+    img = tmp_path / "disk.raw"
+    build_ext4(src, img, 64)
+    k = Keeper(tmp_path / "store", create=True)
+    try:
+        n = guest.FS_KEPT + 6
+        for i in range(n):
+            k.import_files("s", f"c{i:02d}", [img])
+        tree = CheckpointTree(k)
+
+        def walk(*parts: str) -> int:
+            ino = ROOT_INODE
+            for p in parts:
+                ino = tree.lookup(ino, p).ino
+            return ino
+
+        for i in range(n):
+            cp = ("sessions", "s", "checkpoints", f"c{i:02d}")
+            names = [e.name for e in tree.listdir(walk(*cp))]
+            assert "fs" in names
+            assert {e.name for e in tree.listdir(walk(*cp, "fs", "work"))} >= {"small.txt"}
+            ino = walk(*cp, "fs", "work", "small.txt")
+            assert tree.attr(ino).size == len("hello guest\n")
+        gc.collect()
+        live = [o for o in gc.get_objects() if isinstance(o, GuestFS)]
+        assert len(live) <= guest.FS_KEPT, len(live)
+        # and a node whose filesystem was let go still reads: it is opened again
+        first = walk("sessions", "s", "checkpoints", "c00", "fs", "work")
+        assert "small.txt" in {e.name for e in tree.listdir(first)}
+    finally:
+        guest._open.clear()
+        k.close()

@@ -41,3 +41,31 @@ def test_tuning_twice_is_harmless():
 
     assert tune_for_bulk_reads() is True
     assert tune_for_bulk_reads() is True
+
+
+TRIM_PROBE = r"""
+import os
+from ksfs.heap import tune_for_bulk_reads, trim
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+tuned = tune_for_bulk_reads(long_running=True)
+big, keep = [], []
+for i in range(300):
+    big.append(os.urandom(1 << 20))
+    keep.append(os.urandom(64))  # pins the heap above each block, as a daemon's objects do
+del big
+freed = rss()
+trimmed = trim()
+print(tuned, trimmed, freed >> 20, rss() >> 20)
+"""
+
+
+def test_a_long_running_process_gives_freed_heap_back_when_it_trims() -> None:
+    """QA (tenth session): the daemon kept 400-600 MB for one small guest, freed heap that
+    glibc held per arena. A daemon caps its arenas and trims every arena now and then."""
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], check=True, capture_output=True,
+                         text=True).stdout.split()
+    tuned, trimmed, freed, after = out[0], out[1], int(out[2]), int(out[3])
+    assert tuned == "True" and trimmed == "True"
+    assert freed > 250  # 300 MiB freed yet still held: below the heap's pinned top
+    assert after < freed - 200, (freed, after)

@@ -77,6 +77,10 @@ def test_lifecycle_through_the_mount(mounted) -> None:
     assert (sess / "resume").read_text().startswith(f"ok {name}")
     kinds = [e["type"] for e in events(mnt, s)]
     assert kinds[-3:] == ["restore.begin", "reconcile", "restore.done"]
+    # status says where the machine is: the restored checkpoint, not the newer save-first
+    status = json.loads((sess / "status").read_text())
+    assert status["running_from"] == f"{s}/{name}", status
+    assert status["last_checkpoint"] != name
     time.sleep(3)
     after = f"after-{tag}"
     os.mkdir(sess / "checkpoints" / after)

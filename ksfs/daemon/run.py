@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from ksfs.heap import tune_for_bulk_reads
 
-    tune_for_bulk_reads()  # every READ builds a 1 MiB reply: see ksfs/heap.py
+    tune_for_bulk_reads(long_running=True)  # every READ builds a 1 MiB reply: ksfs/heap.py
     return daemon_main(args.store, args.mountpoint, args.allow_other, args.ready_fd,
                        args.upstream)
 

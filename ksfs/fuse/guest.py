@@ -15,17 +15,22 @@ import stat
 import threading
 from typing import Any
 
+from ksfs.errors import KsfsError
 from ksfs.fuse.dirs import CHECKPOINT_EXTRA_DIRS, CheckpointDir
 from ksfs.fuse.nodes import Attr, Dir, Node, StoredFile, blocks_for
 
-FS_KEPT = 16  # open guest filesystems kept (each holds a store reader and small caches)
+# Open guest filesystems kept (each holds a store reader of the disk: its manifest's table
+# and a chunk cache, keeper.GUEST_READER_CACHE): the nodes of fs/ reach theirs through this,
+# never hold one, so walking every checkpoint (ls -R, du, find, backups) keeps at most this many.
+FS_KEPT = 8
 
 _lock = threading.Lock()
 _open: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 
 
 def _guest_fs(cp: CheckpointDir) -> Any:
-    """The GuestFS of a checkpoint (opened once), or None when it cannot be read."""
+    """The GuestFS of a checkpoint (opened again once it fell out of the kept ones), or None
+    when it cannot be read."""
     key = (cp.lineage, cp.seq)
     with _lock:
         if key in _open:
@@ -46,11 +51,20 @@ class GuestNode(Node):
     bytes, else 0: the bytes are disk.raw's, counted there, so ``du`` of a checkpoint is about
     what deleting it frees; and not 0, which archivers read as a file all hole (blocks_for)."""
 
-    def __init__(self, cp: CheckpointDir, fs: Any, st: Any) -> None:
+    def __init__(self, cp: CheckpointDir, st: Any) -> None:
         # Node's own constructor: StoredFile's (a later base of GuestFile) takes other arguments.
         Node.__init__(self, cp.keeper, ("guest", cp.lineage, cp.seq, st.ino), cp.session)
-        self.cp, self.fs, self.st = cp, fs, st
+        self.cp, self.st = cp, st
         self.mtime = st.mtime_ns / 1e9
+
+    @property
+    def fs(self) -> Any:
+        """The checkpoint's guest filesystem, from the kept ones (nodes live as long as the
+        mount: one holding its filesystem would keep every checkpoint's ever listed open)."""
+        fs = _guest_fs(self.cp)
+        if fs is None:  # it was read when this node was made: the store changed under it
+            raise KsfsError(f"the guest filesystem of {self.cp.describe()} can no longer be read")
+        return fs
 
     def attr(self) -> Attr:
         st = self.st
@@ -65,11 +79,11 @@ class GuestDir(GuestNode, Dir):
     names_checked = False  # a guest's names are any bytes but '/' and NUL
 
     def children(self) -> list[tuple[str, Node]]:
-        return [(name, node_of(self.cp, self.fs, st))
-                for name, st in self.fs.listdir_stats(self.st.ino)]
+        return [(name, node_of(self.cp, st)) for name, st in self.fs.listdir_stats(self.st.ino)]
 
     def lookup(self, name: str) -> Node:
-        return guest_node(self.cp, self.fs, self.fs.lookup(self.st.ino, name))
+        fs = self.fs
+        return node_of(self.cp, fs.stat_ino(fs.lookup(self.st.ino, name)))
 
     def describe(self) -> str:
         return self.cp.describe() + "fs/ (read-only)"
@@ -110,16 +124,12 @@ class _InodeReader:
         return self.fs.read_ino(self.ino, offset, n)
 
 
-def guest_node(cp: CheckpointDir, fs: Any, ino: int) -> Node:
-    return node_of(cp, fs, fs.stat_ino(ino))
-
-
-def node_of(cp: CheckpointDir, fs: Any, st: Any) -> Node:
+def node_of(cp: CheckpointDir, st: Any) -> Node:
     if stat.S_ISDIR(st.mode):
-        return GuestDir(cp, fs, st)
+        return GuestDir(cp, st)
     if stat.S_ISLNK(st.mode):
-        return GuestSymlink(cp, fs, st)
-    return GuestFile(cp, fs, st)  # regular files; device nodes and fifos read as empty
+        return GuestSymlink(cp, st)
+    return GuestFile(cp, st)  # regular files; device nodes and fifos read as empty
 
 
 class EmptyFsDir(Dir):
@@ -138,7 +148,7 @@ def fs_dir(cp: CheckpointDir) -> Node | None:
         return EmptyFsDir(cp)
     from ksfs.guestfs import ROOT_INO
 
-    return GuestDir(cp, fs, fs.stat_ino(ROOT_INO))
+    return GuestDir(cp, fs.stat_ino(ROOT_INO))
 
 
 CHECKPOINT_EXTRA_DIRS["fs"] = fs_dir

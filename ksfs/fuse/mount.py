@@ -99,6 +99,15 @@ async def _stop_when_unmounted(mountpoint: str, every: float = 1.0) -> None:
             return
 
 
+async def _trim_heap() -> None:
+    """Now and then give freed heap back to the kernel (ksfs.heap: a daemon runs for days)."""
+    from ksfs.heap import TRIM_EVERY, trim
+
+    while True:
+        await trio.sleep(TRIM_EVERY)
+        await trio.to_thread.run_sync(trim)
+
+
 async def _refresh_stored_blocks(tree: CheckpointTree, every: float = 1.0) -> None:
     """Tell the kernel to ask again for the attributes of stored files whenever what other
     checkpoints hold has changed: their st_blocks count the bytes no other checkpoint holds
@@ -206,7 +215,7 @@ def run_mount(
         raise DaemonError(f"cannot mount on {mnt}: {exc}") from exc
     stop_listening = keeper.on_checkpoint_change(forget_entry)
     try:
-        trio.run(_serve, mnt, ready, [refresh_stored_blocks, *extra_tasks])
+        trio.run(_serve, mnt, ready, [refresh_stored_blocks, _trim_heap, *extra_tasks])
     except BaseException:
         pyfuse3.close(unmount=False)
         raise
@@ -229,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from ksfs.heap import tune_for_bulk_reads
 
-    tune_for_bulk_reads()  # every READ builds a 1 MiB reply: see ksfs/heap.py
+    tune_for_bulk_reads(long_running=True)  # every READ builds a 1 MiB reply: ksfs/heap.py
     from ksfs.keeper import Keeper
 
     with Keeper(args.store) as keeper:

@@ -22,7 +22,9 @@ Templates (``S`` a session, ``C`` a checkpoint, ``F`` a file of it)::
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -221,10 +223,42 @@ class StoredFile(Node):
         return reader
 
 
+class _BytesCache:
+    """Bytes by key, least recently used dropped beyond ``budget`` bytes in all."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.held = 0
+        self._items: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> bytes | None:
+        with self._lock:
+            data = self._items.get(key)
+            if data is not None:
+                self._items.move_to_end(key)
+            return data
+
+    def put(self, key: tuple, data: bytes) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            self.held -= len(old) if old is not None else 0
+            self._items[key] = data
+            self.held += len(data)
+            while self.held > self.budget and len(self._items) > 1:
+                _, dropped = self._items.popitem(last=False)
+                self.held -= len(dropped)
+
+
+_record_bytes = _BytesCache(32 << 20)
+
+
 class RecordFile(Node):
     """A checkpoint file made from its record (meta.json, domain.xml, transcript): immutable.
 
-    Its bytes are built on first need and kept, since they can never change.
+    Its bytes are built on first need and kept in a cache of bounded size shared by every
+    record file (nodes live as long as the mount: each keeping its own bytes, a walk over
+    every checkpoint's transcript kept them all); its size is kept for ever.
     """
 
     needs_io = True
@@ -235,12 +269,15 @@ class RecordFile(Node):
         self.checkpoint = checkpoint
         self.name = name
         self.mtime = checkpoint.created
-        self._data: bytes | None = None
+        self._size: int | None = None
 
     def data(self) -> bytes:
-        if self._data is None:
-            self._data = self.keeper.checkpoint_virtual_file(self.checkpoint, self.name)
-        return self._data
+        data = _record_bytes.get(self.key)
+        if data is None:
+            data = self.keeper.checkpoint_virtual_file(self.checkpoint, self.name)
+            _record_bytes.put(self.key, data)
+        self._size = len(data)
+        return data
 
     def size(self) -> int:
-        return len(self.data())
+        return self._size if self._size is not None else len(self.data())

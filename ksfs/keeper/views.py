@@ -6,6 +6,7 @@ loaded to list or describe a checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -37,6 +38,11 @@ def _json_bytes(obj: Any) -> bytes:
 def _event_line(e: Event) -> bytes:
     return (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode()
 
+
+
+# The chunk cache of a store reader under a guest filesystem (the mount keeps a few open,
+# fuse.guest.FS_KEPT): guest metadata and files are read a few KiB at a time.
+GUEST_READER_CACHE = 8 << 20
 
 class EventLogView:
     """A lineage's ``events`` file and ``resume`` answer, brought up to date by reading only the
@@ -122,10 +128,16 @@ class Views:
         rec = self.ledger.session(session)
         latest = self.ledger.latest_checkpoint(session)
         state = "offline"
+        held = None
         if rec.removed is not None:
             state = "removed"  # kept checkpoints only: no machine to ask about
         elif rec.domain:
             state = self.machine_state(session)
+            # The checkpoint its disks were last at: the last save, or the checkpoint a restore
+            # (or the fork) went to; after a restore the newest checkpoint is the save-first,
+            # which is not where the machine is.
+            with contextlib.suppress(KsfsError):
+                held = self.vm.holds_checkpoint(session)
         return {
             "session": rec.name,
             "lineage": rec.lineage,
@@ -133,6 +145,7 @@ class Views:
             "state": state,
             "seq": self.ledger.last_seq(session),
             "last_checkpoint": latest.name if latest else None,
+            "running_from": held,
             "parent": rec.parent.to_dict() if rec.parent else None,
         }
 
@@ -322,7 +335,8 @@ class Views:
             *self._guest_reader(record, f))
 
     def _guest_reader(self, record: CheckpointRecord, f: FileRecord) -> tuple[Any, str]:
-        return self.store.open_file(f.manifest), self._transcript_path_of(record.session)
+        return (self.store.open_file(f.manifest, cache_bytes=GUEST_READER_CACHE),
+                self._transcript_path_of(record.session))
 
     def _transcript_path_of(self, session: str) -> str:
         try:
