@@ -141,6 +141,23 @@ def test_an_empty_ksfs_store_variable_still_means_the_default(tmp_path: Path) ->
     assert str(tmp_path / ".local/share/ksfs") in one_line(res)
 
 
+def test_an_empty_home_means_the_accounts_home_not_the_working_directory(tmp_path: Path
+                                                                         ) -> None:
+    """QA (tenth session): with HOME set but empty the default store was under the working
+    directory (or /, where root would have made it)."""
+    import pwd
+
+    env = dict(os.environ, KSFS_STORE="", HOME="")
+    res = subprocess.run(KSFS + ["stats"], capture_output=True, env=env, cwd=tmp_path,
+                         timeout=120)
+    home = pwd.getpwuid(os.getuid()).pw_dir
+    if (Path(home) / ".local/share/ksfs").is_dir():  # the account has a store: stats of it
+        assert res.returncode == 0, res.stderr
+    else:
+        assert str(Path(home) / ".local/share/ksfs") in one_line(res), res.stderr
+    assert not (tmp_path / ".local").exists()
+
+
 # --- 4. gc's human report -----------------------------------------------------------------------
 
 

@@ -23,7 +23,21 @@ from ksfs.errors import BadInput, KsfsError, from_foreign
 
 
 def default_store() -> str:
-    return os.environ.get("KSFS_STORE") or str(Path.home() / ".local/share/ksfs")
+    if os.environ.get("KSFS_STORE"):
+        return os.environ["KSFS_STORE"]
+    # HOME set but empty (env HOME= ...) would put the store under the working directory or
+    # /: the account's own home then, as when HOME is unset
+    home = os.environ.get("HOME") or _account_home()
+    return str(Path(home) / ".local/share/ksfs")
+
+
+def _account_home() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:  # a uid with no account: the old behaviour
+        return str(Path.home())
 
 
 class Context:
