@@ -249,3 +249,29 @@ def test_umount_given_another_store_waits_for_the_daemon_of_the_mount(small_stor
     finally:
         if os.path.ismount(mnt):
             subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+
+
+def test_a_mount_without_a_usable_fuse_device_says_why(tmp_path):
+    """QA (tenth session): a user without access to /dev/fuse got "fuse_session_mount failed"
+    (exit 13) with the reason only in the daemon's log."""
+    import errno as errno_
+
+    from ksfs.errors import DaemonError, NotPermitted
+    from ksfs.fuse.mount import require_fuse_device
+
+    with pytest.raises(DaemonError, match="there is no .*load the fuse module"):
+        require_fuse_device(str(tmp_path / "no-fuse"))
+    blocked = tmp_path / "fuse"
+    blocked.write_bytes(b"")
+    blocked.chmod(0)
+    if os.geteuid() == 0:  # root opens it all the same: the refusal is shown as the kernel's
+        require_fuse_device(str(blocked))
+        with pytest.raises(NotPermitted, match="needs read and write access"):
+            import unittest.mock as mock
+
+            with mock.patch("os.open", side_effect=PermissionError(errno_.EACCES, "denied")):
+                require_fuse_device(str(blocked))
+    else:
+        with pytest.raises(NotPermitted, match="needs read and write access"):
+            require_fuse_device(str(blocked))
+    require_fuse_device()  # the real one, which these tests mount with

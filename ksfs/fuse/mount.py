@@ -21,7 +21,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from ksfs.errors import DaemonError
+from ksfs.errors import DaemonError, NotPermitted
 from ksfs.fuse import faults
 from ksfs.fuse.ops import Operations
 from ksfs.fuse.tree import CheckpointTree
@@ -97,6 +97,21 @@ async def _stop_when_unmounted(mountpoint: str, every: float = 1.0) -> None:
             log.info("%s was unmounted; stopping", mountpoint)
             pyfuse3.terminate()
             return
+
+
+def require_fuse_device(path: str = "/dev/fuse") -> None:
+    """Refuse, saying why, a mount the kernel's FUSE device would refuse: libfuse says only
+    "fuse_session_mount failed" (its reason goes to the daemon's log)."""
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+    except FileNotFoundError:
+        raise DaemonError(f"cannot mount: there is no {path} (load the fuse module: "
+                          "modprobe fuse)") from None
+    except PermissionError:
+        raise NotPermitted(f"cannot mount: {path} is not open to this user (it needs read and "
+                           "write access to it)") from None
+    except OSError as exc:
+        raise DaemonError(f"cannot mount: opening {path} failed: {exc.strerror}") from None
 
 
 async def _trim_heap() -> None:
@@ -209,6 +224,7 @@ def run_mount(
 
     if not os.path.isdir(mnt):
         raise DaemonError(f"cannot mount on {mnt}: it is not a directory")
+    require_fuse_device()
     try:
         pyfuse3.init(ops, mnt, mount_options(allow_other, debug))
     except RuntimeError as exc:  # libfuse says only that mounting failed; its reason is on stderr
