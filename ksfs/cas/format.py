@@ -82,7 +82,7 @@ def decode_record_header(raw: bytes) -> tuple[bytes, int, int, int] | str:
     return cid, plain_len, stored_len, codec
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # an ingest holds one per new chunk until its commit
 class Location:
     """Where a chunk lives: its record starts at ``offset`` in pack ``pack``. ``base``: the id
     of the chunk a delta (codec 2) is decoded against, None for any other codec."""
@@ -144,6 +144,40 @@ def pack_name(no: int) -> str:
 
 
 Entry = tuple[bytes | None, int]  # (chunk id, or None for a hole; plain length)
+
+
+class ManifestBuilder:
+    """A manifest's entries encoded as they come (40 bytes each, adjacent holes merged, empty
+    entries dropped: ``normalize``'s canonical form), for an ingest of a large file: a list of
+    (id, length) tuples held ~150 bytes an entry until the file's end."""
+
+    def __init__(self) -> None:
+        self._body = bytearray()
+        self._count = 0
+        self._hole = 0  # length of a run of holes not yet written
+        self.size = 0
+
+    def add(self, cid: bytes | None, length: int) -> None:
+        if length <= 0:
+            return
+        self.size += length
+        if cid is None:
+            self._hole += length
+            return
+        self._flush_hole()
+        self._body += MANIFEST_ENTRY.pack(length, cid)
+        self._count += 1
+
+    def _flush_hole(self) -> None:
+        if self._hole:
+            self._body += MANIFEST_ENTRY.pack(self._hole | HOLE_BIT, NO_ID)
+            self._count += 1
+            self._hole = 0
+
+    def encode(self, chunking: str) -> bytes:
+        self._flush_hole()
+        head = MANIFEST_HEADER.pack(MANIFEST_MAGIC, CHUNKINGS[chunking], self.size, self._count)
+        return head + bytes(self._body)
 
 
 def normalize(entries: list[Entry]) -> list[Entry]:

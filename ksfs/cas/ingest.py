@@ -181,7 +181,7 @@ class Ingest:
             patcher = Patcher(self.store, src, slots, keep=self._keep_base)
             batches = patcher.batches(ranges)
             ref = delta.Reference(list(slots), fixed=True)
-        entries: list[fmt.Entry] = []
+        entries = fmt.ManifestBuilder()
         stored = 0
         done = 0
         base_read = 0
@@ -195,7 +195,7 @@ class Ingest:
                         stored += loc.record_len
                         base_read += read_back
                     if slots is None:
-                        entries.append((cid, length))
+                        entries.add(cid, length)
                     else:
                         slots[off // FIXED_SIZE] = (cid, length)
                     done += length
@@ -211,9 +211,8 @@ class Ingest:
             if hasattr(batches, "close"):
                 batches.close()
         _refuse_if_changed(src)  # before its manifest is kept: a refused file leaves none
-        if slots is not None:
-            entries = slots
-        raw = fmt.encode_manifest(entries, chunking)
+        raw = (fmt.encode_manifest(slots, chunking) if slots is not None
+               else entries.encode(chunking))
         info = fmt.decode_manifest(raw)
         if info.size != size:
             raise IntegrityError(f"ingest produced {info.size} bytes of manifest for a "
