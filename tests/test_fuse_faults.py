@@ -173,7 +173,8 @@ def test_umount_of_a_mount_in_use_is_busy_and_leaves_it_mounted(small_store):
             assert res.returncode == 8, res.stderr
             assert res.stderr.strip() == (
                 f"ksfs: error: {mnt} is in use (a process has a file open or its working "
-                "directory there): not unmounted")
+                "directory there, or is waiting on a verb it asked for there, such as a mkdir "
+                "that saves): not unmounted")
             assert os.path.ismount(mnt) and held.read() == memory.read_bytes()
 
 

@@ -177,7 +177,8 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
     if res.returncode != 0:
         if "busy" in res.stderr.lower():
             raise Busy(f"{mountpoint} is in use (a process has a file open or its working "
-                       "directory there): not unmounted")
+                       "directory there, or is waiting on a verb it asked for there, such as a "
+                       "mkdir that saves): not unmounted")
         raise DaemonError(f"could not unmount {mountpoint}: {res.stderr.strip()}")
     lock = Path(store) / "daemon.lock"
     deadline = time.monotonic() + timeout
