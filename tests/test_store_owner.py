@@ -88,3 +88,40 @@ def test_a_session_lock_root_made_serves_the_stores_owner() -> None:
         assert res.returncode != 0 and "NotPermitted" in res.stderr, res.stderr
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_removed_sessions_lock_file_goes_and_waiters_take_a_new_one(tmp_path: Path) -> None:
+    """QA (tenth session): every session name ever used left a lock file for ever. The
+    removal unlinks it while it holds it; a verb that was waiting finds the name gone and
+    locks the new file, so two verbs never hold one session at once."""
+    import threading
+    import time
+
+    from ksfs.keeper.locks import _lock_path, drop_session_lock, session_lock
+
+    store = tmp_path / "store"
+    store.mkdir()
+    path = _lock_path(store, "s")
+    order: list[str] = []
+    held = threading.Event()
+
+    def remover() -> None:
+        with session_lock(store, "s"):
+            held.set()
+            time.sleep(0.3)
+            order.append("removed")
+            drop_session_lock(store, "s")
+            time.sleep(0.2)
+            order.append("remover out")
+
+    t = threading.Thread(target=remover)
+    t.start()
+    held.wait()
+    with session_lock(store, "s"):  # waited on the old file, then took the new one
+        order.append("waiter in")
+        assert path.exists() and os.stat(path).st_ino
+    t.join()
+    assert order == ["removed", "remover out", "waiter in"]
+    with session_lock(store, "s"):
+        drop_session_lock(store, "s")
+    assert not path.exists()

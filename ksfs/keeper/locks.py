@@ -19,6 +19,12 @@ from pathlib import Path
 from ksfs.errors import Busy, translate
 
 
+def _lock_path(store_path: Path, session: str) -> Path:
+    # Hash the name so no name, however odd, can reach outside locks/.
+    return Path(store_path) / "locks" / (hashlib.blake2s(session.encode()).hexdigest()[:32]
+                                         + ".lock")
+
+
 @contextlib.contextmanager
 def session_lock(store_path: Path, session: str, timeout: float | None = None) -> Iterator[None]:
     """Hold the verb lock of ``session`` (by name: a name is one machine at a time)."""
@@ -26,23 +32,49 @@ def session_lock(store_path: Path, session: str, timeout: float | None = None) -
     with translate("make the session locks directory", locks):
         # only the store's owner may take (and so hold up) its verbs
         locks.mkdir(mode=0o700, exist_ok=True)
-    # Hash the name so no name, however odd, can reach outside locks/.
-    path = locks / (hashlib.blake2s(session.encode()).hexdigest()[:32] + ".lock")
-    # Read-only and readable by all (locks/ itself is the owner's): flock needs no write
-    # access, so a lock file another user made (root running one verb on a user's store)
-    # still serves the store's owner instead of refusing every later verb of the session.
-    with translate(f"open the lock of session {session!r}", path):
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline else 0))
+    path = _lock_path(store_path, session)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        # Read-only and readable by all (locks/ itself is the owner's): flock needs no write
+        # access, so a lock file another user made (root running one verb on a user's store)
+        # still serves the store's owner instead of refusing every later verb of the session.
+        with translate(f"open the lock of session {session!r}", path):
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline else 0))
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise Busy(f"session {session!r} is busy with another verb") from None
+                    time.sleep(0.05)
+            if _still_named(fd, path):
                 break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise Busy(f"session {session!r} is busy with another verb") from None
-                time.sleep(0.05)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the removal of a session unlinked this file while we waited: again
+    try:
         yield
     finally:
         os.close(fd)
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file ``fd`` locked (drop_session_lock may have
+    unlinked it, and a newer holder lock a new file by that name)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def drop_session_lock(store_path: Path, session: str) -> None:
+    """Unlink a removed session's lock file, holding that lock: waiters see it gone and take
+    a new one (session_lock checks the name still names what it locked), so names used once
+    do not leave a file each for ever."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_lock_path(store_path, session))

@@ -26,7 +26,7 @@ from ksfs.errors import (
     NotFound,
     NotPermitted,
 )
-from ksfs.keeper.locks import session_lock
+from ksfs.keeper.locks import drop_session_lock, session_lock
 from ksfs.model import (
     DEFAULT_TRANSCRIPT,
     CheckpointRecord,
@@ -284,6 +284,8 @@ class MachineVerbs:
                     with contextlib.suppress(KsfsError):
                         self.ledger.record(name, "session.remove_failed", {"reason": str(exc)})
                 raise
+            if not keep_checkpoints:  # last, still holding it: the name is free now
+                drop_session_lock(self.store_path, name)
         return {"session": name, "removed": True, "kept_checkpoints": keep_checkpoints}
 
     def _remove_locked(self, rec: SessionRecord, keep_checkpoints: bool) -> None:
