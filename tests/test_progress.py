@@ -118,30 +118,34 @@ class StepsKeeper:
         return {"session": session, "name": name or "c_0001"}
 
 
-def test_the_control_socket_sends_steps_then_the_reply(tmp_path: Path) -> None:
-    sock = tmp_path / "daemon.sock"
-    results: dict[str, object] = {}
+def serve_while(keeper: object, sock: Path, client) -> None:
+    """Serve the control socket at ``sock`` with ``keeper`` while ``client()`` runs in a thread."""
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_control, StepsKeeper(), sock)
-
-            def client() -> None:
-                steps: list[tuple] = []
-                results["reply"] = call_daemon(tmp_path, "save", progress=lambda *a:
-                                               steps.append(a), session="s", name="n")
-                results["steps"] = steps
-                # a caller that does not ask for steps gets the reply alone
-                results["plain"] = call_daemon(tmp_path, "save", session="s")
-                try:
-                    call_daemon(tmp_path, "save", progress=steps.append, session="missing")
-                except RemoteError as exc:
-                    results["error"] = exc
-
+            await nursery.start(serve_control, keeper, sock)
             await trio.to_thread.run_sync(client)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_the_control_socket_sends_steps_then_the_reply(tmp_path: Path) -> None:
+    results: dict[str, object] = {}
+
+    def client() -> None:
+        steps: list[tuple] = []
+        results["reply"] = call_daemon(tmp_path, "save", progress=lambda *a: steps.append(a),
+                                       session="s", name="n")
+        results["steps"] = steps
+        # a caller that does not ask for steps gets the reply alone
+        results["plain"] = call_daemon(tmp_path, "save", session="s")
+        try:
+            call_daemon(tmp_path, "save", progress=steps.append, session="missing")
+        except RemoteError as exc:
+            results["error"] = exc
+
+    serve_while(StepsKeeper(), tmp_path / "daemon.sock", client)
     assert results["reply"] == {"session": "s", "name": "n"}
     assert results["plain"] == {"session": "s", "name": "c_0001"}
     steps = results["steps"]
@@ -158,24 +162,17 @@ def test_requests_without_a_true_progress_flag_get_no_steps(tmp_path: Path, raw:
     sock_path = tmp_path / "daemon.sock"
     got: dict[str, bytes] = {}
 
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve_control, StepsKeeper(), sock_path)
+    def client() -> None:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(sock_path))
+        s.sendall(raw)
+        data = b""
+        while not data.endswith(b"\n"):
+            data += s.recv(65536)
+        got["data"] = data
+        s.close()
 
-            def client() -> None:
-                s = socket.socket(socket.AF_UNIX)
-                s.connect(str(sock_path))
-                s.sendall(raw)
-                data = b""
-                while not data.endswith(b"\n"):
-                    data += s.recv(65536)
-                got["data"] = data
-                s.close()
-
-            await trio.to_thread.run_sync(client)
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    serve_while(StepsKeeper(), sock_path, client)
     assert got["data"].count(b"\n") == 1 and b'"progress"' not in got["data"]
 
 

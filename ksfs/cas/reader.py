@@ -11,8 +11,7 @@ from __future__ import annotations
 import array
 import bisect
 import itertools
-import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ from ksfs.cas.format import (
 )
 from ksfs.cas.packs import decode_payload
 from ksfs.errors import BadInput, KsfsError
+from ksfs.lru import LRU
 
 if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
@@ -58,9 +58,7 @@ class FileReader:
         self.starts = array.array("Q", itertools.accumulate(self.entries.lengths(), initial=0))
         self.starts.pop()
         self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[bytes, bytes] = OrderedDict()
-        self._cached = 0
-        self._lock = threading.Lock()
+        self._cache = LRU(cache_bytes, weight=len)  # decompressed chunks by id
 
     def read(self, offset: int, n: int) -> bytes:
         """Up to n bytes at offset (fewer only at the end of the file)."""
@@ -244,26 +242,12 @@ class FileReader:
         return out
 
     def _cached_chunk(self, cid: bytes) -> bytes | None:
-        with self._lock:
-            data = self._cache.get(cid)
-            if data is not None:
-                self._cache.move_to_end(cid)
-            return data
+        return self._cache.get(cid)
 
     def _load(self, cid: bytes, loc: Location | None) -> bytes:
-        data = self.store.read_chunk(cid, loc)  # outside the lock: readers in threads overlap
-        with self._lock:
-            self._remember(cid, data)
+        data = self.store.read_chunk(cid, loc)  # outside the cache's lock: readers overlap
+        self._cache.put(cid, data)
         return data
-
-    def _remember(self, cid: bytes, data: bytes) -> None:
-        if cid in self._cache:
-            return
-        self._cache[cid] = data
-        self._cached += len(data)
-        while self._cached > self.cache_bytes and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cached -= len(old)
 
     def chunk_ids(self) -> list[bytes | None]:
         """The chunk id of every manifest entry, in file order; None for a hole."""

@@ -22,9 +22,7 @@ Templates (``S`` a session, ``C`` a checkpoint, ``F`` a file of it)::
 
 from __future__ import annotations
 
-import collections
 import math
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from ksfs.errors import (
     NoSuchFile,
     NotPermitted,
 )
+from ksfs.lru import LRU
 from ksfs.model import CheckpointRecord, validate_name
 
 # Checkpoint contents never change once published; the kernel may cache them for ever.
@@ -223,34 +222,7 @@ class StoredFile(Node):
         return reader
 
 
-class _BytesCache:
-    """Bytes by key, least recently used dropped beyond ``budget`` bytes in all."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.held = 0
-        self._items: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple) -> bytes | None:
-        with self._lock:
-            data = self._items.get(key)
-            if data is not None:
-                self._items.move_to_end(key)
-            return data
-
-    def put(self, key: tuple, data: bytes) -> None:
-        with self._lock:
-            old = self._items.pop(key, None)
-            self.held -= len(old) if old is not None else 0
-            self._items[key] = data
-            self.held += len(data)
-            while self.held > self.budget and len(self._items) > 1:
-                _, dropped = self._items.popitem(last=False)
-                self.held -= len(dropped)
-
-
-_record_bytes = _BytesCache(32 << 20)
+_record_bytes = LRU(32 << 20, weight=len)  # the bytes of record files, shared
 
 
 class RecordFile(Node):

@@ -11,42 +11,16 @@ from __future__ import annotations
 
 import bisect
 import struct
-import threading
-from collections import OrderedDict
-from collections.abc import Hashable
-from typing import Any
 
 from ksfs.errors import GuestFSUnreadable
 from ksfs.guestfs import layout
 from ksfs.guestfs.image import Reader, read_exact
 from ksfs.guestfs.journal import JournalCopy
 from ksfs.guestfs.layout import Inode, Superblock
+from ksfs.lru import LRU
 
 # A run of a file: (first logical block, block count, first physical block or None for a hole)
 Run = tuple[int, int, int | None]
-
-
-class LRU:
-    """A small thread-safe least-recently-used cache."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._d: OrderedDict[Hashable, Any] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: Hashable) -> Any:
-        with self._lock:
-            value = self._d.get(key)
-            if value is not None:
-                self._d.move_to_end(key)
-            return value
-
-    def put(self, key: Hashable, value: Any) -> None:
-        with self._lock:
-            self._d[key] = value
-            self._d.move_to_end(key)
-            while len(self._d) > self.capacity:
-                self._d.popitem(last=False)
 
 
 class Volume:
