@@ -7,6 +7,7 @@ that changes while it is imported."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -177,7 +178,7 @@ def damage_location(store: Path, cid: bytes | None = None, **changes: int) -> st
         if cid is None:
             cid = bytes(next(iter(txn.cursor()))[0])
         loc = fmt.Location.decode(txn.get(cid))
-        txn.put(cid, fmt.Location(**{**loc.__dict__, **changes}).encode())
+        txn.put(cid, dataclasses.replace(loc, **changes).encode())
     return cid.hex()
 
 

@@ -44,6 +44,7 @@ def test_a_new_store_keeps_its_data_from_other_users(tmp_path: Path) -> None:
 def test_an_older_open_store_is_closed_at_its_next_open(tmp_path: Path) -> None:
     store = tmp_path / "store"
     ChunkStore.open(store, create=True).close()
+    (store / "locks").mkdir()
     for sub in PRIVATE:
         os.chmod(store / sub, 0o755)  # as stores made before the rule were
     ChunkStore.open(store).close()
@@ -86,6 +87,14 @@ def test_a_session_lock_root_made_serves_the_stores_owner() -> None:
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=60)
         assert res.returncode != 0 and "NotPermitted" in res.stderr, res.stderr
+        # locks/ made by root in the user's store (its first verb run as root) is the user's
+        shutil.rmtree(store / "locks")
+        from ksfs.keeper.locks import session_lock
+
+        with session_lock(store, "s"):
+            pass
+        assert (store / "locks").stat().st_uid == NOBODY
+        assert mode(store / "locks") == 0o700
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -55,7 +55,7 @@ LAYOUT = ("index", "packs", "staging", "vm")
 # What holds checkpoint bytes (memory images: the guest's secrets too) is its owner's alone;
 # the files inside stay readable by all, so a pack root wrote into a user's store still reads
 # for that user. vm/ is left to the umask: QEMU may run as another user and open files there.
-PRIVATE = ("index", "packs", "staging")
+PRIVATE = ("index", "packs", "staging", "locks")
 MAP_SIZE = 1 << 40 if sys.maxsize > 2**32 else 1 << 30  # sparse: LMDB only maps, never fills
 MAX_DBS = 32
 CAS_DBS = ("chunks", "manifests", "packs", "cas_meta")

@@ -98,8 +98,8 @@ class GuestFile(GuestNode, StoredFile):
     def size(self) -> int:
         return self.st.size
 
-    def blocks(self) -> int:
-        return blocks_for(0, self.st.size)  # see GuestNode
+    def blocks(self, size: int) -> int:
+        return blocks_for(0, size)  # see GuestNode
 
     def open_reader(self) -> Any:
         return _InodeReader(self.fs, self.st.ino, self.st.size)

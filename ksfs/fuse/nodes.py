@@ -30,6 +30,7 @@ from typing import Any
 
 from ksfs.errors import (
     BadInput,
+    KsfsError,
     NoSuchFile,
     NotPermitted,
 )
@@ -87,16 +88,18 @@ class Node:
     def size(self) -> int:
         return 0
 
-    def blocks(self) -> int:
-        """512-byte blocks ``stat`` reports: never 0 for a file with bytes (``blocks_for``)."""
-        return blocks_for(self.size(), self.size()) if not self.is_dir else 0
+    def blocks(self, size: int) -> int:
+        """512-byte blocks ``stat`` reports for ``size`` bytes (asked once per getattr: a
+        dynamic file builds its content to know it): never 0 for a file with bytes."""
+        return blocks_for(size, size) if not self.is_dir else 0
 
     def attr(self) -> Attr:
+        size = self.size()
         return Attr(
             self.is_dir,
             self.mode,
-            self.size(),
-            self.blocks(),
+            size,
+            self.blocks(size),
             self.mtime,
             self.entry_timeout,
             self.attr_timeout,
@@ -201,7 +204,7 @@ class StoredFile(Node):
     def size(self) -> int:
         return self._size
 
-    def blocks(self) -> int:
+    def blocks(self, size: int) -> int:
         n = self.keeper.exclusive_bytes(self.checkpoint, self.name, wait=False)
         if n is None:  # still counting every checkpoint's chunks: what this file brought in
             f = self.checkpoint.file(self.name)
@@ -247,6 +250,12 @@ class RecordFile(Node):
         data = _record_bytes.get(self.key)
         if data is None:
             data = self.keeper.checkpoint_virtual_file(self.checkpoint, self.name)
+            if self._size is not None and len(data) != self._size:
+                # built again after the cache let it go, and not as the first time (a read of
+                # the guest's disk that failed now): EIO, never bytes that disagree with the
+                # size the kernel was told
+                raise KsfsError(f"{self.name} of checkpoint {self.checkpoint.name} could not be "
+                                "built again as it was")
             _record_bytes.put(self.key, data)
         self._size = len(data)
         return data

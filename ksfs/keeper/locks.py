@@ -28,10 +28,7 @@ def _lock_path(store_path: Path, session: str) -> Path:
 @contextlib.contextmanager
 def session_lock(store_path: Path, session: str, timeout: float | None = None) -> Iterator[None]:
     """Hold the verb lock of ``session`` (by name: a name is one machine at a time)."""
-    locks = Path(store_path) / "locks"
-    with translate("make the session locks directory", locks):
-        # only the store's owner may take (and so hold up) its verbs
-        locks.mkdir(mode=0o700, exist_ok=True)
+    _make_locks_dir(Path(store_path))
     path = _lock_path(store_path, session)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -59,6 +56,21 @@ def session_lock(store_path: Path, session: str, timeout: float | None = None) -
         yield
     finally:
         os.close(fd)
+
+
+def _make_locks_dir(store_path: Path) -> None:
+    """``locks/``, the store owner's alone (only they may take, and so hold up, its verbs);
+    made by root in a user's store (one `sudo ksfs ...`), it is given to that user."""
+    locks = store_path / "locks"
+    with translate("make the session locks directory", locks):
+        try:
+            locks.mkdir(mode=0o700)
+        except FileExistsError:
+            return
+        if os.geteuid() == 0:
+            owner = os.stat(store_path)
+            if owner.st_uid != 0:
+                os.chown(locks, owner.st_uid, owner.st_gid)
 
 
 def _still_named(fd: int, path: Path) -> bool:

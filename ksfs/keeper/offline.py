@@ -131,8 +131,11 @@ class OfflineVerbs:
         ``map_files``: disk images may be read through a mapping (see ``FileSource.mapping``);
         only for a process that does nothing else, since a file cut short under it kills it."""
         paths, disk_set = import_paths(session, checkpoint, files, disks)
-        made = self.ensure_session(session)
+        validate_name(session, "session name")
         with session_lock(self.store_path, session):
+            # made under the lock: an import that fails takes back the session it made, and
+            # another import of the same new session, waiting on the lock, makes it again
+            made = self.ensure_session(session)
             try:
                 return self._import_locked(session, checkpoint, paths, disk_set, progress,
                                            map_files)

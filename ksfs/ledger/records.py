@@ -13,7 +13,7 @@ from typing import Any
 
 import lmdb
 
-from ksfs.errors import BadInput, IntegrityError, KsfsError, NoSpace
+from ksfs.errors import BadInput, IntegrityError, KsfsError, NoSpace, ReadOnly
 from ksfs.ledger import keys as K
 from ksfs.model import CheckpointRecord, Event, ForkPoint
 
@@ -73,6 +73,8 @@ def lmdb_errors(path: object) -> Iterator[None]:
         raise
     except lmdb.MapFullError as exc:
         raise NoSpace(path=path, why="the LMDB map of the ledger is full") from exc
+    except lmdb.ReadonlyError as exc:  # a store on a read-only file system, opened read-only
+        raise ReadOnly(what=f"the file system of the store at {path}") from exc
     except lmdb.Error as exc:
         raise KsfsError(f"ledger database at {path} failed: {exc}") from exc
 

@@ -13,6 +13,7 @@ the session's directory.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
@@ -88,12 +89,22 @@ def _check_disks(xml: str, disks: dict[str, object], domain: str) -> None:
 
 
 def _session_files_except(ctl: DomainController, session: str, keep: set[Path]) -> list[Path]:
+    """The session's disk files (``*.qcow2``, ``*.raw``, and ``*.raw.part``: a materialized
+    file a killed restore or fork never finished) other than those in ``keep``, told apart by
+    device and inode: the paths in ``keep`` may spell the store another way (a symlink, a bind
+    mount) than this process does. Nothing when a file to keep cannot be looked at."""
+    try:
+        kept = {_file_id(p) for p in keep}
+    except OSError:
+        return []
     d = ctl.session_dir(session)
     out = []
-    # *.part: a materialized file a killed restore or fork never finished
     for p in list(d.glob("*.qcow2")) + list(d.glob("*.raw")) + list(d.glob("*.raw.part")):
-        if p not in keep:
-            out.append(p)
+        try:
+            if _file_id(p) not in kept:
+                out.append(p)
+        except FileNotFoundError:
+            pass  # gone meanwhile
     return out
 
 
@@ -229,7 +240,7 @@ def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
     for p in (ctl.session_dir(session) / "staging").glob("restore-*.image*"):
         p.unlink(missing_ok=True)
     for p in _session_files_except(ctl, session, keep):
-        if p in old_roots and state.adopted:
+        if state.adopted and any(_same_file(p, root) for root in old_roots):
             continue  # an adopted disk in our directory is still the user's
         p.unlink(missing_ok=True)
 
@@ -275,16 +286,44 @@ def unused_disk_files(ctl: DomainController, session: str, domain: str) -> list[
     session's state name: what a restore or fork killed while it wrote the target's files
     (before it recorded them as pending), or the old layers of a chain a killed verb had
     replaced, left. Nothing when a restore is pending (settle decides about its files) or the
-    domain is gone (its state's roots are what it will be made again from)."""
-    state = ctl.load_state(session)
-    if state.pending or not ctl.exists(domain):
+    domain is gone (its state's roots are what it will be made again from), the session has no
+    state yet (a fork or session new killed early: recover rolls it back), libvirt still runs a
+    job on the domain (a snapshot a killed save began may be opening its overlay), or any file
+    in use cannot be looked at. Files are told apart by device and inode, not by path: the
+    store may be reached by another spelling (a symlink, a bind mount) than the one the domain
+    and the state were written with."""
+    state = load_state(ctl._state_path(session))
+    if state is None or state.pending or not ctl.exists(domain):
         return []
     try:
+        if _job_running(ctl, domain):
+            return []
         in_use, _ = files_in_use(ctl, domain, strict=True)
     except VMError:
         return []  # a chain it cannot read: no file is known to be unused
-    keep = in_use | {Path(ds.root) for ds in state.disks.values()}
-    return _session_files_except(ctl, session, keep)
+    return _session_files_except(ctl, session,
+                                 in_use | {Path(ds.root) for ds in state.disks.values()})
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _file_id(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _job_running(ctl: DomainController, domain: str) -> bool:
+    dom = ctl.lookup(domain)
+    with step(domain, "asking whether a job runs on it"):
+        if dom.jobInfo()[0] != libvirt.VIR_DOMAIN_JOB_NONE:
+            return True
+        xml = dom.XMLDesc(0) if dom.isActive() else ""
+        return any(dom.blockJobInfo(d.target, 0) for d in domxml.disks(xml))
 
 
 def settle(ctl: DomainController, session: str, domain: str) -> str | None:
@@ -305,17 +344,23 @@ def settle(ctl: DomainController, session: str, domain: str) -> str | None:
         in_use, live_xml = files_in_use(ctl, domain)
         if live_xml:
             running_on = {d.target: d.source for d in domxml.disks(live_xml)}
-    if running_on != {t: str(p) for t, p in overlays.items()}:
+    if running_on is None or set(running_on) != set(overlays) or not all(
+            _same_file(running_on[t], overlays[t]) for t in overlays):
         # Not (or no longer: a save has layered on it since) exactly the restore's files:
         # what no chain uses goes, and the session's state stays as the save left it.
+        try:  # by device and inode (see _session_files_except); none when in doubt
+            in_ids = {_file_id(p) for p in in_use}
+        except OSError:
+            in_ids = None
         for p in (*bases.values(), *overlays.values()):
-            if p not in in_use:
-                p.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                if in_ids is not None and _file_id(p) not in in_ids:
+                    p.unlink()
         state.pending = None
         ctl.save_state(session, state)
         return None
     own = {t: p for t, p in domxml.boot_files(live_xml).items()
-           if Path(p).parent == ctl.session_dir(session)}
+           if _same_file(Path(p).parent, ctl.session_dir(session))}
     _redefine(ctl, domain, overlays, own)
     _take_new_chain(ctl, session, state, bases, overlays, pending["label"])
     return pending["label"]
