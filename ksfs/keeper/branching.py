@@ -155,7 +155,8 @@ class RestoreVerbs:
         validate_name(checkpoint, "checkpoint name")
         validate_name(new, "session name")
         self._refuse_taken_session(new)
-        self.ledger.checkpoint(session, checkpoint)  # unknown: said before any lock file is made
+        # what cannot be forked is said before any lock file is made (bad input changes nothing)
+        self._xml_disks(self.ledger.checkpoint(session, checkpoint))
         domain = domain_name_for(new)
         # The parent's lock too: while the fork reads the checkpoint, `rm` of it (and a gc
         # after) or `session rm` of the parent waits, instead of pulling its chunks or its
