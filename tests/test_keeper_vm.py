@@ -993,3 +993,38 @@ def test_a_fork_holds_its_parent_so_rm_and_session_rm_wait_for_it(env, agent: st
     # the fork's log: made from the checkpoint the parent no longer has
     assert [ev["type"] for ev in events_of(store, new, e)][:2] == ["lineage.forked", "reconcile"]
     run(store, "session", "rm", new, env=e)
+
+
+def test_a_save_killed_after_its_commit_leaves_later_checkpoints_whole(env, agent: str,
+                                                                       tmp_path: Path) -> None:
+    """QA (tenth session): a save killed after QEMU folded its frozen layer into the chain
+    root, before the root's new label was recorded, left the old label on it: every later
+    checkpoint was built as "changes since" the old checkpoint and missed what that layer held
+    (a disk that differed from the guest's, silently). The commit's label is recorded first and
+    the next snapshot (or recover) settles it from the chain."""
+    store, e = env["store"], env["env"]
+    save(store, agent, e)
+    time.sleep(3)  # the guest writes its transcript and work files
+    res = run(store, "save", agent, "folded", check=False,
+              env=dict(e, KSFS_CRASH_AT="vm.flatten.done"))
+    assert res.returncode == -signal.SIGKILL
+    state = json.loads((store / "vm" / agent / "state.json").read_text())
+    assert state["disks"]["vda"]["committing"]["label"] == f"{agent}/folded"
+    time.sleep(3)
+    run(store, "pause", agent, env=e)
+    try:
+        after = save(store, agent, e, "after-fold")
+        # the machine is paused: its disk now is the disk at that checkpoint
+        live = tmp_path / "live.raw"
+        subprocess.run(["qemu-img", "convert", "-U", "-O", "raw", chain_of(f"ksfs-{agent}")[0],
+                        str(live)], check=True, capture_output=True)
+        stored = tmp_path / "stored.raw"
+        with open(stored, "wb") as out:
+            subprocess.run(KSFS + ["--store", str(store), "cat", agent, after, "disk.raw"],
+                           stdout=out, check=True, env=e)
+        assert live.read_bytes() == stored.read_bytes()
+    finally:
+        run(store, "resume", agent, env=e)
+    state = json.loads((store / "vm" / agent / "state.json").read_text())
+    assert state["disks"]["vda"]["base_checkpoint"] == f"{agent}/after-fold"
+    assert not state["disks"]["vda"].get("committing")

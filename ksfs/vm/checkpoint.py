@@ -159,6 +159,7 @@ def _other_disks(xml: str, kept: set[str]) -> list[str]:
 
 def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True,
              on_freeze: Callable[[], None] | None = None) -> Frozen:
+    settle_commits(ctl, session, domain)  # what a killed save folded into the roots
     state = ctl.load_state(session)
     dom = ctl.lookup(domain)
     if not dom.isActive():
@@ -210,6 +211,7 @@ def stopped(ctl: DomainController, session: str, domain: str) -> Frozen:
     """The disks of a domain that is not running (shut off, crashed), as a Frozen without
     memory: nothing writes them, so its chain is read as it is. Nothing is committed or
     removed here; what the caller does next (a restore) replaces the chain anyway."""
+    settle_commits(ctl, session, domain)
     state = ctl.load_state(session)
     dom = ctl.lookup(domain)
     with step(domain, "reading the definition of a stopped machine"):
@@ -346,19 +348,78 @@ def finish(ctl: DomainController, frozen: Frozen, checkpoint: str | None) -> Non
     frozen.close()
     crash_point("vm.flatten")
     for disk in frozen.disks:
-        if disk.layers:
-            _commit(ctl, dom, frozen, disk)
         tracked = state.disks.get(disk.target)
         if tracked is None or tracked.root != disk.root:
             depth = [str(f) for f in disk.source.files].index(disk.root)
             tracked = state.disks[disk.target] = DiskState(disk.root, disk.source.formats[depth])
-        tracked.base_checkpoint = checkpoint or frozen.token
+        label = checkpoint or frozen.token
+        if disk.layers:
+            # Said before the commit: once QEMU has folded the layers into the root, the root
+            # holds this checkpoint, and a process killed before it records that would leave
+            # the old label on it, so every later save would miss what these layers held
+            # (settle_commits finishes the record from the chain).
+            tracked.committing = {"label": label, "layers": list(disk.layers)}
+            ctl.save_state(frozen.session, state)
+            _commit(ctl, dom, frozen, disk)
+            crash_point("vm.flatten.done")  # folded into the root, not yet recorded
+            tracked.committing = None
+        tracked.base_checkpoint = label
         # Saved per disk: should a later disk's commit fail, this one's root already holds the
         # new checkpoint, and its next changed ranges must be counted from it. (A failed commit
         # leaves its layers in the chain, so they are counted again next time: still correct.)
         ctl.save_state(frozen.session, state)
     frozen.memory_path.unlink(missing_ok=True)
     frozen.finished = True
+
+
+def settle_commits(ctl: DomainController, session: str, domain: str) -> bool:
+    """Finish the record of commits a killed finish() began (DiskState.committing): when its
+    layers have left the disk's chain, the root holds the checkpoint they froze and takes its
+    label; while they are still in the chain the old label stays right (the layers above the
+    root still hold every change since it, and the next finish commits them). A commit job
+    still running is waited for first. True when the state changed."""
+    state = ctl.load_state(session)
+    open_commits = {t: ds for t, ds in state.disks.items() if ds.committing}
+    if not open_commits:
+        return False
+    dom = ctl.lookup(domain)
+    for target, ds in open_commits.items():
+        if dom.isActive():
+            _wait_for_block_job(dom, domain, target)
+        chain = _chain_on_disk(ctl, domain, target)
+        if chain is None:
+            ds.base_checkpoint = None  # cannot tell: the next save reads the whole disk
+        elif not any(layer in chain for layer in ds.committing["layers"]):
+            ds.base_checkpoint = ds.committing["label"]
+        ds.committing = None
+    ctl.save_state(session, state)
+    return True
+
+
+def _chain_on_disk(ctl: DomainController, domain: str, target: str) -> list[str] | None:
+    """The files of the disk's chain as its qcow2 headers say (a stopped domain's definition
+    may not list its backing chain), or None when they cannot be read."""
+    top = next((d.source for d in domxml.disks(ctl.xml(domain)) if d.target == target), None)
+    if top is None:
+        return None
+    try:
+        source = ChainSource(Path(top), f"reading the chain of {target}")
+    except VMError:
+        return None
+    try:
+        return [str(f) for f in source.files]
+    finally:
+        source.close()
+
+
+def _wait_for_block_job(dom: libvirt.virDomain, domain: str, target: str) -> None:
+    with step(domain, f"waiting for the block job on {target}"):
+        deadline = time.monotonic() + COMMIT_TIMEOUT
+        while dom.blockJobInfo(target, 0):
+            if time.monotonic() > deadline:
+                raise VMError(f"a block job on {target} of domain {domain} did not finish in "
+                              f"{COMMIT_TIMEOUT:.0f} s")
+            time.sleep(0.05)
 
 
 def _commit(ctl: DomainController, dom: libvirt.virDomain, frozen: Frozen,

@@ -377,8 +377,14 @@ class DomainController:
         back."""
         d = self.session_dir(session)
         freed = 0
+        from ksfs.vm.checkpoint import settle_commits
         from ksfs.vm.restore import unused_disk_files
 
+        if domain and self.exists(domain) and load_state(self._state_path(session)):
+            try:  # before the labels say where the disks are (the next snapshot does it too)
+                settle_commits(self, session, domain)
+            except VMError as exc:
+                log.warning("could not settle the commits of %s yet: %s", session, exc)
         unused = unused_disk_files(self, session, domain) if domain else []
         for p in [*(d / "staging").glob("*.save"), *(d / "staging").glob("restore-*.image*"),
                   *d.glob("*.part"), *unused]:

@@ -22,6 +22,10 @@ class DiskState:
     root: str  # the bottom file ksfs tracks (the session's copy, a restored base, an adopted disk)
     root_fmt: str
     base_checkpoint: str | None = None  # label of the checkpoint ``root`` holds, if any
+    # A commit of frozen layers into ``root`` that finish() began and has not recorded the
+    # end of: {"label": the checkpoint root holds once it is done, "layers": [files]}; see
+    # checkpoint.settle_commits.
+    committing: dict | None = None
 
 
 @dataclass
