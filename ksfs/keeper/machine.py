@@ -476,15 +476,20 @@ class MachineVerbs:
             return None  # deleted since: the ingest reads the whole disk instead
 
     def _frozen_transcript(self, rec: SessionRecord, frozen) -> TranscriptInfo | None:
-        if not frozen.disks:
-            return None
-        try:
-            from ksfs.guestfs import GuestFS, read_transcript
+        """The guest's transcript as the frozen disks hold it: on the first disk, and the
+        partition of it, whose filesystem holds the transcript's path (as guest_disk chooses
+        for fs/ and diff: the root need not be the first disk or the first partition)."""
+        from ksfs.guestfs import GuestFS, read_transcript
 
-            fs = GuestFS.open(_SourceReader(frozen.disks[0].source))
-            return read_transcript(fs, self.transcript_path(rec.name))
-        except KsfsError:
-            return None
+        path = self.transcript_path(rec.name)
+        for disk in frozen.disks:
+            try:
+                fs = GuestFS.open(_SourceReader(disk.source), holding=path)
+                if fs.holds(path):
+                    return read_transcript(fs, path)
+            except KsfsError:
+                continue  # a data disk, or one this cannot read
+        return None
 
 def _stepper(step: str):
     """An ingest's (done, total) callback reporting ``step``, or None when nobody listens."""
