@@ -279,11 +279,11 @@ def from_foreign(exc: BaseException, where: object = "the store",
         text = str(exc)
         if "No space" in text or type(exc).__name__ == "MapFullError":
             return NoSpace(path=where, why=f"{what}: {text}")
-        # (before "Permission denied", which LMDB's text for it also says: a store on a
-        # read-only file system is opened read-only, and a write transaction on it is refused
-        # before any file is touched)
-        if "Read-only file system" in text or type(exc).__name__ == "ReadonlyError" \
-                or "read-only environment" in text:
+        # (before "Permission denied", which LMDB's text for a write on a read-only
+        # environment also says: a store on a read-only file system is opened read-only, and
+        # a write transaction on it is refused before any file is touched. py-lmdb raises
+        # ReadonlyError for any EACCES, so the class alone says nothing.)
+        if "Read-only file system" in text or "read-only environment" in text:
             return ReadOnly(what=f"the file system of the store at {where}")
         if "Permission denied" in text:
             return NotPermitted(f"the index of {where} cannot be opened: permission denied")

@@ -118,3 +118,17 @@ def test_the_command_line_answers_a_foreign_error_with_its_class(tmp_path: Path)
     res = subprocess.run([sys.executable, "-c", driver, "bug", str(store)],
                          capture_output=True, text=True)
     assert res.returncode == 1 and "Traceback" in res.stderr, res.stderr
+
+
+def test_lmdb_refusals_are_told_apart_by_their_text() -> None:
+    """Review (tenth session): py-lmdb raises ReadonlyError for any EACCES, so an index the
+    user may not open was reported as a read-only file system."""
+    import lmdb
+
+    from ksfs.errors import NotPermitted, ReadOnly, from_foreign
+
+    write = lmdb.ReadonlyError(
+        "Cannot start write transaction with read-only environment.: Permission denied")
+    assert isinstance(from_foreign(write, "/s"), ReadOnly)
+    denied = lmdb.ReadonlyError("/s/index: Permission denied")
+    assert isinstance(from_foreign(denied, "/s"), NotPermitted)

@@ -182,3 +182,31 @@ def test_resume_bad_input(keeper, data, error):
     (ev,) = rejections(keeper, "s", since)
     assert ev["file"] == "resume"
     assert keeper.resume_result("s").startswith(b"rejected: ")
+
+
+def test_a_getattr_builds_a_dynamic_file_once_and_a_record_rebuilt_otherwise_is_eio():
+    """Review (tenth session): st_blocks made every getattr of status/events/usage build the
+    content three times; a record file's bytes, let go by the shared cache and built again
+    differently (a guest disk read failing now), must not be served against what the kernel
+    holds."""
+    from types import SimpleNamespace
+
+    from ksfs.errors import KsfsError
+    from ksfs.fuse import nodes
+
+    built = []
+    dyn = nodes.DynamicFile(None, ("status", "x"), "s", "status",
+                            lambda: built.append(1) or b"{}\n")
+    attr = dyn.attr()
+    assert len(built) == 1 and attr.size == 3 and attr.blocks == 1
+    versions = iter([b"first version\n", b"first version\n", b"other bytes!!\n"])
+    keeper = SimpleNamespace(checkpoint_virtual_file=lambda rec, name: next(versions))
+    rec = SimpleNamespace(name="c", created=0.0)
+    f = nodes.RecordFile(keeper, ("file", "t", "c", 1, "transcript"), "s", rec, "transcript")
+    assert f.data() == b"first version\n"
+    nodes._record_bytes.put(("other",), bytes(nodes._record_bytes.capacity))  # evicts it
+    assert f.data() == b"first version\n"  # built again, the same: served
+    nodes._record_bytes.put(("other",), bytes(nodes._record_bytes.capacity))
+    with pytest.raises(KsfsError, match="could not be built again"):
+        f.data()
+    nodes._record_bytes.put(("other",), b"")

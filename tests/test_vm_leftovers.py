@@ -39,3 +39,64 @@ def test_a_session_with_no_state_yet_has_no_leftovers_to_drop(tmp_path: Path) ->
     # the half-written file still goes (it is a .part), and nothing raises
     assert ctl.drop_leftovers("early", "ksfs-early") >= 0
     assert not (d / "vda-base-1.raw.part").exists()
+
+
+class _Dom:
+    def isActive(self) -> int:  # noqa: N802 - libvirt's name
+        return 0  # shut off: nothing to wait for
+
+
+def _domain_xml(top: Path) -> str:
+    return (f"<domain><devices><disk type='file' device='disk'><driver type='qcow2'/>"
+            f"<source file='{top}'/><target dev='vda'/></disk></devices></domain>")
+
+
+def _ctl_with(tmp_path: Path, top: Path) -> DomainController:
+    ctl = DomainController(workdir=tmp_path / "vm")
+    ctl.lookup = lambda domain: _Dom()  # the domain, as far as settle_commits asks it
+    ctl.xml = lambda domain, inactive=False: _domain_xml(top)
+    return ctl
+
+
+def _state(ctl: DomainController, root: Path, committing: dict, target: str = "vda") -> None:
+    from ksfs.vm.state import DiskState, SessionState
+
+    (ctl.workdir / "s").mkdir(parents=True, exist_ok=True)
+    ds = DiskState(str(root), "raw", "s/old", committing=committing)
+    ctl.save_state("s", SessionState("ksfs-s", {target: ds}))
+
+
+def test_settling_commits_gives_a_label_only_to_a_root_below_a_layer(tmp_path: Path) -> None:
+    """Review (tenth session): a commit settled for a disk the domain no longer has blocked
+    every later save; a root an outside block commit pivoted to the top (it takes writes no
+    layer records) must not keep a label."""
+    import subprocess
+
+    from ksfs.vm.checkpoint import settle_commits
+
+    base = tmp_path / "vm" / "s" / "base.raw"
+    base.parent.mkdir(parents=True)
+    base.write_bytes(bytes(1 << 20))
+    top = tmp_path / "vm" / "s" / "top.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(base),
+                    str(top)], check=True)
+    ctl = _ctl_with(tmp_path, top)
+    gone = str(tmp_path / "vm" / "s" / "frozen.qcow2")  # committed and removed from the chain
+    # the layers left the chain, the root is below a layer: it holds the new checkpoint
+    _state(ctl, base, {"label": "s/new", "layers": [gone]})
+    assert settle_commits(ctl, "s", "ksfs-s")
+    ds = ctl.load_state("s").disks["vda"]
+    assert ds.base_checkpoint == "s/new" and ds.committing is None
+    # the layers still in the chain: the old label stays right
+    _state(ctl, base, {"label": "s/new", "layers": [str(top)]})
+    settle_commits(ctl, "s", "ksfs-s")
+    assert ctl.load_state("s").disks["vda"].base_checkpoint == "s/old"
+    # the root pivoted to the top: nothing is known of what it holds
+    _state(ctl, top, {"label": "s/new", "layers": [gone]})
+    settle_commits(ctl, "s", "ksfs-s")
+    assert ctl.load_state("s").disks["vda"].base_checkpoint is None
+    # a disk the domain no longer has: settled (no label), never waited for
+    _state(ctl, base, {"label": "s/new", "layers": [gone]}, target="vdz")
+    settle_commits(ctl, "s", "ksfs-s")
+    ds = ctl.load_state("s").disks["vdz"]
+    assert ds.base_checkpoint is None and ds.committing is None

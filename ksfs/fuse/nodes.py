@@ -22,6 +22,7 @@ Templates (``S`` a session, ``C`` a checkpoint, ``F`` a file of it)::
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -245,17 +246,20 @@ class RecordFile(Node):
         self.name = name
         self.mtime = checkpoint.created
         self._size: int | None = None
+        self._digest: bytes | None = None  # of the first build: a rebuild must equal it
 
     def data(self) -> bytes:
         data = _record_bytes.get(self.key)
         if data is None:
             data = self.keeper.checkpoint_virtual_file(self.checkpoint, self.name)
-            if self._size is not None and len(data) != self._size:
+            digest = hashlib.blake2b(data, digest_size=16).digest()
+            if self._digest is not None and digest != self._digest:
                 # built again after the cache let it go, and not as the first time (a read of
-                # the guest's disk that failed now): EIO, never bytes that disagree with the
-                # size the kernel was told
+                # the guest's disk that failed now): EIO, never bytes other than those the
+                # kernel may hold already, or of another size than it was told
                 raise KsfsError(f"{self.name} of checkpoint {self.checkpoint.name} could not be "
                                 "built again as it was")
+            self._digest = digest
             _record_bytes.put(self.key, data)
         self._size = len(data)
         return data

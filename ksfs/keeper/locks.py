@@ -31,6 +31,7 @@ def session_lock(store_path: Path, session: str, timeout: float | None = None) -
     _make_locks_dir(Path(store_path))
     path = _lock_path(store_path, session)
     deadline = None if timeout is None else time.monotonic() + timeout
+    retries = 0
     while True:
         # Read-only and readable by all (locks/ itself is the owner's): flock needs no write
         # access, so a lock file another user made (root running one verb on a user's store)
@@ -46,8 +47,10 @@ def session_lock(store_path: Path, session: str, timeout: float | None = None) -
                     if time.monotonic() >= deadline:
                         raise Busy(f"session {session!r} is busy with another verb") from None
                     time.sleep(0.05)
-            if _still_named(fd, path):
+            # (bounded: a file system whose stat and fstat disagree must not loop for ever)
+            if _still_named(fd, path) or retries >= MAX_RENAMED_RETRIES:
                 break
+            retries += 1
         except BaseException:
             os.close(fd)
             raise
@@ -56,6 +59,9 @@ def session_lock(store_path: Path, session: str, timeout: float | None = None) -
         yield
     finally:
         os.close(fd)
+
+
+MAX_RENAMED_RETRIES = 100
 
 
 def _make_locks_dir(store_path: Path) -> None:
@@ -88,5 +94,5 @@ def drop_session_lock(store_path: Path, session: str) -> None:
     """Unlink a removed session's lock file, holding that lock: waiters see it gone and take
     a new one (session_lock checks the name still names what it locked), so names used once
     do not leave a file each for ever."""
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):  # the removal is done: a file left is only a file
         os.unlink(_lock_path(store_path, session))

@@ -249,7 +249,9 @@ def _frozen_disk(disk: domxml.DiskInfo, tracked: object) -> FrozenDisk:
     source = ChainSource(Path(top), f"mapping frozen disk {disk.target}")
     names = [str(f) for f in source.files]
     root = getattr(tracked, "root", None)
-    known = root is not None and root in names
+    # (the root below at least one layer: a root that became the top itself, pivoted by an
+    # active block commit outside ksfs, has taken writes no layer records)
+    known = root is not None and root in names[1:]
     if not known:
         # A disk we do not track yet (or whose root left the chain): the top is its own root,
         # and nothing says what it holds, so the whole image must be read.
@@ -383,12 +385,17 @@ def settle_commits(ctl: DomainController, session: str, domain: str) -> bool:
     if not open_commits:
         return False
     dom = ctl.lookup(domain)
+    with step(domain, "reading its disks"):
+        active = dom.isActive()
+    present = {d.target for d in domxml.disks(ctl.xml(domain))}
     for target, ds in open_commits.items():
-        if dom.isActive():
+        if target in present and active:
             _wait_for_block_job(dom, domain, target)
-        chain = _chain_on_disk(ctl, domain, target)
-        if chain is None:
-            ds.base_checkpoint = None  # cannot tell: the next save reads the whole disk
+        chain = _chain_on_disk(ctl, domain, target) if target in present else None
+        if chain is None or ds.root not in chain[1:]:
+            # cannot tell (a disk gone, a chain unreadable, or the root no longer below a
+            # layer: something outside ksfs pivoted it): the next save reads the whole disk
+            ds.base_checkpoint = None
         elif not any(layer in chain for layer in ds.committing["layers"]):
             ds.base_checkpoint = ds.committing["label"]
         ds.committing = None

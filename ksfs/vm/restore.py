@@ -103,8 +103,8 @@ def _session_files_except(ctl: DomainController, session: str, keep: set[Path]) 
         try:
             if _file_id(p) not in kept:
                 out.append(p)
-        except FileNotFoundError:
-            pass  # gone meanwhile
+        except OSError:
+            pass  # gone meanwhile, or not to be looked at: kept
     return out
 
 
@@ -320,6 +320,8 @@ def _file_id(path: Path) -> tuple[int, int]:
 def _job_running(ctl: DomainController, domain: str) -> bool:
     dom = ctl.lookup(domain)
     with step(domain, "asking whether a job runs on it"):
+        if not dom.isActive():
+            return False  # no QEMU, no job
         if dom.jobInfo()[0] != libvirt.VIR_DOMAIN_JOB_NONE:
             return True
         xml = dom.XMLDesc(0) if dom.isActive() else ""
@@ -353,7 +355,7 @@ def settle(ctl: DomainController, session: str, domain: str) -> str | None:
         except OSError:
             in_ids = None
         for p in (*bases.values(), *overlays.values()):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 if in_ids is not None and _file_id(p) not in in_ids:
                     p.unlink()
         state.pending = None
