@@ -60,7 +60,10 @@ def save_state(path: Path, state: SessionState) -> None:
         "domain": state.domain,
         "counter": state.counter,
         "adopted": state.adopted,
-        "disks": {t: vars(d) for t, d in state.disks.items()},
+        # (an open commit only while there is one: a state.json without it stays readable by
+        # a ksfs from before the field)
+        "disks": {t: {k: v for k, v in vars(d).items() if k != "committing" or v is not None}
+                  for t, d in state.disks.items()},
     }
     if state.pending is not None:
         data["pending"] = state.pending
