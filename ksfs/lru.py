@@ -47,3 +47,8 @@ class LRU:
 
     def __len__(self) -> int:
         return len(self._d)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+            self.held = 0

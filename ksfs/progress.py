@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
@@ -68,3 +69,21 @@ class Steps:
             self.done += n
             done = self.done
         report(self.step, done, self.total, sink=self.sink)
+
+
+class Throttle:
+    """Which reports to pass on: every change of step, and the same step at most once every
+    ``every`` seconds (a terminal redraw, a control-socket line). Thread-safe."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._last = ("", 0.0)
+        self._lock = threading.Lock()
+
+    def due(self, step: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if step == self._last[0] and now - self._last[1] < self.every:
+                return False
+            self._last = (step, now)
+            return True

@@ -156,12 +156,12 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
             rep.damaged_chunks[cid.hex()] = _cut_short(loc, disk[loc.pack])
         else:
             by_pack.setdefault(loc.pack, []).append((cid, loc))
+    pack_bytes = {no: sum(loc.record_len for _, loc in items) for no, items in by_pack.items()}
     steps = progress.Steps("reading and hashing every chunk" if read_data else
-                           "checking every chunk's header",
-                           sum(loc.record_len for items in by_pack.values() for _, loc in items))
+                           "checking every chunk's header", sum(pack_bytes.values()))
     for no, items in by_pack.items():
         _check_pack(store, no, items, read_data, rep)
-        steps.add(sum(loc.record_len for _, loc in items))
+        steps.add(pack_bytes[no])
     _check_bases(chunks, rep)
 
     # manifests: intact, and every chunk they name is indexed and sound

@@ -180,13 +180,13 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
     moved: list[tuple[bytes, fmt.Location]] = []
     done: list[int] = []
     dctx = zstandard.ZstdDecompressor()
-    steps = progress.Steps("repacking sparse packs", sum(
-        loc.record_len for no in thin - empty for _, loc in moving.get(no, ())))
+    pack_bytes = {no: sum(loc.record_len for _, loc in moving.get(no, ())) for no in thin - empty}
+    steps = progress.Steps("repacking sparse packs", sum(pack_bytes.values()))
     try:
         for no in sorted(thin - empty):
             items = sorted(moving.get(no, []), key=lambda it: it[1].offset)
             copies = _copy_pack(store, no, items, writers, first_no, dctx, res)
-            steps.add(sum(loc.record_len for _, loc in items))
+            steps.add(pack_bytes[no])
             if copies is None:
                 continue
             if writers:

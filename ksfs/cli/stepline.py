@@ -10,6 +10,8 @@ import threading
 import time
 from typing import TextIO
 
+from ksfs.progress import Throttle
+
 REDRAW_EVERY = 0.1
 
 
@@ -22,8 +24,7 @@ class StepLine:
         self.label = label
         self.out = out or sys.stderr
         self.t0 = time.monotonic()
-        self.drawn_at = 0.0
-        self.step = ""
+        self.throttle = Throttle(REDRAW_EVERY)
         self.shown = False
         self.lock = threading.Lock()  # a local verb reports from several threads
 
@@ -35,16 +36,14 @@ class StepLine:
             return None
 
     def __call__(self, step: str, done: int | None = None, total: int | None = None) -> None:
-        now = time.monotonic()
+        if not self.throttle.due(step):
+            return
         with self.lock:
-            if step == self.step and now - self.drawn_at < REDRAW_EVERY:
-                return
-            self.step, self.drawn_at = step, now
             text = f"{self.label}: {step}"
             if total:
                 done = min(done or 0, total)  # a live memory copy sends dirty pages again
                 text += f" {100 * done // total}% ({_mib(done)} of {_mib(total)} MiB)"
-            text += f"  {now - self.t0:.1f}s"
+            text += f"  {time.monotonic() - self.t0:.1f}s"
             self._write("\r\x1b[K" + text)
             self.shown = True
 

@@ -11,8 +11,6 @@ import json
 import logging
 import math
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -94,15 +92,11 @@ class _ProgressSink:
     def __init__(self, send: trio.MemorySendChannel, token: trio.lowlevel.TrioToken) -> None:
         self.send = send
         self.token = token
-        self.last: tuple[str, float] = ("", 0.0)
-        self.lock = threading.Lock()
+        self.throttle = progress.Throttle(1 / PROGRESS_RATE)
 
     def __call__(self, step: str, done: int | None, total: int | None) -> None:
-        now = time.monotonic()
-        with self.lock:
-            if step == self.last[0] and now - self.last[1] < 1 / PROGRESS_RATE:
-                return
-            self.last = (step, now)
+        if not self.throttle.due(step):
+            return
         self.token.run_sync_soon(self._put, {"step": step, "done": done, "total": total})
 
     def _put(self, item: dict[str, Any]) -> None:

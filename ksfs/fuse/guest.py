@@ -10,40 +10,34 @@ change. Never imports pyfuse3 or trio.
 
 from __future__ import annotations
 
-import collections
 import stat
-import threading
 from typing import Any
 
 from ksfs.errors import KsfsError
 from ksfs.fuse.dirs import CHECKPOINT_EXTRA_DIRS, CheckpointDir
 from ksfs.fuse.nodes import Attr, Dir, Node, StoredFile, blocks_for
+from ksfs.lru import LRU
 
 # Open guest filesystems kept (each holds a store reader of the disk: its manifest's table
 # and a chunk cache, keeper.GUEST_READER_CACHE): the nodes of fs/ reach theirs through this,
 # never hold one, so walking every checkpoint (ls -R, du, find, backups) keeps at most this many.
 FS_KEPT = 8
 
-_lock = threading.Lock()
-_open: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_open = LRU(FS_KEPT)  # (lineage, seq) -> GuestFS, or _UNREADABLE
+_UNREADABLE = object()  # kept too: its event is said once, not at every look
 
 
 def _guest_fs(cp: CheckpointDir) -> Any:
     """The GuestFS of a checkpoint (opened again once it fell out of the kept ones), or None
     when it cannot be read."""
     key = (cp.lineage, cp.seq)
-    with _lock:
-        if key in _open:
-            _open.move_to_end(key)
-            return _open[key]
-    fs, why = cp.keeper.open_guest_fs(cp.load())  # fs_dir saw that it has a disk
+    fs = _open.get(key)
     if fs is None:
-        cp.keeper.reject_fs(cp.session, cp.name, why, (cp.lineage, cp.seq))
-    with _lock:
-        _open[key] = fs
-        while len(_open) > FS_KEPT:
-            _open.popitem(last=False)
-    return fs
+        fs, why = cp.keeper.open_guest_fs(cp.load())  # fs_dir saw that it has a disk
+        if fs is None:
+            cp.keeper.reject_fs(cp.session, cp.name, why, (cp.lineage, cp.seq))
+        _open.put(key, _UNREADABLE if fs is None else fs)
+    return None if fs is _UNREADABLE else fs
 
 
 class GuestNode(Node):
@@ -66,10 +60,12 @@ class GuestNode(Node):
             raise KsfsError(f"the guest filesystem of {self.cp.describe()} can no longer be read")
         return fs
 
+    def blocks(self, size: int) -> int:
+        return blocks_for(0, size) if stat.S_ISREG(self.st.mode) else 0
+
     def attr(self) -> Attr:
         st = self.st
-        blocks = blocks_for(0, st.size) if stat.S_ISREG(st.mode) else 0
-        return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, blocks,
+        return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, self.blocks(st.size),
                     self.mtime, self.entry_timeout, self.attr_timeout, kind=stat.S_IFMT(st.mode),
                     uid=st.uid, gid=st.gid, nlink=st.nlink,
                     times_ns=(st.atime_ns, st.mtime_ns, st.ctime_ns), rdev=st.rdev)
@@ -97,9 +93,6 @@ class GuestFile(GuestNode, StoredFile):
 
     def size(self) -> int:
         return self.st.size
-
-    def blocks(self, size: int) -> int:
-        return blocks_for(0, size)  # see GuestNode
 
     def open_reader(self) -> Any:
         return _InodeReader(self.fs, self.st.ino, self.st.size)

@@ -18,6 +18,10 @@ from pathlib import Path
 
 from ksfs.errors import Busy, translate
 
+# Times a waiter takes the lock again after finding its file unlinked by a session removal
+# (bounded: a file system whose stat and fstat disagree must not loop for ever).
+MAX_RENAMED_RETRIES = 100
+
 
 def _lock_path(store_path: Path, session: str) -> Path:
     # Hash the name so no name, however odd, can reach outside locks/.
@@ -47,7 +51,6 @@ def session_lock(store_path: Path, session: str, timeout: float | None = None) -
                     if time.monotonic() >= deadline:
                         raise Busy(f"session {session!r} is busy with another verb") from None
                     time.sleep(0.05)
-            # (bounded: a file system whose stat and fstat disagree must not loop for ever)
             if _still_named(fd, path) or retries >= MAX_RENAMED_RETRIES:
                 break
             retries += 1
@@ -59,9 +62,6 @@ def session_lock(store_path: Path, session: str, timeout: float | None = None) -
         yield
     finally:
         os.close(fd)
-
-
-MAX_RENAMED_RETRIES = 100
 
 
 def _make_locks_dir(store_path: Path) -> None:

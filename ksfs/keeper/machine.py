@@ -491,6 +491,7 @@ class MachineVerbs:
                 continue  # a data disk, or one this cannot read
         return None
 
+
 def _stepper(step: str):
     """An ingest's (done, total) callback reporting ``step``, or None when nobody listens."""
     sink = progress.current()

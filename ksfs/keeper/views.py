@@ -39,10 +39,10 @@ def _event_line(e: Event) -> bytes:
     return (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode()
 
 
-
 # The chunk cache of a store reader under a guest filesystem (the mount keeps a few open,
 # fuse.guest.FS_KEPT): guest metadata and files are read a few KiB at a time.
 GUEST_READER_CACHE = 8 << 20
+
 
 class EventLogView:
     """A lineage's ``events`` file and ``resume`` answer, brought up to date by reading only the

@@ -45,6 +45,11 @@ def backing_chain(path: Path | str, what: str = "reading backing chain") -> list
     return json.loads(out)
 
 
+def chain_files(path: Path | str, what: str = "reading backing chain") -> list[str]:
+    """The files of ``path``'s chain, top first, as their headers name them."""
+    return [c["filename"] for c in backing_chain(path, what)]
+
+
 def data_file_of(info: dict) -> str | None:
     """The external data file of a qcow2 (``-o data_file=``) from its qemu-img info, if any."""
     return ((info.get("format-specific") or {}).get("data") or {}).get("data-file")

@@ -26,7 +26,7 @@ from ksfs import progress
 from ksfs.crashpoints import crash_point
 from ksfs.errors import NotRunning, VMError
 from ksfs.vm import domxml, saveimage
-from ksfs.vm.chain import ChainSource, create_overlay
+from ksfs.vm.chain import ChainSource, chain_files, create_overlay
 from ksfs.vm.state import DiskState, Frozen, FrozenDisk, SessionState
 from ksfs.vm.steps import step
 
@@ -387,11 +387,17 @@ def settle_commits(ctl: DomainController, session: str, domain: str) -> bool:
     dom = ctl.lookup(domain)
     with step(domain, "reading its disks"):
         active = dom.isActive()
-    present = {d.target for d in domxml.disks(ctl.xml(domain))}
+    tops = {d.target: d.source for d in domxml.disks(ctl.xml(domain))}
     for target, ds in open_commits.items():
-        if target in present and active:
-            _wait_for_block_job(dom, domain, target)
-        chain = _chain_on_disk(ctl, domain, target) if target in present else None
+        chain = None
+        if target in tops:
+            if active:
+                with step(domain, f"waiting for the block job on {target}"):
+                    _wait_for_block_job(dom, domain, target, f"a block job on {target}")
+            # as the qcow2 headers say (a stopped domain's definition may not list its
+            # backing chain)
+            with contextlib.suppress(VMError):
+                chain = chain_files(tops[target], f"reading the chain of {target}")
         if chain is None or ds.root not in chain[1:]:
             # cannot tell (a disk gone, a chain unreadable, or the root no longer below a
             # layer: something outside ksfs pivoted it): the next save reads the whole disk
@@ -403,30 +409,18 @@ def settle_commits(ctl: DomainController, session: str, domain: str) -> bool:
     return True
 
 
-def _chain_on_disk(ctl: DomainController, domain: str, target: str) -> list[str] | None:
-    """The files of the disk's chain as its qcow2 headers say (a stopped domain's definition
-    may not list its backing chain), or None when they cannot be read."""
-    top = next((d.source for d in domxml.disks(ctl.xml(domain)) if d.target == target), None)
-    if top is None:
-        return None
-    try:
-        source = ChainSource(Path(top), f"reading the chain of {target}")
-    except VMError:
-        return None
-    try:
-        return [str(f) for f in source.files]
-    finally:
-        source.close()
-
-
-def _wait_for_block_job(dom: libvirt.virDomain, domain: str, target: str) -> None:
-    with step(domain, f"waiting for the block job on {target}"):
-        deadline = time.monotonic() + COMMIT_TIMEOUT
-        while dom.blockJobInfo(target, 0):
-            if time.monotonic() > deadline:
-                raise VMError(f"a block job on {target} of domain {domain} did not finish in "
-                              f"{COMMIT_TIMEOUT:.0f} s")
-            time.sleep(0.05)
+def _wait_for_block_job(dom: libvirt.virDomain, domain: str, target: str, what: str,
+                        abort: bool = False) -> None:
+    """Wait up to COMMIT_TIMEOUT for the block job on ``target`` to end; past it, abort the job
+    (with ``abort``) and raise VMError saying ``what`` did not finish."""
+    deadline = time.monotonic() + COMMIT_TIMEOUT
+    while dom.blockJobInfo(target, 0):
+        if time.monotonic() > deadline:
+            if abort:
+                with contextlib.suppress(libvirt.libvirtError):
+                    dom.blockJobAbort(target, 0)
+            raise VMError(f"{what} of domain {domain} did not finish in {COMMIT_TIMEOUT:.0f} s")
+        time.sleep(0.01)
 
 
 def _commit(ctl: DomainController, dom: libvirt.virDomain, frozen: Frozen,
@@ -435,14 +429,7 @@ def _commit(ctl: DomainController, dom: libvirt.virDomain, frozen: Frozen,
     name = frozen.domain
     with step(name, f"committing {disk.target} into {Path(disk.root).name}"):
         dom.blockCommit(disk.target, disk.root, disk.top, 0, 0)
-        deadline = time.monotonic() + COMMIT_TIMEOUT
-        while dom.blockJobInfo(disk.target, 0):
-            if time.monotonic() > deadline:
-                with contextlib.suppress(libvirt.libvirtError):
-                    dom.blockJobAbort(disk.target, 0)
-                raise VMError(f"committing {disk.target} of domain {name} did not finish in "
-                              f"{COMMIT_TIMEOUT:.0f} s")
-            time.sleep(0.01)
+        _wait_for_block_job(dom, name, disk.target, f"committing {disk.target}", abort=True)
     chain = _chain_files(ctl, name, disk.target)
     if any(layer in chain for layer in disk.layers):
         raise VMError(f"committing {disk.target} of domain {name} failed: the frozen layer is "

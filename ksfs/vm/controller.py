@@ -375,11 +375,11 @@ class DomainController:
         session's domain, disk files none of its chains uses (restore.unused_disk_files).
         Call it holding the session's lock (no verb of it running). Returns the bytes given
         back."""
-        d = self.session_dir(session)
-        freed = 0
         from ksfs.vm.checkpoint import settle_commits
         from ksfs.vm.restore import unused_disk_files
 
+        d = self.session_dir(session)
+        freed = 0
         if domain and self.exists(domain) and load_state(self._state_path(session)):
             try:  # before the labels say where the disks are (the next snapshot does it too)
                 settle_commits(self, session, domain)

@@ -248,18 +248,14 @@ def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
 def _chain_files(top: Path, strict: bool = False) -> set[Path]:
     """The files of the qcow2/raw chain whose top is ``top`` (just ``top`` when it cannot be
     read: a file in doubt is kept; with ``strict`` the VMError is raised)."""
-    from ksfs.vm.chain import ChainSource
+    from ksfs.vm.chain import chain_files
 
     try:
-        source = ChainSource(top, "reading a disk chain")
+        return {Path(f) for f in chain_files(top, "reading a disk chain")} | {top}
     except VMError:
         if strict:
             raise
         return {top}
-    try:
-        return set(source.files) | {top}
-    finally:
-        source.close()
 
 
 def files_in_use(ctl: DomainController, domain: str, strict: bool = False
@@ -324,8 +320,7 @@ def _job_running(ctl: DomainController, domain: str) -> bool:
             return False  # no QEMU, no job
         if dom.jobInfo()[0] != libvirt.VIR_DOMAIN_JOB_NONE:
             return True
-        xml = dom.XMLDesc(0) if dom.isActive() else ""
-        return any(dom.blockJobInfo(d.target, 0) for d in domxml.disks(xml))
+        return any(dom.blockJobInfo(d.target, 0) for d in domxml.disks(dom.XMLDesc(0)))
 
 
 def settle(ctl: DomainController, session: str, domain: str) -> str | None:
