@@ -104,6 +104,13 @@ def agent(env) -> str:
     return name
 
 
+def assert_disks_private(vmdir: Path) -> None:
+    """The machine's disk files ksfs made are its owner's alone (a guest's disk is its data)."""
+    disks = list(vmdir.glob("*.raw")) + list(vmdir.glob("*.qcow2"))
+    assert disks
+    assert {p.name: oct(p.stat().st_mode & 0o077) for p in disks} == {p.name: "0o0" for p in disks}
+
+
 def written_bytes(domain: str) -> int:
     out = virsh("domblkstat", domain, "vda", check=True).stdout
     return int(re.search(r"wr_bytes\s+(\d+)", out).group(1))
@@ -114,6 +121,7 @@ def test_incremental_save_reads_about_what_the_guest_wrote(env, agent: str) -> N
     bytes the guest wrote since the last one (issue target 2x), not 64 KiB per written block."""
     store, e = env["store"], env["env"]
     save(store, agent, e)
+    assert_disks_private(store / "vm" / agent)  # the disk session new copied, the overlays
     mark = written_bytes(f"ksfs-{agent}")
     time.sleep(3)
     save(store, agent, e)
@@ -232,6 +240,7 @@ def test_restore_continues_from_the_checkpoint(env, agent: str) -> None:
     vmdir = store / "vm" / agent
     assert not list((vmdir / "staging").iterdir())
     assert len(list(vmdir.glob("*-base-*.raw"))) == 1
+    assert_disks_private(vmdir)
 
 
 def test_restore_whose_save_first_fails_leaves_no_staged_files(env, agent: str) -> None:
@@ -283,6 +292,7 @@ def test_two_forks_diverge_and_parent_undisturbed(env, agent: str) -> None:
     assert tp[: len(base)] == base and len(tp) > len(base)
     lineage = json.loads(run(store, "lineage", f1, "--json", env=e).stdout)
     assert json.dumps(lineage).count(cp) >= 1
+    assert_disks_private(store / "vm" / f1)
     for f in (f1, f2):
         run(store, "session", "rm", f, env=e)
         assert virsh("domstate", f"ksfs-{f}").returncode != 0

@@ -149,6 +149,25 @@ def test_materialize_is_sparse_and_exact(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.part"))
 
 
+def test_guest_data_files_are_the_owners_alone(tmp_path: Path) -> None:
+    """Materialized disks and memory images and the overlays ksfs makes hold a guest's bytes:
+    no group or other bits, whatever the umask, and a killed run's world-readable leftover
+    does not lend its mode to the new file."""
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "m.raw"
+        (tmp_path / "m.raw.part").write_bytes(b"left by a killed run")
+        os.chmod(tmp_path / "m.raw.part", 0o644)
+        materialize(_Bytes(b"guest bytes" * 100), out, "test")
+        ov = tmp_path / "ov.qcow2"
+        create_overlay(ov, out, "raw", "test")
+    finally:
+        os.umask(old)
+    assert out.read_bytes() == b"guest bytes" * 100
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()} == {
+        "m.raw": "0o600", "ov.qcow2": "0o600"}
+
+
 def test_materialize_short_read_fails_and_leaves_nothing(tmp_path: Path) -> None:
     class Short(_Bytes):
         def read(self, offset: int, n: int) -> bytes:

@@ -20,13 +20,17 @@ from ksfs import progress
 from ksfs.errors import VMError
 
 ZERO_BLOCK = 1 << 20
+# Files ksfs makes that hold a guest's bytes (disks, overlays, memory images) are its owner's
+# alone: libvirt's dynamic ownership hands each to QEMU's user while QEMU runs, so QEMU needs
+# no group or other bits, and other local users must not read a machine's disk or memory.
+GUEST_DATA_UMASK = 0o077
 
 
 def qemu_img(*args: str, what: str, timeout: float = 120, cwd: Path | None = None) -> str:
     """Run qemu-img; a failure is a VMError naming ``what``."""
     try:
         res = subprocess.run(["qemu-img", *args], capture_output=True, text=True,
-                             timeout=timeout, cwd=cwd)
+                             timeout=timeout, cwd=cwd, umask=GUEST_DATA_UMASK)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise VMError(f"{what}: qemu-img could not run ({exc})") from exc
     if res.returncode != 0:
@@ -183,7 +187,9 @@ def materialize(reader: object, path: Path, what: str, block: int = ZERO_BLOCK,
     zero = bytes(block)
     tmp = path.with_name(path.name + ".part")
     try:
-        with open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)  # a killed run's leftover keeps its mode through O_TRUNC
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(fd, "wb") as f:
             pos = 0
             while pos < size:
                 n = min(block, size - pos)

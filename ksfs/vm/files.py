@@ -19,7 +19,14 @@ from pathlib import Path
 
 from ksfs.errors import BadInput, VMError
 from ksfs.vm import domxml
-from ksfs.vm.chain import backing_chain, compressed_files, data_file_of, image_info, qemu_img
+from ksfs.vm.chain import (
+    GUEST_DATA_UMASK,
+    backing_chain,
+    compressed_files,
+    data_file_of,
+    image_info,
+    qemu_img,
+)
 
 # os/<tag> of the domain XML -> the session directory's own copy
 BOOT_NAMES = {"kernel": "kernel", "initrd": "initrd"}
@@ -71,7 +78,8 @@ def make_disk(plan: DiskPlan, dest: Path, what: str) -> None:
     if plan.convert is None:
         try:
             subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(plan.source),
-                            str(dest)], check=True, capture_output=True, text=True)
+                            str(dest)], check=True, capture_output=True, text=True,
+                           umask=GUEST_DATA_UMASK)
         except subprocess.CalledProcessError as exc:
             raise VMError(f"{what}: copying {plan.source} failed: "
                           f"{exc.stderr.strip()[-500:]}") from exc
