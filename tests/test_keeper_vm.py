@@ -579,6 +579,18 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
         assert virsh("domstate", dom).returncode != 0
 
 
+def test_release_refuses_a_machine_ksfs_made(env, agent: str) -> None:
+    store, e = env["store"], env["env"]
+    res = run(store, "session", "rm", agent, "--release", check=False, env=e)
+    assert res.returncode == 2 and "made by ksfs" in res.stderr
+    assert res.stderr.count("\n") == 1
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    assert agent in run(store, "session", "list", env=e).stdout
+    kinds = [json.loads(x)["type"] for x in run(store, "events", agent, "--json",
+                                                env=e).stdout.split("\n") if x]
+    assert "session.removing" not in kinds
+
+
 def test_fork_killed_before_its_define_is_defined_by_recover(env, agent: str) -> None:
     """kill -9 between the fork's restore and its define leaves a transient domain, which a
     libvirtd restart would lose: recover defines it, and the fork runs on as a session."""

@@ -97,20 +97,32 @@ def session_list(ctx, show_all, as_json) -> None:
 @click.option("--keep-checkpoints", is_flag=True,
               help="Keep its checkpoints, read-only (cat, diff, fork); the name stays taken "
                    "until a later rm without this flag.")
+@click.option("--release", is_flag=True,
+              help="For an adopted session: hand the domain back instead of destroying it "
+                   "(kept defined and running, on disk files of its own).")
 @_json_option
 @pass_ctx
-def session_rm(ctx, name, keep_checkpoints, as_json) -> None:
+def session_rm(ctx, name, keep_checkpoints, release, as_json) -> None:
     """Destroy and undefine the session's domain and remove the session.
 
-    An adopted domain is destroyed and undefined too, and the disks ksfs made for it (all of
-    its current disks after a restore) go with the session's files: keep what you need with
-    --keep-checkpoints or `ksfs cat` first.
+    An adopted domain is destroyed and undefined too, unless --release: then it stays defined
+    and in its state, and only ksfs's files leave its disks. A disk whose chain root is still
+    the domain's own file gets ksfs's layers committed into it; a disk a restore replaced is
+    copied to a new file beside the domain's own (disk.released.qcow2 for disk.qcow2), which
+    keeps the machine as it was before that restore.
 
     Example: ksfs session rm agent --keep-checkpoints
     """
-    res = run_verb(ctx, "session_rm", name=name, keep_checkpoints=keep_checkpoints)
-    emit_json(res) if as_json else click.echo(
-        f"removed session {name}" + (" (its checkpoints kept)" if keep_checkpoints else ""))
+    res = run_verb(ctx, "session_rm", steps=f"session rm {name}" if release else None,
+                   name=name, keep_checkpoints=keep_checkpoints, release=release)
+    if as_json:
+        emit_json(res)
+        return
+    click.echo(f"removed session {name}" + (" (its checkpoints kept)" if keep_checkpoints else ""))
+    if "released" in res:
+        rel = res["released"]
+        click.echo(f"domain {rel['domain']} kept" + "".join(
+            f"\n  {t}: {f}" for t, f in sorted(rel["disks"].items())))
 
 
 @main.command()

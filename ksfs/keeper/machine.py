@@ -266,19 +266,34 @@ class MachineVerbs:
                 self.vm.adopt(name, domain)
             return rec
 
-    def remove_session(self, name: str, keep_checkpoints: bool = False) -> dict[str, Any]:
+    def remove_session(self, name: str, keep_checkpoints: bool = False,
+                       release: bool = False) -> dict[str, Any]:
         """Destroy and undefine the session's domain, remove its files under ``vm/NAME/`` and
         forget it (with ``keep_checkpoints``: keep its records, read-only). An adopted domain's
-        disk files outside ``vm/NAME/`` stay; see docs/limits.md."""
+        disk files outside ``vm/NAME/`` stay; see docs/limits.md. With ``release`` (adopted
+        sessions only) the domain is handed back instead: defined, in its state, on disk files
+        of its own outside ``vm/NAME/`` (vm.release)."""
         rec = self.ledger.session(name)
+        if release and (rec.domain is None or rec.removed is not None):
+            raise BadInput(f"session {name} has no machine to release")
         with session_lock(self.store_path, name):
+            plan = None
+            if release:
+                if not self._adopted(name):
+                    raise BadInput(f"--release hands back a domain the session adopted; the "
+                                   f"machine of {name} was made by ksfs (plain `session rm` "
+                                   f"removes it)")
+                plan = self.vm.release_plan(name, rec.domain)  # refused: nothing changed yet
             intent = rec.domain is not None and rec.removed is None
             if intent:
                 # Said first: a removal killed after the machine went is finished by recover,
-                # which would otherwise boot the machine again.
-                self.ledger.record(name, "session.removing", {"keep_checkpoints": keep_checkpoints})
+                # which would otherwise boot the machine again (or, for a release, finishes it).
+                body: dict[str, Any] = {"keep_checkpoints": keep_checkpoints}
+                if plan is not None:
+                    body["release"] = plan
+                self.ledger.record(name, "session.removing", body)
             try:
-                self._remove_locked(rec, keep_checkpoints)
+                released = self._remove_locked(rec, keep_checkpoints, plan)
             except BaseException as exc:
                 if intent:  # failed and said so: the session stays the user's
                     with contextlib.suppress(KsfsError):
@@ -286,11 +301,21 @@ class MachineVerbs:
                 raise
             if not keep_checkpoints:  # last, still holding it: the name is free now
                 drop_session_lock(self.store_path, name)
-        return {"session": name, "removed": True, "kept_checkpoints": keep_checkpoints}
+        out: dict[str, Any] = {"session": name, "removed": True,
+                               "kept_checkpoints": keep_checkpoints}
+        if plan is not None:
+            out["released"] = {"domain": rec.domain, "disks": released}
+        return out
 
-    def _remove_locked(self, rec: SessionRecord, keep_checkpoints: bool) -> None:
+    def _remove_locked(self, rec: SessionRecord, keep_checkpoints: bool,
+                       release: dict[str, Any] | None = None) -> dict[str, str]:
+        released: dict[str, str] = {}
         if rec.domain and rec.removed is None:
-            self.vm.destroy_and_undefine(rec.domain)
+            if release is not None:
+                progress.report("handing the machine back on its own disks")
+                released = self.vm.release(rec.name, rec.domain, release)
+            else:
+                self.vm.destroy_and_undefine(rec.domain)
             crash_point("session.remove")
         if rec.domain:
             # Kept checkpoints keep the kernel and initrd their forks boot from; a later
@@ -299,6 +324,7 @@ class MachineVerbs:
         with self.store.env.begin(write=True) as txn:
             self.ledger.remove_session(txn, rec.name, keep_checkpoints=keep_checkpoints)
         self.checkpoint_changed(rec.name, None)
+        return released
 
     def list_sessions(self, include_removed: bool = False) -> list[dict[str, Any]]:
         """Every live session's status; with ``include_removed`` also those removed with their

@@ -96,9 +96,11 @@ class Recovery:
         if removing is not None:
             # `session rm` was killed part way: finish it rather than bring the machine back.
             keep = bool(removing.body.get("keep_checkpoints"))
-            self._remove_locked(rec, keep)
-            actions.append("removal begun at seq {} finished{}".format(
-                removing.seq, " (checkpoints kept)" if keep else ""))
+            release = removing.body.get("release")
+            self._remove_locked(rec, keep, release)
+            actions.append("removal begun at seq {} finished{}{}".format(
+                removing.seq, " (checkpoints kept)" if keep else "",
+                " (machine released)" if release is not None else ""))
             return actions
         restore_to = None
         for ev in self._unfinished(rec.name):

@@ -14,7 +14,7 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import libvirt
 
@@ -191,7 +191,8 @@ class DomainController:
             files.check_adoptable(disk.target, disk.source, domain_name)
         self._make_session_dir(session)
         state = SessionState(domain_name, {d.target: DiskState(d.source, d.fmt) for d in disks},
-                             adopted=True)
+                             adopted=True,
+                             origins={d.target: [d.source, d.fmt] for d in disks})
         self.save_state(session, state)
         if start and not dom.isActive():
             with step(domain_name, "starting"):
@@ -342,6 +343,19 @@ class DomainController:
             flags |= libvirt.VIR_DOMAIN_XML_INACTIVE
         with step(domain, "reading the definition"):
             return self.lookup(domain).XMLDesc(flags)
+
+    def release_plan(self, session: str, domain: str) -> dict[str, dict[str, Any]]:
+        """How each disk of an adopted domain leaves the session's files; see vm.release."""
+        from ksfs.vm.release import plan
+
+        return plan(self, session, domain)
+
+    def release(self, session: str, domain: str,
+                disks: dict[str, dict[str, Any]]) -> dict[str, str]:
+        """Hand an adopted domain back on its own disk files, defined and in its state."""
+        from ksfs.vm.release import release
+
+        return release(self, session, domain, disks)
 
     def destroy_and_undefine(self, domain: str) -> None:
         """Stop the domain if it runs and remove its definition; absent domains are fine."""

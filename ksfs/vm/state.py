@@ -37,6 +37,9 @@ class SessionState:
     # A restore between handing its files to libvirt and recording them in ``disks``:
     # {"label", "bases": {target: path}, "overlays": {target: path}}; see restore.settle.
     pending: dict | None = None
+    # An adopted domain's own disks as it was adopted: target -> [file, format]; where
+    # ``session rm --release`` puts a disk that a restore replaced (vm.release).
+    origins: dict[str, list[str]] = field(default_factory=dict)
 
     def next_number(self) -> int:
         self.counter += 1
@@ -52,7 +55,7 @@ def load_state(path: Path) -> SessionState | None:
         raise VMError(f"controller state {path} is unreadable: {exc}") from exc
     disks = {t: DiskState(**d) for t, d in data.get("disks", {}).items()}
     return SessionState(data["domain"], disks, data.get("counter", 0), data.get("adopted", False),
-                        data.get("pending"))
+                        data.get("pending"), data.get("origins", {}))
 
 
 def save_state(path: Path, state: SessionState) -> None:
@@ -67,6 +70,8 @@ def save_state(path: Path, state: SessionState) -> None:
     }
     if state.pending is not None:
         data["pending"] = state.pending
+    if state.origins:
+        data["origins"] = state.origins
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(data, indent=1) + "\n")

@@ -1,0 +1,219 @@
+"""Handing an adopted domain back to its user: ``session rm --release``.
+
+The domain stays defined and in its state (running, paused or shut off); only the files ksfs
+put into its disk chains leave them. Each disk ends on one file outside the session's
+directory:
+
+- ``commit``: the chain's root is still the user's own disk (no restore since the adoption):
+  ksfs's layers are committed into it, as every save already does with its frozen layer. A
+  running machine does it live (an active block commit, then a pivot).
+- ``copy``: the root is a file ksfs made (a restore wrote the checkpoint's disk into the
+  session's directory): the whole disk is copied to a new file beside the disk the domain had
+  when it was adopted (``disk.released.qcow2`` for ``disk.qcow2``), in that disk's format. A
+  running machine does it live (a block copy, then a pivot). The user's old disk file is left
+  as it is: it holds the machine as it was before the restore.
+
+``plan`` decides (before anything changes, so the keeper can record it first); ``release``
+carries a plan out, and carries out the same plan again after a kill part way: a disk whose
+chain already holds no file of the session is done, a block job found running is the killed
+release's own and is finished, a copy's destination not yet in the chain is its partial output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import libvirt
+
+from ksfs.errors import VMError
+from ksfs.vm import domxml
+from ksfs.vm.chain import chain_files, qemu_img
+from ksfs.vm.steps import step
+
+if TYPE_CHECKING:
+    from ksfs.vm.controller import DomainController
+
+JOB_TIMEOUT = 3600.0  # a copy of a large disk under TCG load; each second is polled
+CONVERT_TIMEOUT = 3600.0
+
+
+def _inside(path: str | Path, directory: Path) -> bool:
+    return Path(path).resolve().is_relative_to(directory.resolve())
+
+
+def _chain(top: str) -> list[str]:
+    return chain_files(top, f"reading the chain of {top}")
+
+
+def _released_name(origin: Path) -> Path:
+    """``disk.qcow2`` -> ``disk.released.qcow2`` (``-2``, ``-3``, ... when taken)."""
+    stem, suffix = origin.stem, origin.suffix
+    for k in range(1, 1000):
+        tag = "released" if k == 1 else f"released-{k}"
+        cand = origin.with_name(f"{stem}.{tag}{suffix}")
+        if not cand.exists() and not cand.is_symlink():
+            return cand
+    raise VMError(f"no free name for the released copy of {origin}")
+
+
+def plan(ctl: DomainController, session: str, domain: str) -> dict[str, dict[str, Any]]:
+    """target -> {"how": "commit" | "copy", "dest": file, "fmt": format} for each disk whose
+    chain holds a file of the session's directory. Refuses (VMError) what it cannot hand back,
+    before anything changes."""
+    state = ctl.load_state(session)
+    if not state.adopted:
+        raise VMError(f"domain {domain} was made by ksfs, not adopted: there is no disk of the "
+                      f"user's to hand it back on")
+    sdir = ctl.session_dir(session)
+    xml = ctl.xml(domain)
+    for tag, path in domxml.boot_files(xml).items():
+        if _inside(path, sdir):
+            raise VMError(f"domain {domain} boots from ksfs's copy of its {tag} ({path}); "
+                          f"point it at your own {tag} (virsh edit) first")
+    out: dict[str, dict[str, Any]] = {}
+    for disk in domxml.disks(xml):
+        chain = _chain(disk.source)
+        if not any(_inside(f, sdir) for f in chain):
+            continue
+        ds = state.disks.get(disk.target)
+        if ds is None:
+            raise VMError(f"disk {disk.target} of {domain} runs on ksfs's files but ksfs has no "
+                          f"record of it")
+        if not _inside(ds.root, sdir):
+            out[disk.target] = {"how": "commit", "dest": ds.root, "fmt": ds.root_fmt}
+            continue
+        origin = state.origins.get(disk.target)
+        if origin is None:
+            raise VMError(f"disk {disk.target} of {domain} runs on a disk a restore wrote, and "
+                          f"this session was adopted by a ksfs that did not record where the "
+                          f"domain's own disk was: copy it out with `ksfs cat` first")
+        out[disk.target] = {"how": "copy", "dest": str(_released_name(Path(origin[0]))),
+                            "fmt": origin[1]}
+    return out
+
+
+def release(ctl: DomainController, session: str, domain: str,
+            disks: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Carry out ``plan``'s ``disks``; returns target -> the file each disk now runs on. A
+    domain that is gone is left gone (nothing to hand back)."""
+    from ksfs.vm.checkpoint import settle_commits
+
+    if not ctl.exists(domain):
+        return {}
+    settle_commits(ctl, session, domain)  # a killed save's commit job ends first
+    dom = ctl.lookup(domain)
+    sdir = ctl.session_dir(session)
+    with step(domain, "reading its state"):
+        active = dom.isActive()
+    tops = {d.target: d.source for d in domxml.disks(ctl.xml(domain))}
+    done: dict[str, str] = {}
+    for target, how in disks.items():
+        if target not in tops:
+            raise VMError(f"domain {domain} has no disk {target} any more")
+        if active:
+            _finish_job(dom, domain, target)  # a killed release's own job
+            tops[target] = ctl.disk_files(domain)[target]
+        if any(_inside(f, sdir) for f in _chain(tops[target])):
+            if active:
+                _live(dom, domain, target, how, tops[target])
+            else:
+                _offline(ctl, domain, target, how, tops[target])
+        done[target] = how["dest"]
+    if active:
+        _define_released(ctl, domain, disks)
+    _check_released(ctl, domain, sdir)
+    return done
+
+
+def _live(dom: libvirt.virDomain, domain: str, target: str, how: dict[str, Any],
+          top: str) -> None:
+    dest = how["dest"]
+    if how["how"] == "commit":
+        with step(domain, f"committing {target} into {dest}"):
+            dom.blockCommit(target, dest, None, 0, libvirt.VIR_DOMAIN_BLOCK_COMMIT_ACTIVE)
+    else:
+        # not in any chain (the caller saw none of its files there): a killed copy's output
+        Path(dest).unlink(missing_ok=True)
+        disk = (f"<disk type='file'><source file='{_xml_attr(dest)}'/>"
+                f"<driver type='{_xml_attr(how['fmt'])}'/></disk>")
+        with step(domain, f"copying {target} to {dest}"):
+            # TRANSIENT_JOB: libvirt refuses a copy of a persistent domain's disk without it;
+            # the pivot still updates the persistent definition.
+            dom.blockCopy(target, disk, None, libvirt.VIR_DOMAIN_BLOCK_COPY_TRANSIENT_JOB)
+    _finish_job(dom, domain, target)
+
+
+def _finish_job(dom: libvirt.virDomain, domain: str, target: str) -> None:
+    """Wait until the block job on ``target`` (an active commit or a copy) is ready, pivot to
+    its result and wait for it to be gone; nothing when no job runs."""
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while True:
+        with step(domain, f"reading the block job on {target}"):
+            info = dom.blockJobInfo(target, 0)
+        if not info:
+            return
+        if time.monotonic() > deadline:
+            raise VMError(f"the block job on {target} of domain {domain} did not finish in "
+                          f"{JOB_TIMEOUT:.0f} s")
+        if info.get("end", 0) and info.get("cur") == info.get("end"):
+            try:
+                dom.blockJobAbort(target, libvirt.VIR_DOMAIN_BLOCK_JOB_ABORT_PIVOT)
+            except libvirt.libvirtError as exc:
+                if "not ready" not in (exc.get_error_message() or ""):
+                    raise VMError(f"switching {target} of domain {domain} to its released "
+                                  f"file failed: {exc.get_error_message()}") from exc
+        time.sleep(0.05)
+
+
+def _offline(ctl: DomainController, domain: str, target: str, how: dict[str, Any],
+             top: str) -> None:
+    dest = how["dest"]
+    if how["how"] == "commit":
+        # commits every layer between top and dest into dest
+        qemu_img("commit", "-q", "-b", dest, top, what=f"committing {target} into {dest}",
+                 timeout=CONVERT_TIMEOUT)
+    else:
+        Path(dest).unlink(missing_ok=True)  # a killed copy's output (no chain holds it)
+        qemu_img("convert", "-q", "-O", how["fmt"], top, dest,
+                 what=f"copying {target} to {dest}", timeout=CONVERT_TIMEOUT)
+    xml = domxml.set_disk_sources(ctl.xml(domain, inactive=True), {target: (dest, how["fmt"])})
+    with step(domain, f"defining it on {dest}"):
+        ctl.conn.defineXML(xml)
+
+
+def _define_released(ctl: DomainController, domain: str,
+                     disks: dict[str, dict[str, Any]]) -> None:
+    """A pivot updates the persistent definition too (libvirt 9); where it did not, define
+    the released files, so that the next start does not look for the session's."""
+    inactive = ctl.xml(domain, inactive=True)
+    defined = {d.target: d.source for d in domxml.disks(inactive)}
+    stale = {t: (h["dest"], h["fmt"]) for t, h in disks.items() if defined.get(t) != h["dest"]}
+    if stale:
+        with step(domain, "defining it on its released disks"):
+            ctl.conn.defineXML(domxml.set_disk_sources(inactive, stale))
+
+
+def _check_released(ctl: DomainController, domain: str, sdir: Path) -> None:
+    """Neither the running machine nor its definition may name a file of the session's
+    directory any more: the caller deletes that directory next."""
+    for xml in {ctl.xml(domain), ctl.xml(domain, inactive=True)}:
+        for disk in domxml.disks(xml):
+            for f in _chain_or_source(disk.source):
+                if _inside(f, sdir):
+                    raise VMError(f"disk {disk.target} of domain {domain} still uses {f} after "
+                                  f"its release")
+
+
+def _chain_or_source(top: str) -> list[str]:
+    with contextlib.suppress(VMError):
+        return _chain(top)
+    return [top]
+
+
+def _xml_attr(value: str) -> str:
+    from xml.sax.saxutils import quoteattr
+
+    return quoteattr(value)[1:-1]

@@ -1,0 +1,115 @@
+"""`ksfs session rm --release`: an adopted domain handed back to its user, defined and in its
+state, on disk files outside the store, against a real libvirtd, QEMU and the test guest.
+
+Every domain made here is destroyed and undefined at the end, even on failure (``adopted``).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ksfs.vm import domxml
+from tests import test_keeper_vm as kvm
+from tests.cli_helpers import virsh
+from tests.test_keeper_vm import (
+    adopted,
+    plain_domain_xml,
+    run,
+    save,
+    transcript_lines,
+    wait_transcript,
+)
+
+pytestmark = pytest.mark.vm
+env, guest = kvm.env, kvm.guest  # the module's own store (a fixture per module), no booted agent
+
+
+def sources(dom: str, inactive: bool = False) -> dict[str, str]:
+    """target -> source file of the domain's disks, live or as defined."""
+    xml = virsh("dumpxml", *(["--inactive"] if inactive else []), dom, check=True).stdout
+    return {d.target: d.source for d in domxml.disks(xml)}
+
+
+def chain_of(path: str) -> list[str]:
+    info = json.loads(subprocess.run(["qemu-img", "info", "-U", "--backing-chain",
+                                      "--output=json", path], capture_output=True, text=True,
+                                     check=True).stdout)
+    return [i["filename"] for i in info]
+
+
+def test_release_after_a_restore_copies_out_and_the_machine_goes_on(
+        env, guest: Path, tmp_path: Path) -> None:
+    store, e = env["store"], env["env"]
+    spec = json.loads((guest / "guest.json").read_text())
+    dom, name, again = (f"rel-{env['tag']}", f"rel-{env['tag']}", f"rel2-{env['tag']}")
+    own = tmp_path / "own.qcow2"
+    subprocess.run(["qemu-img", "convert", "-O", "qcow2", spec["disk"], str(own)], check=True)
+    tmp_path.chmod(0o755)
+    xml = plain_domain_xml(dom, spec, [(own, "qcow2", "vda")])
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, again):
+        c1 = wait_transcript(store, name, e, 2)
+        at_c1 = transcript_lines(store, name, c1, e)
+        save(store, name, e)
+        run(store, "restore", name, c1, env=e)  # the disk now runs on a file ksfs wrote
+        assert str(store / "vm" / name) in sources(dom)["vda"]
+        res = json.loads(run(store, "session", "rm", name, "--release", "--json", env=e).stdout)
+        released = str(tmp_path / "own.released.qcow2")
+        assert res["released"] == {"domain": dom, "disks": {"vda": released}}
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        assert sources(dom) == sources(dom, inactive=True) == {"vda": released}
+        assert chain_of(released) == [released]  # self-contained, in the domain's own format
+        assert json.loads(subprocess.run(["qemu-img", "info", "-U", "--output=json", released],
+                                         capture_output=True, text=True).stdout)["format"] == \
+            "qcow2"
+        assert not (store / "vm" / name).exists() and own.exists()
+        assert name not in run(store, "session", "list", env=e).stdout
+        # The machine went on from c1 through the release: adopted again, its transcript is
+        # c1's, then lines written after the restore, on the released disk.
+        run(store, "session", "adopt", again, dom, env=e)
+        later = wait_transcript(store, again, e, len(at_c1) + 2)
+        lines = transcript_lines(store, again, later, e)
+        assert lines[: len(at_c1)] == at_c1 and lines[len(at_c1)]["seq"] == at_c1[-1]["seq"] + 1
+        # No restore since this adoption: the layers are committed into the released file. A
+        # release killed once the machine was handed back is finished by recover.
+        save(store, again, e)
+        killed = run(store, "session", "rm", again, "--release", check=False,
+                     env=dict(e, KSFS_CRASH_AT="session.remove"))
+        assert killed.returncode == -signal.SIGKILL
+        report = json.loads(run(store, "recover", "--json", env=e).stdout)
+        actions = {r["session"]: r["actions"] for r in report}[again]
+        assert any("finished (machine released)" in a for a in actions), actions
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        assert sources(dom) == sources(dom, inactive=True) == {"vda": released}
+        assert chain_of(released) == [released]
+        assert not (store / "vm" / again).exists()
+
+
+def test_release_of_a_shut_off_domain_commits_and_it_boots(
+        env, guest: Path, tmp_path: Path) -> None:
+    store, e = env["store"], env["env"]
+    spec = json.loads((guest / "guest.json").read_text())
+    dom, name = f"relo-{env['tag']}", f"relo-{env['tag']}"
+    own = tmp_path / "own.raw"
+    subprocess.run(["cp", "--sparse=always", spec["disk"], str(own)], check=True)
+    tmp_path.chmod(0o755)
+    xml = plain_domain_xml(dom, spec, [(own, "raw", "vda")])
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
+        cp = wait_transcript(store, name, e, 2)
+        at_cp = transcript_lines(store, name, cp, e)
+        virsh("destroy", dom, check=True)
+        res = json.loads(run(store, "session", "rm", name, "--release", "--json", env=e).stdout)
+        assert res["released"]["disks"] == {"vda": str(own)}
+        assert virsh("domstate", dom).stdout.strip() == "shut off"
+        assert sources(dom, inactive=True) == {"vda": str(own)} and chain_of(str(own)) == [str(own)]
+        assert not (store / "vm" / name).exists()
+        virsh("start", dom, check=True)
+        run(store, "session", "adopt", name, dom, env=e)
+        later = wait_transcript(store, name, e, 1)
+        # booted again from the committed disk: the transcript written before the release
+        # (as of the checkpoint at least) is on it
+        assert transcript_lines(store, name, later, e)[: len(at_cp)] == at_cp
