@@ -56,6 +56,11 @@ class FakeProvider:
         self.gzip = False  # compress JSON answers although asked for identity
         self.reject_stream_options = False  # 400 for stream_options, as some servers do
         self.stream_as_json = False  # answer a stream request with one JSON body
+        self.answer_model: str | None = None  # the model named in answers (a router's name)
+        self.words = list(COMPLETION_WORDS)  # the completion's words (JSON-escaped as sent)
+        # A 200 that is no completion: "error_object" ({"error": ...}) or "html" (a front
+        # server's page), as some providers and proxies answer.
+        self.ok_but: str | None = None
         self.requests: list[Seen] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -117,6 +122,7 @@ class FakeProvider:
         self.delay, self.error, self.stream_usage, self.chunk_delay = 0.0, None, True, 0.0
         self.stream_end, self.gzip, self.reject_stream_options = None, False, False
         self.stream_as_json = False
+        self.answer_model, self.words, self.ok_but = None, list(COMPLETION_WORDS), None
         self.most_active = 0
 
     def _note(self, seen: Seen) -> int:
@@ -208,8 +214,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._json(fake.error, {"error": {"type": "server_error",
                                               "message": f"fake failure {serial}"}})
             return
+        if fake.ok_but == "error_object":
+            self._json(200, {"error": {"type": "server_error", "message": "overloaded"}})
+            return
+        if fake.ok_but == "html":
+            page = b"<html><body>502 Bad Gateway</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+            return
         req = json.loads(body)
-        model = req.get("model", "unknown")
+        model = fake.answer_model or req.get("model", "unknown")
         if fake.reject_stream_options and "stream_options" in req:
             self._json(400, {"error": {"type": "invalid_request_error", "param": None,
                                        "message": "Unrecognized request argument supplied: "
@@ -222,8 +239,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._responses(req, model, serial)
             return
         words = sum(len(str(m.get("content", "")).split()) for m in req.get("messages", []))
-        usage = {"prompt_tokens": words, "completion_tokens": len(COMPLETION_WORDS),
-                 "total_tokens": words + len(COMPLETION_WORDS)}
+        usage = {"prompt_tokens": words, "completion_tokens": len(fake.words),
+                 "total_tokens": words + len(fake.words)}
         cid = f"chatcmpl-{serial}-{time.monotonic_ns()}"  # differs on every real call
         if req.get("stream") and not fake.stream_as_json:
             asked = (req.get("stream_options") or {}).get("include_usage") is True
@@ -233,7 +250,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "finish_reason": "stop",
                          "message": {"role": "assistant",
-                                     "content": " ".join(COMPLETION_WORDS)}}],
+                                     "content": " ".join(fake.words)}}],
             "usage": usage,
         })
 
@@ -247,7 +264,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if usage is not None:
             base["usage"] = None  # as OpenAI: every chunk has it once usage is asked for
         events = [dict(base, choices=[{"index": 0, "delta": {"content": w + " "}}])
-                  for w in COMPLETION_WORDS]
+                  for w in self.fake.words]
         if self.fake.stream_end == "error_event":  # as OpenAI reports a failure mid-stream
             events = events[:3] + [{"error": {"type": "server_error", "code": None,
                                               "message": "The server had an error"}}]

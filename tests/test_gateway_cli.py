@@ -135,6 +135,29 @@ def test_cli_errors_and_help(tmp_path, provider):
         assert "Example:" in text and f"ksfs {' '.join(cmd)} " in text
 
 
+def test_bad_serve_options_change_nothing_and_say_one_line(tmp_path, served, provider):
+    """QA (eleventh session): each was refused only after the store and its `default` session
+    were made, or ended in a traceback; an empty key file fell back to $OPENAI_API_KEY."""
+    _, port, _ = served
+    fresh = tmp_path / "fresh"
+    empty = tmp_path / "empty.key"
+    empty.write_text("")
+    for args, code, words in (
+            (["--upstream", "http://"], 2, "names no host"),
+            (["--upstream", "ftp://x"], 2, "http://"),
+            (["--upstream", provider.url, "--timeout", "0"], 2, "timeout"),
+            (["--upstream", provider.url, "--prices", str(tmp_path / "none.toml")], 2,
+             "price table"),
+            (["--upstream", provider.url, "--api-key-file", str(empty)], 2, "is empty"),
+            (["--upstream", provider.url, "--host", "999.1.1.1"], 2, "not an IP address"),
+            (["--upstream", provider.url, "--host", "192.0.2.1"], 2, "cannot listen"),
+            (["--upstream", provider.url, "--port", str(port)], 8, "in use")):
+        res = ksfs(fresh, "gateway", "serve", *args, check=False)
+        assert res.returncode == code and words in res.stderr, (args, res.stderr)
+        assert res.stderr.count("\n") == 1, (args, res.stderr)
+        assert not fresh.exists(), args
+
+
 def post_to(port: int, path: str, body: dict) -> httpx.Response:
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as c:
         return c.post(path, json=body, headers={"authorization": "Bearer guest"})

@@ -8,6 +8,7 @@ takes an API key on the command line: the key comes from the environment or a fi
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import signal
 from pathlib import Path
@@ -20,6 +21,7 @@ from ksfs.errors import BadInput, NoSuchSession
 
 DEFAULT_SESSION = "default"
 DRAIN_S = 30.0  # how long a stop waits for calls in flight to be stored
+BIND_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
 
 
 @main.group()
@@ -67,15 +69,21 @@ def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | 
     import trio
 
     from ksfs.gateway import Gateway
+    from ksfs.gateway.prices import load_prices
+    from ksfs.gateway.service import check_upstream
 
-    api_key = None
-    if api_key_file is not None:
-        api_key = Path(api_key_file).read_text("utf-8").strip() or None
-    token = None
-    if token_file is not None:
-        token = Path(token_file).read_text("utf-8").strip()
-        if not token:
-            raise BadInput(f"token file {token_file} is empty")
+    # All of it checked before the store (and a `default` session) is made: bad input
+    # changes nothing.
+    api_key = _secret_of(api_key_file, "API key") if api_key_file is not None else None
+    token = _secret_of(token_file, "token") if token_file is not None else None
+    check_upstream(upstream, timeout)
+    table = load_prices(prices)
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise BadInput(f"--host {host!r} is not an IP address (or localhost)") from None
+    _try_bind(host, port)
     keeper = ctx.open_keeper(create=True)
     store, ledger = keeper.store, keeper.ledger
     try:
@@ -88,9 +96,58 @@ def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | 
     if not _is_loopback(host):
         click.echo(f"ksfs: warning: gateway bound to {host}, not loopback: anyone who can reach "
                    "it can spend this session's budget", err=True)
-    gw = Gateway(store, ledger, upstream, prices, api_key=api_key, timeout=timeout)
+    gw = Gateway(store, ledger, upstream, table, api_key=api_key, timeout=timeout)
     keeper.gateway = gw
-    trio.run(_serve, gw, session, host, port, upstream, token)
+    try:
+        trio.run(_serve, gw, session, host, port, upstream, token)
+    except BaseExceptionGroup as group:  # the server's nursery wraps the bind's failure
+        match, _ = group.split(lambda e: isinstance(e, OSError) and e.errno in BIND_ERRORS)
+        if match is None:
+            raise
+        raise _bind_error(_first(match), host, port) from None
+
+
+def _try_bind(host: str, port: int) -> None:
+    """Bind and let go at once: an address not this machine's, or a port in use, is said
+    before the store is touched (the server binds again for real)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            probe.bind(("127.0.0.1" if host == "localhost" else host, port))
+        except OSError as exc:
+            if exc.errno not in BIND_ERRORS:
+                raise
+            raise _bind_error(exc, host, port) from None
+
+
+def _secret_of(path: str, what: str) -> str:
+    """A key or token read from a file: its one stripped line; BadInput when empty (an empty
+    key file must not quietly fall back to the environment's key)."""
+    try:
+        value = Path(path).read_text("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"cannot read the {what} file {path}: {exc}") from None
+    if not value:
+        raise BadInput(f"{what} file {path} is empty")
+    return value
+
+
+def _first(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
+
+
+def _bind_error(exc: BaseException, host: str, port: int) -> Exception:
+    from ksfs.errors import Busy
+
+    if getattr(exc, "errno", None) == errno.EADDRINUSE:
+        return Busy(f"port {port} on {host} is in use: pick another --port (0: any free one)")
+    why = getattr(exc, "strerror", None) or str(exc)
+    return BadInput(f"cannot listen on {host}:{port}: {why}")
 
 
 async def _serve(gw: Any, session: str, host: str, port: int, upstream: str,

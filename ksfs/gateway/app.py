@@ -49,7 +49,10 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
             401, "invalid_api_key",
             f"this gateway serves session {served.session!r}; give its token as the API key"))
         return
-    body = await read_body(receive, gw.max_body)
+    try:
+        body = await read_body(receive, gw.max_body)
+    except ClientGone:
+        return  # a body cut short is no request: nothing is sent upstream or bought
     if body is None:
         await send_reply(send, error_reply(413, "request_too_large",
                                            f"request body over {gw.max_body} bytes"))
@@ -98,12 +101,18 @@ def _token_ok(headers: list[tuple[str, str]], token: str) -> bool:
     return hmac.compare_digest(given.encode("utf-8"), f"Bearer {token}".encode())
 
 
+class ClientGone(Exception):
+    """The client hung up before its request body was whole (a restore closes the guest's
+    connections mid-upload)."""
+
+
 async def read_body(receive, limit: int) -> bytes | None:
+    """The request body; None when it is over ``limit``; ClientGone when it never ended."""
     parts, size = [], 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
-            break
+            raise ClientGone
         chunk = msg.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -63,10 +63,22 @@ def canonical_body(body: bytes) -> tuple[bytes, dict[str, Any]]:
         obj = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadInput(f"request body is not JSON: {exc}") from None
+    except RecursionError:
+        raise BadInput("request body is not JSON this gateway reads: nested too deeply") from None
     if not isinstance(obj, dict):
         raise BadInput("request body must be a JSON object")
-    canon = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return canon.encode("utf-8"), obj
+    return json_bytes(obj, sort_keys=True), obj
+
+
+def json_bytes(obj: Any, sort_keys: bool = False) -> bytes:
+    """Compact JSON as UTF-8. A string holding a lone surrogate (JSON allows the escape
+    "\\ud83d"; a client that cut an emoji in two sends one) has no UTF-8 form: then every
+    non-ASCII character is written as an escape, which JSON reads back the same."""
+    try:
+        return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"),
+                          ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":")).encode("ascii")
 
 
 def header_key(value: str, scope: bytes = b"") -> bytes:
@@ -153,6 +165,27 @@ def model_of(obj: Any) -> str | None:
         if isinstance(holder, dict) and isinstance(holder.get("model"), str) and holder["model"]:
             return holder["model"]
     return None
+
+
+def not_an_answer(body: bytes, content_type: str, path: str) -> str | None:
+    """Why a 2xx JSON-or-chat response is no answer to keep, or None when it may be kept.
+
+    Some providers and proxies answer 200 with an error object, or with an HTML page from a
+    front server; stored, it would be replayed to every retry of that call for ever (a
+    derived key never changes). A chat completion must be a JSON object; any response that
+    says it is JSON must parse, and an object must not carry a top-level ``error``. Other
+    bodies (audio, files) stand for themselves.
+    """
+    is_json = content_type.split(";")[0].strip().lower() == "application/json"
+    if not is_json and path != CHAT_PATH:
+        return None
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return "is not JSON"
+    if isinstance(obj, dict):
+        return "carries an error object" if obj.get("error") not in (None, {}, "") else None
+    return "is not a JSON object" if path == CHAT_PATH else None
 
 
 def usage_of_json(body: bytes, request_model: str | None) -> Usage:

@@ -34,6 +34,7 @@ from ksfs.gateway.calls import (
     derived_key,
     estimated_tokens,
     header_key,
+    not_an_answer,
     paid_body,
     request_digest,
     route_scope,
@@ -109,6 +110,22 @@ class Order:
     ask_usage: bool = False  # a chat stream sent with include_usage added on the guest's behalf
 
 
+def check_upstream(upstream_url: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """BadInput unless the provider's URL is http(s)://HOST[...] and the timeout positive."""
+    from urllib.parse import urlsplit
+
+    if not upstream_url.startswith(("http://", "https://")):
+        raise BadInput(f"upstream URL {upstream_url!r} must start with http:// or https://")
+    try:
+        host = urlsplit(upstream_url).hostname
+    except ValueError:
+        host = None
+    if not host:
+        raise BadInput(f"upstream URL {upstream_url!r} names no host")
+    if not timeout > 0:
+        raise BadInput(f"upstream timeout must be > 0 seconds, not {timeout!r}")
+
+
 class Gateway:
     """Model-call gateway over one store. Invariant: a completed response reaches a guest only
     after it and its ``gateway.call`` event are committed, and a key is bought at most once
@@ -117,10 +134,7 @@ class Gateway:
     def __init__(self, store: Any, ledger: Any, upstream_url: str,
                  prices: PriceTable | str | Path | None = None, api_key: str | None = None,
                  *, timeout: float = DEFAULT_TIMEOUT, max_body: int = MAX_BODY) -> None:
-        if not upstream_url.startswith(("http://", "https://")):
-            raise BadInput(f"upstream URL {upstream_url!r} must start with http:// or https://")
-        if not timeout > 0:
-            raise BadInput(f"upstream timeout must be > 0 seconds, not {timeout!r}")
+        check_upstream(upstream_url, timeout)
         self.db = GatewayStore(store, ledger)
         self.ledger = ledger
         self.upstream_url = upstream_url
@@ -320,15 +334,12 @@ class Gateway:
             got, hidden = await self._fetch(call, served.upstream, order)
             if isinstance(got, Fetched) and 200 <= got.status < 300:
                 # Off the loop: a long stream's whole body is scanned (and filtered) here.
-                stored, why, cost = await trio.to_thread.run_sync(
+                stored, refused, cost = await trio.to_thread.run_sync(
                     self._commit, view, key, got, hidden, order)
-                if why is not None:
-                    # A 200 whose stream failed or stopped short: passed on, never stored.
+                if refused is not None:
+                    # A 2xx that is no whole answer: passed on, never stored.
                     call.ended_cleanly = True
-                    call.error = error_reply(
-                        502, "upstream_stream_incomplete",
-                        f"the model provider's stream {why}; it was not stored, so a retry "
-                        "buys it again")
+                    call.error = refused
                 else:
                     call.stored = stored
                 return
@@ -408,35 +419,68 @@ class Gateway:
         return got, False
 
     def _commit(self, view: View, key: bytes, got: Fetched, hidden: bool, order: Order
-                ) -> tuple[StoredResponse | None, str | None,
+                ) -> tuple[StoredResponse | None, Reply | None,
                            tuple[int | None, float | None]]:
         """Store a 2xx response as the guest gets it; returns (the stored response, None, its
-        (tokens, USD)), each None when not known. A stream that is no whole answer is not
-        stored but counted: (None, why, cost)."""
+        (tokens, USD)), each None when not known. A response that is no whole answer (a stream
+        cut short, an error object in a 200) is not stored but counted: (None, what the guest
+        gets instead, cost)."""
         ctype = header(got.headers, "content-type") or ""
         # A provider may answer a stream request with one JSON body: that is the answer, whole.
         sse = ctype.startswith("text/event-stream") or (
             order.stream and not ctype.startswith("application/json"))
         usage = (usage_of_sse if sse else usage_of_json)(got.body, order.model)
-        cost, priced = self.prices.cost(usage.model, usage.prompt_tokens,
-                                        usage.completion_tokens)
+        cost, priced = self._cost(usage, order.model)
         # What the gate may learn a call's size from: only figures the provider reported (an
         # unpriced model's or a usage-less call's 0 would let every later call start at once).
         learned = (usage.total_tokens if usage.known else None,
                    cost if usage.known and priced else None)
-        why = incomplete(got.body, order.route.path) if sse else None
-        if why is not None:
-            self.db.record_unstored_call(view.session, view.lineage, key, usage, cost, priced,
-                                         got.status, "stream_incomplete", order.route.path)
-            return None, why, learned
-        visible = HiddenUsage.apply(got.body) if hidden else got.body
-        resp = StoredResponse(
-            lineage=view.lineage, session=view.session, key=key.hex(), seq=-1,
-            status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=visible,
-            model=usage.model, stream=sse, request_digest=order.digest, created=_now())
-        stored = self.db.commit_call(view.session, view.lineage, key, resp, usage, cost, priced,
-                                     order.route.path)
+        path = order.route.path
+        try:
+            if sse and (why := incomplete(got.body, path)) is not None:
+                self.db.record_unstored_call(view.session, view.lineage, key, usage, cost,
+                                             priced, got.status, "stream_incomplete", path)
+                return None, error_reply(
+                    502, "upstream_stream_incomplete",
+                    f"the model provider's stream {why}; it was not stored, so a retry buys "
+                    "it again"), learned
+            if not sse and (why := not_an_answer(got.body, ctype, path)) is not None:
+                self.db.record_unstored_call(view.session, view.lineage, key, usage, cost,
+                                             priced, got.status, "not_an_answer", path)
+                log.warning("session %s: the provider's %d answer %s; passed on, not stored",
+                            view.session, got.status, why)
+                return None, _passed_back(got), learned
+            visible = HiddenUsage.apply(got.body) if hidden else got.body
+            if self._api_key and self._api_key.encode() in visible:
+                # a provider that echoes the request back: the operator's key is not kept
+                visible = visible.replace(self._api_key.encode(), b"***")
+            resp = StoredResponse(
+                lineage=view.lineage, session=view.session, key=key.hex(), seq=-1,
+                status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=visible,
+                model=usage.model, stream=sse, request_digest=order.digest, created=_now())
+            stored = self.db.commit_call(view.session, view.lineage, key, resp, usage, cost,
+                                         priced, path)
+        except Exception:
+            # Bought but not kept (a bug, a full disk): still counted against the budget, and
+            # said in the session's log, before the guest gets its error.
+            try:
+                self.db.record_unstored_call(view.session, view.lineage, key, usage, cost,
+                                             priced, got.status, "gateway_error", path)
+            except Exception as exc:  # noqa: BLE001 - the first failure is the one to report
+                log.error("could not record the call of session %s: %s", view.session, exc)
+            raise
         return stored, None, learned
+
+    def _cost(self, usage: Any, request_model: str | None) -> tuple[float, bool]:
+        """(USD, priced) of a call's usage. A router answers with its own name for the model
+        ("openai/gpt-4o-mini" for "gpt-4o-mini"): then the price of the model asked for, which
+        the budget's check before the purchase used, rather than none."""
+        cost, priced = self.prices.cost(usage.model, usage.prompt_tokens,
+                                        usage.completion_tokens)
+        if not priced and request_model and request_model != usage.model:
+            cost, priced = self.prices.cost(request_model, usage.prompt_tokens,
+                                            usage.completion_tokens)
+        return cost, priced
 
 
 # --- small helpers ----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from ksfs.gateway.calls import CHAT_PATH, Usage, model_of, usage_from
+from ksfs.gateway.calls import CHAT_PATH, Usage, json_bytes, model_of, usage_from
 
 RESPONSES_PATH = "/v1/responses"
 # Terminal events of a Responses API stream that carry a whole response.
@@ -126,8 +126,7 @@ def wants_usage_added(obj: dict[str, Any]) -> bool:
 def with_usage(obj: dict[str, Any]) -> bytes:
     """The request body that asks the provider for the stream's usage as well."""
     opts = dict(obj.get("stream_options") or {}, include_usage=True)
-    return json.dumps(dict(obj, stream_options=opts), ensure_ascii=False,
-                      separators=(",", ":")).encode("utf-8")
+    return json_bytes(dict(obj, stream_options=opts))
 
 
 class HiddenUsage:
@@ -170,7 +169,7 @@ def _without_usage(event: bytes) -> bytes:
     del obj["usage"]
     # Only the data line is rewritten: an id:, retry: or comment line of the event stays.
     lines = [ln for ln in _LINE.split(event.rstrip(b"\r\n")) if not ln.startswith(b"data:")]
-    lines.append(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode())
+    lines.append(b"data: " + json_bytes(obj))
     end = event[len(event.rstrip(b"\r\n")):] or b"\n\n"
     sep = b"\r\n" if end.startswith(b"\r\n") else b"\n"
     return sep.join(lines) + end

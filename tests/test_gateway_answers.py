@@ -1,0 +1,114 @@
+"""Answers and requests at the edges (QA of the eleventh session): text JSON allows but UTF-8
+cannot hold, a 200 that is no completion, a model name a router rewrites, a request body cut
+short. Each must be bought at most once, counted, and never stored wrong."""
+
+from __future__ import annotations
+
+import json
+
+import trio
+from test_gateway_helpers import (  # with the shared fixtures, by name
+    MARKER_KEY,
+    call,
+    chat_body,
+    events,
+    ledger,
+    provider,
+    store,
+    upstream,
+)
+
+from ksfs.gateway import Gateway, parse_prices
+
+LONE = "\ud83d"  # half of an emoji: JSON writes it as an escape, UTF-8 has no form for it
+
+
+async def test_a_stream_with_a_lone_surrogate_is_stored_once_and_counted(store, ledger,
+                                                                        provider, nursery):
+    # The default client case: no stream_options, so the gateway asks for usage and rewrites
+    # the chunks it takes usage out of.
+    provider.words = ["cut", "emoji", LONE]
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    body = {"model": "gpt-4o-mini", "stream": True,
+            "messages": [{"role": "user", "content": "say it"}]}
+    first = await call(port, body)
+    assert first.status_code == 200 and first.headers["x-ksfs-replay"] == "false"
+    chunks = [ln[6:] for ln in first.content.decode("ascii").split("\n") if ln.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    said = "".join(json.loads(c)["choices"][0]["delta"].get("content", "")
+                   for c in chunks[:-1] if json.loads(c)["choices"])
+    assert said == f"cut emoji {LONE} "
+    again = await call(port, body)
+    assert again.headers["x-ksfs-replay"] == "true" and again.content == first.content
+    assert provider.count() == 1
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["replays"], u["completion_tokens"]) == (1, 1, 3)
+
+
+async def test_a_request_json_cannot_put_in_utf8_is_bought_once(store, ledger, provider,
+                                                                nursery):
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    raw = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"trunc \\ud83d"}]}'
+    first = await call(port, {}, raw=raw)
+    again = await call(port, {}, raw=raw)
+    assert first.status_code == 200 and again.headers["x-ksfs-replay"] == "true"
+    assert provider.count() == 1
+    # nested past what the JSON reader takes: one clear 400, nothing bought
+    deep = b'{"model":"m","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = await call(port, {}, raw=deep)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    assert provider.count() == 1
+
+
+async def test_a_200_that_is_no_completion_is_passed_on_not_stored(store, ledger, provider,
+                                                                  nursery):
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    for n, mode in enumerate(("error_object", "html")):
+        provider.ok_but = mode
+        body = chat_body(f"not an answer {n}")
+        r = await call(port, body)
+        assert r.status_code == 200  # as the provider sent it
+        assert (b"overloaded" if mode == "error_object" else b"502 Bad Gateway") in r.content
+        provider.ok_but = None
+        again = await call(port, body)  # not stored: bought again, a real answer this time
+        assert again.headers["x-ksfs-replay"] == "false"
+        assert again.json()["choices"][0]["message"]["content"].startswith("this is")
+    assert provider.count() == 4
+    calls = events(ledger, "s1", "gateway.call")
+    assert [(e.body["stored"], e.body.get("error")) for e in calls] == [
+        (False, "not_an_answer"), (True, None), (False, "not_an_answer"), (True, None)]
+
+
+async def test_a_router_model_name_is_priced_as_the_model_asked_for(store, ledger, provider,
+                                                                   nursery):
+    table = parse_prices('[models."gpt-4o-mini"]\ninput = 1000000\noutput = 1000000\n')
+    provider.answer_model = "openai/gpt-4o-mini"
+    gw = Gateway(store, ledger, provider.url, table, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    gw.set_budget("s1", usd=12)
+    r = await call(port, chat_body("two words"))  # 2 + 7 tokens at $1 each
+    assert r.status_code == 200
+    u = gw.usage("s1")
+    assert u["cost_usd"] == 9.0 and u["by_model"]["openai/gpt-4o-mini"]["priced"] is True
+    await call(port, chat_body("two more"))  # started under the budget: bought, now over it
+    refused = await call(port, chat_body("a third"))
+    assert refused.status_code == 402 and provider.count() == 2
+
+
+async def test_a_body_cut_short_by_a_hang_up_is_not_bought(store, ledger, provider, nursery):
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    # Any route: on one whose body stands for itself (not parsed) a cut body would be bought.
+    body = json.dumps({"model": "text-embedding-3-small", "input": "never whole"}).encode()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\n"
+                              b"content-type: application/json\r\ncontent-length: "
+                              + str(len(body)).encode() + b"\r\n\r\n" + body[:40])
+    await trio.sleep(0.5)
+    assert provider.count() == 0 and events(ledger, "s1", "gateway.call") == []
+    r = await call(port, chat_body("this body never arrives whole"))  # the server goes on
+    assert r.status_code == 200 and provider.count() == 1
