@@ -232,3 +232,30 @@ def test_a_verb_finished_while_the_daemon_stops_still_answers(tmp_path: Path,
 
     trio.run(main)
     assert results.get("reply") == {"session": "s", "name": "done-anyway"}, results
+
+
+class TypeErrorKeeper:
+    store_path = Path("/nonexistent")
+
+    def save(self, session: str, name: str | None = None) -> dict:
+        return len(None) if session == "bug" else {"session": session}  # type: ignore[arg-type]
+
+
+def test_a_type_error_inside_a_verb_is_no_bad_argument(tmp_path: Path) -> None:
+    """QA (eleventh session): any TypeError was answered "bad arguments" (exit 2), so a bug
+    inside a verb read as the caller's mistake, and a daemon older than the CLI said nothing
+    of being older."""
+    got: dict[str, RemoteError] = {}
+
+    def client() -> None:
+        for what, args in (("bug", {"session": "bug"}),
+                           ("unknown", {"session": "s", "release": True})):
+            try:
+                call_daemon(tmp_path, "save", **args)
+            except RemoteError as exc:
+                got[what] = exc
+
+    serve_while(TypeErrorKeeper(), tmp_path / "daemon.sock", client)
+    assert got["bug"].exit_code == 1 and "internal error: TypeError" in str(got["bug"])
+    assert got["unknown"].exit_code == 2
+    assert "running daemon" in str(got["unknown"]) and "release" in str(got["unknown"])

@@ -56,6 +56,9 @@ def test_release_after_a_restore_copies_out_and_the_machine_goes_on(
         at_c1 = transcript_lines(store, name, c1, e)
         save(store, name, e)
         run(store, "restore", name, c1, env=e)  # the disk now runs on a file ksfs wrote
+        run(store, "restore", name, c1, env=e)
+        # QA: each restore of an adopted session left the one before's whole disk copy
+        assert len(list((store / "vm" / name).glob("*-base-*.raw"))) == 1
         assert str(store / "vm" / name) in sources(dom)["vda"]
         res = json.loads(run(store, "session", "rm", name, "--release", "--json", env=e).stdout)
         released = str(tmp_path / "own.released.qcow2")

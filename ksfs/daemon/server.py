@@ -7,6 +7,7 @@ asks for progress gets ``{"progress": {"step", "done", "total"}}`` lines before 
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -16,7 +17,7 @@ from typing import Any
 
 import trio
 
-from ksfs import progress
+from ksfs import __version__, progress
 from ksfs.daemon.protocol import check_verb, encode, error_reply, to_jsonable
 from ksfs.errors import BadInput, KsfsError, from_foreign
 
@@ -139,11 +140,18 @@ def _dispatch_verb(keeper: Any, raw: bytes) -> dict[str, Any]:
                 "the control request is not valid JSON of the form {verb, args}"
             ) from None
         method = getattr(keeper, check_verb(verb))
+        try:
+            # Checked apart from the call: a TypeError raised inside a verb is a bug, not
+            # the caller's arguments.
+            inspect.signature(method).bind(**args)
+        except TypeError as exc:
+            raise BadInput(
+                f"the running daemon (ksfs {__version__}, pid {os.getpid()}) does not take "
+                f"these arguments for {verb}: {exc}; a ksfs installed since the mount started "
+                "needs `ksfs umount` and `ksfs mount` again") from None
         return {"ok": True, "result": to_jsonable(method(**args))}
     except KsfsError as exc:
         return error_reply(exc)
-    except TypeError as exc:
-        return error_reply(BadInput(f"bad arguments: {exc}"))
     except Exception as exc:
         known = from_foreign(exc, keeper.store_path)  # a damaged index, a full disk, ...
         if known is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
@@ -240,9 +241,19 @@ def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
     for p in (ctl.session_dir(session) / "staging").glob("restore-*.image*"):
         p.unlink(missing_ok=True)
     for p in _session_files_except(ctl, session, keep):
-        if state.adopted and any(_same_file(p, root) for root in old_roots):
+        if state.adopted and any(_same_file(p, own) for own in _users_disks(state, old_roots)):
             continue  # an adopted disk in our directory is still the user's
         p.unlink(missing_ok=True)
+
+
+def _users_disks(state: SessionState, old_roots: set[Path]) -> set[Path]:
+    """The files of an adopted session that are the user's own disks: those it had when it
+    was adopted. A session adopted by a ksfs that did not record them: the old roots, but
+    not one a restore made (named ``<target>-base-<n>.raw``), which a later restore must
+    remove (QA: each restore left the previous one's whole disk copy behind)."""
+    if state.origins:
+        return {Path(f) for f, _fmt in state.origins.values()}
+    return {r for r in old_roots if not re.fullmatch(r".+-base-\d+\.raw", r.name)}
 
 
 def _chain_files(top: Path, strict: bool = False) -> set[Path]:
@@ -297,8 +308,9 @@ def unused_disk_files(ctl: DomainController, session: str, domain: str) -> list[
         in_use, _ = files_in_use(ctl, domain, strict=True)
     except VMError:
         return []  # a chain it cannot read: no file is known to be unused
+    own = {Path(f) for f, _fmt in state.origins.values()}  # an adopted domain's, kept
     return _session_files_except(ctl, session,
-                                 in_use | {Path(ds.root) for ds in state.disks.values()})
+                                 in_use | own | {Path(ds.root) for ds in state.disks.values()})
 
 
 def _same_file(a: str | Path, b: str | Path) -> bool:
