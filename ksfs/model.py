@@ -52,6 +52,18 @@ CHECKPOINT_VIRTUAL_FILES = ("domain.xml", "meta.json", "transcript")
 CHECKPOINT_RESERVED_NAMES = (*CHECKPOINT_VIRTUAL_FILES, "forks", "fs")
 
 
+# Format characters that make a name show as another (bidirectional overrides and isolates,
+# zero-width spaces, the BOM); the zero-width joiner stays, as emoji sequences hold it.
+_INVISIBLE = frozenset("\u200b\u200c\u200e\u200f\u202a\u202b\u202c\u202d\u202e"
+                       "\u2060\u2066\u2067\u2068\u2069\ufeff")
+
+
+def _control(c: str) -> bool:
+    """C0 and C1 control characters (NEL, CSI ...), DEL, and the invisible formats above."""
+    o = ord(c)
+    return o < 0x20 or 0x7F <= o <= 0x9F or c in _INVISIBLE
+
+
 def validate_name(name: str, what: str = "name") -> str:
     """Return ``name`` if it can name a session, checkpoint or file; raise BadName otherwise.
 
@@ -68,7 +80,7 @@ def validate_name(name: str, what: str = "name") -> str:
         raise BadName(name=name, why=f"{what} cannot contain '/'")
     if "\0" in name:
         raise BadName(name=name, why=f"{what} cannot contain NUL")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+    if any(_control(c) for c in name):
         raise BadName(name=name, why=f"{what} cannot contain control characters")
     try:
         encoded = name.encode("utf-8")

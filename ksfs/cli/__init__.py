@@ -259,10 +259,10 @@ class KsfsGroup(click.Group):
             message = exc.format_message()
             if isinstance(exc, click.BadParameter) and isinstance(exc.param, click.Option):
                 message = f"{'/'.join(exc.param.opts)}: {exc.message}"  # the option first
-            click.echo(f"ksfs: error: {message} (see '{where} --help')", err=True)
+            click.echo(f"ksfs: error: {one_line(message)} (see '{where} --help')", err=True)
             sys.exit(2)
         except click.ClickException as exc:
-            click.echo(f"ksfs: error: {exc.format_message()}", err=True)
+            click.echo(f"ksfs: error: {one_line(exc.format_message())}", err=True)
             sys.exit(exc.exit_code)
         except click.Abort:
             if sys.stderr is not None and sys.stderr.isatty():
@@ -275,7 +275,7 @@ class KsfsGroup(click.Group):
         try:
             return super().invoke(ctx)
         except KsfsError as exc:
-            click.echo(f"ksfs: error: {exc}", err=True)
+            click.echo(f"ksfs: error: {one_line(str(exc))}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             # raised as Abort here so click does not first print a blank line of its own
@@ -300,8 +300,16 @@ def _foreign(ctx: click.Context, exc: Exception) -> None:
     known = from_foreign(exc, obj.store_path if obj is not None else "the store")
     if known is None:
         raise exc
-    click.echo(f"ksfs: error: {known}", err=True)
+    click.echo(f"ksfs: error: {one_line(str(known))}", err=True)
     sys.exit(known.exit_code)
+
+
+def one_line(text: str) -> str:
+    """An error as one line: a newline, a terminal escape or another unprintable character in
+    a path or name it quotes is written as its escape (\\n, \\x1b)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @click.group(cls=KsfsGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -212,7 +212,8 @@ def stats(ctx, as_json: bool) -> None:
         return
     for key in ("logical_bytes", "stored_bytes", "chunks", "packs", "checkpoints", "sessions",
                 "dedup_ratio"):
-        click.echo(f"{key:14} {figures.get(key)}")
+        value = figures.get(key)
+        click.echo(f"{key:14} {'-' if value is None else value}")  # no ratio of 0 bytes
 
 
 @main.command()

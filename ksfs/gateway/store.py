@@ -139,13 +139,31 @@ class GatewayStore:
         self.env: lmdb.Environment = store.env
         self.ledger = ledger
         self.path = getattr(store, "path", None)
+        # Made by the first write, not here: a read (`ksfs usage` of a store the gateway never
+        # served, a store on a read-only file system) must change nothing. None until then.
+        self._resp = self._usage = self._budgets = None
+        self._open_dbs(create=False)
+
+    def _open_dbs(self, create: bool) -> None:
         try:
             self._resp, self._usage, self._budgets = (
-                self.env.open_db(name, create=True) for name in DBS)
+                self.env.open_db(name, create=create) for name in DBS)
+        except lmdb.NotFoundError:
+            if create:
+                raise KsfsError(f"cannot make the gateway's databases in {self.path}") from None
         except lmdb.Error as exc:
             raise KsfsError(f"cannot open the gateway's databases in {self.path}: {exc}") from exc
 
+    def _ready(self) -> bool:
+        """Whether the databases exist (looked for again while not: another process, a CLI
+        `ksfs budget` beside a standalone gateway, may have made them meanwhile)."""
+        if self._resp is None:
+            self._open_dbs(create=False)
+        return self._resp is not None
+
     def _write(self):  # -> a write transaction, lmdb errors as ksfs errors
+        if self._resp is None:
+            self._open_dbs(create=True)
         return _Txn(self.env, self.path)
 
     # --- reading ------------------------------------------------------------------------------
@@ -160,6 +178,8 @@ class GatewayStore:
 
     def find(self, view: View, hkey: bytes | None, canon: bytes) -> StoredResponse | None:
         """The response this view sees for the call (header key, else derived per lineage)."""
+        if not self._ready():
+            return None
         with self.env.begin() as txn:
             for lineage, limit in view.chain:
                 key = hkey if hkey is not None else derived_key(lineage, canon)
@@ -175,6 +195,8 @@ class GatewayStore:
         """Delete stored responses of lineages nothing can replay from any more (no session,
         kept or live, has them in its chain). Returns (responses, bytes) freed. Usage totals
         and budgets stay: they are small and tell the history."""
+        if not self._ready():
+            return 0, 0
         live = {lineage_bytes(lin) for lin in live_lineages}
         freed = nbytes = 0
         with self._write() as txn:
@@ -187,10 +209,14 @@ class GatewayStore:
         return freed, nbytes
 
     def totals(self, lineage: str) -> Totals:
+        if not self._ready():
+            return Totals()
         with self.env.begin() as txn:
             return Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
 
     def budget_of(self, lineage: str) -> dict[str, Any] | None:
+        if not self._ready():
+            return None
         with self.env.begin() as txn:
             raw = txn.get(lineage_bytes(lineage), db=self._budgets)
         return None if raw is None else json.loads(bytes(raw).decode("utf-8"))
@@ -201,6 +227,8 @@ class GatewayStore:
 
     def spending(self, lineage: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         """(budget or None, used): what the lineage may spend and has spent, in tokens and USD."""
+        if not self._ready():
+            return None, Totals().spent
         with self.env.begin() as txn:
             raw = txn.get(lineage_bytes(lineage), db=self._budgets)
             t = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
@@ -306,6 +334,7 @@ class GatewayStore:
                 raise BadInput(f"a USD budget must be a number >= 0, not {usd!r}") from None
             if not usd >= 0 or usd == float("inf"):
                 raise BadInput(f"a USD budget must be a number >= 0, not {usd!r}")
+        self.ledger.session(session)  # a bad or unknown name: refused before any write
         with self._write() as txn:
             rec = self.ledger.session(session, txn)
             lin = lineage_bytes(rec.lineage)

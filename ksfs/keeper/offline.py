@@ -61,8 +61,16 @@ def import_paths(session: str, checkpoint: str | None, files: Iterable[str | os.
     validate_name(session, "session name")
     if checkpoint is not None:
         validate_name(checkpoint, "checkpoint name")
+    files, disks = list(files), list(disks)
+    for f in files + disks:
+        if os.fspath(f).endswith("/"):  # pathlib would drop the slash and take the file
+            raise BadInput(f"{os.fspath(f)!r} ends in '/', which names a directory: only "
+                           "regular files are imported")
     disk_set = {Path(d) for d in disks}
-    paths = [Path(f) for f in files] + sorted(disk_set - {Path(f) for f in files})
+    # One file named twice (`a ./a`, or as a file and a --disk) is imported once, as a disk
+    # when it is named as one.
+    paths = list(dict.fromkeys(Path(f) for f in files))
+    paths += sorted(disk_set - set(paths))
     if not paths:
         raise BadInput("nothing to import: name at least one file")
     names = [p.name for p in paths]

@@ -120,6 +120,9 @@ class Ledger(CheckpointMethods):
         return None if raw is None else SessionRecord.from_dict(K.loads(raw))
 
     def _need(self, txn: lmdb.Transaction, name: str) -> SessionRecord:
+        """The session; BadName for a name no session can have (every verb says it alike),
+        NoSuchSession for one no session has."""
+        validate_name(name, "session name")
         rec = self._session_rec(txn, name)
         if rec is None:
             raise NoSuchSession(session=name)

@@ -1,0 +1,100 @@
+"""The command line's contract where a script leans on it (QA of the eleventh session): every
+verb refuses a name no session can have alike, an error is one line whatever its path holds,
+a read changes nothing in the store, and names cannot hide what they are."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from ksfs.cas import ChunkStore
+from ksfs.gateway.store import GatewayStore
+from ksfs.ledger import Ledger
+from tests.cli_helpers import ksfs
+
+BAD_NAMES = ["a/b", "..", ".", "", "x" * 256, "tab\there", "nel\u0085x"]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    s = tmp_path / "store"
+    f = tmp_path / "one.bin"
+    f.write_bytes(b"one" * 1000)
+    ksfs(s, None, "import", "demo", "c1", str(f))
+    return s
+
+
+def files_of(store: Path) -> dict[str, str]:
+    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(store.rglob("*")) if p.is_file() and p.parent.name != "locks"
+            and p.name not in ("lock", "lock.mdb")}  # readers take locks, and change nothing
+
+
+@pytest.mark.parametrize("verb", [["events"], ["checkpoints"], ["lineage"], ["usage"],
+                                  ["budget"], ["budget", "--tokens", "5"]])
+def test_read_verbs_refuse_bad_names_as_every_verb_does(store: Path, verb: list[str]) -> None:
+    before = files_of(store)
+    for name in BAD_NAMES:
+        res = ksfs(store, None, verb[0], name, *verb[1:], check=False)
+        assert res.returncode == 2, (verb, name, res.stderr)
+        assert "invalid name" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert files_of(store) == before
+
+
+def test_a_read_of_a_store_the_gateway_never_served_writes_nothing(store: Path) -> None:
+    before = files_of(store)
+    assert ksfs(store, None, "usage", "demo", "--json").returncode == 0
+    assert ksfs(store, None, "usage", "nosuch", check=False).returncode == 3
+    assert ksfs(store, None, "budget", "demo").returncode == 0
+    assert files_of(store) == before
+
+
+def test_a_gateway_sees_databases_another_writer_made_after_it_opened(tmp_path: Path) -> None:
+    with ChunkStore.open(tmp_path / "s", create=True) as s:
+        led = Ledger(s)
+        with s.env.begin(write=True) as txn:
+            led.create_session(txn, "s1")
+        serving = GatewayStore(s, led)  # before any database of the gateway exists
+        assert serving.spending(led.session("s1").lineage) == (None, {"tokens": 0, "usd": 0.0})
+        GatewayStore(s, led).set_budget("s1", tokens=5)  # `ksfs budget` beside it
+        budget, _ = serving.spending(led.session("s1").lineage)
+        assert budget == {"tokens": 5, "usd": None}
+
+
+def test_an_error_is_one_line_whatever_its_path_holds(store: Path, tmp_path: Path) -> None:
+    for path in (str(tmp_path / "no\nsuch" / "f.bin"), str(tmp_path / "esc\x1b[31m" / "f.bin")):
+        res = ksfs(store, None, "import", "demo", "c2", path, check=False)
+        assert res.returncode == 3 and res.stderr.count("\n") == 1, res.stderr
+        assert "\x1b" not in res.stderr and ("\\n" in res.stderr or "\\x1b" in res.stderr)
+
+
+@pytest.mark.parametrize("name", ["c\u0085x", "c\u009b31m", "bidi\u202e", "zw\u200bsp",
+                                  "bom\ufeff"])
+def test_names_cannot_hide_controls_or_show_as_another(store: Path, tmp_path: Path,
+                                                       name: str) -> None:
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"x")
+    res = ksfs(store, None, "import", "demo", name, str(f), check=False)
+    assert res.returncode == 2 and "control characters" in res.stderr
+    assert ksfs(store, None, "import", "demo", "family\u200d", str(f)).returncode == 0  # ZWJ
+
+
+def test_import_paths_as_posix_tools_read_them(store: Path, tmp_path: Path) -> None:
+    f = tmp_path / "k.bin"
+    f.write_bytes(b"k" * 70000)
+    res = ksfs(store, None, "import", "demo", "c2", str(f) + "/", check=False)
+    assert res.returncode == 2 and "ends in '/'" in res.stderr
+    # one file named twice is imported once, positional or --disk alike
+    ksfs(store, None, "import", "demo", "c3", str(f), str(tmp_path / "." / "k.bin"))
+    ksfs(store, None, "import", "demo", "c4", "--disk", str(f), "--disk",
+         str(tmp_path / "." / "k.bin"))
+    assert ksfs(store, None, "cat", "demo", "c3", "k.bin").stdout == "k" * 70000
+
+
+def test_stats_of_an_empty_store_shows_no_ratio_as_a_dash(tmp_path: Path) -> None:
+    s = tmp_path / "empty"
+    ChunkStore.open(s, create=True).close()
+    out = ksfs(s, None, "stats").stdout
+    assert "dedup_ratio    -" in out and "None" not in out
