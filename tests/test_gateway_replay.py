@@ -105,6 +105,27 @@ async def test_reused_header_key_with_other_request_is_refused(gw, provider, nur
     assert provider.count() == 1
 
 
+async def test_a_header_key_in_flight_for_another_request_is_refused_at_once(
+        gw, provider, nursery):
+    """QA (eleventh session): the second request waited for the first's purchase and, when
+    that failed, got its upstream error instead of 422."""
+    port = await nursery.start(gw.serve_session, "s1")
+    provider.delay, provider.error = 1.0, 500
+    got: dict[str, object] = {}
+
+    async def first() -> None:
+        got["first"] = await call(port, chat_body("one"), key="k")
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(first)
+        await trio.sleep(0.3)  # the first is being bought
+        with trio.fail_after(0.6):  # before the first's answer comes
+            got["second"] = await call(port, chat_body("two"), key="k")
+    assert got["second"].status_code == 422
+    assert got["second"].json()["error"]["type"] == "idempotency_key_reused"
+    assert got["first"].status_code == 500 and provider.count() == 1
+
+
 async def test_sessions_do_not_see_each_other(gw, ledger, provider, nursery):
     p1 = await nursery.start(gw.serve_session, "s1")
     p2 = await nursery.start(gw.serve_session, "s2")

@@ -280,6 +280,10 @@ class Gateway:
                                           held)
                 if stream:
                     return StreamThrough(call, key), []
+            elif not mine and call.digest != digest:
+                # The key of a purchase in flight, for another request: refused as a stored
+                # one would be, whatever becomes of that purchase.
+                return _key_reused(), []
             elif stream and not mine and call.digest == digest:
                 # A duplicate of a stream in flight (a guest retrying after a restore, or
                 # after its own read timeout) follows it as it arrives, end withheld until
@@ -299,9 +303,7 @@ class Gateway:
     async def _replay(self, view: View, key: bytes, stored: StoredResponse, digest: str
                       ) -> tuple[Reply, Headers]:
         if stored.request_digest != digest:
-            return error_reply(
-                422, "idempotency_key_reused",
-                "this Idempotency-Key was used before for a different request"), []
+            return _key_reused(), []
         await trio.to_thread.run_sync(self.db.record_replay, view.session, view.lineage, key,
                                       stored)
         return reply_of(stored), ksfs_headers(key, "true")
@@ -484,6 +486,11 @@ class Gateway:
 
 
 # --- small helpers ----------------------------------------------------------------------------
+
+
+def _key_reused() -> Reply:
+    return error_reply(422, "idempotency_key_reused",
+                       "this Idempotency-Key was used before for a different request")
 
 
 def _passed_back(got: Fetched) -> Reply:
