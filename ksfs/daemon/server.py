@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from ksfs import __version__, progress
+from ksfs import progress
 from ksfs.daemon.protocol import check_verb, encode, error_reply, to_jsonable
 from ksfs.errors import BadInput, KsfsError, from_foreign
 
@@ -146,7 +146,7 @@ def _dispatch_verb(keeper: Any, raw: bytes) -> dict[str, Any]:
             inspect.signature(method).bind(**args)
         except TypeError as exc:
             raise BadInput(
-                f"the running daemon (ksfs {__version__}, pid {os.getpid()}) does not take "
+                f"the running daemon (pid {os.getpid()}) does not take "
                 f"these arguments for {verb}: {exc}; a ksfs installed since the mount started "
                 "needs `ksfs umount` and `ksfs mount` again") from None
         return {"ok": True, "result": to_jsonable(method(**args))}
