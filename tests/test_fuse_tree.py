@@ -210,3 +210,22 @@ def test_a_getattr_builds_a_dynamic_file_once_and_a_record_rebuilt_otherwise_is_
     with pytest.raises(KsfsError, match="could not be built again"):
         f.data()
     nodes._record_bytes.put(("other",), b"")
+
+
+def test_sessions_removed_with_their_checkpoints_kept_are_listed(tmp_path) -> None:
+    """QA (eleventh session): `ls sessions` left them out though they were looked up by name,
+    so find, tar, rsync and du of the mount passed over checkpoints the user chose to keep."""
+    f = tmp_path / "a"
+    f.write_bytes(b"kept" * 100)
+    k = Keeper(tmp_path / "store", create=True)
+    try:
+        k.import_files("gone", "c1", [f])
+        k.import_files("here", "c1", [f])
+        k.remove_session("gone", keep_checkpoints=True)
+        tree = CheckpointTree(k)
+        sessions = walk(tree, "sessions")
+        assert {e.name for e in tree.listdir(sessions)} == {"gone", "here"}
+        cps = walk(tree, "sessions", "gone", "checkpoints")
+        assert [e.name for e in tree.listdir(cps)] == ["c1"]
+    finally:
+        k.close()

@@ -59,7 +59,9 @@ def _mounted_store(mountpoint: str, wait: float = 2.0) -> str | None:
 @main.command()
 @click.argument("mountpoint", type=click.Path(file_okay=False))
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground, logging to stderr.")
-@click.option("--allow-other", is_flag=True, help="Let other users see the mount.")
+@click.option("--allow-other", is_flag=True,
+              help="Let other users see the mount: every local user then reads every "
+                   "checkpoint, memory and disk included.")
 @click.option("--upstream", metavar="URL",
               help="Model provider the gateway fronts (default $KSFS_UPSTREAM or config.json).")
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the mount.")

@@ -54,7 +54,10 @@ class SessionsDir(Dir):
         super().__init__(keeper, ("sessions",))
 
     def children(self) -> list[tuple[str, Node]]:
-        return [(rec.name, SessionDir(self.keeper, rec)) for rec in self.keeper.ledger.sessions()]
+        # Removed sessions whose checkpoints were kept too: they are looked up by name, so a
+        # find, tar or rsync of the mount must not pass over checkpoints the user kept (QA).
+        return [(rec.name, SessionDir(self.keeper, rec))
+                for rec in self.keeper.ledger.sessions(include_removed=True)]
 
     def lookup(self, name: str) -> Node:
         try:
@@ -218,7 +221,7 @@ class ForksDir(Dir):
 
     def children(self) -> list[tuple[str, Node]]:
         out: list[tuple[str, Node]] = []
-        for rec in self.keeper.ledger.sessions():
+        for rec in self.keeper.ledger.sessions(include_removed=True):
             p = rec.parent
             if p is None or p.checkpoint != self.cp.name:
                 continue

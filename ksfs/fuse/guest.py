@@ -11,9 +11,10 @@ change. Never imports pyfuse3 or trio.
 from __future__ import annotations
 
 import stat
+from collections.abc import Iterator
 from typing import Any
 
-from ksfs.errors import KsfsError
+from ksfs.errors import GuestFSUnreadable, KsfsError, NoSuchFile
 from ksfs.fuse.dirs import CHECKPOINT_EXTRA_DIRS, CheckpointDir
 from ksfs.fuse.nodes import Attr, Dir, Node, StoredFile, blocks_for
 from ksfs.lru import LRU
@@ -45,6 +46,8 @@ class GuestNode(Node):
     bytes, else 0: the bytes are disk.raw's, counted there, so ``du`` of a checkpoint is about
     what deleting it frees; and not 0, which archivers read as a file all hole (blocks_for)."""
 
+    forgettable = True  # made again from the guest's inode when looked up again
+
     def __init__(self, cp: CheckpointDir, st: Any) -> None:
         # Node's own constructor: StoredFile's (a later base of GuestFile) takes other arguments.
         Node.__init__(self, cp.keeper, ("guest", cp.lineage, cp.seq, st.ino), cp.session)
@@ -73,9 +76,21 @@ class GuestNode(Node):
 
 class GuestDir(GuestNode, Dir):
     names_checked = False  # a guest's names are any bytes but '/' and NUL
+    lists_lazily = True  # a guest directory may hold millions: listed as read, by cookie
 
     def children(self) -> list[tuple[str, Node]]:
         return [(name, node_of(self.cp, st)) for name, st in self.fs.listdir_stats(self.st.ino)]
+
+    def children_from(self, after: int) -> Iterator[tuple[str, Node, int]]:
+        """(name, node, cookie) of the entries past cookie ``after``, read block by block; an
+        entry whose inode cannot be read is left out, as in ``children``."""
+        fs = self.fs
+        for name, ino, _is_dir, cookie in fs.listdir_from(self.st.ino, after):
+            try:
+                st = fs.stat_ino(ino)
+            except (NoSuchFile, GuestFSUnreadable):
+                continue
+            yield name, node_of(self.cp, st), cookie
 
     def lookup(self, name: str) -> Node:
         fs = self.fs

@@ -76,6 +76,10 @@ class Node:
     is_dir = False
     # True when attr() or children() must ask the keeper (may block); False: answered from memory.
     needs_io = False
+    # True: dropped from the inode table once the kernel forgets it (a guest's file, which may
+    # be one of millions); False: kept for the mount's life (sessions, checkpoints, records).
+    forgettable = False
+    lists_lazily = False  # a directory listed part by part (children_from), not snapshotted
     mode = FILE_MODE
     entry_timeout = FOREVER
     attr_timeout = FOREVER
@@ -266,3 +270,8 @@ class RecordFile(Node):
 
     def size(self) -> int:
         return self._size if self._size is not None else len(self.data())
+
+    def blocks(self, size: int) -> int:
+        # 1 (not 0: blocks_for): records are small, and a transcript is a view of disk.raw,
+        # whose bytes are counted there, so du of a checkpoint does not count them twice
+        return blocks_for(0, size)

@@ -34,6 +34,9 @@ BLOCK = 512
 # verbs get threads of their own, so a long save never holds up an ls.
 READ_THREADS = 1
 META_THREADS = 4
+# Guest entries read per step of a lazy listing: about what one readdirplus reply holds (a
+# 4 KiB page), so little is read ahead and each step leaves the threads to other requests.
+LAZY_BATCH = 32
 VERB_THREADS = 4
 
 
@@ -94,6 +97,29 @@ def _name(raw: bytes) -> str:
     return os.fsdecode(raw)
 
 
+class _Lazy:
+    """An open guest directory: read as listed, not snapshotted. Holds the entries one reply
+    had no room for, for the next readdir that resumes at the same place."""
+
+    def __init__(self, inode: int) -> None:
+        self.inode = inode
+        self._after = -1
+        self._held: list[tuple[Entry, int]] = []
+
+    def take(self, after: int) -> list[tuple[Entry, int]]:
+        """The held entries when a listing resumes where they begin, else nothing."""
+        if after != self._after or not self._held:
+            return []
+        out, self._held, self._after = self._held, [], -1
+        return out
+
+    def keep(self, after: int, rest: list[tuple[Entry, int]]) -> list[tuple[Entry, int]]:
+        """Hold ``rest`` (read past cookie ``after``, not sent); returns what was held before
+        (never to be sent now: the caller gives back its lookup counts)."""
+        old, self._held, self._after = self._held, rest, after
+        return old
+
+
 class Operations(pyfuse3.Operations):
     """Thin handlers over a ``CheckpointTree``; see the module docstring."""
 
@@ -124,7 +150,8 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> Any:
-        return self._entry(await self._io(self.tree.lookup, parent_inode, _name(name)))
+        return self._entry(await self._io(functools.partial(
+            self.tree.lookup, parent_inode, _name(name), counted=True)))
 
     @handler
     async def getattr(self, inode: int, ctx: Any = None) -> Any:
@@ -142,25 +169,63 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def opendir(self, inode: int, ctx: Any) -> int:
-        entries = await self._io(functools.partial(self.tree.listdir, inode, dots=True))
+        if await self._io(self.tree.lists_lazily, inode):
+            listing: list[Entry] | _Lazy = _Lazy(inode)
+        else:
+            listing = await self._io(functools.partial(self.tree.listdir, inode, dots=True))
         fh = self._next_dir
         self._next_dir += 1
-        self._dirs[fh] = entries
+        self._dirs[fh] = listing
         return fh
 
     @handler
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        listing = self._dirs.get(fh, [])
+        if isinstance(listing, _Lazy):
+            await self._readdir_lazily(listing, start_id, token)
+            return
         # Offsets index the snapshot taken at opendir, so a resumed listing neither repeats
         # nor skips an entry.
-        entries = self._dirs.get(fh, [])
-        for i in range(start_id, len(entries)):
-            e = entries[i]
+        for i in range(start_id, len(listing)):
+            e = listing[i]
             if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self._entry(e), i + 1):
                 break
 
+    async def _readdir_lazily(self, d: _Lazy, start_id: int, token: Any) -> None:
+        """A guest directory as it is read: offsets 1 and 2 are ``.`` and ``..``, then each
+        entry's offset is its cookie + 2, so a listing resumes where it stopped without
+        reading what came before, and the first names come at once however many follow.
+        Entries read but not sent wait for the next call (their lookup counts held)."""
+        if start_id < 2:
+            dots = await self._io(functools.partial(self.tree.listdir, d.inode, dots=True,
+                                                    children=False))
+            for i in range(start_id, 2):
+                if not pyfuse3.readdir_reply(token, os.fsencode(dots[i].name),
+                                             self._entry(dots[i]), i + 1):
+                    return
+        after = max(0, start_id - 2)
+        while True:
+            batch = d.take(after) or await self._io(self.tree.entries_from, d.inode, after,
+                                                    LAZY_BATCH)
+            if not batch:
+                return
+            for i, (e, cookie) in enumerate(batch):
+                if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self._entry(e),
+                                             cookie + 2):
+                    self._unsent(d, after, batch[i:])
+                    return
+                after = cookie
+
+    def _unsent(self, d: _Lazy, after: int, rest: list[tuple[Entry, int]]) -> None:
+        for e, _ in d.keep(after, rest):  # those it held before: never sent, given back
+            self.tree.forget(e.ino, 1)
+
     @handler
     async def releasedir(self, fh: int) -> None:
-        self._dirs.pop(fh, None)
+        listing = self._dirs.pop(fh, None)
+        if isinstance(listing, _Lazy):
+            for e, _ in listing.keep(0, []):
+                self.tree.forget(e.ino, 1)
 
     @handler
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
@@ -224,8 +289,12 @@ class Operations(pyfuse3.Operations):
         await self._refuse(parent_inode_old, name_old, "rename")
 
     async def forget(self, inode_list: Any) -> None:
-        # Inode numbers are never freed (see ksfs.fuse.tree), so lookup counts need no keeping.
-        pass
+        # Must not fail (libfuse gets no reply): a guest file forgotten leaves the inode table.
+        for inode, nlookup in inode_list:
+            try:
+                self.tree.forget(inode, nlookup)
+            except Exception:  # noqa: BLE001
+                log.exception("forget of inode %d failed", inode)
 
     @handler
     async def statfs(self, ctx: Any) -> Any:

@@ -8,15 +8,20 @@ call from several threads at once. It never imports pyfuse3 or trio, and never a
 errno: it raises ksfs.errors classes, which the FUSE layer translates in one place.
 
 Inodes: the identity key of a node (see dirs.py: lineage ids and checkpoint seqs, never bare
-names) maps to a number handed out by a counter, and numbers are never freed nor reused, so
-``forget`` has nothing to do. The table grows by one small entry per distinct object ever
-looked up; a checkpoint deleted and taken again under its old name gets a new inode, so no page
-the kernel cached for the old one is ever served for the new one.
+names) maps to a number handed out by a counter, and numbers are never reused; a checkpoint
+deleted and taken again under its old name gets a new inode, so no page the kernel cached for
+the old one is ever served for the new one. Nodes of ksfs's own tree (sessions, checkpoints,
+their files) stay in the table for the mount's life: one small entry each. A guest's files
+under ``fs/`` (``Node.forgettable``), of which a disk may hold millions, are counted as the
+kernel is told of them (lookup, readdir) and leave the table when it forgets them all; a later
+lookup makes the node again from the guest's inode, under the same number (drawn from its
+identity: see ``_new_ino``).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import os
 import threading
@@ -52,6 +57,7 @@ log = logging.getLogger(__name__)
 UNKNOWN = Attr(False, 0o444, 0, 0, 0.0, 0.0, 0.0)
 
 ROOT_INODE = 1
+GUEST_INO_BASE = 1 << 62  # guest files' numbers: above any the counter reaches
 READERS_KEPT = 4  # readers kept for re-opens; each holds up to 32 MiB of decompressed chunks
 
 # The refusals that are the user's bad input, worth an input.rejected event in the session.
@@ -174,6 +180,7 @@ class CheckpointTree:
         self._ino_of: dict[tuple, int] = {}
         self._nodes: dict[int, Node] = {}
         self._paths: dict[int, tuple[str, ...]] = {}
+        self._lookups: dict[int, int] = {}  # forgettable inode -> times the kernel was told
         self._next_ino = ROOT_INODE
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
@@ -182,22 +189,62 @@ class CheckpointTree:
 
     # --- inodes -------------------------------------------------------------------------------
 
-    def _intern(self, node: Node, path: tuple[str, ...]) -> int:
+    def _intern(self, node: Node, path: tuple[str, ...], counted: bool = False) -> int:
+        """The inode of ``node`` (a new number for a node not known yet). ``counted``: the
+        kernel is being told of it (a lookup's or readdir's reply): one more it must forget."""
         with self._lock:
-            ino = self._ino_of.get(node.key)
-            if ino is None:
-                ino = self._next_ino
-                self._next_ino += 1
-                self._ino_of[node.key] = ino
-                self._nodes[ino] = node
-                self._paths[ino] = path
-            else:
-                old = self._nodes[ino]
-                # Keep the node already known (it holds what was loaded for it), adding a record
-                # the newer one may carry.
-                if isinstance(old, CheckpointDir) and old.record is None:
-                    old.record = getattr(node, "record", None)
+            ino = self._intern_locked(node, path)
+            if counted and node.forgettable:
+                self._lookups[ino] = self._lookups.get(ino, 0) + 1
             return ino
+
+    def forget(self, ino: int, n: int) -> None:
+        """The kernel forgot ``n`` of the times it was told of ``ino`` (or a reply that would
+        have told it was not sent); a forgettable node it no longer knows leaves the table."""
+        with self._lock:
+            left = self._lookups.get(ino, 0) - n
+            if left > 0:
+                self._lookups[ino] = left
+                return
+            self._lookups.pop(ino, None)
+            node = self._nodes.get(ino)
+            if node is None or not node.forgettable:
+                return
+            del self._nodes[ino]
+            self._paths.pop(ino, None)
+            if self._ino_of.get(node.key) == ino:
+                del self._ino_of[node.key]
+
+    def _intern_locked(self, node: Node, path: tuple[str, ...]) -> int:
+        ino = self._ino_of.get(node.key)
+        if ino is None:
+            ino = self._new_ino(node)
+            self._ino_of[node.key] = ino
+            self._nodes[ino] = node
+            self._paths[ino] = path
+        else:
+            old = self._nodes[ino]
+            # Keep the node already known (it holds what was loaded for it), adding a record
+            # the newer one may carry.
+            if isinstance(old, CheckpointDir) and old.record is None:
+                old.record = getattr(node, "record", None)
+        return ino
+
+    def _new_ino(self, node: Node) -> int:
+        """A counter's next number; for a guest's file, a number drawn from its identity (the
+        checkpoint's lineage and seq and the guest's inode) in [2**62, 2**63), so it gets the
+        same number when it is looked up again after the kernel forgot it, and in the next
+        mount: incremental backups (tar --listed-incremental, rsync -H) see the same file. A
+        number taken (two identities hashing alike) gives way to the next free one."""
+        if not node.forgettable:
+            ino = self._next_ino
+            self._next_ino += 1
+            return ino
+        digest = hashlib.blake2b(repr(node.key).encode(), digest_size=8).digest()
+        ino = GUEST_INO_BASE | (int.from_bytes(digest, "big") & (GUEST_INO_BASE - 1))
+        while ino in self._nodes:
+            ino = GUEST_INO_BASE | ((ino + 1) & (GUEST_INO_BASE - 1))
+        return ino
 
     def node(self, ino: int) -> Node:
         try:
@@ -229,7 +276,7 @@ class CheckpointTree:
     def attr(self, ino: int) -> Attr:
         return self.node(ino).attr()
 
-    def lookup(self, parent: int, name: str) -> Entry:
+    def lookup(self, parent: int, name: str, counted: bool = False) -> Entry:
         if name == ".":
             return Entry(name, parent, self.attr(parent))
         if name == "..":
@@ -243,8 +290,9 @@ class CheckpointTree:
                 # Nothing the ledger keeps has such a name (a guest's own files may: fs/).
                 raise NoSuchFile(what="entry", name=repr(name)) from None
         node = pdir.lookup(name)
-        ino = self._intern(node, self._paths[parent] + (name,))
-        return Entry(name, ino, self._nodes[ino].attr())
+        ino = self._intern(node, self._paths[parent] + (name,), counted)
+        # the node already known holds what was loaded for it (a forgotten one: this one)
+        return Entry(name, ino, self._nodes.get(ino, node).attr())
 
     def _walk(self, path: tuple[str, ...], name: str) -> Entry:
         ino = ROOT_INODE
@@ -252,13 +300,14 @@ class CheckpointTree:
             ino = self.lookup(ino, part).ino
         return Entry(name, ino, self.attr(ino))
 
-    def listdir(self, ino: int, dots: bool = False) -> list[Entry]:
+    def listdir(self, ino: int, dots: bool = False, children: bool = True) -> list[Entry]:
         """A snapshot of a directory, in a stable order; offsets into it stay valid. With
-        ``dots``, ``.`` and ``..`` first, as ``ls -a`` and ``readdir(3)`` users expect."""
+        ``dots``, ``.`` and ``..`` first, as ``ls -a`` and ``readdir(3)`` users expect; without
+        ``children``, only those."""
         parent = self._dir(ino)
         base = self._paths[ino]
         out = [Entry(".", ino, parent.attr()), self.lookup(ino, "..")] if dots else []
-        for name, node in parent.children():
+        for name, node in parent.children() if children else ():
             child = self._intern(node, base + (name,))
             try:
                 attr = self._nodes[child].attr()
@@ -269,6 +318,24 @@ class CheckpointTree:
                 log.exception("cannot describe %s/%s while listing", self.path(ino), name)
                 attr = UNKNOWN
             out.append(Entry(name, child, attr))
+        return out
+
+    def lists_lazily(self, ino: int) -> bool:
+        return self._dir(ino).lists_lazily
+
+    def entries_from(self, ino: int, after: int, limit: int) -> list[tuple[Entry, int]]:
+        """Up to ``limit`` entries of the lazily listed directory ``ino`` past cookie ``after``,
+        each with its cookie, as read (a guest directory of millions shows its first names at
+        once). Each is counted as told to the kernel: give back with ``forget(ino, 1)`` those
+        not sent."""
+        d = self._dir(ino)
+        base = self._paths[ino]
+        out: list[tuple[Entry, int]] = []
+        for name, node, cookie in d.children_from(after):  # type: ignore[attr-defined]
+            child = self._intern(node, base + (name,), counted=True)
+            out.append((Entry(name, child, node.attr()), cookie))
+            if len(out) >= limit:
+                break
         return out
 
     # --- verbs --------------------------------------------------------------------------------

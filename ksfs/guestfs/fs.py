@@ -28,7 +28,7 @@ ROOT_INO = 2
 FT_DIR = 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per guest entry a mount was shown: kept small
 class GuestStat:
     ino: int
     mode: int
