@@ -181,7 +181,7 @@ import os, signal, sys
 from {module} import {cls} as patched
 method = patched.{method}
 def interrupted(self, *a, **k):
-    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the command works
+    os.kill(os.getpid(), signal.{sig})  # Ctrl-C (or a kill) while the command works
     return method(self, *a, **k)
 patched.{method} = interrupted
 from ksfs.cli import main
@@ -190,9 +190,9 @@ main(sys.argv[1:], prog_name="ksfs")
 
 
 def interrupted(store: Path, where: tuple[str, str, str],
-                *args: str) -> subprocess.CompletedProcess:
+                *args: str, sig: str = "SIGINT") -> subprocess.CompletedProcess:
     module, cls, method = where
-    code = INTERRUPT.format(module=module, cls=cls, method=method)
+    code = INTERRUPT.format(module=module, cls=cls, method=method, sig=sig)
     return subprocess.run([sys.executable, "-c", code, "--store", str(store), *args],
                           capture_output=True, timeout=120)
 
@@ -209,6 +209,20 @@ def test_ctrl_c_during_import_exits_130_and_records_the_failure(store: Path,
     assert events[-1]["type"] == "checkpoint.failed"
     assert {k: v for k, v in events[-1]["body"].items() if k != "begin_seq"} == \
         {"name": "c2", "reason": "interrupted"}
+    assert ksfs(store, "check").returncode == 0
+
+
+def test_sigterm_during_import_exits_143_and_records_the_failure(store: Path,
+                                                                  tmp_path: Path) -> None:
+    """QA (eleventh session): SIGTERM killed an import outright, leaving its checkpoint.begin
+    unanswered until a recover; it now ends as Ctrl-C does, and says so."""
+    res = interrupted(store, ("ksfs.cas.ingest", "Ingest", "add_file"),
+                      "import", "s", "c2", str(tmp_path / "memory"), sig="SIGTERM")
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr
+    assert res.stderr.decode() == "ksfs: error: terminated\n"
+    events = [json.loads(ln) for ln in ksfs(store, "events", "s", "--json").stdout.splitlines()]
+    assert events[-1]["type"] == "checkpoint.failed"
+    assert events[-1]["body"]["reason"] == "terminated"
     assert ksfs(store, "check").returncode == 0
 
 

@@ -244,6 +244,7 @@ class KsfsGroup(click.Group):
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
+        _terminate_like_interrupt()
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.NoArgsIsHelpError as exc:
@@ -277,6 +278,9 @@ class KsfsGroup(click.Group):
         except KsfsError as exc:
             click.echo(f"ksfs: error: {one_line(str(exc))}", err=True)
             sys.exit(exc.exit_code)
+        except Terminated:
+            click.echo("ksfs: error: terminated", err=True)
+            sys.exit(143)  # 128 + SIGTERM, as a shell reports it
         except KeyboardInterrupt:
             # raised as Abort here so click does not first print a blank line of its own
             raise click.Abort() from None
@@ -291,6 +295,24 @@ class KsfsGroup(click.Group):
             obj = ctx.find_object(Context)
             if obj is not None:
                 obj.close()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, as Ctrl-C's KeyboardInterrupt is: a verb ends
+    as it ends on Ctrl-C (an import's checkpoint marked failed, its session taken back), not
+    killed with its work half said."""
+
+
+def _terminate_like_interrupt() -> None:
+    """SIGTERM raises Terminated in the main thread, unless something chose otherwise (a
+    parent that ignores it for us, trio's own handler in the daemon and the gateway)."""
+    import signal
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, on_term)
 
 
 def _foreign(ctx: click.Context, exc: Exception) -> None:
@@ -329,7 +351,8 @@ def main(ctx: click.Context, store_path: str) -> None:
     Exit codes: 0 ok, 1 other error, 2 bad input, 3 not found, 4 already exists, 5 not a store,
     6 damaged data, 7 chunker unavailable, 8 busy, 9 no space, 10 virtual machine error,
     11 gateway/budget, 12 read-only or not permitted, 13 daemon error, 130 interrupted (Ctrl-C),
-    141 the reader of the output went away (as if killed by SIGPIPE).
+    141 the reader of the output went away (as if killed by SIGPIPE), 143 terminated (SIGTERM:
+    a verb ends as on Ctrl-C).
 
     \b
     Example:

@@ -332,8 +332,8 @@ class OfflineVerbs:
 
 
 def _reason(exc: BaseException) -> str:
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (cli.Terminated)
+        return "terminated" if type(exc).__name__ == "Terminated" else "interrupted"
     return str(exc) or type(exc).__name__
 
 
