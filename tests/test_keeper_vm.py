@@ -315,6 +315,9 @@ def test_a_fork_that_fails_is_rolled_back_and_says_so_in_the_parent(env, agent: 
     assert virsh("domstate", f"ksfs-{new}").returncode != 0
     assert not (store / "vm" / new).exists()
     assert sessions() == before and new not in before
+    from ksfs.keeper.locks import _lock_path
+
+    assert not _lock_path(store, new).exists()  # a name tried once leaves no lock file
     events = events_of(store, agent, e)
     created, failed = events[-2:]
     assert (created["type"], created["body"]["session"]) == ("fork.created", new)

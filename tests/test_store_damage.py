@@ -466,6 +466,9 @@ def test_a_failed_import_into_a_new_session_leaves_no_session(tmp_path: Path) ->
     assert json.loads(ksfs(store, "stats", "--json").stdout) == before
     listed = json.loads(ksfs(store, "session", "list", "--json").stdout)
     assert [r["session"] for r in listed] == ["seed"]
+    from ksfs.keeper.locks import _lock_path
+
+    assert not _lock_path(store, "odd").exists()  # nor its lock file (eleventh session)
     assert ksfs(store, "import", "odd", "x1", str(src)).returncode == 0  # the name is free
     res = subprocess.run(KSFS + ["--store", str(store), "import", "seed", "c1", str(src)],
                          capture_output=True, text=True, env=env, timeout=300)

@@ -203,6 +203,7 @@ class MachineVerbs:
             finally:
                 with self.store.env.begin(write=True) as txn:
                     self.ledger.remove_session(txn, name)
+                drop_session_lock(self.store_path, name)  # held by the caller: safe to drop
             raise
 
     def _guest_spec(self, guest, kernel, initrd, disk) -> dict[str, Any]:

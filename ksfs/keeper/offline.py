@@ -21,7 +21,7 @@ from ksfs.errors import (
     NoSuchSession,
     NotFound,
 )
-from ksfs.keeper.locks import session_lock
+from ksfs.keeper.locks import drop_session_lock, session_lock
 from ksfs.model import (
     CHECKPOINT_RESERVED_NAMES,
     CheckpointRecord,
@@ -120,6 +120,7 @@ class OfflineVerbs:
                 return
             with self.store.env.begin(write=True) as txn:
                 self.ledger.remove_session(txn, session)
+            drop_session_lock(self.store_path, session)  # the name leaves no file behind
         except KsfsError as exc:  # the import's own error is the one to report
             log.warning("could not remove session %s its failed import made: %s", session, exc)
             return

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ksfs.errors import KsfsError, NotFound
-from ksfs.keeper.locks import session_lock
+from ksfs.keeper.locks import drop_session_lock, session_lock
 from ksfs.keeper.machine import MEMORY_FILE
 
 OPENERS = {"checkpoint.begin": ("checkpoint.published", "checkpoint.failed"),
@@ -98,6 +98,8 @@ class Recovery:
             keep = bool(removing.body.get("keep_checkpoints"))
             release = removing.body.get("release")
             self._remove_locked(rec, keep, release)
+            if not keep:
+                drop_session_lock(self.store_path, rec.name)
             actions.append("removal begun at seq {} finished{}{}".format(
                 removing.seq, " (checkpoints kept)" if keep else "",
                 " (machine released)" if release is not None else ""))
@@ -163,6 +165,7 @@ class Recovery:
                 self.ledger.remove_session(txn, rec.name)
             self.checkpoint_changed(rec.name, None)
             self.vm.remove_files(rec.name)
+            drop_session_lock(self.store_path, rec.name)
             try:  # the parent's log has its fork.created: say it came to nothing
                 self.ledger.record(rec.parent.session, "fork.failed", {
                     "checkpoint": rec.parent.checkpoint, "session": rec.name,
