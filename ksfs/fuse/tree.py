@@ -277,11 +277,17 @@ class CheckpointTree:
         return self.node(ino).attr()
 
     def lookup(self, parent: int, name: str, counted: bool = False) -> Entry:
-        if name == ".":
-            return Entry(name, parent, self.attr(parent))
-        if name == "..":
-            ppath = self._paths.get(parent, ())[:-1]
-            return self._walk(ppath, name)
+        if name in (".", ".."):  # asked for by the kernel (export_support): counted as well
+            if name == ".":
+                entry = Entry(name, parent, self.attr(parent))
+            else:
+                entry = self._walk(self._paths.get(parent, ())[:-1], name)
+            if counted:
+                with self._lock:
+                    node = self._nodes.get(entry.ino)
+                    if node is not None and node.forgettable:
+                        self._lookups[entry.ino] = self._lookups.get(entry.ino, 0) + 1
+            return entry
         pdir = self._dir(parent)
         if pdir.names_checked:
             try:
