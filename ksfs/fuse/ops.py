@@ -37,6 +37,7 @@ META_THREADS = 4
 # Guest entries read per step of a lazy listing: about what one readdirplus reply holds (a
 # 4 KiB page), so little is read ahead and each step leaves the threads to other requests.
 LAZY_BATCH = 32
+LAZY_BATCH_MAX = 1024
 VERB_THREADS = 4
 
 
@@ -103,6 +104,7 @@ class _Lazy:
 
     def __init__(self, inode: int) -> None:
         self.inode = inode
+        self.step = LAZY_BATCH
         self._after = -1
         self._held: list[tuple[Entry, int]] = []
 
@@ -205,8 +207,12 @@ class Operations(pyfuse3.Operations):
                     return
         after = max(0, start_id - 2)
         while True:
-            batch = d.take(after) or await self._io(self.tree.entries_from, d.inode, after,
-                                                    LAZY_BATCH)
+            batch = d.take(after)
+            if not batch:
+                batch = await self._io(self.tree.entries_from, d.inode, after, d.step)
+                # the first names at once, then longer steps: a whole listing is not paid
+                # for in thread hops (what a step reads beyond one reply waits, held)
+                d.step = min(d.step * 2, LAZY_BATCH_MAX)
             if not batch:
                 return
             for i, (e, cookie) in enumerate(batch):
