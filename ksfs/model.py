@@ -58,17 +58,21 @@ _INVISIBLE = frozenset("\u200b\u200c\u200e\u200f\u202a\u202b\u202c\u202d\u202e"
                        "\u2060\u2066\u2067\u2068\u2069\ufeff")
 
 
-def _control(c: str) -> bool:
-    """C0 and C1 control characters (NEL, CSI ...), DEL, and the invisible formats above."""
+def _control(c: str, new: bool) -> bool:
+    """C0 control characters and DEL; for a new name also C1 controls (NEL, CSI ...) and the
+    invisible formats above."""
     o = ord(c)
-    return o < 0x20 or 0x7F <= o <= 0x9F or c in _INVISIBLE
+    return o < 0x20 or o == 0x7F or (new and (0x80 <= o <= 0x9F or c in _INVISIBLE))
 
 
-def validate_name(name: str, what: str = "name") -> str:
+def validate_name(name: str, what: str = "name", new: bool = False) -> str:
     """Return ``name`` if it can name a session, checkpoint or file; raise BadName otherwise.
 
     This is the one place names are checked, so no name a user writes can climb out of the
-    store or the mount.
+    store or the mount. ``new``: a name about to be given (a session, a checkpoint, a file
+    stored) must also not hide what it is (C1 controls, bidirectional overrides, zero-width
+    characters); a name only looked up need not, so the names a store made before that rule
+    (2026-12-03) stay readable and removable.
     """
     if not isinstance(name, str):
         raise BadName(name=name, why=f"{what} must be text")
@@ -80,7 +84,7 @@ def validate_name(name: str, what: str = "name") -> str:
         raise BadName(name=name, why=f"{what} cannot contain '/'")
     if "\0" in name:
         raise BadName(name=name, why=f"{what} cannot contain NUL")
-    if any(_control(c) for c in name):
+    if any(_control(c, new) for c in name):
         raise BadName(name=name, why=f"{what} cannot contain control characters")
     try:
         encoded = name.encode("utf-8")

@@ -406,3 +406,28 @@ def test_a_guest_directory_lists_as_read_and_is_forgotten_with_the_kernel(tmp_pa
         assert oino == again.ino
     finally:
         k.close()
+
+
+def test_a_checkpoints_fs_directory_is_never_forgotten(tmp_path: Path) -> None:
+    """Review (eleventh session): fs/ reaches the kernel through the checkpoint's snapshot
+    listing, which counts no lookups; forgotten after one counted lookup, the number the
+    snapshot still hands out named nothing."""
+    from ksfs.fuse.tree import ROOT_INODE, CheckpointTree
+
+    src = tmp_path / "src"
+    make_tree(src, 6)
+    img = tmp_path / "disk.raw"
+    build_ext4(src, img, 64)
+    k = Keeper(tmp_path / "store", create=True)
+    try:
+        k.import_files("s", "c", [img])
+        tree = CheckpointTree(k)
+        ino = ROOT_INODE
+        for p in ("sessions", "s", "checkpoints", "c"):
+            ino = tree.lookup(ino, p).ino
+        fs = tree.lookup(ino, "fs", counted=True).ino
+        listed = {e.name: e.ino for e in tree.listdir(ino)}
+        tree.forget(fs, 1)
+        assert listed["fs"] == fs and tree.lists_lazily(fs)
+    finally:
+        k.close()

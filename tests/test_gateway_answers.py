@@ -112,3 +112,28 @@ async def test_a_body_cut_short_by_a_hang_up_is_not_bought(store, ledger, provid
     assert provider.count() == 0 and events(ledger, "s1", "gateway.call") == []
     r = await call(port, chat_body("this body never arrives whole"))  # the server goes on
     assert r.status_code == 200 and provider.count() == 1
+
+
+async def test_edges_a_legitimate_provider_may_take(store, ledger, provider, nursery):
+    """Review (eleventh session): a placeholder key ("index", as "EMPTY" or "ollama") was
+    masked out of every answer holding that word, breaking its JSON; a 200 with
+    "error": false was refused as an error; another model answering was priced as the one
+    asked for."""
+    table = parse_prices('[models."gpt-4o-mini"]\ninput = 1000000\noutput = 1000000\n')
+    gw = Gateway(store, ledger, provider.url, table, api_key="index", timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    r = await call(port, chat_body("keep my index"))
+    assert r.json()["choices"][0]["index"] == 0  # the word survives: no secret to mask
+    provider.answer_model = "gpt-4o"  # not the model asked for, nor a vendor's name for it
+    await call(port, chat_body("another model answers"))
+    assert gw.usage("s1")["by_model"]["gpt-4o"]["priced"] is False
+
+
+def test_an_error_field_that_says_no_error_is_an_answer() -> None:
+    from ksfs.gateway.calls import not_an_answer
+
+    for body in (b'{"error": false, "id": 1}', b'{"error": 0}', b'{"error": []}',
+                 b'{"error": null}', b'{"error": {}}'):
+        assert not_an_answer(body, "application/json", "/v1/chat/completions") is None, body
+    assert not_an_answer(b'{"error": "overloaded"}', "application/json", "/v1/x") is not None
+    assert not_an_answer(b"[1, 2]", "application/json", "/v1/embeddings") is None

@@ -66,6 +66,7 @@ def test_release_after_a_restore_copies_out_and_the_machine_goes_on(
         assert virsh("domstate", dom).stdout.strip() == "running"
         assert sources(dom) == sources(dom, inactive=True) == {"vda": released}
         assert chain_of(released) == [released]  # self-contained, in the domain's own format
+        assert oct(Path(released).stat().st_mode & 0o777) == oct(own.stat().st_mode & 0o777)
         assert json.loads(subprocess.run(["qemu-img", "info", "-U", "--output=json", released],
                                          capture_output=True, text=True).stdout)["format"] == \
             "qcow2"
@@ -116,3 +117,37 @@ def test_release_of_a_shut_off_domain_commits_and_it_boots(
         # booted again from the committed disk: the transcript written before the release
         # (as of the checkpoint at least) is on it
         assert transcript_lines(store, name, later, e)[: len(at_cp)] == at_cp
+
+
+def test_a_release_cut_short_changes_nothing_or_is_finished_never_destroyed(
+        env, guest: Path, tmp_path: Path) -> None:
+    """Review (eleventh session): a release failing mid-copy left the block job mirroring
+    (every later save refused); one killed after the session's files went could never be
+    finished, and a plain `session rm` then destroyed the machine it had handed back."""
+    store, e = env["store"], env["env"]
+    spec = json.loads((guest / "guest.json").read_text())
+    dom, name = f"relc-{env['tag']}", f"relc-{env['tag']}"
+    own = tmp_path / "own.raw"
+    subprocess.run(["cp", "--sparse=always", spec["disk"], str(own)], check=True)
+    tmp_path.chmod(0o755)
+    xml = plain_domain_xml(dom, spec, [(own, "raw", "vda")])
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
+        cp = wait_transcript(store, name, e, 1)
+        run(store, "restore", name, cp, env=e)  # a copy, so a job runs for a while
+        failed = run(store, "session", "rm", name, "--release", check=False,
+                     env=dict(e, KSFS_FAIL_AT="vm.release.job"))
+        assert failed.returncode == 1 and "injected fault" in failed.stderr
+        assert not (tmp_path / "own.released.raw").exists()
+        assert str(store / "vm" / name) in sources(dom)["vda"]
+        assert name in run(store, "session", "list", env=e).stdout
+        save(store, name, e)  # no job left behind: the session saves as before
+        killed = run(store, "session", "rm", name, "--release", check=False,
+                     env=dict(e, KSFS_CRASH_AT="session.remove.files"))
+        assert killed.returncode == -signal.SIGKILL
+        released = str(tmp_path / "own.released.raw")
+        assert sources(dom) == {"vda": released}
+        # a plain rm now finishes the release it found begun; it destroys nothing
+        run(store, "session", "rm", name, env=e)
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        assert sources(dom) == sources(dom, inactive=True) == {"vda": released}
+        assert name not in run(store, "session", "list", "--all", env=e).stdout

@@ -113,8 +113,10 @@ def session_rm(ctx, name, keep_checkpoints, release, as_json) -> None:
 
     Example: ksfs session rm agent --keep-checkpoints
     """
+    # release only when asked: a daemon started before --release existed still serves rm
+    extra = {"release": True} if release else {}
     res = run_verb(ctx, "session_rm", steps=f"session rm {name}" if release else None,
-                   name=name, keep_checkpoints=keep_checkpoints, release=release)
+                   name=name, keep_checkpoints=keep_checkpoints, **extra)
     if as_json:
         emit_json(res)
         return

@@ -67,7 +67,7 @@ class SessionsDir(Dir):
             raise NoSuchFile(what="session", name=name) from None
 
     def mkdir(self, name: str) -> Node:
-        validate_name(name, "session name")
+        validate_name(name, "session name", new=True)
         if name in self.keeper.session_names():
             raise AlreadyExists(what="session", name=name)
         self.keeper.new_session(name)
@@ -135,7 +135,7 @@ class CheckpointsDir(Dir):
         return node
 
     def mkdir(self, name: str) -> Node:
-        validate_name(name, "checkpoint name")
+        validate_name(name, "checkpoint name", new=True)
         if name in self.keeper.ledger.checkpoint_names(self.session):
             raise AlreadyExists(what="checkpoint", name=name)
         rec = self.keeper.save(self.session, name)
@@ -233,7 +233,7 @@ class ForksDir(Dir):
         return out
 
     def mkdir(self, name: str) -> Node:
-        validate_name(name, "session name")
+        validate_name(name, "session name", new=True)
         if name in self.keeper.session_names():
             raise AlreadyExists(what="session", name=name)
         self.cp.load()

@@ -156,7 +156,11 @@ def fs_dir(cp: CheckpointDir) -> Node | None:
         return EmptyFsDir(cp)
     from ksfs.guestfs import ROOT_INO
 
-    return GuestDir(cp, fs.stat_ino(ROOT_INO))
+    root = GuestDir(cp, fs.stat_ino(ROOT_INO))
+    # one per checkpoint, and listed in the checkpoint's snapshot listing, which counts no
+    # lookups: kept for the mount's life like the rest of ksfs's own tree
+    root.forgettable = False
+    return root
 
 
 CHECKPOINT_EXTRA_DIRS["fs"] = fs_dir

@@ -206,10 +206,16 @@ class Operations(pyfuse3.Operations):
                                              self._entry(dots[i]), i + 1):
                     return
         after = max(0, start_id - 2)
+        sent = start_id < 2  # the dots went into this reply
         while True:
             batch = d.take(after)
             if not batch:
-                batch = await self._io(self.tree.entries_from, d.inode, after, d.step)
+                try:
+                    batch = await self._io(self.tree.entries_from, d.inode, after, d.step)
+                except Exception:
+                    if sent:  # a reply that raises is thrown away, entries and all: send
+                        return  # what it holds; the next call meets the error first
+                    raise
                 # the first names at once, then longer steps: a whole listing is not paid
                 # for in thread hops (what a step reads beyond one reply waits, held)
                 d.step = min(d.step * 2, LAZY_BATCH_MAX)
@@ -220,7 +226,7 @@ class Operations(pyfuse3.Operations):
                                              cookie + 2):
                     self._unsent(d, after, batch[i:])
                     return
-                after = cookie
+                after, sent = cookie, True
 
     def _unsent(self, d: _Lazy, after: int, rest: list[tuple[Entry, int]]) -> None:
         for e, _ in d.keep(after, rest):  # those it held before: never sent, given back

@@ -297,8 +297,13 @@ class CheckpointTree:
                 raise NoSuchFile(what="entry", name=repr(name)) from None
         node = pdir.lookup(name)
         ino = self._intern(node, self._paths[parent] + (name,), counted)
-        # the node already known holds what was loaded for it (a forgotten one: this one)
-        return Entry(name, ino, self._nodes.get(ino, node).attr())
+        try:
+            # the node already known holds what was loaded for it (a forgotten one: this one)
+            return Entry(name, ino, self._nodes.get(ino, node).attr())
+        except BaseException:
+            if counted:  # no reply: the kernel is not told of it
+                self.forget(ino, 1)
+            raise
 
     def _walk(self, path: tuple[str, ...], name: str) -> Entry:
         ino = ROOT_INODE
@@ -337,11 +342,16 @@ class CheckpointTree:
         d = self._dir(ino)
         base = self._paths[ino]
         out: list[tuple[Entry, int]] = []
-        for name, node, cookie in d.children_from(after):  # type: ignore[attr-defined]
-            child = self._intern(node, base + (name,), counted=True)
-            out.append((Entry(name, child, node.attr()), cookie))
-            if len(out) >= limit:
-                break
+        try:
+            for name, node, cookie in d.children_from(after):  # type: ignore[attr-defined]
+                child = self._intern(node, base + (name,), counted=True)
+                out.append((Entry(name, child, node.attr()), cookie))
+                if len(out) >= limit:
+                    break
+        except BaseException:
+            for e, _ in out:  # none of them reaches the kernel
+                self.forget(e.ino, 1)
+            raise
         return out
 
     # --- verbs --------------------------------------------------------------------------------

@@ -184,7 +184,8 @@ def not_an_answer(body: bytes, content_type: str, path: str) -> str | None:
     except (UnicodeDecodeError, ValueError, RecursionError):
         return "is not JSON"
     if isinstance(obj, dict):
-        return "carries an error object" if obj.get("error") not in (None, {}, "") else None
+        err = obj.get("error")
+        return "carries an error object" if isinstance(err, dict | str) and err else None
     return "is not a JSON object" if path == CHAT_PATH else None
 
 

@@ -66,6 +66,7 @@ log = logging.getLogger("ksfs.gateway")
 
 MAX_BODY = 16 * 1024 * 1024
 DEFAULT_TIMEOUT = 300.0
+SECRET_KEY_MIN = 20  # shorter API keys are placeholders, not secrets to mask
 DRAIN_POLL_S = 0.02
 API_KEY_ENV = ("KSFS_UPSTREAM_API_KEY", "OPENAI_API_KEY")
 
@@ -453,9 +454,12 @@ class Gateway:
                             view.session, got.status, why)
                 return None, _passed_back(got), learned
             visible = HiddenUsage.apply(got.body) if hidden else got.body
-            if self._api_key and self._api_key.encode() in visible:
+            key_bytes = (self._api_key or "").encode()
+            if len(key_bytes) >= SECRET_KEY_MIN and key_bytes in visible:
                 # a provider that echoes the request back: the operator's key is not kept
-                visible = visible.replace(self._api_key.encode(), b"***")
+                # (a local server's placeholder, "EMPTY" or "ollama", is no secret, and may be
+                # a word of the answer)
+                visible = visible.replace(key_bytes, b"***")
             resp = StoredResponse(
                 lineage=view.lineage, session=view.session, key=key.hex(), seq=-1,
                 status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=visible,
@@ -474,12 +478,13 @@ class Gateway:
         return stored, None, learned
 
     def _cost(self, usage: Any, request_model: str | None) -> tuple[float, bool]:
-        """(USD, priced) of a call's usage. A router answers with its own name for the model
-        ("openai/gpt-4o-mini" for "gpt-4o-mini"): then the price of the model asked for, which
-        the budget's check before the purchase used, rather than none."""
+        """(USD, priced) of a call's usage. A router answers with the vendor's prefix on the
+        model's name ("openai/gpt-4o-mini" for "gpt-4o-mini"): then the price of the model asked
+        for, which the budget's check before the purchase used, rather than none. Another
+        model answering stays unpriced (and is shown so)."""
         cost, priced = self.prices.cost(usage.model, usage.prompt_tokens,
                                         usage.completion_tokens)
-        if not priced and request_model and request_model != usage.model:
+        if not priced and request_model and (usage.model or "").endswith("/" + request_model):
             cost, priced = self.prices.cost(request_model, usage.prompt_tokens,
                                             usage.completion_tokens)
         return cost, priced

@@ -146,8 +146,18 @@ class GatewayStore:
 
     def _open_dbs(self, create: bool) -> None:
         try:
+            if create:
+                self._resp, self._usage, self._budgets = (
+                    self.env.open_db(name, create=True) for name in DBS)
+                return
+            # Looked for in a read transaction first (the main database names every named
+            # one): py-lmdb's open_db takes the store's write lock even to find nothing, and
+            # this runs on the gateway's loop at every call until the first write.
+            with self.env.begin() as txn:
+                if any(txn.get(name) is None for name in DBS):
+                    return
             self._resp, self._usage, self._budgets = (
-                self.env.open_db(name, create=create) for name in DBS)
+                self.env.open_db(name, create=False) for name in DBS)
         except lmdb.NotFoundError:
             if create:
                 raise KsfsError(f"cannot make the gateway's databases in {self.path}") from None

@@ -153,7 +153,7 @@ class RestoreVerbs:
         """A new session running from ``checkpoint`` in its own domain; the parent runs on."""
         validate_name(session, "session name")
         validate_name(checkpoint, "checkpoint name")
-        validate_name(new, "session name")
+        validate_name(new, "session name", new=True)
         self._refuse_taken_session(new)
         # what cannot be forked is said before any lock file is made (bad input changes nothing)
         self._xml_disks(self.ledger.checkpoint(session, checkpoint))

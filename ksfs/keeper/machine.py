@@ -143,7 +143,7 @@ class MachineVerbs:
         cmdline: str | None = None,
     ) -> SessionRecord:
         """Define and start domain ``ksfs-NAME`` from a guest directory or kernel/initrd/disk."""
-        validate_name(name, "session name")
+        validate_name(name, "session name", new=True)
         self._refuse_taken_session(name)  # before the guest is looked for: the likelier slip
         spec = self._guest_spec(guest, kernel, initrd, disk)
         memory = int(memory or spec.get("memory_mib") or 256)
@@ -245,7 +245,7 @@ class MachineVerbs:
 
     def adopt_session(self, name: str, domain: str) -> SessionRecord:
         """Take an existing libvirt domain (file-backed raw or qcow2 disks) under ksfs."""
-        validate_name(name, "session name")
+        validate_name(name, "session name", new=True)
         with session_lock(self.store_path, name):
             if not self.vm.exists(domain):
                 raise NotFound(f"no libvirt domain named {domain!r}")
@@ -279,13 +279,20 @@ class MachineVerbs:
             raise BadInput(f"session {name} has no machine to release")
         with session_lock(self.store_path, name):
             plan = None
-            if release:
+            begun = self._removal_begun(name) if rec.domain and rec.removed is None else None
+            if begun is not None and begun.body.get("release") is not None:
+                # A release killed part way (recover not run yet): carried out as it was
+                # planned, whatever this call asked; destroying would take back the machine
+                # it may already have handed back.
+                plan, keep_checkpoints = begun.body["release"], bool(
+                    begun.body.get("keep_checkpoints"))
+            elif release:
                 if not self._adopted(name):
                     raise BadInput(f"--release hands back a domain the session adopted; the "
                                    f"machine of {name} was made by ksfs (plain `session rm` "
                                    f"removes it)")
                 plan = self.vm.release_plan(name, rec.domain)  # refused: nothing changed yet
-            intent = rec.domain is not None and rec.removed is None
+            intent = rec.domain is not None and rec.removed is None and begun is None
             if intent:
                 # Said first: a removal killed after the machine went is finished by recover,
                 # which would otherwise boot the machine again (or, for a release, finishes it).
@@ -293,12 +300,17 @@ class MachineVerbs:
                 if plan is not None:
                     body["release"] = plan
                 self.ledger.record(name, "session.removing", body)
+            steps: dict[str, bool] = {}
             try:
-                released = self._remove_locked(rec, keep_checkpoints, plan)
+                released = self._remove_locked(rec, keep_checkpoints, plan, steps)
             except BaseException as exc:
-                if intent:  # failed and said so: the session stays the user's
+                # Failed before the machine went (or was handed back): said so, and the
+                # session stays the user's. After it (Ctrl-C, a full disk): the removal stays
+                # open, and recover (or the next session rm) finishes it.
+                if (intent or begun is not None) and not steps.get("machine_gone"):
                     with contextlib.suppress(KsfsError):
-                        self.ledger.record(name, "session.remove_failed", {"reason": str(exc)})
+                        self.ledger.record(name, "session.remove_failed",
+                                           {"reason": str(exc) or type(exc).__name__})
                 raise
             if not keep_checkpoints:  # last, still holding it: the name is free now
                 drop_session_lock(self.store_path, name)
@@ -309,7 +321,8 @@ class MachineVerbs:
         return out
 
     def _remove_locked(self, rec: SessionRecord, keep_checkpoints: bool,
-                       release: dict[str, Any] | None = None) -> dict[str, str]:
+                       release: dict[str, Any] | None = None,
+                       steps: dict[str, bool] | None = None) -> dict[str, str]:
         released: dict[str, str] = {}
         if rec.domain and rec.removed is None:
             if release is not None:
@@ -317,11 +330,14 @@ class MachineVerbs:
                 released = self.vm.release(rec.name, rec.domain, release)
             else:
                 self.vm.destroy_and_undefine(rec.domain)
+            if steps is not None:
+                steps["machine_gone"] = True
             crash_point("session.remove")
         if rec.domain:
             # Kept checkpoints keep the kernel and initrd their forks boot from; a later
             # removal without --keep-checkpoints takes those too.
             self.vm.remove_files(rec.name, keep_boot=keep_checkpoints)
+            crash_point("session.remove.files")
         with self.store.env.begin(write=True) as txn:
             self.ledger.remove_session(txn, rec.name, keep_checkpoints=keep_checkpoints)
         self.checkpoint_changed(rec.name, None)
@@ -364,7 +380,7 @@ class MachineVerbs:
         """An atomic checkpoint of the running machine; see docs/architecture.md."""
         validate_name(session, "session name")
         if name is not None:
-            validate_name(name, "checkpoint name")
+            validate_name(name, "checkpoint name", new=True)
         rec = self._machine(session)
         with session_lock(self.store_path, session):
             # A restore killed after libvirt took its files (no daemon ran recover since):

@@ -58,24 +58,29 @@ def import_paths(session: str, checkpoint: str | None, files: Iterable[str | os.
     """The files an import would store, in order, and which of them are disks: every
     argument checked (BadInput, BadName, NoSuchFile) without touching a store, so the command
     line checks them before it opens, and maybe makes, one."""
-    validate_name(session, "session name")
+    validate_name(session, "session name")  # new=True where the import makes the session
     if checkpoint is not None:
-        validate_name(checkpoint, "checkpoint name")
+        validate_name(checkpoint, "checkpoint name", new=True)
     files, disks = list(files), list(disks)
     for f in files + disks:
         if os.fspath(f).endswith("/"):  # pathlib would drop the slash and take the file
             raise BadInput(f"{os.fspath(f)!r} ends in '/', which names a directory: only "
                            "regular files are imported")
+    # A file named twice, as files or as --disk alike, is bad input (which would it be?);
+    # named as a file and as a --disk, it is that file, stored as a disk.
+    for group in (files, disks):
+        seen: dict[Path, str] = {}
+        for f in group:
+            if Path(f) in seen:
+                raise BadInput(f"{seen[Path(f)]} and {os.fspath(f)} name one file: give it once")
+            seen[Path(f)] = os.fspath(f)
     disk_set = {Path(d) for d in disks}
-    # One file named twice (`a ./a`, or as a file and a --disk) is imported once, as a disk
-    # when it is named as one.
-    paths = list(dict.fromkeys(Path(f) for f in files))
-    paths += sorted(disk_set - set(paths))
+    paths = [Path(f) for f in files] + sorted(disk_set - {Path(f) for f in files})
     if not paths:
         raise BadInput("nothing to import: name at least one file")
     names = [p.name for p in paths]
     for p in paths:
-        validate_name(p.name, "file name")
+        validate_name(p.name, "file name", new=True)
         if p.name in CHECKPOINT_RESERVED_NAMES:
             raise BadName(name=p.name, why="a checkpoint directory shows its own entry by "
                           f"that name (reserved: {', '.join(CHECKPOINT_RESERVED_NAMES)})")
@@ -104,6 +109,7 @@ class OfflineVerbs:
         try:
             self.ledger.session(session)
         except NoSuchSession:
+            validate_name(session, "session name", new=True)
             with self.store.env.begin(write=True) as txn:
                 try:
                     self.ledger.create_session(txn, session)

@@ -36,7 +36,7 @@ class CheckpointMethods:
         Refuses a duplicate name, a seq that is not a ``checkpoint.begin``/``published`` event of
         the session, and files whose manifests the store does not hold inside ``txn``.
         """
-        validate_name(record.name, "checkpoint name")
+        validate_name(record.name, "checkpoint name", new=True)
         with lmdb_errors(self.path):
             rec = self._live(txn, record.session)
             lin = K.lineage_bytes(rec.lineage)
@@ -52,7 +52,7 @@ class CheckpointMethods:
             if len(set(names)) != len(names):
                 raise BadInput(f"checkpoint {record.name!r} lists a file twice")
             for f in record.files:
-                validate_name(f.name, "checkpoint file name")
+                validate_name(f.name, "checkpoint file name", new=True)
                 if not self.has_manifest(txn, f.manifest):
                     raise ManifestCorrupt(manifest=f.manifest, why="not in the store")
             txn.put(K.ckpt_name_key(lin, record.name), K.dumps(checkpoint_dict(record)),

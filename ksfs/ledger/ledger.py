@@ -121,7 +121,8 @@ class Ledger(CheckpointMethods):
 
     def _need(self, txn: lmdb.Transaction, name: str) -> SessionRecord:
         """The session; BadName for a name no session can have (every verb says it alike),
-        NoSuchSession for one no session has."""
+        NoSuchSession for one no session has. (The rules of a name looked up: one a store made
+        before the rules of new names grew is still found.)"""
         validate_name(name, "session name")
         rec = self._session_rec(txn, name)
         if rec is None:
@@ -159,7 +160,7 @@ class Ledger(CheckpointMethods):
         fork (``parent`` given) ``lineage.forked``, and then ``fork.created`` is appended to the
         parent's log in the same transaction. The parent's checkpoint must exist.
         """
-        validate_name(name, "session name")
+        validate_name(name, "session name", new=True)
         with lmdb_errors(self.path):
             if self._session_rec(txn, name) is not None:
                 raise AlreadyExists(what="session", name=name)

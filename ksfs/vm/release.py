@@ -22,12 +22,15 @@ release's own and is finished, a copy's destination not yet in the chain is its 
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import libvirt
 
+from ksfs.crashpoints import crash_point
 from ksfs.errors import VMError
 from ksfs.vm import domxml
 from ksfs.vm.chain import chain_files, qemu_img
@@ -100,16 +103,21 @@ def release(ctl: DomainController, session: str, domain: str,
     """Carry out ``plan``'s ``disks``; returns target -> the file each disk now runs on. A
     domain that is gone is left gone (nothing to hand back)."""
     from ksfs.vm.checkpoint import settle_commits
+    from ksfs.vm.state import load_state
 
     if not ctl.exists(domain):
         return {}
+    sdir = ctl.session_dir(session)
+    if load_state(ctl._state_path(session)) is None:
+        # The session's files are gone: a release killed after it handed the machine back
+        # and removed them. Nothing is left to do but to check it.
+        _check_released(ctl, domain, sdir)
+        return ctl.disk_files(domain)
     settle_commits(ctl, session, domain)  # a killed save's commit job ends first
     dom = ctl.lookup(domain)
-    sdir = ctl.session_dir(session)
     with step(domain, "reading its state"):
         active = dom.isActive()
     tops = {d.target: d.source for d in domxml.disks(ctl.xml(domain))}
-    done: dict[str, str] = {}
     for target, how in disks.items():
         if target not in tops:
             raise VMError(f"domain {domain} has no disk {target} any more")
@@ -121,9 +129,11 @@ def release(ctl: DomainController, session: str, domain: str,
                 _live(dom, domain, target, how, tops[target])
             else:
                 _offline(ctl, domain, target, how, tops[target])
-        done[target] = how["dest"]
+    # What each disk runs on now (a killed release's job may have ended on its own file).
+    done = {t: f for t, f in ctl.disk_files(domain).items() if t in disks}
+    _like_the_users(ctl.load_state(session), disks, done)
     if active:
-        _define_released(ctl, domain, disks)
+        _define_released(ctl, domain, done)
     _check_released(ctl, domain, sdir)
     return done
 
@@ -143,7 +153,39 @@ def _live(dom: libvirt.virDomain, domain: str, target: str, how: dict[str, Any],
             # TRANSIENT_JOB: libvirt refuses a copy of a persistent domain's disk without it;
             # the pivot still updates the persistent definition.
             dom.blockCopy(target, disk, None, libvirt.VIR_DOMAIN_BLOCK_COPY_TRANSIENT_JOB)
-    _finish_job(dom, domain, target)
+    try:
+        crash_point("vm.release.job")
+        _finish_job(dom, domain, target)
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM) or failed before the pivot: the job is taken back,
+        # not left mirroring (it would refuse every later save), and a copy's half-written
+        # file goes; the disk stays on the session's chain, which still holds everything.
+        with contextlib.suppress(libvirt.libvirtError):
+            if dom.blockJobInfo(target, 0):
+                dom.blockJobAbort(target, 0)
+        if how["how"] == "copy":
+            with contextlib.suppress(libvirt.libvirtError, VMError, OSError):
+                if str(dest) not in _chain(_top_of(dom, target)):  # not pivoted to
+                    Path(dest).unlink(missing_ok=True)
+        raise
+
+
+def _like_the_users(state: Any, disks: dict[str, dict[str, Any]], done: dict[str, str]) -> None:
+    """A copy takes the mode and owner of the disk the domain had when adopted (ksfs makes
+    its files 0600, root's): it is the user's file from now on."""
+    for target, how in disks.items():
+        origin = state.origins.get(target)
+        if how["how"] != "copy" or origin is None or done.get(target) != how["dest"]:
+            continue
+        with contextlib.suppress(OSError):
+            st = os.stat(origin[0])
+            os.chmod(how["dest"], stat.S_IMODE(st.st_mode))
+            if os.geteuid() == 0:
+                os.chown(how["dest"], st.st_uid, st.st_gid)
+
+
+def _top_of(dom: libvirt.virDomain, target: str) -> str:
+    return next(d.source for d in domxml.disks(dom.XMLDesc(0)) if d.target == target)
 
 
 def _finish_job(dom: libvirt.virDomain, domain: str, target: str) -> None:
@@ -184,13 +226,13 @@ def _offline(ctl: DomainController, domain: str, target: str, how: dict[str, Any
         ctl.conn.defineXML(xml)
 
 
-def _define_released(ctl: DomainController, domain: str,
-                     disks: dict[str, dict[str, Any]]) -> None:
+def _define_released(ctl: DomainController, domain: str, done: dict[str, str]) -> None:
     """A pivot updates the persistent definition too (libvirt 9); where it did not, define
-    the released files, so that the next start does not look for the session's."""
+    the files the disks run on, so that the next start does not look for the session's."""
     inactive = ctl.xml(domain, inactive=True)
     defined = {d.target: d.source for d in domxml.disks(inactive)}
-    stale = {t: (h["dest"], h["fmt"]) for t, h in disks.items() if defined.get(t) != h["dest"]}
+    fmts = {d.target: d.fmt for d in domxml.disks(ctl.xml(domain))}
+    stale = {t: (f, fmts[t]) for t, f in done.items() if defined.get(t) != f}
     if stale:
         with step(domain, "defining it on its released disks"):
             ctl.conn.defineXML(domxml.set_disk_sources(inactive, stale))
@@ -201,6 +243,9 @@ def _check_released(ctl: DomainController, domain: str, sdir: Path) -> None:
     directory any more: the caller deletes that directory next."""
     for xml in {ctl.xml(domain), ctl.xml(domain, inactive=True)}:
         for disk in domxml.disks(xml):
+            if not Path(disk.source).exists():
+                raise VMError(f"disk {disk.target} of domain {domain} names {disk.source}, "
+                              "which does not exist, after its release")
             for f in _chain_or_source(disk.source):
                 if _inside(f, sdir):
                     raise VMError(f"disk {disk.target} of domain {domain} still uses {f} after "
