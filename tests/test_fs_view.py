@@ -5,6 +5,7 @@ plus an event while the rest of the checkpoint still reads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -354,6 +355,23 @@ def test_walking_every_checkpoints_fs_keeps_few_guest_filesystems_open(tmp_path:
         k.close()
 
 
+@contextlib.contextmanager
+def one_checkpoint_tree(tmp_path: Path, seed: int):
+    """(keeper, CheckpointTree) of a store holding one checkpoint s/c of make_tree's disk."""
+    from ksfs.fuse.tree import CheckpointTree
+
+    src = tmp_path / "src"
+    make_tree(src, seed)
+    img = tmp_path / "disk.raw"
+    build_ext4(src, img, 64)
+    k = Keeper(tmp_path / "store", create=True)
+    try:
+        k.import_files("s", "c", [img])
+        yield k, CheckpointTree(k)
+    finally:
+        k.close()
+
+
 def test_a_guest_directory_lists_as_read_and_is_forgotten_with_the_kernel(tmp_path: Path
                                                                           ) -> None:
     """QA (eleventh session): a 150,000-entry guest directory took 28 s to its first name
@@ -363,14 +381,7 @@ def test_a_guest_directory_lists_as_read_and_is_forgotten_with_the_kernel(tmp_pa
     leave the table when the kernel forgets them."""
     from ksfs.fuse.tree import ROOT_INODE, CheckpointTree
 
-    src = tmp_path / "src"
-    make_tree(src, 5)
-    img = tmp_path / "disk.raw"
-    build_ext4(src, img, 64)
-    k = Keeper(tmp_path / "store", create=True)
-    try:
-        k.import_files("s", "c", [img])
-        tree = CheckpointTree(k)
+    with one_checkpoint_tree(tmp_path, 5) as (k, tree):
         ino = ROOT_INODE
         for p in ("sessions", "s", "checkpoints", "c", "fs", "work", "many"):
             ino = tree.lookup(ino, p).ino
@@ -404,24 +415,15 @@ def test_a_guest_directory_lists_as_read_and_is_forgotten_with_the_kernel(tmp_pa
         for p in ("sessions", "s", "checkpoints", "c", "fs", "work", "many", "file-0042"):
             oino = other.lookup(oino, p).ino
         assert oino == again.ino
-    finally:
-        k.close()
 
 
 def test_a_checkpoints_fs_directory_is_never_forgotten(tmp_path: Path) -> None:
     """Review (eleventh session): fs/ reaches the kernel through the checkpoint's snapshot
     listing, which counts no lookups; forgotten after one counted lookup, the number the
     snapshot still hands out named nothing."""
-    from ksfs.fuse.tree import ROOT_INODE, CheckpointTree
+    from ksfs.fuse.tree import ROOT_INODE
 
-    src = tmp_path / "src"
-    make_tree(src, 6)
-    img = tmp_path / "disk.raw"
-    build_ext4(src, img, 64)
-    k = Keeper(tmp_path / "store", create=True)
-    try:
-        k.import_files("s", "c", [img])
-        tree = CheckpointTree(k)
+    with one_checkpoint_tree(tmp_path, 6) as (_k, tree):
         ino = ROOT_INODE
         for p in ("sessions", "s", "checkpoints", "c"):
             ino = tree.lookup(ino, p).ino
@@ -429,5 +431,3 @@ def test_a_checkpoints_fs_directory_is_never_forgotten(tmp_path: Path) -> None:
         listed = {e.name: e.ino for e in tree.listdir(ino)}
         tree.forget(fs, 1)
         assert listed["fs"] == fs and tree.lists_lazily(fs)
-    finally:
-        k.close()

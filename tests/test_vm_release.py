@@ -42,6 +42,16 @@ def chain_of(path: str) -> list[str]:
     return [i["filename"] for i in info]
 
 
+def raw_domain(env: dict, guest: Path, tmp_path: Path, prefix: str) -> tuple[str, Path, str]:
+    """(domain name, its raw disk, its XML): a user's domain on a copy of the guest's disk."""
+    spec = json.loads((guest / "guest.json").read_text())
+    own = tmp_path / "own.raw"
+    subprocess.run(["cp", "--sparse=always", spec["disk"], str(own)], check=True)
+    tmp_path.chmod(0o755)
+    dom = f"{prefix}-{env['tag']}"
+    return dom, own, plain_domain_xml(dom, spec, [(own, "raw", "vda")])
+
+
 def test_release_after_a_restore_copies_out_and_the_machine_goes_on(
         env, guest: Path, tmp_path: Path) -> None:
     store, e = env["store"], env["env"]
@@ -96,12 +106,8 @@ def test_release_after_a_restore_copies_out_and_the_machine_goes_on(
 def test_release_of_a_shut_off_domain_commits_and_it_boots(
         env, guest: Path, tmp_path: Path) -> None:
     store, e = env["store"], env["env"]
-    spec = json.loads((guest / "guest.json").read_text())
-    dom, name = f"relo-{env['tag']}", f"relo-{env['tag']}"
-    own = tmp_path / "own.raw"
-    subprocess.run(["cp", "--sparse=always", spec["disk"], str(own)], check=True)
-    tmp_path.chmod(0o755)
-    xml = plain_domain_xml(dom, spec, [(own, "raw", "vda")])
+    dom, own, xml = raw_domain(env, guest, tmp_path, "relo")
+    name = dom
     with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
         cp = wait_transcript(store, name, e, 2)
         at_cp = transcript_lines(store, name, cp, e)
@@ -125,12 +131,8 @@ def test_a_release_cut_short_changes_nothing_or_is_finished_never_destroyed(
     (every later save refused); one killed after the session's files went could never be
     finished, and a plain `session rm` then destroyed the machine it had handed back."""
     store, e = env["store"], env["env"]
-    spec = json.loads((guest / "guest.json").read_text())
-    dom, name = f"relc-{env['tag']}", f"relc-{env['tag']}"
-    own = tmp_path / "own.raw"
-    subprocess.run(["cp", "--sparse=always", spec["disk"], str(own)], check=True)
-    tmp_path.chmod(0o755)
-    xml = plain_domain_xml(dom, spec, [(own, "raw", "vda")])
+    dom, own, xml = raw_domain(env, guest, tmp_path, "relc")
+    name = dom
     with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
         cp = wait_transcript(store, name, e, 1)
         run(store, "restore", name, cp, env=e)  # a copy, so a job runs for a while
