@@ -143,12 +143,23 @@ def test_a_release_cut_short_changes_nothing_or_is_finished_never_destroyed(
         assert str(store / "vm" / name) in sources(dom)["vda"]
         assert name in run(store, "session", "list", env=e).stdout
         save(store, name, e)  # no job left behind: the session saves as before
+        # killed with its copy running: recover pivots to it and finishes the release
+        killed = run(store, "session", "rm", name, "--release", check=False,
+                     env=dict(e, KSFS_CRASH_AT="vm.release.job"))
+        assert killed.returncode == -signal.SIGKILL
+        run(store, "recover", env=e)
+        released = str(tmp_path / "own.released.raw")
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        assert sources(dom) == sources(dom, inactive=True) == {"vda": released}
+        assert name not in run(store, "session", "list", "--all", env=e).stdout
+        # adopted again; killed once its files are gone: a plain rm finishes the release it
+        # finds begun, and destroys nothing
+        run(store, "session", "adopt", name, dom, env=e)
+        save(store, name, e)
         killed = run(store, "session", "rm", name, "--release", check=False,
                      env=dict(e, KSFS_CRASH_AT="session.remove.files"))
         assert killed.returncode == -signal.SIGKILL
-        released = str(tmp_path / "own.released.raw")
         assert sources(dom) == {"vda": released}
-        # a plain rm now finishes the release it found begun; it destroys nothing
         run(store, "session", "rm", name, env=e)
         assert virsh("domstate", dom).stdout.strip() == "running"
         assert sources(dom) == sources(dom, inactive=True) == {"vda": released}

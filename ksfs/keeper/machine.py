@@ -304,10 +304,12 @@ class MachineVerbs:
             try:
                 released = self._remove_locked(rec, keep_checkpoints, plan, steps)
             except BaseException as exc:
-                # Failed before the machine went (or was handed back): said so, and the
-                # session stays the user's. After it (Ctrl-C, a full disk): the removal stays
-                # open, and recover (or the next session rm) finishes it.
-                if (intent or begun is not None) and not steps.get("machine_gone"):
+                # Failed and said so: the session stays the user's (a machine destroyed on the
+                # way is brought back by recover from its last checkpoint). Except once a
+                # release handed the machine back: its disks are the user's files now, so
+                # the removal stays open and recover (or the next session rm) finishes it.
+                handed_back = plan is not None and steps.get("machine_gone")
+                if (intent or begun is not None) and not handed_back:
                     with contextlib.suppress(KsfsError):
                         self.ledger.record(name, "session.remove_failed",
                                            {"reason": str(exc) or type(exc).__name__})
@@ -331,7 +333,7 @@ class MachineVerbs:
             else:
                 self.vm.destroy_and_undefine(rec.domain)
             if steps is not None:
-                steps["machine_gone"] = True
+                steps["machine_gone"] = True  # destroyed, or handed back
             crash_point("session.remove")
         if rec.domain:
             # Kept checkpoints keep the kernel and initrd their forks boot from; a later
