@@ -57,10 +57,14 @@ def test_release_after_a_restore_copies_out_and_the_machine_goes_on(
     store, e = env["store"], env["env"]
     spec = json.loads((guest / "guest.json").read_text())
     dom, name, again = (f"rel-{env['tag']}", f"rel-{env['tag']}", f"rel2-{env['tag']}")
-    own = tmp_path / "own.qcow2"
+    home = tmp_path / "o'b"  # QA: a quote in the user's path broke the copy's disk XML
+    home.mkdir()
+    own = home / "own.qcow2"
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", spec["disk"], str(own)], check=True)
     tmp_path.chmod(0o755)
-    xml = plain_domain_xml(dom, spec, [(own, "qcow2", "vda")])
+    home.chmod(0o755)
+    xml = plain_domain_xml(dom, spec, [(own, "qcow2", "vda")]).replace(
+        f"file='{own}'", f'file="{own}"')
     with adopted(env, tmp_path / "dom.xml", xml, dom, name, again):
         c1 = wait_transcript(store, name, e, 2)
         at_c1 = transcript_lines(store, name, c1, e)
@@ -71,7 +75,7 @@ def test_release_after_a_restore_copies_out_and_the_machine_goes_on(
         assert len(list((store / "vm" / name).glob("*-base-*.raw"))) == 1
         assert str(store / "vm" / name) in sources(dom)["vda"]
         res = json.loads(run(store, "session", "rm", name, "--release", "--json", env=e).stdout)
-        released = str(tmp_path / "own.released.qcow2")
+        released = str(home / "own.released.qcow2")
         assert res["released"] == {"domain": dom, "disks": {"vda": released}}
         assert virsh("domstate", dom).stdout.strip() == "running"
         assert sources(dom) == sources(dom, inactive=True) == {"vda": released}
@@ -123,6 +127,12 @@ def test_release_of_a_shut_off_domain_commits_and_it_boots(
         # booted again from the committed disk: the transcript written before the release
         # (as of the checkpoint at least) is on it
         assert transcript_lines(store, name, later, e)[: len(at_cp)] == at_cp
+        # the user undefined it meanwhile: nothing to hand back, said as bad input
+        virsh("destroy", dom, check=True)
+        virsh("undefine", dom, check=True)
+        gone = run(store, "session", "rm", name, "--release", check=False, env=e)
+        assert gone.returncode == 2 and "is gone" in gone.stderr, gone.stderr
+        assert name in run(store, "session", "list", env=e).stdout
 
 
 def test_a_release_cut_short_changes_nothing_or_is_finished_never_destroyed(
@@ -164,3 +174,16 @@ def test_a_release_cut_short_changes_nothing_or_is_finished_never_destroyed(
         assert virsh("domstate", dom).stdout.strip() == "running"
         assert sources(dom) == sources(dom, inactive=True) == {"vda": released}
         assert name not in run(store, "session", "list", "--all", env=e).stdout
+
+
+def test_a_released_copy_adopted_again_gets_the_next_number(tmp_path: Path) -> None:
+    from ksfs.vm.release import _released_name
+
+    disk = tmp_path / "disk.qcow2"
+    assert _released_name(disk) == tmp_path / "disk.released.qcow2"
+    (tmp_path / "disk.released.qcow2").touch()
+    assert _released_name(tmp_path / "disk.released.qcow2") == \
+        tmp_path / "disk.released-2.qcow2"
+    (tmp_path / "disk.released-2.qcow2").touch()
+    assert _released_name(tmp_path / "disk.released-2.qcow2") == \
+        tmp_path / "disk.released-3.qcow2"

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from xml.sax.saxutils import quoteattr
 
 import libvirt
 
 from ksfs.crashpoints import crash_point
-from ksfs.errors import VMError
+from ksfs.errors import BadInput, VMError
 from ksfs.vm import domxml
 from ksfs.vm.chain import chain_files, qemu_img
 from ksfs.vm.steps import step
@@ -52,8 +54,9 @@ def _chain(top: str) -> list[str]:
 
 
 def _released_name(origin: Path) -> Path:
-    """``disk.qcow2`` -> ``disk.released.qcow2`` (``-2``, ``-3``, ... when taken)."""
-    stem, suffix = origin.stem, origin.suffix
+    """``disk.qcow2`` -> ``disk.released.qcow2`` (``-2``, ``-3``, ... when taken); a disk that
+    is itself a released copy (adopted again) gives the next number, not a longer name."""
+    stem, suffix = re.sub(r"\.released(-\d+)?$", "", origin.stem), origin.suffix
     for k in range(1, 1000):
         tag = "released" if k == 1 else f"released-{k}"
         cand = origin.with_name(f"{stem}.{tag}{suffix}")
@@ -70,6 +73,10 @@ def plan(ctl: DomainController, session: str, domain: str) -> dict[str, dict[str
     if not state.adopted:
         raise VMError(f"domain {domain} was made by ksfs, not adopted: there is no disk of the "
                       f"user's to hand it back on")
+    if not ctl.exists(domain):
+        raise BadInput(f"domain {domain} is gone (undefined outside ksfs): nothing to hand back; "
+                       f"`ksfs restore {session} CHECKPOINT` brings it back first, or `ksfs "
+                       f"session rm {session}` forgets the session")
     sdir = ctl.session_dir(session)
     xml = ctl.xml(domain)
     for tag, path in domxml.boot_files(xml).items():
@@ -129,9 +136,10 @@ def release(ctl: DomainController, session: str, domain: str,
                 _live(dom, domain, target, how, tops[target])
             else:
                 _offline(ctl, domain, target, how, tops[target])
-    # What each disk runs on now (a killed release's job may have ended on its own file).
-    done = {t: f for t, f in ctl.disk_files(domain).items() if t in disks}
-    _like_the_users(ctl.load_state(session), disks, done)
+    # What each disk runs on now (a killed or failed release's job may have ended on its
+    # own file): every disk, those an earlier attempt handed back too.
+    done = ctl.disk_files(domain)
+    _like_the_users(ctl.load_state(session), done)
     if active:
         _define_released(ctl, domain, done)
     _check_released(ctl, domain, sdir)
@@ -147,8 +155,8 @@ def _live(dom: libvirt.virDomain, domain: str, target: str, how: dict[str, Any],
     else:
         # not in any chain (the caller saw none of its files there): a killed copy's output
         Path(dest).unlink(missing_ok=True)
-        disk = (f"<disk type='file'><source file='{_xml_attr(dest)}'/>"
-                f"<driver type='{_xml_attr(how['fmt'])}'/></disk>")
+        disk = (f"<disk type='file'><source file={quoteattr(dest)}/>"
+                f"<driver type={quoteattr(how['fmt'])}/></disk>")
         with step(domain, f"copying {target} to {dest}"):
             # TRANSIENT_JOB: libvirt refuses a copy of a persistent domain's disk without it;
             # the pivot still updates the persistent definition.
@@ -170,18 +178,18 @@ def _live(dom: libvirt.virDomain, domain: str, target: str, how: dict[str, Any],
         raise
 
 
-def _like_the_users(state: Any, disks: dict[str, dict[str, Any]], done: dict[str, str]) -> None:
+def _like_the_users(state: Any, done: dict[str, str]) -> None:
     """A copy takes the mode and owner of the disk the domain had when adopted (ksfs makes
     its files 0600, root's): it is the user's file from now on."""
-    for target, how in disks.items():
+    for target, path in done.items():
         origin = state.origins.get(target)
-        if how["how"] != "copy" or origin is None or done.get(target) != how["dest"]:
+        if origin is None or path == origin[0]:
             continue
         with contextlib.suppress(OSError):
             st = os.stat(origin[0])
-            os.chmod(how["dest"], stat.S_IMODE(st.st_mode))
+            os.chmod(path, stat.S_IMODE(st.st_mode))
             if os.geteuid() == 0:
-                os.chown(how["dest"], st.st_uid, st.st_gid)
+                os.chown(path, st.st_uid, st.st_gid)
 
 
 def _top_of(dom: libvirt.virDomain, target: str) -> str:
@@ -256,9 +264,3 @@ def _chain_or_source(top: str) -> list[str]:
     with contextlib.suppress(VMError):
         return _chain(top)
     return [top]
-
-
-def _xml_attr(value: str) -> str:
-    from xml.sax.saxutils import quoteattr
-
-    return quoteattr(value)[1:-1]
