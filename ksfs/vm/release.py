@@ -53,10 +53,13 @@ def _chain(top: str) -> list[str]:
     return chain_files(top, f"reading the chain of {top}")
 
 
+RELEASED = re.compile(r"\.released(-\d+)?$")  # the stem of a copy a release made
+
+
 def _released_name(origin: Path) -> Path:
     """``disk.qcow2`` -> ``disk.released.qcow2`` (``-2``, ``-3``, ... when taken); a disk that
     is itself a released copy (adopted again) gives the next number, not a longer name."""
-    stem, suffix = re.sub(r"\.released(-\d+)?$", "", origin.stem), origin.suffix
+    stem, suffix = RELEASED.sub("", origin.stem), origin.suffix
     for k in range(1, 1000):
         tag = "released" if k == 1 else f"released-{k}"
         cand = origin.with_name(f"{stem}.{tag}{suffix}")
@@ -67,8 +70,8 @@ def _released_name(origin: Path) -> Path:
 
 def plan(ctl: DomainController, session: str, domain: str) -> dict[str, dict[str, Any]]:
     """target -> {"how": "commit" | "copy", "dest": file, "fmt": format} for each disk whose
-    chain holds a file of the session's directory. Refuses (VMError) what it cannot hand back,
-    before anything changes."""
+    chain holds a file of the session's directory. Refuses (VMError; BadInput for a domain
+    gone) what it cannot hand back, before anything changes."""
     state = ctl.load_state(session)
     if not state.adopted:
         raise VMError(f"domain {domain} was made by ksfs, not adopted: there is no disk of the "
@@ -183,8 +186,8 @@ def _like_the_users(state: Any, done: dict[str, str]) -> None:
     its files 0600, root's): it is the user's file from now on."""
     for target, path in done.items():
         origin = state.origins.get(target)
-        if origin is None or path == origin[0]:
-            continue
+        if origin is None or path == origin[0] or not RELEASED.search(Path(path).stem):
+            continue  # the user's own file (or one they chose since): left as it is
         with contextlib.suppress(OSError):
             st = os.stat(origin[0])
             os.chmod(path, stat.S_IMODE(st.st_mode))
