@@ -14,7 +14,7 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
-from ksfs.errors import GuestFSUnreadable, KsfsError, NoSuchFile
+from ksfs.errors import KsfsError
 from ksfs.fuse.dirs import CHECKPOINT_EXTRA_DIRS, CheckpointDir
 from ksfs.fuse.nodes import Attr, Dir, Node, StoredFile, blocks_for
 from ksfs.lru import LRU
@@ -79,17 +79,12 @@ class GuestDir(GuestNode, Dir):
     lists_lazily = True  # a guest directory may hold millions: listed as read, by cookie
 
     def children(self) -> list[tuple[str, Node]]:
-        return [(name, node_of(self.cp, st)) for name, st in self.fs.listdir_stats(self.st.ino)]
+        return [(name, node) for name, node, _ in self.children_from(0)]
 
     def children_from(self, after: int) -> Iterator[tuple[str, Node, int]]:
         """(name, node, cookie) of the entries past cookie ``after``, read block by block; an
-        entry whose inode cannot be read is left out, as in ``children``."""
-        fs = self.fs
-        for name, ino, _is_dir, cookie in fs.listdir_from(self.st.ino, after):
-            try:
-                st = fs.stat_ino(ino)
-            except (NoSuchFile, GuestFSUnreadable):
-                continue
+        entry whose inode cannot be read is left out (GuestFS.listdir_stats_from)."""
+        for name, st, cookie in self.fs.listdir_stats_from(self.st.ino, after):
             yield name, node_of(self.cp, st), cookie
 
     def lookup(self, name: str) -> Node:

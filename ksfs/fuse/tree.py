@@ -194,9 +194,13 @@ class CheckpointTree:
         kernel is being told of it (a lookup's or readdir's reply): one more it must forget."""
         with self._lock:
             ino = self._intern_locked(node, path)
-            if counted and node.forgettable:
-                self._lookups[ino] = self._lookups.get(ino, 0) + 1
+            if counted:
+                self._count_locked(ino, node)
             return ino
+
+    def _count_locked(self, ino: int, node: Node) -> None:
+        if node.forgettable:  # the others stay for the mount's life: no count to keep
+            self._lookups[ino] = self._lookups.get(ino, 0) + 1
 
     def forget(self, ino: int, n: int) -> None:
         """The kernel forgot ``n`` of the times it was told of ``ino`` (or a reply that would
@@ -285,8 +289,8 @@ class CheckpointTree:
             if counted:
                 with self._lock:
                     node = self._nodes.get(entry.ino)
-                    if node is not None and node.forgettable:
-                        self._lookups[entry.ino] = self._lookups.get(entry.ino, 0) + 1
+                    if node is not None:
+                        self._count_locked(entry.ino, node)
             return entry
         pdir = self._dir(parent)
         if pdir.names_checked:

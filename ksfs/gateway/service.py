@@ -439,20 +439,20 @@ class Gateway:
         learned = (usage.total_tokens if usage.known else None,
                    cost if usage.known and priced else None)
         path = order.route.path
+        if sse and (why := incomplete(got.body, path)) is not None:
+            self.db.record_unstored_call(view.session, view.lineage, key, usage, cost, priced,
+                                         got.status, "stream_incomplete", path)
+            return None, error_reply(
+                502, "upstream_stream_incomplete",
+                f"the model provider's stream {why}; it was not stored, so a retry buys it "
+                "again"), learned
+        if not sse and (why := not_an_answer(got.body, ctype, path)) is not None:
+            self.db.record_unstored_call(view.session, view.lineage, key, usage, cost, priced,
+                                         got.status, "not_an_answer", path)
+            log.warning("session %s: the provider's %d answer %s; passed on, not stored",
+                        view.session, got.status, why)
+            return None, _passed_back(got), learned
         try:
-            if sse and (why := incomplete(got.body, path)) is not None:
-                self.db.record_unstored_call(view.session, view.lineage, key, usage, cost,
-                                             priced, got.status, "stream_incomplete", path)
-                return None, error_reply(
-                    502, "upstream_stream_incomplete",
-                    f"the model provider's stream {why}; it was not stored, so a retry buys "
-                    "it again"), learned
-            if not sse and (why := not_an_answer(got.body, ctype, path)) is not None:
-                self.db.record_unstored_call(view.session, view.lineage, key, usage, cost,
-                                             priced, got.status, "not_an_answer", path)
-                log.warning("session %s: the provider's %d answer %s; passed on, not stored",
-                            view.session, got.status, why)
-                return None, _passed_back(got), learned
             visible = HiddenUsage.apply(got.body) if hidden else got.body
             key_bytes = (self._api_key or "").encode()
             if len(key_bytes) >= SECRET_KEY_MIN and key_bytes in visible:

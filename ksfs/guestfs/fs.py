@@ -211,14 +211,20 @@ class GuestFS:
         or unlinked inode (e2fsck's "deleted/unused inode"), or one past the inode table, is
         left out, as the kernel lists such a name but cannot stat it. One bad entry must not
         take its whole directory (or a diff of the tree) with it."""
-        for name, ino, _ in self.listdir_ino(dir_ino):
+        for name, stat, _ in self.listdir_stats_from(dir_ino):
+            yield name, stat
+
+    def listdir_stats_from(self, dir_ino: int, after: int = 0
+                           ) -> Iterator[tuple[str, GuestStat, int]]:
+        """``listdir_stats`` with each entry's cookie, past cookie ``after`` (listdir_from)."""
+        for name, ino, _, cookie in self.listdir_from(dir_ino, after):
             try:
                 st = self.stat_ino(ino)
             except (NoSuchFile, GuestFSUnreadable) as exc:
                 log.warning("%s: entry %r of directory inode %d left out: %s", self.where,
                             name, dir_ino, exc)
                 continue
-            yield name, st
+            yield name, st, cookie
 
     def listdir_from(self, dir_ino: int, after: int = 0) -> Iterator[tuple[str, int, bool, int]]:
         """(name, ino, is_dir, cookie) of each entry but . and .. past position ``after``.

@@ -109,7 +109,6 @@ class OfflineVerbs:
         try:
             self.ledger.session(session)
         except NoSuchSession:
-            validate_name(session, "session name", new=True)
             with self.store.env.begin(write=True) as txn:
                 try:
                     self.ledger.create_session(txn, session)
