@@ -178,6 +178,9 @@ def test_gc_prints_a_short_summary_and_json_as_before(store: Path, tmp_path: Pat
 
 INTERRUPT = """
 import os, signal, sys
+# As at a terminal: a shell that starts a job in the background (CI's runner may) makes it
+# ignore SIGINT, and Python keeps an ignored SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from {module} import {cls} as patched
 method = patched.{method}
 def interrupted(self, *a, **k):
