@@ -184,6 +184,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._seen(b"")
         if self.fake.error == 401:
             self._bad_key()
+        elif self.path.split("?")[0] == "/v1/whoami":  # a debug route that echoes the request
+            raw = json.dumps({"authorization": self.headers.get("Authorization", "")}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            for piece in (raw[:30], raw[30:]):  # the key split between two writes
+                self.wfile.write(piece)
+                self.wfile.flush()
+                time.sleep(0.05)
         elif self.path.split("?")[0] == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "gpt-4o-mini", "object": "model"}],
                              "query": self.path.partition("?")[2]})

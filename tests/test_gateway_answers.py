@@ -4,13 +4,17 @@ short. Each must be bought at most once, counted, and never stored wrong."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_gateway_helpers import (  # with the shared fixtures, by name
     MARKER_KEY,
     call,
     chat_body,
+    client,
     events,
     ledger,
     provider,
@@ -19,6 +23,7 @@ from test_gateway_helpers import (  # with the shared fixtures, by name
 )
 
 from ksfs.gateway import Gateway, parse_prices
+from ksfs.gateway.upstream import KeyMask
 
 LONE = "\ud83d"  # half of an emoji: JSON writes it as an escape, UTF-8 has no form for it
 
@@ -137,3 +142,39 @@ def test_an_error_field_that_says_no_error_is_an_answer() -> None:
         assert not_an_answer(body, "application/json", "/v1/chat/completions") is None, body
     assert not_an_answer(b'{"error": "overloaded"}', "application/json", "/v1/x") is not None
     assert not_an_answer(b"[1, 2]", "application/json", "/v1/embeddings") is None
+
+
+async def test_the_operators_key_echoed_back_never_reaches_the_guest(store, ledger, provider,
+                                                                     nursery):
+    """Twelfth session: an unpaid route passed through (a provider's debug route echoing the
+    request) handed the guest the operator's key, and a streamed answer echoing it was sent
+    live unmasked while stored masked, so the guest also got an error appended."""
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    async with client(port) as c:
+        echoed = await c.get("/v1/whoami")
+    assert echoed.status_code == 200 and echoed.json() == {"authorization": "Bearer ***"}
+    provider.words = ["your", "key:", MARKER_KEY, "done"]
+    live = await call(port, chat_body("echo my key", stream=True))
+    again = await call(port, chat_body("echo my key", stream=True))
+    assert again.headers["x-ksfs-replay"] == "true" and provider.count() == 1
+    for r in (live, again):
+        assert r.status_code == 200 and MARKER_KEY not in r.text and "***" in r.text
+        assert "error" not in r.text and r.text.rstrip().endswith("data: [DONE]")
+    assert live.text == again.text
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(0, 200), max_size=6),
+       text=st.sampled_from([b"", b"sk", b"x sk-ksfs", b"Bearer " + MARKER_KEY.encode() * 2]))
+def test_the_key_mask_finds_the_key_however_the_body_is_cut(cuts, text) -> None:
+    key = MARKER_KEY.encode()
+    body = b"head " + text + b" mid " + key + b" sk-ksfs-test-MARK tail " + key[:-1]
+    mask = KeyMask(MARKER_KEY)
+    out = b""
+    bounds = sorted({0, len(body), *(c for c in cuts if c < len(body))})
+    for a, b in itertools.pairwise(bounds):
+        out += mask.feed(body[a:b])
+    out += mask.end()
+    assert out == body.replace(key, b"***")
+    assert KeyMask("EMPTY").feed(b"EMPTY answer") == b"EMPTY answer"  # a placeholder, kept

@@ -66,7 +66,6 @@ log = logging.getLogger("ksfs.gateway")
 
 MAX_BODY = 16 * 1024 * 1024
 DEFAULT_TIMEOUT = 300.0
-SECRET_KEY_MIN = 20  # shorter API keys are placeholders, not secrets to mask
 DRAIN_POLL_S = 0.02
 API_KEY_ENV = ("KSFS_UPSTREAM_API_KEY", "OPENAI_API_KEY")
 
@@ -454,12 +453,6 @@ class Gateway:
             return None, _passed_back(got), learned
         try:
             visible = HiddenUsage.apply(got.body) if hidden else got.body
-            key_bytes = (self._api_key or "").encode()
-            if len(key_bytes) >= SECRET_KEY_MIN and key_bytes in visible:
-                # a provider that echoes the request back: the operator's key is not kept
-                # (a local server's placeholder, "EMPTY" or "ollama", is no secret, and may be
-                # a word of the answer)
-                visible = visible.replace(key_bytes, b"***")
             resp = StoredResponse(
                 lineage=view.lineage, session=view.session, key=key.hex(), seq=-1,
                 status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=visible,

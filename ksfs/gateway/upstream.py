@@ -28,6 +28,7 @@ HOP_BY_HOP = frozenset({
 # and which organization or project the key bills is the operator's choice, not the guest's.
 GUEST_ONLY = frozenset({"authorization", "idempotency-key", "cookie", "openai-organization",
                         "openai-project"})
+SECRET_KEY_MIN = 20  # shorter API keys are placeholders, not secrets to mask
 # An API key as providers echo it in errors ("Incorrect API key provided: sk-proj-****abcd").
 KEY_ECHO = re.compile(rb"\b(sk|rk)-[A-Za-z0-9_*-]{4,}")
 # Not kept with a stored response: they describe one delivery, not the response.
@@ -66,6 +67,33 @@ def without_keys(body: bytes) -> bytes:
     """An error body with any API key the provider echoed in it masked: even partly masked,
     the operator's key is not the guest's to see."""
     return KEY_ECHO.sub(rb"\1-***", body)
+
+
+class KeyMask:
+    """Replaces the operator's key with ``***`` in a body that arrives in pieces, so a key split
+    across two pieces is caught too: a piece's end that could be the key's start waits for the
+    next piece (only that: an event of a stream is not held back for nothing).
+    A key shorter than SECRET_KEY_MIN is a local server's placeholder ("EMPTY", "ollama"), no
+    secret, and may be a word of the answer: nothing is masked then."""
+
+    def __init__(self, api_key: str | None) -> None:
+        key = (api_key or "").encode()
+        self.key = key if len(key) >= SECRET_KEY_MIN else b""
+        self._held = b""
+
+    def feed(self, piece: bytes) -> bytes:
+        if not self.key:
+            return piece
+        data = (self._held + piece).replace(self.key, b"***")
+        keep = min(len(self.key) - 1, len(data))
+        while keep and not data.endswith(self.key[:keep]):
+            keep -= 1
+        self._held = data[len(data) - keep:] if keep else b""
+        return data[: len(data) - keep]
+
+    def end(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
 
 
 def keep_headers(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> Headers:
@@ -125,12 +153,21 @@ class Upstream:
                     if on_start is not None:
                         on_start(resp.status_code, headers)
                     chunks = []
+                    # Masked as it comes, so what a stream's guest is sent live is what is
+                    # stored (a provider that echoes the request back echoes our key).
+                    mask = KeyMask(self._api_key)
                     # Decoded: a provider that compresses although asked for identity must
                     # not have gzip stored (and replayed) without its content-encoding.
                     async for chunk in resp.aiter_bytes():
-                        chunks.append(chunk)
+                        chunk = mask.feed(chunk)
+                        if chunk:
+                            chunks.append(chunk)
+                            if on_chunk is not None:
+                                on_chunk(chunk)
+                    if tail := mask.end():
+                        chunks.append(tail)
                         if on_chunk is not None:
-                            on_chunk(chunk)
+                            on_chunk(tail)
                     return Fetched(resp.status_code, headers, b"".join(chunks))
         except (trio.TooSlowError, httpx.TimeoutException):
             return error_reply(504, "upstream_timeout",
@@ -165,17 +202,22 @@ class Upstream:
                 return await send_reply(send, Reply(resp.status_code, keep_headers(
                     resp.headers.items(), HOP_BY_HOP | {"content-encoding"}),
                     without_keys(body)))
-            headers = keep_headers(resp.headers.items(), HOP_BY_HOP)
+            # Decoded, so that the key is found however the body was compressed; its length
+            # and encoding are then no longer the provider's (HOP_BY_HOP drops content-length).
+            headers = keep_headers(resp.headers.items(), HOP_BY_HOP | {"content-encoding"})
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": _encode(headers)})
+            mask = KeyMask(self._api_key)  # a provider that echoes requests (a debug route)
             try:
-                async for chunk in resp.aiter_raw():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                async for chunk in resp.aiter_bytes():
+                    if piece := mask.feed(chunk):
+                        await send({"type": "http.response.body", "body": piece,
+                                    "more_body": True})
             except httpx.HTTPError as exc:
                 # Headers are out: all we can do is end the body early and say so in the log.
                 log.warning("upstream %s broke off a passed-through response: %s",
                             self.base_url, type(exc).__name__)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": mask.end(), "more_body": False})
         finally:
             await resp.aclose()
 
