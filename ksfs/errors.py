@@ -16,6 +16,13 @@ import os
 from collections.abc import Iterator
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, as Ctrl-C's KeyboardInterrupt is (the command line
+    installs the handler): a verb ends as it ends on Ctrl-C (an import's checkpoint marked
+    failed with reason "terminated", its session taken back), not killed with its work half
+    said. Not a KsfsError: like Ctrl-C, it is no error of the verb's."""
+
+
 class KsfsError(Exception):
     """{message}"""
 

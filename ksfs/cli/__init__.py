@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import click
 
-from ksfs.errors import BadInput, KsfsError, from_foreign
+from ksfs.errors import BadInput, KsfsError, Terminated, from_foreign
 
 
 def default_store() -> str:
@@ -295,12 +295,6 @@ class KsfsGroup(click.Group):
             obj = ctx.find_object(Context)
             if obj is not None:
                 obj.close()
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the process is, as Ctrl-C's KeyboardInterrupt is: a verb ends
-    as it ends on Ctrl-C (an import's checkpoint marked failed, its session taken back), not
-    killed with its work half said."""
 
 
 def _terminate_like_interrupt() -> None:

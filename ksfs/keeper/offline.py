@@ -20,6 +20,7 @@ from ksfs.errors import (
     NoSuchFile,
     NoSuchSession,
     NotFound,
+    Terminated,
 )
 from ksfs.keeper.locks import drop_session_lock, session_lock
 from ksfs.model import (
@@ -338,8 +339,8 @@ class OfflineVerbs:
 
 
 def _reason(exc: BaseException) -> str:
-    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (cli.Terminated)
-        return "terminated" if type(exc).__name__ == "Terminated" else "interrupted"
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM
+        return "terminated" if isinstance(exc, Terminated) else "interrupted"
     return str(exc) or type(exc).__name__
 
 
