@@ -1053,3 +1053,21 @@ def test_a_save_killed_after_its_commit_leaves_later_checkpoints_whole(env, agen
     state = json.loads((store / "vm" / agent / "state.json").read_text())
     assert state["disks"]["vda"]["base_checkpoint"] == f"{agent}/after-fold"
     assert not state["disks"]["vda"].get("committing")
+
+
+def test_a_restore_of_a_shut_off_machine_keeps_its_disks_first(env, agent: str) -> None:
+    """QA (twelfth session): a machine found shut off (a guest that powered off, a reset with
+    on_reboot=destroy) was restored without saving anything first, so what it had written
+    since its last checkpoint was thrown away. Its disks are now saved first."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    before = len(transcript_lines(store, agent, cp, e))
+    time.sleep(4)  # the guest appends and syncs a transcript line every few tenths of a second
+    assert virsh("destroy", f"ksfs-{agent}").returncode == 0  # pulled plug: shut off
+    res = json.loads(run(store, "restore", agent, cp, "--json", env=e).stdout)
+    kept = res["saved_as"]
+    assert kept, res
+    assert len(transcript_lines(store, agent, kept, e)) > before + 2
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    assert any(ev["type"] == "checkpoint.published" and ev["body"].get("name") == kept
+               for ev in events_of(store, agent, e))

@@ -161,6 +161,9 @@ def save(ctx, session_name, name, as_json) -> None:
 def restore(ctx, session_name, checkpoint, as_json) -> None:
     """Save SESSION's current state, then bring its machine back to CHECKPOINT.
 
+    A machine that is shut off or crashed has its disks saved (a checkpoint without memory),
+    so nothing it wrote is lost; the result's saved_as names what was saved.
+
     Example: ksfs restore agent before-upgrade
     """
     res = run_verb(ctx, "restore", steps=f"restore {session_name}", session=session_name,

@@ -194,7 +194,7 @@ class Recovery:
             actions.append(f"disks of the {state} machine saved as checkpoint {kept.name} "
                            "(no memory)")
         if target:
-            self._restore_locked(rec, target)
+            self._restore_locked(rec, target, keep_stopped=False)  # saved just above
             actions.append(f"machine was {state}: restored to checkpoint {target}")
         elif state != "absent":
             self.vm.resume(rec.domain)
