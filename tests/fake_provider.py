@@ -157,7 +157,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(n) if n else b""
 
-    def _json(self, status: int, obj: object) -> None:
+    def _json(self, status: int, obj: object, split_at: int | None = None) -> None:
+        """``split_at``: the body goes out in two writes, cut there, a moment apart."""
         raw = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -167,7 +168,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(raw)))
         self.send_header("X-Request-Id", f"req-{time.monotonic_ns()}")
         self.end_headers()
-        self.wfile.write(raw)
+        cut = len(raw) if split_at is None else split_at
+        for piece in (raw[:cut], raw[cut:]):
+            self.wfile.write(piece)
+            if split_at is not None:
+                self.wfile.flush()
+                time.sleep(0.05)
 
     def _seen(self, body: bytes) -> int:
         headers = {k.lower(): v for k, v in self.headers.items()}
@@ -185,15 +191,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.fake.error == 401:
             self._bad_key()
         elif self.path.split("?")[0] == "/v1/whoami":  # a debug route that echoes the request
-            raw = json.dumps({"authorization": self.headers.get("Authorization", "")}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            for piece in (raw[:30], raw[30:]):  # the key split between two writes
-                self.wfile.write(piece)
-                self.wfile.flush()
-                time.sleep(0.05)
+            self._json(200, {"authorization": self.headers.get("Authorization", "")},
+                       split_at=30)  # the key split between two writes
         elif self.path.split("?")[0] == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "gpt-4o-mini", "object": "model"}],
                              "query": self.path.partition("?")[2]})

@@ -153,21 +153,21 @@ class Upstream:
                     if on_start is not None:
                         on_start(resp.status_code, headers)
                     chunks = []
+
+                    def take(piece: bytes) -> None:
+                        if piece:
+                            chunks.append(piece)
+                            if on_chunk is not None:
+                                on_chunk(piece)
+
                     # Masked as it comes, so what a stream's guest is sent live is what is
                     # stored (a provider that echoes the request back echoes our key).
                     mask = KeyMask(self._api_key)
                     # Decoded: a provider that compresses although asked for identity must
                     # not have gzip stored (and replayed) without its content-encoding.
                     async for chunk in resp.aiter_bytes():
-                        chunk = mask.feed(chunk)
-                        if chunk:
-                            chunks.append(chunk)
-                            if on_chunk is not None:
-                                on_chunk(chunk)
-                    if tail := mask.end():
-                        chunks.append(tail)
-                        if on_chunk is not None:
-                            on_chunk(tail)
+                        take(mask.feed(chunk))
+                    take(mask.end())
                     return Fetched(resp.status_code, headers, b"".join(chunks))
         except (trio.TooSlowError, httpx.TimeoutException):
             return error_reply(504, "upstream_timeout",
