@@ -847,6 +847,11 @@ def test_a_restore_failing_after_the_start_leaves_no_machine_on_deleted_files(en
               env=dict(e, KSFS_FAIL_AT="vm.restore.define"))
     assert res.returncode != 0 and "injected fault" in res.stderr
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "shut off"
+    # and says so, with the way back: the state saved just before the restore
+    back = re.search(r"left shut off: `ksfs restore (\S+) (\S+)`", res.stderr)
+    assert back and back.group(1) == agent, res.stderr
+    listed = json.loads(run(store, "checkpoints", agent, "--json", env=e).stdout)
+    assert back.group(2) == listed[-1]["name"] != cp
     report = json.loads(run(store, "recover", "--json", env=e).stdout)
     mine = [r for r in report if r["session"] == agent]
     assert mine and not mine[0]["failed"], report

@@ -145,6 +145,66 @@ def test_disks_refuses_a_network_disk() -> None:
         domxml.disks(xml)
 
 
+def _with_disk(xml: str, disk: str) -> str:
+    return xml.replace("<interface", disk + "\n    <interface", 1)
+
+
+def test_disks_leaves_read_only_disks_alone_and_refuses_a_shareable_one() -> None:
+    ro = ("<disk type='file' device='disk'><driver type='raw'/><source file='/img/ro.raw'/>"
+          "<target dev='vdb' bus='virtio'/><readonly/></disk>")
+    ro_block = ("<disk type='block' device='disk'><source dev='/dev/sdz'/>"
+                "<target dev='vdc' bus='virtio'/><readonly/></disk>")
+    assert [d.target for d in domxml.disks(_with_disk(XML, ro + ro_block))] == ["vda"]
+    shared = ("<disk type='file' device='disk'><source file='/img/shared.raw'/>"
+              "<target dev='vdb' bus='virtio'/><shareable/></disk>")
+    with pytest.raises(VMError, match=r"disk vdb of domain ksfs-parent is shareable.*"
+                                      r"detach-disk ksfs-parent vdb"):
+        domxml.disks(_with_disk(XML, shared))
+    lun = ("<disk type='block' device='lun'><source dev='/dev/sdz'/>"
+           "<target dev='sda' bus='scsi'/></disk>")
+    with pytest.raises(VMError, match=r"disk sda of domain ksfs-parent is not a plain file "
+                                      r"\(type='block'\).*detach"):
+        domxml.disks(_with_disk(XML, lun))
+
+
+def test_files_to_start_names_what_libvirt_needs_and_may_drop() -> None:
+    disks = ("<disk type='file' device='disk'><source file='/img/ro.raw'/>"
+             "<target dev='vdb' bus='virtio'/><readonly/></disk>"
+             "<disk type='file' device='cdrom'><source file='/iso/opt.iso' "
+             "startupPolicy='optional'/><target dev='hdd' bus='ide'/><readonly/></disk>"
+             "<disk type='file' device='cdrom'><source file='/iso/req.iso' "
+             "startupPolicy='requisite'/><target dev='sdb' bus='sata'/><readonly/></disk>"
+             "<disk type='file' device='cdrom'><target dev='sdc' bus='sata'/></disk>")
+    xml = _with_disk(XML, disks).replace("<kernel>/k</kernel>",
+                                         "<loader readonly='yes'>/fw/code.fd</loader>")
+    assert domxml.files_to_start(xml, {"vda"}, from_memory=True) == [
+        ("cdrom hdc", "/iso/x.iso"), ("disk vdb", "/img/ro.raw"),
+        ("firmware loader", "/fw/code.fd")]
+    assert ("cdrom sdb", "/iso/req.iso") in domxml.files_to_start(xml, {"vda"}, False)
+    assert ("disk vda", "/w/parent/vda-3.qcow2") in domxml.files_to_start(xml, set(), False)
+
+
+def test_match_disks_gives_a_definition_the_restored_machines_disks() -> None:
+    hot = ("<disk type='file' device='disk'><source file='/w/parent/vdb-4.qcow2'/>"
+           "<target dev='vdb' bus='virtio'/></disk>")
+    unplugged = ("<disk type='file' device='disk'><driver type='raw'/>"
+                 "<source file='/img/data.raw' index='3'/><backingStore/>"
+                 "<target dev='vdc' bus='virtio'/><alias name='virtio-disk2'/></disk>")
+    inactive = _with_disk(XML, hot)
+    restored = _with_disk(XML, unplugged).replace("/w/parent/vda-3", "/w/parent/vda-9")
+    out = domxml.match_disks(inactive, restored)
+    root = ET.fromstring(out)
+    targets = [d.find("target").get("dev") for d in root.iterfind("devices/disk")]
+    assert targets == ["vda", "hdc", "vdc"]  # vdb gone, vdc added after the disks kept
+    by_target = {d.find("target").get("dev"): d for d in root.iterfind("devices/disk")}
+    vdc = by_target["vdc"]
+    assert vdc.find("source").attrib == {"file": "/img/data.raw"}
+    assert vdc.find("alias") is None and vdc.find("backingStore") is None
+    # a disk both have keeps the definition's source (the caller points it anew)
+    assert by_target["vda"].find("source").get("file") == "/w/parent/vda-3.qcow2"
+    assert domxml.match_disks(XML, XML) == ET.tostring(ET.fromstring(XML), encoding="unicode")
+
+
 def test_set_disk_sources_drops_the_recorded_chain_and_keeps_the_rest() -> None:
     out = domxml.set_disk_sources(XML, {"vda": ("/w/child/vda-1.qcow2", "qcow2")})
     (d,) = domxml.disks(out)

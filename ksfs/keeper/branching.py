@@ -94,6 +94,7 @@ class RestoreVerbs:
         # every file of the session that is not its chain.
         self._finish_killed_restore(rec)
         memory, disks = self._checkpoint_readers(target, xml_disks)
+        self.vm.check_start_files(target.domain_xml, rec.domain, memory is not None)
         kept = None
         state = self.vm.state(rec.domain)
         if keep_stopped and state not in ("running", "paused", "absent"):
@@ -154,12 +155,26 @@ class RestoreVerbs:
                 body["booted"] = True  # no memory: its disks were booted, not resumed
             done = self.ledger.record(session, "restore.done", body)
         except BaseException as exc:
+            if isinstance(exc, KsfsError) and saved is not None \
+                    and state in ("running", "paused") and self._stopped_now(rec.domain):
+                # The restore stopped the machine and could not start the checkpoint: say so,
+                # and how to get back (recover would bring back the same checkpoint).
+                exc.message = (f"{exc.message}; the machine was stopped for this restore and is "
+                               f"left shut off: `ksfs restore {session} {saved.name}` brings "
+                               f"back the state it was in")
+                exc.args = (exc.message,)
             self.ledger.record(session, "restore.failed",
                                {"checkpoint": checkpoint, "reason": _reason(exc)})
             raise
         return {"session": session, "checkpoint": checkpoint, "seq": done.seq,
                 "saved_as": saved.name if saved else None, "reconcile": rec_ev.body,
                 "booted": memory is None}
+
+    def _stopped_now(self, domain: str) -> bool:
+        try:
+            return self.vm.state(domain) not in ("running", "paused")
+        except KsfsError:
+            return False
 
     def fork(self, session: str, checkpoint: str, new: str) -> SessionRecord:
         """A new session running from ``checkpoint`` in its own domain; the parent runs on."""
@@ -168,7 +183,10 @@ class RestoreVerbs:
         validate_name(new, "session name", new=True)
         self._refuse_taken_session(new)
         # what cannot be forked is said before any lock file is made (bad input changes nothing)
-        self._xml_disks(self.ledger.checkpoint(session, checkpoint))
+        record = self.ledger.checkpoint(session, checkpoint)
+        self._xml_disks(record)
+        self.vm.check_start_files(record.domain_xml, domain_name_for(new),
+                                  record.file(MEMORY_FILE) is not None)
         domain = domain_name_for(new)
         # The parent's lock too: while the fork reads the checkpoint, `rm` of it (and a gc
         # after) or `session rm` of the parent waits, instead of pulling its chunks or its

@@ -146,7 +146,8 @@ def _snapshot_xml(memory: Path, overlays: dict[str, Path], skip: list[str]) -> s
 
 
 def _other_disks(xml: str, kept: set[str]) -> list[str]:
-    """Targets of disks that are not ours to snapshot (cdroms, floppies, read-only disks)."""
+    """Targets of disks that are not ours to snapshot (cdroms, floppies, read-only disks: all
+    but ``kept``)."""
     import xml.etree.ElementTree as ET
 
     out = []
@@ -354,6 +355,11 @@ def finish(ctl: DomainController, frozen: Frozen, checkpoint: str | None) -> Non
         if tracked is None or tracked.root != disk.root:
             depth = [str(f) for f in disk.source.files].index(disk.root)
             tracked = state.disks[disk.target] = DiskState(disk.root, disk.source.formats[depth])
+            if state.adopted and not Path(disk.root).is_relative_to(
+                    ctl.session_dir(frozen.session)):
+                # A disk attached since the adoption is the user's too: a release after a
+                # restore copies it out beside this file, as it does the first ones.
+                state.origins[disk.target] = [disk.root, tracked.root_fmt]
         label = checkpoint or frozen.token
         if disk.layers:
             # Said before the commit: once QEMU has folded the layers into the root, the root

@@ -245,6 +245,13 @@ class DomainController:
 
         return restore(self, session, domain, memory, disks, xml, checkpoint, staged)
 
+    def check_start_files(self, xml: str, domain: str, from_memory: bool) -> None:
+        """NotFound when a checkpoint with definition ``xml`` names a host file that is gone
+        (a cdrom image, a read-only disk, the firmware): asked before anything is saved or
+        stopped for its restore or fork."""
+        files.check_start_files(xml, {d.target for d in domxml.disks(xml)}, from_memory,
+                                domain)
+
     def restore_pending(self, session: str) -> bool:
         """A restore's files were handed to libvirt and not yet recorded (see settle)."""
         state = load_state(self._state_path(session))

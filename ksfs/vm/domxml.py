@@ -112,18 +112,30 @@ def domain_name(xml: str) -> str:
 
 
 def disks(xml: str) -> list[DiskInfo]:
-    """The file-backed disks (device='disk') of a domain, in definition order."""
+    """The disks ksfs keeps, in definition order: every writable disk (or lun), which must be a
+    file. Cdroms, floppies and read-only disks are left out (the guest cannot change
+    them: snapshots mark them ``snapshot='no'`` and restores attach the file the checkpoint
+    named); a writable disk that is not a file, or that other machines write too
+    (``<shareable/>``), cannot be snapshotted and is refused with what to do about it."""
+    root = _parse(xml)
     out = []
-    for disk in _parse(xml).iterfind("devices/disk"):
-        if disk.get("device", "disk") != "disk":
+    for disk in root.iterfind("devices/disk"):
+        if disk.get("device") in ("cdrom", "floppy") or disk.find("readonly") is not None:
             continue
         target = disk.find("target")
         source = disk.find("source")
         if target is None:
             continue
+        dev, name = target.get("dev", ""), root.findtext("name") or "?"
+        fix = (f": detach it (virsh detach-disk {name} {dev} --live --config) or attach it "
+               f"read-only")
         if disk.get("type") != "file" or source is None or not source.get("file"):
-            raise VMError(f"disk {target.get('dev')} is not a plain file; ksfs keeps only "
-                          f"file-backed raw or qcow2 disks")
+            raise VMError(f"disk {dev} of domain {name} is not a plain file (type="
+                          f"{disk.get('type')!r}); ksfs keeps only file-backed raw or qcow2 "
+                          f"disks{fix}")
+        if disk.find("shareable") is not None:
+            raise VMError(f"disk {dev} of domain {name} is shareable (<shareable/>): other "
+                          f"machines may write it, so no snapshot of this one can hold it{fix}")
         driver = disk.find("driver")
         fmt = driver.get("type", "raw") if driver is not None else "raw"
         chain = []
@@ -134,8 +146,68 @@ def disks(xml: str) -> list[DiskInfo]:
                 break
             chain.append(src.get("file"))
             node = node.find("backingStore")
-        out.append(DiskInfo(target.get("dev", ""), source.get("file", ""), fmt, tuple(chain)))
+        out.append(DiskInfo(dev, source.get("file", ""), fmt, tuple(chain)))
     return out
+
+
+def files_to_start(xml: str, kept: set[str], from_memory: bool) -> list[tuple[str, str]]:
+    """(what, path) for each host file a start of ``xml`` needs that is not one of the disks
+    in ``kept`` (which the caller makes): cdrom and read-only images, the firmware loader.
+    A disk whose startupPolicy lets libvirt drop it when missing is not needed ('optional';
+    'requisite' on a restore from memory, as libvirt documents)."""
+    root = _parse(xml)
+    out = []
+    for disk in root.iterfind("devices/disk"):
+        target = disk.find("target")
+        dev = target.get("dev", "") if target is not None else ""
+        if dev in kept:
+            continue
+        source = disk.find("source")
+        path = source.get("file") or source.get("dev") if source is not None else None
+        policy = source.get("startupPolicy") if source is not None else None
+        if not path or policy == "optional" or (policy == "requisite" and from_memory):
+            continue
+        out.append((f"{disk.get('device', 'disk')} {dev}", path))
+    loader = root.findtext("os/loader")
+    if loader and loader.strip():
+        out.append(("firmware loader", loader.strip()))
+    return out
+
+
+def match_disks(xml: str, to: str) -> str:
+    """``xml`` (a persistent definition) with the disk devices of ``to`` (the machine a
+    restore started): those ``to`` lacks (hot-plugged after the checkpoint) removed, those only
+    ``to`` has (unplugged since) added from it; the disks both have are kept as ``xml`` has
+    them, sources and all (the caller points them at their new files)."""
+    root, want = _parse(xml), _parse(to)
+    devices = root.find("devices")
+    if devices is None:
+        devices = ET.SubElement(root, "devices")
+
+    def key(disk: ET.Element) -> str:
+        t = disk.find("target")
+        return t.get("dev", "") if t is not None else ""
+
+    wanted = {key(d): d for d in want.iterfind("devices/disk")}
+    have = {key(d) for d in devices.iterfind("disk")}
+    for disk in list(devices.iterfind("disk")):
+        if key(disk) not in wanted:
+            devices.remove(disk)
+    kept = devices.findall("disk")
+    # after the disks it keeps (the first disk is often the one booted), else first
+    anchor = list(devices).index(kept[-1]) + 1 if kept else 0
+    for k, disk in wanted.items():
+        if k in have:
+            continue
+        for el in disk.findall("alias") + disk.findall("backingStore"):
+            if el.tag == "backingStore" or not (el.get("name") or "").startswith("ua-"):
+                disk.remove(el)
+        source = disk.find("source")
+        if source is not None:
+            source.attrib.pop("index", None)
+        devices.insert(anchor, disk)
+        anchor += 1
+    return ET.tostring(root, encoding="unicode")
 
 
 def set_disk_sources(xml: str, sources: dict[str, tuple[str, str]]) -> str:

@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ksfs.errors import BadInput, VMError
+from ksfs.errors import BadInput, NotFound, VMError
 from ksfs.vm import domxml
 from ksfs.vm.chain import (
     GUEST_DATA_UMASK,
@@ -167,3 +167,14 @@ def check_adoptable(target: str, source: str, domain: str) -> None:
     if bad:
         raise VMError(f"disk {target} of {domain} ({bad[0]}) has compressed clusters, which "
                       f"ksfs cannot read in place{how}")
+
+
+def check_start_files(xml: str, kept: set[str], from_memory: bool, domain: str) -> None:
+    """Refuse (NotFound), before a restore or fork stops or makes anything, a checkpoint whose
+    definition names a host file that is gone: a cdrom or read-only image, the firmware. libvirt
+    would fail only after the running machine was stopped (QA: a deleted ISO left it shut
+    off). ``kept``: the disks the caller writes itself."""
+    for what, path in domxml.files_to_start(xml, kept, from_memory):
+        if not os.path.exists(path):
+            raise NotFound(f"the checkpoint of {domain} needs its {what} {path}, which does "
+                           f"not exist; put it back there and try again (nothing was changed)")

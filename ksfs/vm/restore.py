@@ -181,6 +181,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
             new_xml = ET.tostring(root, encoding="unicode")
             if mem is not None:
                 saveimage.rewrite_xml(mem, new_xml)
+        files.check_start_files(new_xml, set(overlays), mem is not None, domain)
         # Before the machine is touched: once libvirt runs these files, a restore killed before
         # it recorded them is finished by recover (settle), not left half known.
         label = checkpoint or f"restore-{n}"
@@ -402,12 +403,17 @@ def _start_paused(ctl: DomainController, domain: str, mem: Path | None, xml: str
 def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path],
               boot: dict[str, str] | None = None) -> None:
     """Point the persistent definition at the new disks (and the session's own kernel and
-    initrd) too, so a cold boot finds them."""
+    initrd) too, so a cold boot finds them, and give it the restored machine's set of disks:
+    one hot-plugged after the checkpoint would name a file the restore deleted (QA)."""
     dom = ctl.lookup(domain)
     with step(domain, "updating the persistent definition"):
         if not dom.isPersistent():
             return
-        inactive = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE | libvirt.VIR_DOMAIN_XML_SECURE)
+        secure = libvirt.VIR_DOMAIN_XML_SECURE
+        inactive = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE | secure)
+        if dom.isActive():
+            running = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_MIGRATABLE | secure)
+            inactive = domxml.match_disks(inactive, running)
         inactive = domxml.set_disk_sources(
             inactive, {t: (str(p), "qcow2") for t, p in overlays.items()})
         if boot:
@@ -445,6 +451,7 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         # The fork's own kernel and initrd (linked from its parent's copies in the store), so
         # it keeps booting whatever becomes of the parent or the guest directory.
         new_xml = files.own_boot_files(new_xml, d, ctl.workdir, new_domain)
+        files.check_start_files(new_xml, set(overlays), mem is not None, new_domain)
         if fw_cfg is not None:
             new_xml = domxml.set_fw_cfg(new_xml, fw_cfg)
         if mem is not None:

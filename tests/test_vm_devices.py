@@ -1,0 +1,140 @@
+"""Adopted domains with devices beyond one writable file disk (QA, twelfth session): read-only
+disks and cdroms, shareable disks, a disk hot-plugged after a checkpoint; against a real
+libvirtd, QEMU and the test guest.
+
+Every domain made here is destroyed and undefined at the end, even on failure (``adopted``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests import test_keeper_vm as kvm
+from tests.cli_helpers import virsh
+from tests.test_keeper_vm import adopted, cat, plain_domain_xml, run, save, wait_transcript
+from tests.test_vm_release import raw_domain, sources
+
+pytestmark = pytest.mark.vm
+env, guest = kvm.env, kvm.guest  # the module's own store (a fixture per module), no booted agent
+
+
+def checkpoint_names(store: Path, session: str, e: dict) -> list[str]:
+    return [c["name"] for c in json.loads(run(store, "checkpoints", session, "--json",
+                                              env=e).stdout)]
+
+
+def test_read_only_disks_are_attached_not_kept_and_one_gone_refuses_the_restore(
+        env, guest: Path, tmp_path: Path) -> None:
+    """A read-only disk and a cdrom stay on the user's files through saves, restores and the
+    release (QA: a read-only image shared with another domain made every save's commit fail);
+    a restore whose checkpoint names an image since deleted is refused before the machine is
+    stopped or anything saved (QA: it left the machine shut off)."""
+    store, e = env["store"], env["env"]
+    dom, own, _ = raw_domain(env, guest, tmp_path, "rodisk")
+    spec = json.loads((guest / "guest.json").read_text())
+    ro = tmp_path / "shared.raw"
+    ro.write_bytes(bytes(range(256)) * 4096 * 4)
+    iso = tmp_path / "tools.iso"
+    iso.write_bytes(b"ISO" * 10000)
+    extra = (f"<disk type='file' device='disk'><driver name='qemu' type='raw'/>"
+             f"<source file='{ro}'/><target dev='vdb' bus='virtio'/><readonly/></disk>"
+             f"<disk type='file' device='cdrom'><driver name='qemu' type='raw'/>"
+             f"<source file='{iso}'/><target dev='hdc' bus='ide'/><readonly/></disk>")
+    xml = plain_domain_xml(dom, spec, [(own, "raw", "vda")], extra=extra)
+    ro_bytes, name = ro.read_bytes(), dom
+
+    def disk_sources(inactive: bool = False) -> dict[str, str]:
+        out = virsh("domblklist", dom, *(["--inactive"] if inactive else []), check=True).stdout
+        return dict(line.split(None, 1) for line in out.splitlines() if line.strip())  # -q
+
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
+        c1 = wait_transcript(store, name, e, 2)
+        save(store, name, e)
+        for inactive in (False, True):
+            assert disk_sources(inactive)["vdb"] == str(ro)
+            assert disk_sources(inactive)["hdc"] == str(iso)
+        assert not list((store / "vm" / name).glob("vdb*")), "the read-only disk was layered"
+        gone = run(store, "cat", name, c1, "disk-vdb.raw", check=False, env=e)
+        assert gone.returncode == 3, gone.stderr  # not stored: the guest cannot change it
+        run(store, "restore", name, c1, env=e)
+        assert disk_sources()["vdb"] == str(ro) and virsh("domstate", dom).stdout.strip() == \
+            "running"
+
+        # the cdrom image deleted since: refused before anything is saved or stopped
+        iso.rename(tmp_path / "moved.iso")
+        before = checkpoint_names(store, name, e)
+        refused = run(store, "restore", name, c1, check=False, env=e)
+        assert refused.returncode == 3, refused.stderr
+        assert str(iso) in refused.stderr and "nothing was changed" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        assert checkpoint_names(store, name, e) == before
+        (tmp_path / "moved.iso").rename(iso)
+
+        res = json.loads(run(store, "session", "rm", name, "--release", "--json", env=e).stdout)
+        assert set(res["released"]["disks"]) == {"vda"}  # the read-only disk was never ours
+        assert disk_sources()["vdb"] == disk_sources(True)["vdb"] == str(ro)
+        assert ro.read_bytes() == ro_bytes
+
+
+def test_a_shareable_disk_is_refused_at_adopt(env, guest: Path, tmp_path: Path) -> None:
+    """QA: adopted, then every save failed (libvirt snapshots no shareable disk)."""
+    store, e = env["store"], env["env"]
+    dom, own, _ = raw_domain(env, guest, tmp_path, "sharedisk")
+    spec = json.loads((guest / "guest.json").read_text())
+    shared = tmp_path / "shared.raw"
+    shared.write_bytes(bytes(1 << 20))
+    extra = (f"<disk type='file' device='disk'><driver name='qemu' type='raw'/>"
+             f"<source file='{shared}'/><target dev='vdb' bus='virtio'/><shareable/></disk>")
+    (tmp_path / "dom.xml").write_text(plain_domain_xml(dom, spec, [(own, "raw", "vda")],
+                                                       extra=extra))
+    try:
+        virsh("define", str(tmp_path / "dom.xml"), check=True)
+        res = run(store, "session", "adopt", dom, dom, check=False, env=e)
+        assert res.returncode == 10, res.stderr
+        assert f"disk vdb of domain {dom} is shareable" in res.stderr
+        assert f"virsh detach-disk {dom} vdb" in res.stderr
+        assert dom not in run(store, "session", "list", env=e).stdout
+        assert not (store / "vm" / dom).exists()
+        assert virsh("domstate", dom).stdout.strip() == "shut off"  # not started either
+    finally:
+        virsh("destroy", dom)
+        virsh("undefine", dom)
+
+
+def test_a_disk_hot_plugged_after_a_checkpoint_goes_with_a_restore_to_it(
+        env, guest: Path, tmp_path: Path) -> None:
+    """QA: restored to a checkpoint from before the disk was attached, the persistent
+    definition kept it on a file the restore deleted (the next cold boot failed), and a
+    release after a restore to a checkpoint with it refused it as unknown."""
+    store, e = env["store"], env["env"]
+    dom, own, xml = raw_domain(env, guest, tmp_path, "hotplug")
+    xml = xml.replace("<devices>", "<features><acpi/></features><devices>")  # PCI hotplug
+    name = dom
+    data = tmp_path / "data.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(data), "16M"], check=True)
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
+        c1 = wait_transcript(store, name, e, 2)
+        plugged = virsh("attach-disk", dom, str(data), "vdb", "--driver", "qemu",
+                        "--subdriver", "qcow2", "--persistent")
+        assert plugged.returncode == 0, plugged.stderr
+        c2 = save(store, name, e)
+        assert len(cat(store, e, name, c2, "disk-vdb.raw")) == 16 << 20
+
+        run(store, "restore", name, c1, env=e)
+        assert set(sources(dom)) == set(sources(dom, inactive=True)) == {"vda"}
+        virsh("destroy", dom, check=True)  # a cold boot from the definition works
+        virsh("start", dom, check=True)
+        assert virsh("domstate", dom).stdout.strip() == "running"
+
+        run(store, "restore", name, c2, env=e)
+        assert set(sources(dom)) == set(sources(dom, inactive=True)) == {"vda", "vdb"}
+        res = json.loads(run(store, "session", "rm", name, "--release", "--json", env=e).stdout)
+        released = res["released"]["disks"]
+        assert released["vdb"] == str(tmp_path / "data.released.qcow2")
+        assert sources(dom) == sources(dom, inactive=True) == released
+        assert not (store / "vm" / name).exists()
