@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,29 @@ def test_a_disk_hot_plugged_after_a_checkpoint_goes_with_a_restore_to_it(
         assert released["vdb"] == str(tmp_path / "data.released.qcow2")
         assert sources(dom) == sources(dom, inactive=True) == released
         assert not (store / "vm" / name).exists()
+
+
+def test_a_save_after_the_first_disk_is_detached_stores_each_disk_as_itself(
+        env, guest: Path, tmp_path: Path) -> None:
+    """Review: a save read its base checkpoint's disk file by position, so once the first disk
+    was detached the second was stored as the first one's bytes patched with its own changes."""
+    store, e = env["store"], env["env"]
+    dom, own, _ = raw_domain(env, guest, tmp_path, "detach")
+    spec = json.loads((guest / "guest.json").read_text())
+    pattern = bytes(range(256)) * 4096 * 2  # 2 MiB the guest never touches
+    data = tmp_path / "data.raw"
+    data.write_bytes(pattern)
+    xml = plain_domain_xml(dom, spec, [(own, "raw", "vda"), (data, "raw", "vdb")]).replace(
+        "<devices>", "<features><acpi/></features><devices>")
+    name = dom
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
+        c1 = wait_transcript(store, name, e, 2)
+        assert cat(store, e, name, c1, "disk-vdb.raw") == pattern
+        gone = virsh("detach-disk", dom, "vda", "--live", "--config")
+        assert gone.returncode == 0, gone.stderr
+        deadline = time.monotonic() + 60  # the guest acknowledges the unplug
+        while "vda" in sources(dom) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert set(sources(dom)) == {"vdb"}
+        c2 = save(store, name, e)
+        assert cat(store, e, name, c2, "disk.raw") == pattern

@@ -306,3 +306,33 @@ def test_a_fork_socket_path_stays_short_whatever_the_names() -> None:
     long = ET.fromstring(domxml.rename_for_fork(xml, "h", None, None, deep))
     path = long.find("devices/channel/source").get("path")
     assert path.startswith(str(domxml.SOCKET_DIR) + "/") and len(path) <= 107
+
+
+def test_a_checkpoints_disks_are_found_by_target_not_position() -> None:
+    """A save incremental against a checkpoint whose disks were others (one detached since, or
+    a read-only disk an older ksfs stored first) must not patch one disk onto another's file."""
+    from ksfs.keeper.machine import stored_disks
+    from ksfs.model import CheckpointRecord, FileRecord
+
+    vdb = ("<disk type='file' device='disk'><source file='/img/data.raw'/>"
+           "<target dev='vdb' bus='virtio'/></disk>")
+
+    def record(xml: str | None, *names: str) -> CheckpointRecord:
+        files = tuple(FileRecord(n, "00" * 32, 1) for n in ("memory", *names))
+        return CheckpointRecord("s", "c", 1, 0.0, files, domain_xml=xml)
+
+    two = _with_disk(XML, vdb)
+    assert stored_disks(record(two, "disk.raw", "disk-vdb.raw")) == {
+        "vda": "disk.raw", "vdb": "disk-vdb.raw"}
+    # vda detached since: vdb is now the first disk, but in that checkpoint it is disk-vdb.raw
+    only_vdb = ET.tostring(ET.fromstring(two), encoding="unicode")
+    root = ET.fromstring(only_vdb)
+    devices = root.find("devices")
+    devices.remove(next(d for d in devices.iterfind("disk")
+                        if d.find("target").get("dev") == "vda"))
+    assert stored_disks(record(ET.tostring(root, encoding="unicode"), "disk.raw")) == {
+        "vdb": "disk.raw"}
+    # an older ksfs stored read-only vdb too: its files do not match what the XML keeps now
+    legacy = _with_disk(XML, vdb.replace("</disk>", "<readonly/></disk>"))
+    assert stored_disks(record(legacy, "disk.raw", "disk-vdb.raw")) is None
+    assert stored_disks(record(None, "disk.raw")) is None  # an imported checkpoint

@@ -17,7 +17,7 @@ from ksfs import progress
 from ksfs.crashpoints import crash_point
 from ksfs.errors import AlreadyExists, KsfsError, NotFound, NotPermitted
 from ksfs.keeper.locks import session_lock
-from ksfs.keeper.machine import MEMORY_FILE, disk_file_name, domain_name_for
+from ksfs.keeper.machine import MEMORY_FILE, domain_name_for, stored_disks
 from ksfs.keeper.offline import _reason
 from ksfs.model import (
     CheckpointRecord,
@@ -36,12 +36,15 @@ class RestoreVerbs:
         """The checkpoint's memory (None for the disks of a stopped machine, which boot
         instead) and disks, each as a store file, keyed by disk target."""
         mem = record.file(MEMORY_FILE)
+        names = stored_disks(record)
+        if names is None:
+            raise NotPermitted(f"the disks checkpoint {record.session}/{record.name} stored are "
+                               f"not those its domain XML keeps (taken by a ksfs that also "
+                               f"stored read-only disks): its files can be read (ksfs cat), "
+                               f"not restored or forked")
         disks = {}
-        for i, d in enumerate(xml_disks):
-            f = record.file(disk_file_name(i, d.target))
-            if f is None:
-                raise NotPermitted(f"checkpoint {record.session}/{record.name} has no disk "
-                                   f"{d.target}")
+        for d in xml_disks:
+            f = record.file(names[d.target])
             disks[d.target] = self.store.open_file(f.manifest)
         return (self.store.open_file(mem.manifest) if mem else None), disks
 

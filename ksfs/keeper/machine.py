@@ -47,6 +47,24 @@ def disk_file_name(index: int, target: str) -> str:
     return "disk.raw" if index == 0 else f"disk-{target}.raw"
 
 
+def stored_disks(record: Any) -> dict[str, str] | None:
+    """Disk target -> file name of each disk a machine's checkpoint stored, by its own domain
+    XML; None when its files are not those (no XML: an imported checkpoint; or one taken by a
+    ksfs that also stored read-only disks, so ``disk.raw`` may be another disk). By target,
+    not position: a disk detached since would shift every later one onto another's file."""
+    from ksfs.vm import domxml
+
+    if not record.domain_xml:
+        return None
+    try:
+        disks = domxml.disks(record.domain_xml)
+    except KsfsError:
+        return None
+    names = {d.target: disk_file_name(i, d.target) for i, d in enumerate(disks)}
+    stored = {f.name for f in record.files if f.name != MEMORY_FILE}
+    return names if set(names.values()) == stored else None
+
+
 BASE_CMDLINE = "console=ttyS0 panic=-1 quiet"
 
 
@@ -471,7 +489,9 @@ class MachineVerbs:
                                         f.digest))
             for i, disk in enumerate(frozen.disks):
                 fname = disk_file_name(i, disk.target)
-                prev = base.file(fname) if base is not None else None
+                # the base's own file of this disk (not of whichever disk was i-th then)
+                prev_name = (stored_disks(base) or {}).get(disk.target) if base else None
+                prev = base.file(prev_name) if prev_name else None
                 # Without the changed ranges (the disk's chain was rebuilt outside ksfs, e.g.
                 # by a virsh blockcopy) the whole disk is read, and a base alone means nothing.
                 changed = disk.changed if prev is not None else None
