@@ -42,6 +42,7 @@ EVENT_TYPES = frozenset(
         "recover",
         "input.rejected",
         "fs.unreadable",
+        "disk.handed_back",
     }
 )
 

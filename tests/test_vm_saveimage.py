@@ -187,22 +187,45 @@ def test_files_to_start_names_what_libvirt_needs_and_may_drop() -> None:
 def test_match_disks_gives_a_definition_the_restored_machines_disks() -> None:
     hot = ("<disk type='file' device='disk'><source file='/w/parent/vdb-4.qcow2'/>"
            "<target dev='vdb' bus='virtio'/></disk>")
+    next_boot = ("<disk type='file' device='disk'><source file='/img/later.raw'/>"
+                 "<target dev='vdd' bus='virtio'/></disk>")
     unplugged = ("<disk type='file' device='disk'><driver type='raw'/>"
                  "<source file='/img/data.raw' index='3'/><backingStore/>"
-                 "<target dev='vdc' bus='virtio'/><alias name='virtio-disk2'/></disk>")
-    inactive = _with_disk(XML, hot)
+                 "<target dev='vdc' bus='virtio'/><alias name='virtio-disk2'/>"
+                 "<address type='pci' domain='0x0000' bus='0x00' slot='0x07' function='0x0'/>"
+                 "</disk>")
+    inactive = _with_disk(XML, hot + next_boot)
     restored = _with_disk(XML, unplugged).replace("/w/parent/vda-3", "/w/parent/vda-9")
-    out = domxml.match_disks(inactive, restored)
+
+    def ours(path: str) -> bool:
+        return path.startswith("/w/parent/")
+
+    out = domxml.match_disks(inactive, restored, ours)
     root = ET.fromstring(out)
-    targets = [d.find("target").get("dev") for d in root.iterfind("devices/disk")]
-    assert targets == ["vda", "hdc", "vdc"]  # vdb gone, vdc added after the disks kept
     by_target = {d.find("target").get("dev"): d for d in root.iterfind("devices/disk")}
+    # vdb (on a file the restore deletes) gone; vdd, attached for the next boot only, kept;
+    # vdc added after the disks kept
+    assert list(by_target) == ["vda", "hdc", "vdd", "vdc"]
     vdc = by_target["vdc"]
     assert vdc.find("source").attrib == {"file": "/img/data.raw"}
     assert vdc.find("alias") is None and vdc.find("backingStore") is None
+    assert vdc.find("address").get("slot") == "0x07"
     # a disk both have keeps the definition's source (the caller points it anew)
     assert by_target["vda"].find("source").get("file") == "/w/parent/vda-3.qcow2"
-    assert domxml.match_disks(XML, XML) == ET.tostring(ET.fromstring(XML), encoding="unicode")
+    bare = ET.fromstring(domxml.match_disks(inactive, restored, ours, keep_addresses=False))
+    assert [d.find("address") for d in bare.iterfind("devices/disk")
+            if d.find("target").get("dev") == "vdc"] == [None]
+    # a read-only disk attached on vdc since the checkpoint, which had a writable vdc there
+    swapped = _with_disk(XML, unplugged.replace("/img/data.raw", "/img/ro2.raw").replace(
+        "</disk>", "<readonly/></disk>"))
+    out = ET.fromstring(domxml.match_disks(swapped, restored, ours))
+    vdcs = [d for d in out.iterfind("devices/disk") if d.find("target").get("dev") == "vdc"]
+    assert len(vdcs) == 1 and vdcs[0].find("readonly") is None
+    assert vdcs[0].find("source").get("file") == "/img/data.raw"
+    assert domxml.match_disks(XML, XML, ours) == ET.tostring(ET.fromstring(XML),
+                                                             encoding="unicode")
+    assert domxml.file_sources(inactive) == ["/w/parent/vda-3.qcow2", "/iso/x.iso",
+                                             "/w/parent/vdb-4.qcow2", "/img/later.raw"]
 
 
 def test_set_disk_sources_drops_the_recorded_chain_and_keeps_the_rest() -> None:

@@ -97,7 +97,8 @@ class RestoreVerbs:
         # every file of the session that is not its chain.
         self._finish_killed_restore(rec)
         memory, disks = self._checkpoint_readers(target, xml_disks)
-        self.vm.check_start_files(target.domain_xml, rec.domain, memory is not None)
+        self.vm.check_start_files(target.domain_xml, f"checkpoint {session}/{checkpoint}",
+                                  memory is not None)
         kept = None
         state = self.vm.state(rec.domain)
         if keep_stopped and state not in ("running", "paused", "absent"):
@@ -188,7 +189,7 @@ class RestoreVerbs:
         # what cannot be forked is said before any lock file is made (bad input changes nothing)
         record = self.ledger.checkpoint(session, checkpoint)
         self._xml_disks(record)
-        self.vm.check_start_files(record.domain_xml, domain_name_for(new),
+        self.vm.check_start_files(record.domain_xml, f"checkpoint {session}/{checkpoint}",
                                   record.file(MEMORY_FILE) is not None)
         domain = domain_name_for(new)
         # The parent's lock too: while the fork reads the checkpoint, `rm` of it (and a gc

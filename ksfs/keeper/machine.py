@@ -309,6 +309,7 @@ class MachineVerbs:
                     raise BadInput(f"--release hands back a domain the session adopted; the "
                                    f"machine of {name} was made by ksfs (plain `session rm` "
                                    f"removes it)")
+                self._hand_back_detached(rec)
                 plan = self.vm.release_plan(name, rec.domain)  # refused: nothing changed yet
             intent = rec.domain is not None and rec.removed is None and begun is None
             if intent:
@@ -409,9 +410,19 @@ class MachineVerbs:
             self._finish_killed_restore(rec)
             return self._save_locked(rec, name, reason="save")
 
+    def _hand_back_detached(self, rec: SessionRecord) -> None:
+        """Before a save, restore, recover or release: a disk the user detached from an adopted
+        machine while its writes were in ksfs's layers is given back first (vm.detached), and
+        the log says where its bytes went. Raises (nothing removed) when it cannot be."""
+        if not rec.domain:
+            return
+        for target, where in self.vm.hand_back_detached(rec.name, rec.domain).items():
+            self.ledger.record(rec.name, "disk.handed_back", {"target": target, **where})
+
     def _save_locked(self, rec: SessionRecord, name: str | None, reason: str,
                      live: bool = True) -> CheckpointRecord:
         session = rec.name
+        self._hand_back_detached(rec)
         begin, name = self._begin_checkpoint(session, name, reason)
         frozen = None
         try:
@@ -457,6 +468,7 @@ class MachineVerbs:
         crashed): what it wrote since its last checkpoint, kept before anything replaces it.
         It has no memory: a restore or fork of it boots its disks."""
         session = rec.name
+        self._hand_back_detached(rec)
         begin, name = self._begin_checkpoint(session, None, reason)
         frozen = None
         try:

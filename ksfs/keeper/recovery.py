@@ -124,6 +124,7 @@ class Recovery:
         if not rec.domain:
             return actions
         # under the session lock: no verb of it is running
+        self._hand_back_detached(rec)  # before a detached disk's layer looks like a leftover
         freed = self.vm.drop_leftovers(rec.name, rec.domain)
         if freed:
             actions.append(f"{freed} bytes a killed verb left in the session's files removed")
@@ -180,6 +181,14 @@ class Recovery:
             actions.append("adopted domain is gone: not made again (ksfs restore would)")
             return actions
         target = restore_to or self._last_good(rec.name)
+        if target:
+            # What the restore below would refuse is refused first: saving the disks each
+            # time and then failing made a checkpoint per run (QA: a cdrom image deleted).
+            record = self.ledger.checkpoint(rec.name, target)
+            if record.domain_xml:
+                self.vm.check_start_files(record.domain_xml,
+                                          f"checkpoint {rec.name}/{target}",
+                                          record.file(MEMORY_FILE) is not None)
         if target and state != "absent":
             # What the machine wrote since that checkpoint is on its disks: kept first, or
             # the machine is left as it is (a restore would delete it).

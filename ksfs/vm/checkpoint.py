@@ -355,10 +355,12 @@ def finish(ctl: DomainController, frozen: Frozen, checkpoint: str | None) -> Non
         if tracked is None or tracked.root != disk.root:
             depth = [str(f) for f in disk.source.files].index(disk.root)
             tracked = state.disks[disk.target] = DiskState(disk.root, disk.source.formats[depth])
-            if state.adopted and not Path(disk.root).is_relative_to(
-                    ctl.session_dir(frozen.session)):
+            if state.origins and not Path(disk.root).resolve().is_relative_to(
+                    ctl.session_dir(frozen.session).resolve()):
                 # A disk attached since the adoption is the user's too: a release after a
-                # restore copies it out beside this file, as it does the first ones.
+                # restore copies it out beside this file, as it does the first ones. (Not in
+                # a session adopted before origins were recorded: there the old roots are
+                # what is the user's, see restore._users_disks.)
                 state.origins[disk.target] = [disk.root, tracked.root_fmt]
         label = checkpoint or frozen.token
         if disk.layers:

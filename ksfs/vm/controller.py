@@ -245,12 +245,24 @@ class DomainController:
 
         return restore(self, session, domain, memory, disks, xml, checkpoint, staged)
 
-    def check_start_files(self, xml: str, domain: str, from_memory: bool) -> None:
-        """NotFound when a checkpoint with definition ``xml`` names a host file that is gone
-        (a cdrom image, a read-only disk, the firmware): asked before anything is saved or
-        stopped for its restore or fork."""
+    def hand_back_detached(self, session: str, domain: str) -> dict[str, dict[str, str]]:
+        """Give the user back each disk of an adopted domain detached while ksfs's layers were
+        on it (their writes committed into the user's file, or copied out beside it); see
+        ksfs.vm.detached. Returns target -> {"how", "file"}; VMError when one cannot be."""
+        from ksfs.vm.checkpoint import settle_commits
+        from ksfs.vm.detached import hand_back
+
+        if not self.exists(domain) or load_state(self._state_path(session)) is None:
+            return {}
+        settle_commits(self, session, domain)  # a killed save's commit ends first
+        return hand_back(self, session, domain)
+
+    def check_start_files(self, xml: str, label: str, from_memory: bool) -> None:
+        """NotFound when a checkpoint (``label``: "checkpoint S/C") with definition ``xml``
+        names a host file that is gone (a cdrom image, a read-only disk, the firmware): asked
+        before anything is saved or stopped for its restore or fork."""
         files.check_start_files(xml, {d.target for d in domxml.disks(xml)}, from_memory,
-                                domain)
+                                label)
 
     def restore_pending(self, session: str) -> bool:
         """A restore's files were handed to libvirt and not yet recorded (see settle)."""

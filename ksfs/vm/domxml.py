@@ -13,6 +13,7 @@ import random
 import re
 import uuid as uuidlib
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
@@ -127,8 +128,8 @@ def disks(xml: str) -> list[DiskInfo]:
         if target is None:
             continue
         dev, name = target.get("dev", ""), root.findtext("name") or "?"
-        fix = (f": detach it (virsh detach-disk {name} {dev} --live --config) or attach it "
-               f"read-only")
+        fix = (f": detach it (virsh detach-disk {name} {dev}, with --live and --config as "
+               f"it is attached) or attach it read-only")
         if disk.get("type") != "file" or source is None or not source.get("file"):
             raise VMError(f"disk {dev} of domain {name} is not a plain file (type="
                           f"{disk.get('type')!r}); ksfs keeps only file-backed raw or qcow2 "
@@ -148,6 +149,13 @@ def disks(xml: str) -> list[DiskInfo]:
             node = node.find("backingStore")
         out.append(DiskInfo(dev, source.get("file", ""), fmt, tuple(chain)))
     return out
+
+
+def file_sources(xml: str) -> list[str]:
+    """The file of every disk the domain names, kept by ksfs or not (cdroms, read-only disks):
+    what must not be deleted while the domain uses it."""
+    return [src.get("file") for src in _parse(xml).iterfind("devices/disk/source")
+            if src.get("file")]
 
 
 def files_to_start(xml: str, kept: set[str], from_memory: bool) -> list[tuple[str, str]]:
@@ -174,11 +182,17 @@ def files_to_start(xml: str, kept: set[str], from_memory: bool) -> list[tuple[st
     return out
 
 
-def match_disks(xml: str, to: str) -> str:
+def match_disks(xml: str, to: str, stale: Callable[[str], bool],
+                keep_addresses: bool = True) -> str:
     """``xml`` (a persistent definition) with the disk devices of ``to`` (the machine a
-    restore started): those ``to`` lacks (hot-plugged after the checkpoint) removed, those only
-    ``to`` has (unplugged since) added from it; the disks both have are kept as ``xml`` has
-    them, sources and all (the caller points them at their new files)."""
+    restore started): a disk ``to`` lacks is removed when ``stale`` says its file is one the
+    restore deletes (a disk hot-plugged after the checkpoint and layered by a save since; one
+    attached for the next boot only is the user's and stays); a disk only ``to`` has (unplugged
+    since the checkpoint) is added from it, without its device address unless
+    ``keep_addresses`` (that slot may be another device's now). Disks both have are kept as
+    ``xml`` has them, sources and all (the caller points them at their new files), unless
+    the definition's is another kind of disk (read-only, shareable, another device or type):
+    then the restored one takes its place."""
     root, want = _parse(xml), _parse(to)
     devices = root.find("devices")
     if devices is None:
@@ -188,26 +202,46 @@ def match_disks(xml: str, to: str) -> str:
         t = disk.find("target")
         return t.get("dev", "") if t is not None else ""
 
-    wanted = {key(d): d for d in want.iterfind("devices/disk")}
-    have = {key(d) for d in devices.iterfind("disk")}
-    for disk in list(devices.iterfind("disk")):
-        if key(disk) not in wanted:
-            devices.remove(disk)
-    kept = devices.findall("disk")
-    # after the disks it keeps (the first disk is often the one booted), else first
-    anchor = list(devices).index(kept[-1]) + 1 if kept else 0
-    for k, disk in wanted.items():
-        if k in have:
-            continue
-        for el in disk.findall("alias") + disk.findall("backingStore"):
-            if el.tag == "backingStore" or not (el.get("name") or "").startswith("ua-"):
+    def definable(disk: ET.Element) -> ET.Element:
+        """A running machine's disk element as a definition takes it."""
+        for el in list(disk):
+            if (el.tag == "backingStore" or (el.tag == "address" and not keep_addresses)
+                    or (el.tag == "alias" and not (el.get("name") or "").startswith("ua-"))):
                 disk.remove(el)
         source = disk.find("source")
         if source is not None:
             source.attrib.pop("index", None)
-        devices.insert(anchor, disk)
-        anchor += 1
+        return disk
+
+    wanted = {key(d): d for d in want.iterfind("devices/disk")}
+    have = set()
+    for disk in list(devices.iterfind("disk")):
+        source = disk.find("source")
+        path = source.get("file") if source is not None else None
+        k = key(disk)
+        if k in wanted and _kind(disk) != _kind(wanted[k]):
+            # another disk on the same target since (a read-only one where the checkpoint
+            # had a writable one): the restored one takes its place, as it runs
+            at = list(devices).index(disk)
+            devices.remove(disk)
+            devices.insert(at, definable(wanted[k]))
+        elif k not in wanted and path and stale(path):
+            devices.remove(disk)
+            continue
+        have.add(k)
+    kept = devices.findall("disk")
+    # after the disks it keeps (the first disk is often the one booted), else first
+    anchor = list(devices).index(kept[-1]) + 1 if kept else 0
+    for k, disk in wanted.items():
+        if k not in have:
+            devices.insert(anchor, definable(disk))
+            anchor += 1
     return ET.tostring(root, encoding="unicode")
+
+
+def _kind(disk: ET.Element) -> tuple:
+    return (disk.get("device", "disk"), disk.get("type"), disk.find("readonly") is not None,
+            disk.find("shareable") is not None)
 
 
 def set_disk_sources(xml: str, sources: dict[str, tuple[str, str]]) -> str:

@@ -169,12 +169,13 @@ def check_adoptable(target: str, source: str, domain: str) -> None:
                       f"ksfs cannot read in place{how}")
 
 
-def check_start_files(xml: str, kept: set[str], from_memory: bool, domain: str) -> None:
+def check_start_files(xml: str, kept: set[str], from_memory: bool, label: str,
+                      unchanged: str = "nothing was changed") -> None:
     """Refuse (NotFound), before a restore or fork stops or makes anything, a checkpoint whose
     definition names a host file that is gone: a cdrom or read-only image, the firmware. libvirt
     would fail only after the running machine was stopped (QA: a deleted ISO left it shut
-    off). ``kept``: the disks the caller writes itself."""
+    off). ``kept``: the disks the caller writes itself; ``label`` names the checkpoint."""
     for what, path in domxml.files_to_start(xml, kept, from_memory):
         if not os.path.exists(path):
-            raise NotFound(f"the checkpoint of {domain} needs its {what} {path}, which does "
-                           f"not exist; put it back there and try again (nothing was changed)")
+            raise NotFound(f"{label} needs its {what} {path}, which does not exist; put it "
+                           f"back there and try again ({unchanged})")

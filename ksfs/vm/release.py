@@ -87,6 +87,12 @@ def plan(ctl: DomainController, session: str, domain: str) -> dict[str, dict[str
         if _inside(path, sdir):
             raise VMError(f"domain {domain} boots from ksfs's copy of its {tag} ({path}); "
                           f"point it at your own {tag} (virsh edit) first")
+    kept = {d.source for d in domxml.disks(xml)}
+    for f in domxml.file_sources(xml):
+        if f not in kept and any(_inside(g, sdir) for g in _chain_files(Path(f))):
+            raise VMError(f"a read-only disk or cdrom of domain {domain} runs on {f}, a layer "
+                          f"an older ksfs made; point it back at its own file (virsh edit, "
+                          f"with the domain shut off) first")
     out: dict[str, dict[str, Any]] = {}
     for disk in domxml.disks(xml):
         chain = _chain(disk.source)
@@ -254,6 +260,9 @@ def _check_released(ctl: DomainController, domain: str, sdir: Path) -> None:
     """Neither the running machine nor its definition may name a file of the session's
     directory any more: the caller deletes that directory next."""
     for xml in {ctl.xml(domain), ctl.xml(domain, inactive=True)}:
+        for f in domxml.file_sources(xml):  # cdroms and read-only disks too
+            if _inside(f, sdir):
+                raise VMError(f"domain {domain} still names {f} after its release")
         for disk in domxml.disks(xml):
             if not Path(disk.source).exists():
                 raise VMError(f"disk {disk.target} of domain {domain} names {disk.source}, "

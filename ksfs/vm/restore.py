@@ -13,6 +13,7 @@ the session's directory.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import time
@@ -34,6 +35,8 @@ from ksfs.vm.steps import step
 
 if TYPE_CHECKING:
     from ksfs.vm.controller import DomainController
+
+log = logging.getLogger(__name__)
 
 
 def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
@@ -181,7 +184,9 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
             new_xml = ET.tostring(root, encoding="unicode")
             if mem is not None:
                 saveimage.rewrite_xml(mem, new_xml)
-        files.check_start_files(new_xml, set(overlays), mem is not None, domain)
+        files.check_start_files(new_xml, set(overlays), mem is not None,
+                                f"checkpoint {checkpoint or domain}",
+                                "the machine was not stopped")
         # Before the machine is touched: once libvirt runs these files, a restore killed before
         # it recorded them is finished by recover (settle), not left half known.
         label = checkpoint or f"restore-{n}"
@@ -203,7 +208,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
                 ctl.conn.defineXML(new_xml)
         own = {t: p for t, p in domxml.boot_files(new_xml).items()
                if Path(p).parent == ctl.session_dir(session)}
-        _redefine(ctl, domain, overlays, own)
+        _redefine(ctl, domain, overlays, own, ctl.session_dir(session))
         timings.update(destroy=t2 - t1, restore=t3 - t2, redefine=time.monotonic() - t3)
     except BaseException:
         if started or dom is None:
@@ -225,19 +230,26 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
     finally:
         if mem is not None:
             mem.unlink(missing_ok=True)
-    _take_new_chain(ctl, session, state, bases, overlays, label)
+    _take_new_chain(ctl, session, state, bases, overlays, label, new_xml)
     return Restored(domain, session, {t: str(p) for t, p in bases.items()}, label, timings)
 
 
 def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
-                    bases: dict[str, Path], overlays: dict[str, Path], label: str) -> None:
+                    bases: dict[str, Path], overlays: dict[str, Path], label: str,
+                    xml: str) -> None:
     """Record the restored chain roots as the session's disks and remove every other file of
-    the session (the old chain, leftovers of restores that died staging)."""
+    the session (the old chain, leftovers of restores that died staging) but those the
+    restored machine's other disks (``xml``) run on."""
     old_roots = {Path(ds.root) for ds in state.disks.values()}
     state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
     state.pending = None
     ctl.save_state(session, state)
     keep = set(bases.values()) | set(overlays.values())
+    ours = {str(p) for p in overlays.values()}
+    for f in domxml.file_sources(xml):
+        if f not in ours:  # an older ksfs layered read-only disks: such a layer is in use
+            # (only files that are there: one to keep that cannot be looked at keeps all)
+            keep |= {p for p in _chain_files(Path(f)) if p.exists()}
     # memory images of restores that died staging (verbs on a session are serialized)
     for p in (ctl.session_dir(session) / "staging").glob("restore-*.image*"):
         p.unlink(missing_ok=True)
@@ -284,8 +296,13 @@ def files_in_use(ctl: DomainController, domain: str, strict: bool = False
             xmls.append(live_xml)
     in_use: set[Path] = set()
     for x in xmls:
-        for d in domxml.disks(x):
-            in_use |= _chain_files(Path(d.source), strict)
+        kept = {d.source for d in domxml.disks(x)}
+        # every disk's, kept or not: an older ksfs layered read-only disks too
+        for f in domxml.file_sources(x):
+            if f in kept:
+                in_use |= _chain_files(Path(f), strict)
+            else:  # a cdrom's image may be gone: no use of a file that is not there
+                in_use |= {p for p in _chain_files(Path(f)) if p.exists()}
     return in_use, live_xml
 
 
@@ -371,8 +388,8 @@ def settle(ctl: DomainController, session: str, domain: str) -> str | None:
         return None
     own = {t: p for t, p in domxml.boot_files(live_xml).items()
            if _same_file(Path(p).parent, ctl.session_dir(session))}
-    _redefine(ctl, domain, overlays, own)
-    _take_new_chain(ctl, session, state, bases, overlays, pending["label"])
+    _redefine(ctl, domain, overlays, own, ctl.session_dir(session))
+    _take_new_chain(ctl, session, state, bases, overlays, pending["label"], live_xml)
     return pending["label"]
 
 
@@ -401,24 +418,41 @@ def _start_paused(ctl: DomainController, domain: str, mem: Path | None, xml: str
 
 
 def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path],
-              boot: dict[str, str] | None = None) -> None:
+              boot: dict[str, str] | None, session_dir: Path) -> None:
     """Point the persistent definition at the new disks (and the session's own kernel and
     initrd) too, so a cold boot finds them, and give it the restored machine's set of disks:
-    one hot-plugged after the checkpoint would name a file the restore deleted (QA)."""
+    one hot-plugged after the checkpoint would name a file the restore deletes (QA). The
+    machine runs by now: a definition libvirt refuses with the disks matched (a re-added
+    disk's address taken since) is retried without their addresses, then made as before."""
     dom = ctl.lookup(domain)
     with step(domain, "updating the persistent definition"):
         if not dom.isPersistent():
             return
         secure = libvirt.VIR_DOMAIN_XML_SECURE
         inactive = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE | secure)
-        if dom.isActive():
-            running = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_MIGRATABLE | secure)
-            inactive = domxml.match_disks(inactive, running)
-        inactive = domxml.set_disk_sources(
-            inactive, {t: (str(p), "qcow2") for t, p in overlays.items()})
-        if boot:
-            inactive = domxml.set_boot_files(inactive, boot)
-        ctl.conn.defineXML(inactive)
+        running = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_MIGRATABLE | secure) \
+            if dom.isActive() else None
+        sources = {t: (str(p), "qcow2") for t, p in overlays.items()}
+
+        def stale(path: str) -> bool:
+            return Path(path).resolve().is_relative_to(session_dir.resolve())
+
+        tries = [domxml.match_disks(inactive, running, stale, keep) for keep in (True, False)] \
+            if running else []
+        tries.append(inactive)  # as before: only the restored disks pointed anew
+        for n, xml in enumerate(tries):
+            xml = domxml.set_disk_sources(xml, sources)
+            if boot:
+                xml = domxml.set_boot_files(xml, boot)
+            try:
+                ctl.conn.defineXML(xml)
+                return
+            except libvirt.libvirtError as exc:
+                if n == len(tries) - 1:
+                    raise
+                log.warning("libvirt refused the definition of %s with its disks matched to "
+                            "the restored machine's (%s); trying the next way", domain,
+                            exc.get_error_message())
 
 
 def fork(ctl: DomainController, new_session: str, new_domain: str, memory: object | None,
@@ -451,7 +485,8 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         # The fork's own kernel and initrd (linked from its parent's copies in the store), so
         # it keeps booting whatever becomes of the parent or the guest directory.
         new_xml = files.own_boot_files(new_xml, d, ctl.workdir, new_domain)
-        files.check_start_files(new_xml, set(overlays), mem is not None, new_domain)
+        files.check_start_files(new_xml, set(overlays), mem is not None,
+                                f"checkpoint {checkpoint or new_domain}")
         if fw_cfg is not None:
             new_xml = domxml.set_fw_cfg(new_xml, fw_cfg)
         if mem is not None:
