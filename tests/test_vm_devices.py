@@ -251,7 +251,9 @@ def test_a_disk_detached_with_writes_in_ksfs_layers_is_handed_back(
         save(store, name, e)  # vdc now runs on ksfs's overlay
         write_through_qemu(dom, "virtio-disk2", 0xEE)
         unplug()
-        run(store, "recover", env=e)
+        report = json.loads(run(store, "recover", "--json", env=e).stdout)
+        actions = {r["session"]: r["actions"] for r in report}[name]
+        assert any("disk vdc" in a and "handed back" in a for a in actions), actions
         assert first_bytes(data, tmp_path) == b"\xee" * 65536  # committed into the user's file
         handed = [ev for ev in kvm.events_of(store, name, e) if ev["type"] == "disk.handed_back"]
         assert [ev["body"] for ev in handed] == [

@@ -410,14 +410,16 @@ class MachineVerbs:
             self._finish_killed_restore(rec)
             return self._save_locked(rec, name, reason="save")
 
-    def _hand_back_detached(self, rec: SessionRecord) -> None:
+    def _hand_back_detached(self, rec: SessionRecord) -> dict[str, dict[str, str]]:
         """Before a save, restore, recover or release: a disk the user detached from an adopted
         machine while its writes were in ksfs's layers is given back first (vm.detached), and
         the log says where its bytes went. Raises (nothing removed) when it cannot be."""
         if not rec.domain:
-            return
-        for target, where in self.vm.hand_back_detached(rec.name, rec.domain).items():
+            return {}
+        done = self.vm.hand_back_detached(rec.name, rec.domain)
+        for target, where in done.items():
             self.ledger.record(rec.name, "disk.handed_back", {"target": target, **where})
+        return done
 
     def _save_locked(self, rec: SessionRecord, name: str | None, reason: str,
                      live: bool = True) -> CheckpointRecord:

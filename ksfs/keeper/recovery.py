@@ -124,7 +124,10 @@ class Recovery:
         if not rec.domain:
             return actions
         # under the session lock: no verb of it is running
-        self._hand_back_detached(rec)  # before a detached disk's layer looks like a leftover
+        # before a detached disk's layer looks like a leftover
+        for target, where in self._hand_back_detached(rec).items():
+            actions.append(f"disk {target}, detached with writes in ksfs's layer, handed back "
+                           f"({where['how']} into {where['file']})")
         freed = self.vm.drop_leftovers(rec.name, rec.domain)
         if freed:
             actions.append(f"{freed} bytes a killed verb left in the session's files removed")

@@ -47,8 +47,8 @@ def hand_back(ctl: DomainController, session: str, domain: str) -> dict[str, dic
     Raises VMError, removing nothing, when a disk cannot be handed back. Call it under the
     session's lock with no block job of ksfs's running (after ``settle_commits``)."""
     state = ctl.load_state(session)
-    if not state.adopted or not state.disks or not ctl.exists(domain):
-        return {}
+    if not state.adopted or not state.disks or state.pending or not ctl.exists(domain):
+        return {}  # (a killed restore's machine runs on files its state does not name yet)
     in_use, _ = files_in_use(ctl, domain, strict=True)
     used = _ids(in_use)
     sdir = ctl.session_dir(session)
