@@ -23,6 +23,13 @@ pytestmark = pytest.mark.vm
 env, guest = kvm.env, kvm.guest  # the module's own store (a fixture per module), no booted agent
 
 
+def all_sources(dom: str, inactive: bool = False) -> dict[str, str]:
+    """target -> file of every disk, cdroms and read-only ones too (``sources`` has only the
+    disks ksfs keeps)."""
+    out = virsh("domblklist", dom, *(["--inactive"] if inactive else []), check=True).stdout
+    return dict(line.split(None, 1) for line in out.splitlines() if line.strip())  # (-q)
+
+
 def checkpoint_names(store: Path, session: str, e: dict) -> list[str]:
     return [c["name"] for c in json.loads(run(store, "checkpoints", session, "--json",
                                               env=e).stdout)]
@@ -48,21 +55,17 @@ def test_read_only_disks_are_attached_not_kept_and_one_gone_refuses_the_restore(
     xml = plain_domain_xml(dom, spec, [(own, "raw", "vda")], extra=extra)
     ro_bytes, name = ro.read_bytes(), dom
 
-    def disk_sources(inactive: bool = False) -> dict[str, str]:
-        out = virsh("domblklist", dom, *(["--inactive"] if inactive else []), check=True).stdout
-        return dict(line.split(None, 1) for line in out.splitlines() if line.strip())  # -q
-
     with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
         c1 = wait_transcript(store, name, e, 2)
         save(store, name, e)
         for inactive in (False, True):
-            assert disk_sources(inactive)["vdb"] == str(ro)
-            assert disk_sources(inactive)["hdc"] == str(iso)
+            assert all_sources(dom, inactive)["vdb"] == str(ro)
+            assert all_sources(dom, inactive)["hdc"] == str(iso)
         assert not list((store / "vm" / name).glob("vdb*")), "the read-only disk was layered"
         gone = run(store, "cat", name, c1, "disk-vdb.raw", check=False, env=e)
         assert gone.returncode == 3, gone.stderr  # not stored: the guest cannot change it
         run(store, "restore", name, c1, env=e)
-        assert disk_sources()["vdb"] == str(ro) and virsh("domstate", dom).stdout.strip() == \
+        assert all_sources(dom)["vdb"] == str(ro) and virsh("domstate", dom).stdout.strip() == \
             "running"
 
         # the cdrom image deleted since: refused before anything is saved or stopped
@@ -78,7 +81,7 @@ def test_read_only_disks_are_attached_not_kept_and_one_gone_refuses_the_restore(
 
         res = json.loads(run(store, "session", "rm", name, "--release", "--json", env=e).stdout)
         assert set(res["released"]["disks"]) == {"vda"}  # the read-only disk was never ours
-        assert disk_sources()["vdb"] == disk_sources(True)["vdb"] == str(ro)
+        assert all_sources(dom)["vdb"] == all_sources(dom, True)["vdb"] == str(ro)
         assert ro.read_bytes() == ro_bytes
 
 
@@ -188,20 +191,17 @@ def test_a_read_only_disk_an_older_ksfs_layered_keeps_its_layer(
                      "--diskspec", "vda,snapshot=no", "--diskspec", f"vdb,file={layer}")
         if made.returncode != 0:
             pytest.skip(f"libvirt does not layer a read-only disk here: {made.stderr.strip()}")
-        assert sources_all(dom)["vdb"] == str(layer)
+        assert all_sources(dom)["vdb"] == str(layer)
         c1 = wait_transcript(store, name, e, 2)
         run(store, "restore", name, c1, env=e)
         run(store, "recover", env=e)
-        assert layer.exists() and sources_all(dom)["vdb"] == str(layer)
+        assert layer.exists() and all_sources(dom)["vdb"] == str(layer)
         refused = run(store, "session", "rm", name, "--release", check=False, env=e)
         assert refused.returncode == 10 and str(layer) in refused.stderr, refused.stderr
         assert name in run(store, "session", "list", env=e).stdout
         assert layer.exists() and virsh("domstate", dom).stdout.strip() == "running"
 
 
-def sources_all(dom: str) -> dict[str, str]:
-    out = virsh("domblklist", dom, check=True).stdout  # (virsh -q: no header)
-    return dict(line.split(None, 1) for line in out.splitlines() if line.strip())
 
 
 def first_bytes(image: Path, tmp_path: Path, n: int = 65536) -> bytes:
