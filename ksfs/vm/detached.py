@@ -49,6 +49,8 @@ def hand_back(ctl: DomainController, session: str, domain: str) -> dict[str, dic
     state = ctl.load_state(session)
     if not state.adopted or not state.disks or state.pending or not ctl.exists(domain):
         return {}  # (a killed restore's machine runs on files its state does not name yet)
+    if _all_attached(ctl, domain, state.disks):
+        return {}  # (the common case, without a qemu-img run per disk)
     in_use, _ = files_in_use(ctl, domain, strict=True)
     used = _ids(in_use)
     sdir = ctl.session_dir(session)
@@ -104,6 +106,17 @@ def hand_back(ctl: DomainController, session: str, domain: str) -> dict[str, dic
             if Path(f).resolve().is_relative_to(sdir.resolve()) and not _ids({Path(f)}) & used:
                 Path(f).unlink(missing_ok=True)
     return done
+
+
+def _all_attached(ctl: DomainController, domain: str, tracked: dict) -> bool:
+    """Every tracked disk's root is in the chain the running machine's XML records for its
+    target (libvirt lists a running disk's backing chain)."""
+    from ksfs.vm import domxml
+
+    if ctl.state(domain) not in ("running", "paused"):
+        return False
+    chains = {d.target: (d.source, *d.backing) for d in domxml.disks(ctl.xml(domain))}
+    return all(ds.root in chains.get(t, ()) for t, ds in tracked.items())
 
 
 def _same(a: str | Path, b: str | Path) -> bool:
