@@ -237,8 +237,8 @@ def test_a_disk_detached_with_writes_in_ksfs_layers_is_handed_back(
                      "qcow2", "--persistent")
         assert done.returncode == 0, done.stderr
 
-    def unplug() -> None:
-        done = virsh("detach-disk", dom, "vdc", "--live", "--config")
+    def unplug(*how: str) -> None:
+        done = virsh("detach-disk", dom, "vdc", *(how or ("--live", "--config")))
         assert done.returncode == 0, done.stderr
         deadline = time.monotonic() + 60  # the guest acknowledges the unplug
         while "vdc" in sources(dom) and time.monotonic() < deadline:
@@ -271,6 +271,34 @@ def test_a_disk_detached_with_writes_in_ksfs_layers_is_handed_back(
         assert first_bytes(released, tmp_path) == b"\xab" * 65536
         assert first_bytes(data, tmp_path) == b"\xee" * 65536  # the user's file as it was
         assert not [p for p in (store / "vm" / name).glob("vdc*")]
+
+        # detached from the running machine only: committed, and the definition (which still
+        # named ksfs's layer) points at the user's file for the next boot
+        plug()
+        save(store, name, e)
+        write_through_qemu(dom, "virtio-disk2", 0xBB)
+        unplug("--live")
+        save(store, name, e)
+        assert first_bytes(data, tmp_path) == b"\xbb" * 65536
+        assert all_sources(dom, inactive=True)["vdc"] == str(data)
+        done = virsh("attach-disk", dom, str(data), "vdc", "--driver", "qemu", "--subdriver",
+                     "qcow2", "--live")  # as the next boot would
+        assert done.returncode == 0, done.stderr
+
+        # the same file attached again meanwhile (or written by another machine): the layer
+        # is not committed over what was written since, but moved out beside the file
+        save(store, name, e)
+        write_through_qemu(dom, "virtio-disk2", 0xDD)
+        unplug()
+        plug()
+        save(store, name, e)
+        layer = tmp_path / "data.ksfs-layer.qcow2"
+        assert first_bytes(layer, tmp_path) == b"\xdd" * 65536  # on the user's file as backing
+        assert first_bytes(data, tmp_path) == b"\xbb" * 65536
+        handed = [ev["body"] for ev in kvm.events_of(store, name, e)
+                  if ev["type"] == "disk.handed_back"]
+        assert [h["how"] for h in handed] == ["commit", "copy", "commit", "layer"], handed
+        assert handed[-1]["file"] == str(layer)
 
 
 def test_a_restore_brings_back_an_unplugged_disk_into_a_definition_that_changed(

@@ -359,3 +359,22 @@ def test_a_checkpoints_disks_are_found_by_target_not_position() -> None:
     legacy = _with_disk(XML, vdb.replace("</disk>", "<readonly/></disk>"))
     assert stored_disks(record(legacy, "disk.raw", "disk-vdb.raw")) is None
     assert stored_disks(record(None, "disk.raw")) is None  # an imported checkpoint
+
+
+def test_a_handed_back_copy_appears_whole_or_not_at_all(tmp_path: Path) -> None:
+    """QA: a hand-back killed mid-copy left a valid-looking partial disk under the name the
+    user would take for the whole one."""
+    from ksfs.vm.detached import _write_whole
+
+    dest = tmp_path / "data.released.qcow2"
+
+    def dies(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _write_whole(dest, dies)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / ".data.released.qcow2.ksfs-part").write_bytes(b"a killed one's")
+    _write_whole(dest, lambda tmp: tmp.write_bytes(b"whole"))
+    assert [p.name for p in tmp_path.iterdir()] == [dest.name] and dest.read_bytes() == b"whole"

@@ -34,7 +34,8 @@ def qemu_img(*args: str, what: str, timeout: float = 120, cwd: Path | None = Non
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise VMError(f"{what}: qemu-img could not run ({exc})") from exc
     if res.returncode != 0:
-        raise VMError(f"{what}: qemu-img {args[0]} failed: {res.stderr.strip()[-500:]}")
+        err = "; ".join(line.strip() for line in res.stderr.splitlines() if line.strip())
+        raise VMError(f"{what}: qemu-img {args[0]} failed: {err[-500:]}")  # one line
     return res.stdout
 
 

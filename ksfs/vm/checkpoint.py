@@ -27,7 +27,7 @@ from ksfs.crashpoints import crash_point
 from ksfs.errors import NotRunning, VMError
 from ksfs.vm import domxml, saveimage
 from ksfs.vm.chain import ChainSource, chain_files, create_overlay
-from ksfs.vm.state import DiskState, Frozen, FrozenDisk, SessionState
+from ksfs.vm.state import DiskState, Frozen, FrozenDisk, SessionState, file_stat
 from ksfs.vm.steps import step
 
 if TYPE_CHECKING:
@@ -350,6 +350,10 @@ def finish(ctl: DomainController, frozen: Frozen, checkpoint: str | None) -> Non
     dom = ctl.lookup(frozen.domain)
     frozen.close()
     crash_point("vm.flatten")
+    try:
+        tops = ctl.disk_files(frozen.domain)  # the overlays the snapshot put the disks on
+    except VMError:
+        tops = {}
     for disk in frozen.disks:
         tracked = state.disks.get(disk.target)
         if tracked is None or tracked.root != disk.root:
@@ -374,6 +378,8 @@ def finish(ctl: DomainController, frozen: Frozen, checkpoint: str | None) -> Non
             crash_point("vm.flatten.done")  # folded into the root, not yet recorded
             tracked.committing = None
         tracked.base_checkpoint = label
+        tracked.top = tops.get(disk.target)
+        tracked.root_stat = file_stat(tracked.root)  # after the commit, the last write ksfs makes
         # Saved per disk: should a later disk's commit fail, this one's root already holds the
         # new checkpoint, and its next changed ranges must be counted from it. (A failed commit
         # leaves its layers in the chain, so they are counted again next time: still correct.)

@@ -1,27 +1,42 @@
 """Disks detached from an adopted domain while ksfs's layers were on them.
 
-A save leaves each disk running on an overlay in the session's directory, so the guest's writes
-since go there. A disk the user detaches (``virsh detach-disk``, or another disk attached on its
-target) takes that overlay out of every chain the domain names: left as it is, the next restore,
-``recover`` or ``session rm`` deletes it with the session's other files, and the writes with it
-(QA, thirteenth session). ``hand_back`` gives each such disk back to the user before any of
-those: its layers are committed into the user's file (``qemu-img commit``, as every save's
-finish does live), or, when the disk runs on a base a restore wrote, copied out beside the
-file the domain had when adopted (``disk.released.qcow2``, as ``session rm --release`` does).
-Sessions ksfs made are left as they are: their disks are ksfs's own. No libvirt here.
+A save leaves each disk running on an overlay in the session's directory (``DiskState.top``), so
+the guest's writes since go there. A disk the user detaches (``virsh detach-disk``, live only
+or not, or another file attached on its target, or the same file attached again) takes that
+overlay out of the machine: left as it is, the next restore, ``recover`` or ``session rm``
+deletes it with the session's other files, and the writes with it (QA, thirteenth session).
+``hand_back`` gives each such layer back to the user before any of those:
+
+- ``commit``: the user's file is as the last save left it (same inode, size and mtime) and no
+  machine has it open: the layer is committed into it (``qemu-img commit``, which takes the
+  image's write lock), as every save's finish does live.
+- ``copy``: the disk ran on a base a restore wrote: base and layer are copied out beside the
+  file the domain had when adopted (``disk.released.qcow2``, as ``session rm --release`` does).
+- ``layer``: the user's file changed since (another machine wrote it, or it is attached again):
+  committing would put old writes over newer ones, so the layer itself is moved out beside it
+  (``disk.ksfs-layer.qcow2``, a qcow2 whose backing file is the user's) for the user to judge.
+- ``dropped``: the user's file and its directory are gone: there is nowhere to put it.
+
+A definition that still names the layer (a detach of the running machine only) is pointed at
+where its bytes went. Files are written under a temporary name and renamed when whole. Sessions
+ksfs made are left as they are: their disks are ksfs's own. No libvirt here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ksfs.errors import VMError
+from ksfs.vm import domxml
 from ksfs.vm.chain import chain_files, qemu_img
 from ksfs.vm.release import _like_the_users, _released_name
-from ksfs.vm.restore import _file_id, files_in_use
+from ksfs.vm.restore import _chain_files, _file_id
+from ksfs.vm.state import DiskState, file_stat
+from ksfs.vm.steps import step
 
 if TYPE_CHECKING:
     from ksfs.vm.controller import DomainController
@@ -31,92 +46,175 @@ log = logging.getLogger(__name__)
 CONVERT_TIMEOUT = 3600.0
 
 
-def _ids(paths: set[Path]) -> set[tuple[int, int]]:
+def _ids(paths: set[Path] | list[Path]) -> set[tuple[int, int]]:
     out = set()
     for p in paths:
         try:
-            out.add(_file_id(p))
+            out.add(_file_id(Path(p)))
         except OSError:
             pass  # not there: in no chain
     return out
 
 
+def _inside(path: str | Path, directory: Path) -> bool:
+    return Path(path).resolve().is_relative_to(directory.resolve())
+
+
+def _chains(xml: str) -> set[Path]:
+    """Every file of every disk chain ``xml`` names (unreadable: the top alone)."""
+    out: set[Path] = set()
+    for f in domxml.file_sources(xml):
+        out |= _chain_files(Path(f))
+    return out
+
+
 def hand_back(ctl: DomainController, session: str, domain: str) -> dict[str, dict[str, str]]:
-    """Give back every disk the session tracks that the domain (live or defined) no longer
-    runs on; returns target -> {"how": "commit" | "copy", "file": where its bytes are now}.
-    Raises VMError, removing nothing, when a disk cannot be handed back. Call it under the
-    session's lock with no block job of ksfs's running (after ``settle_commits``)."""
+    """Give back the layer of every disk the session tracks that the machine no longer runs on
+    (the definition, when it is not running); returns target -> {"how", "file"} (see the
+    module). Raises VMError, removing nothing of that disk, when one cannot be given back. Call
+    it under the session's lock with no block job of ksfs's running (``settle_commits``)."""
     state = ctl.load_state(session)
     if not state.adopted or not state.disks or state.pending or not ctl.exists(domain):
         return {}  # (a killed restore's machine runs on files its state does not name yet)
-    if _all_attached(ctl, domain, state.disks):
-        return {}  # (the common case, without a qemu-img run per disk)
-    in_use, _ = files_in_use(ctl, domain, strict=True)
-    used = _ids(in_use)
+    running = ctl.state(domain) in ("running", "paused")
+    live_xml = ctl.xml(domain) if running else ""
+    if running and _all_attached(live_xml, state.disks):
+        return {}  # the common case, without a qemu-img run per disk
+    inactive_xml = ctl.xml(domain, inactive=True)
+    used = _ids(_chains(live_xml if running else inactive_xml))
     sdir = ctl.session_dir(session)
-    detached = {t: ds for t, ds in state.disks.items() if not _ids({Path(ds.root)}) & used}
-    if not detached:
-        return {}
-    ours = [p for p in sdir.glob("*.qcow2") if not _ids({p}) & used]
     done: dict[str, dict[str, str]] = {}
-    for target, ds in detached.items():
-        root = Path(ds.root)
-        chains = {}
-        for p in ours:
-            try:
-                files = chain_files(p, f"reading the chain of {p.name}")
-            except VMError:
-                continue
-            if any(_same(f, root) for f in files[1:]):
-                chains[p] = files
-        inside = root.resolve().is_relative_to(sdir.resolve())
-        if not chains and (not inside or not root.exists()):
-            del state.disks[target]  # nothing of it in our directory: the user's file is whole
-            ctl.save_state(session, state)
+    for target, ds in list(state.disks.items()):
+        top = _top(ds, sdir, used)
+        if top is not None and _ids([top]) & used:
+            continue  # it runs on its layer (or the user attached ksfs's layer again)
+        if top is None:
+            if not _ids([Path(ds.root)]) & used and not _inside(ds.root, sdir):
+                del state.disks[target]  # the user's file, detached; nothing of ours on it
+                ctl.save_state(session, state)
             continue
-        top = max(chains, key=lambda p: len(chains[p])) if chains else root
-        what = f"handing back disk {target}, detached from {domain}"
-        if not inside:
-            qemu_img("commit", "-q", "-b", str(root), str(top), what=what,
-                     timeout=CONVERT_TIMEOUT)
-            done[target] = {"how": "commit", "file": str(root)}
-        else:
-            origin = state.origins.get(target)
-            if origin is None:
-                raise VMError(f"disk {target} was detached from {domain} while it ran on a "
-                              f"disk a restore wrote, and ksfs has no record of the domain's "
-                              f"own file for it: copy it out first (qemu-img convert {top} "
-                              f"...), then try again")
-            dest = _released_name(Path(origin[0]))
-            try:
-                qemu_img("convert", "-q", "-O", origin[1], str(top), str(dest), what=what,
-                         timeout=CONVERT_TIMEOUT)
-            except BaseException:
-                dest.unlink(missing_ok=True)
-                raise
-            _like_the_users(state, {target: str(dest)})
-            done[target] = {"how": "copy", "file": str(dest)}
-        log.warning("disk %s of %s was detached with writes in ksfs's layers: %s into %s",
-                    target, domain, done[target]["how"], done[target]["file"])
+        where = _give_back(ctl, state, target, ds, top, sdir, domain, used)
+        done[target] = where
+        log.warning("disk %s of %s was detached with writes in ksfs's layer %s: %s (%s)",
+                    target, domain, top, where["how"], where["file"])
+        if where["how"] != "dropped" and str(top) in domxml.file_sources(inactive_xml):
+            # A detach of the running machine only: the next boot must find the bytes.
+            fmt = "qcow2" if where["how"] == "layer" else _fmt(state, target, ds, where)
+            inactive_xml = domxml.set_disk_sources(inactive_xml, {target: (where["file"], fmt)})
+            with step(domain, f"pointing the definition's disk {target} at {where['file']}"):
+                ctl.conn.defineXML(inactive_xml)
         del state.disks[target]
         ctl.save_state(session, state)
-        # Only now: its bytes are in the user's file. Only files of the session's directory
-        # that no chain of the domain uses (the base a restore wrote included: copied out).
-        for f in dict.fromkeys([str(top), *chains.get(top, [])]):
-            if Path(f).resolve().is_relative_to(sdir.resolve()) and not _ids({Path(f)}) & used:
+        # Only now, the bytes being where the event will say: the session's files of it that
+        # no chain of the machine uses.
+        for f in dict.fromkeys([str(top), *_chain_files(top)]):
+            if _inside(f, sdir) and not _ids([Path(f)]) & used:
                 Path(f).unlink(missing_ok=True)
     return done
 
 
-def _all_attached(ctl: DomainController, domain: str, tracked: dict) -> bool:
-    """Every tracked disk's root is in the chain the running machine's XML records for its
-    target (libvirt lists a running disk's backing chain)."""
-    from ksfs.vm import domxml
+def _all_attached(live_xml: str, tracked: dict[str, DiskState]) -> bool:
+    """Every tracked disk's recorded top is what the running machine's XML says its target
+    runs on (a disk without a recorded top: its root is in that target's chain)."""
+    chains = {d.target: (d.source, *d.backing) for d in domxml.disks(live_xml)}
+    return all((ds.top == chains[t][0]) if ds.top else ds.root in chains[t]
+               for t, ds in tracked.items() if t in chains) and set(tracked) <= set(chains)
 
-    if ctl.state(domain) not in ("running", "paused"):
-        return False
-    chains = {d.target: (d.source, *d.backing) for d in domxml.disks(ctl.xml(domain))}
-    return all(ds.root in chains.get(t, ()) for t, ds in tracked.items())
+
+def _top(ds: DiskState, sdir: Path, used: set) -> Path | None:
+    """The layer of ours the disk's writes since the last save are in: the recorded top; for a
+    state from before it was recorded, the longest unused chain of the session's files on the
+    root. None when there is none (no save since it was tracked, or the layer is gone)."""
+    root = Path(ds.root)
+    if ds.top:
+        top = Path(ds.top)
+        return top if top.exists() and not _same(top, root) else None
+    best: tuple[int, Path] | None = None
+    for p in sdir.glob("*.qcow2"):
+        if _ids([p]) & used:
+            continue
+        try:
+            files = chain_files(p, f"reading the chain of {p.name}")
+        except VMError:
+            continue
+        if any(_same(f, root) for f in files[1:]) and (best is None or len(files) > best[0]):
+            best = (len(files), p)
+    return best[1] if best else None
+
+
+def _give_back(ctl: DomainController, state: object, target: str, ds: DiskState, top: Path,
+               sdir: Path, domain: str, used: set) -> dict[str, str]:
+    root = Path(ds.root)
+    what = f"handing back disk {target}, detached from {domain}"
+    if _inside(root, sdir):
+        origin = state.origins.get(target)  # type: ignore[attr-defined]
+        if origin is None:
+            raise VMError(f"disk {target} was detached from {domain} while it ran on a disk a "
+                          f"restore wrote, and ksfs has no record of the domain's own file for "
+                          f"it: copy it out first (qemu-img convert {top} ...), then try again")
+        dest = _released_name(Path(origin[0]))
+        _check_dir(dest, target, domain, top)
+        _write_whole(dest, lambda tmp: qemu_img(
+            "convert", "-q", "-O", origin[1], str(top), str(tmp), what=what,
+            timeout=CONVERT_TIMEOUT))
+        _like_the_users(state, {target: str(dest)})
+        return {"how": "copy", "file": str(dest)}
+    if not root.parent.is_dir():
+        return {"how": "dropped", "file": str(top)}
+    if file_stat(root) == ds.root_stat and ds.root_stat and not _ids([root]) & used:
+        try:
+            qemu_img("commit", "-q", "-b", str(root), str(top), what=what,
+                     timeout=CONVERT_TIMEOUT)
+            return {"how": "commit", "file": str(root)}
+        except VMError as exc:  # another machine holds it (its write lock): not ours to write
+            log.warning("%s: committing into %s failed, moving the layer out: %s", what, root,
+                        exc)
+    # Changed since (or in use, or unknown): the layer itself, squashed into one file on root.
+    try:
+        order = chain_files(top, f"reading the chain of {top.name}")  # top first
+    except VMError:
+        order = [str(top)]  # (its backing file gone: the layer alone)
+    ours = [Path(f) for f in order if _inside(f, sdir) and not _same(f, root)]
+    if len(ours) > 1:
+        qemu_img("commit", "-q", "-b", str(ours[-1]), str(top), what=what,
+                 timeout=CONVERT_TIMEOUT)
+    dest = _free_name(root, "ksfs-layer", ".qcow2")
+    _write_whole(dest, lambda tmp: shutil.copyfile(ours[-1] if ours else top, tmp))
+    return {"how": "layer", "file": str(dest)}
+
+
+def _fmt(state: object, target: str, ds: DiskState, where: dict[str, str]) -> str:
+    if where["how"] == "copy":
+        return state.origins[target][1]  # type: ignore[attr-defined]
+    return ds.root_fmt
+
+
+def _check_dir(dest: Path, target: str, domain: str, top: Path) -> None:
+    if not dest.parent.is_dir():
+        raise VMError(f"disk {target} was detached from {domain} with writes in ksfs's layer "
+                      f"{top}, to be copied out to {dest}, but {dest.parent} is gone: make it "
+                      f"again and try again (`ksfs session rm` drops them instead)")
+
+
+def _write_whole(dest: Path, write) -> None:  # noqa: ANN001 - a callable(tmp path)
+    """Write ``dest`` through a temporary name beside it, so a kill leaves no partial file
+    under a name the user would take for the whole (a leftover of a killed one goes first)."""
+    tmp = dest.with_name(f".{dest.name}.ksfs-part")
+    tmp.unlink(missing_ok=True)
+    try:
+        write(tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _free_name(origin: Path, tag: str, suffix: str) -> Path:
+    for k in range(1, 1000):
+        cand = origin.with_name(f"{origin.stem}.{tag}{'' if k == 1 else f'-{k}'}{suffix}")
+        if not os.path.lexists(cand):
+            return cand
+    raise VMError(f"no free name beside {origin}")
 
 
 def _same(a: str | Path, b: str | Path) -> bool:

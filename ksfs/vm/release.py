@@ -149,7 +149,15 @@ def release(ctl: DomainController, session: str, domain: str,
     # What each disk runs on now (a killed or failed release's job may have ended on its
     # own file): every disk, those an earlier attempt handed back too.
     done = ctl.disk_files(domain)
-    _like_the_users(ctl.load_state(session), done)
+    state = ctl.load_state(session)
+    _like_the_users(state, done)
+    for target in [t for t in state.disks if t in done]:
+        if not any(_inside(f, sdir) for f in _chain(done[target])):
+            # handed back: the user's now, whatever becomes of the rest of the release (QA:
+            # after one that failed later, recover took these for detached disks and copied
+            # them out again)
+            del state.disks[target]
+    ctl.save_state(session, state)
     if active:
         _define_released(ctl, domain, done)
     _check_released(ctl, domain, sdir)

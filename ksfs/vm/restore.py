@@ -241,7 +241,8 @@ def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
     the session (the old chain, leftovers of restores that died staging) but those the
     restored machine's other disks (``xml``) run on."""
     old_roots = {Path(ds.root) for ds in state.disks.values()}
-    state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
+    state.disks = {t: DiskState(str(p), "raw", label, top=str(overlays[t]))
+                   for t, p in bases.items()}
     state.pending = None
     ctl.save_state(session, state)
     keep = set(bases.values()) | set(overlays.values())

@@ -26,6 +26,11 @@ class DiskState:
     # end of: {"label": the checkpoint root holds once it is done, "layers": [files]}; see
     # checkpoint.settle_commits.
     committing: dict | None = None
+    # The overlay the machine ran on after the last save or restore (its writes since go
+    # there), and the root's (dev, ino, size, mtime_ns) then: how vm.detached tells a disk
+    # detached with writes in ksfs's layer, and whether its user's file changed since.
+    top: str | None = None
+    root_stat: list | None = None
 
 
 @dataclass
@@ -46,6 +51,20 @@ class SessionState:
         return self.counter
 
 
+# (the fields a later one is written beside only while it has a value: a state.json without
+# them stays readable by a ksfs from before them)
+FIELDS_V1 = ("root", "root_fmt", "base_checkpoint")
+
+
+def file_stat(path: str | Path) -> list | None:
+    """(dev, ino, size, mtime_ns) of a file, None when it cannot be looked at."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
 def load_state(path: Path) -> SessionState | None:
     try:
         data = json.loads(path.read_text())
@@ -63,9 +82,7 @@ def save_state(path: Path, state: SessionState) -> None:
         "domain": state.domain,
         "counter": state.counter,
         "adopted": state.adopted,
-        # (an open commit only while there is one: a state.json without it stays readable by
-        # a ksfs from before the field)
-        "disks": {t: {k: v for k, v in vars(d).items() if k != "committing" or v is not None}
+        "disks": {t: {k: v for k, v in vars(d).items() if k in FIELDS_V1 or v is not None}
                   for t, d in state.disks.items()},
     }
     if state.pending is not None:
