@@ -155,3 +155,29 @@ def test_cli_verbs_go_through_the_daemon_and_second_mount_refused(mounted, tmp_p
         assert res.stderr.strip().splitlines() == [res.stderr.strip()], res.stderr
         assert res.stderr.startswith("ksfs: error: "), res.stderr
         assert not os.path.ismount(other)
+
+
+def test_session_new_through_the_daemon_takes_the_callers_paths_and_guest(
+        mounted, tmp_path) -> None:
+    """QA: with a mount running, `session new` read a relative --guest from the daemon's
+    directory and $KSFS_GUEST from the daemon's environment, not the caller's."""
+    store, env, tag = mounted["store"], mounted["env"], mounted["tag"]
+    guest = guest_dir()
+    spec = json.loads((guest / "guest.json").read_text())
+    mine = tmp_path / "bigger"  # the same guest with more memory, as a guest of the caller's
+    mine.mkdir()
+    (mine / "guest.json").write_text(json.dumps(dict(spec, memory_mib=320)))
+    rel = f"rel-{tag}"
+    res = subprocess.run(KSFS + ["--store", str(store), "session", "new", rel, "--guest",
+                                 guest.name], cwd=guest.parent, env=env, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr
+    own = f"env-{tag}"
+    ksfs(store, dict(env, KSFS_GUEST=str(mine)), "session", "new", own)
+    try:
+        xml = subprocess.run(["virsh", "-q", "dumpxml", f"ksfs-{own}"], capture_output=True,
+                             text=True, check=True).stdout
+        assert "<memory unit='KiB'>327680</memory>" in xml, xml[:400]
+    finally:
+        for s in (rel, own):
+            ksfs(store, env, "session", "rm", s, check=False)

@@ -6,6 +6,7 @@ keeper and its locks), else does the work here under the same locks.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -52,6 +53,12 @@ def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, cmdline,
 
     Example: ksfs session new agent --guest /var/cache/ksfs/guest --memory 256
     """
+    # Settled here, not where the verb runs: a running mount's daemon has its own directory
+    # and environment (QA: a relative path, or this shell's $KSFS_GUEST, was the daemon's).
+    guest, kernel, initrd, disk = (os.path.abspath(p) if p else p
+                                   for p in (guest, kernel, initrd, disk))
+    if not (guest or kernel or initrd or disk) and os.environ.get("KSFS_GUEST"):
+        guest = os.path.abspath(os.environ["KSFS_GUEST"])
     rec = run_verb(ctx, "session_new", steps=f"session new {name}", name=name, guest=guest,
                    kernel=kernel, initrd=initrd, disk=disk, memory=memory, vcpus=vcpus,
                    cmdline=cmdline)
