@@ -46,3 +46,31 @@ def test_the_frozen_transcript_is_found_on_a_later_disk_and_partition(tmp_path: 
     finally:
         for s in sources:
             s.close()
+
+
+def test_a_damaged_disk_gives_an_integrity_error_not_an_empty_transcript(
+        tmp_path: Path) -> None:
+    """QA: with the disk's chunks damaged, `ksfs cat S C transcript` printed nothing, exit 0:
+    wrong bytes that say the guest did no work. It fails as every damaged read does."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    (root / "agent").mkdir(parents=True)
+    (root / "agent" / "transcript.jsonl").write_text(
+        "".join(json.dumps({"seq": i, "text": "x" * 80}) + "\n" for i in range(1, 3000)))
+    build_ext4(root, tmp_path / "disk.raw", 8)
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "c1", [tmp_path / "disk.raw"])
+        assert json.loads(k.transcript_bytes(k.ledger.checkpoint("s", "c1"))
+                          .splitlines()[-1])["seq"] == 2999
+    for pack in (store / "packs").glob("*.pack"):  # a flipped byte in every 64 KiB
+        data = bytearray(pack.read_bytes())
+        for at in range(512, len(data), 65536):
+            data[at] ^= 0xFF
+        pack.write_bytes(bytes(data))
+    res = subprocess.run([sys.executable, "-m", "ksfs.cli", "--store", str(store), "cat", "s",
+                          "c1", "transcript"], capture_output=True, text=True)
+    assert res.returncode == 6 and res.stdout == "", (res.returncode, res.stderr)
+    assert "damaged" in res.stderr, res.stderr

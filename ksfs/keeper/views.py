@@ -231,8 +231,10 @@ class Views:
         raise KeyError(name)
 
     def transcript_bytes(self, record: CheckpointRecord) -> bytes:
-        """The guest's transcript file as of the checkpoint, read out of its disk image."""
-        from ksfs.errors import KsfsError
+        """The guest's transcript file as of the checkpoint, read out of its disk image: empty
+        when the disk holds none (or nothing this can read); a damaged chunk raises (EIO),
+        never an empty file that would say the guest did no work (QA)."""
+        from ksfs.errors import GuestFSUnreadable, IntegrityError, KsfsError
 
         try:
             fs = self.guest_fs(record)
@@ -241,7 +243,9 @@ class Views:
             path = self.transcript_path(record.session)
             st = fs.stat(path)
             return fs.read(path, 0, st.size)
-        except KsfsError:
+        except KsfsError as exc:
+            if isinstance(exc, IntegrityError) and not isinstance(exc, GuestFSUnreadable):
+                raise
             return b""
 
     def resume_result(self, session: str) -> bytes:
