@@ -65,6 +65,24 @@ def stored_disks(record: Any) -> dict[str, str] | None:
     return names if set(names.values()) == stored else None
 
 
+def _check_guest_values(spec: dict[str, Any], where: str) -> None:
+    """BadInput naming the key for a guest.json value of the wrong kind (QA: "512MiB" for
+    memory_mib was an internal error, 0 silently the default); keys it does not know are left
+    to the tools that wrote them."""
+    for key, low, high in (("memory_mib", 16, 1 << 20), ("vcpus", 1, 64)):
+        if key in spec:
+            v = spec[key]
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise BadInput(f"{where} {key} must be a whole number from {low} to {high}, "
+                               f"not {json.dumps(v)}")
+    for key in ("cmdline", "transcript"):
+        if key in spec:
+            v = spec[key]
+            if not isinstance(v, str) or not v.strip() or "\n" in v or "\0" in v:
+                raise BadInput(f"{where} {key} must be one non-empty line of text, not "
+                               f"{json.dumps(v)[:80]}")
+
+
 BASE_CMDLINE = "console=ttyS0 panic=-1 quiet"
 
 
@@ -254,6 +272,7 @@ class MachineVerbs:
             if missing:
                 raise BadInput(f"{where} {', '.join(missing)} missing (each must name a file; "
                                f"a relative path is relative to {gdir})")
+            _check_guest_values(spec, where)
         for key in ("kernel", "initrd", "disk"):
             path = base / Path(spec[key]).expanduser()  # an absolute path stays as it is
             if not path.is_file():
