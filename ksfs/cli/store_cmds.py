@@ -381,8 +381,10 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
                                      disk.get("file_b", "disk.raw"))))
         names = "" if images == ["disk.raw"] else " in " + " -> ".join(images)
         if "stored_clusters" in disk:
+            grown = "" if disk["size_a"] == disk["size_b"] else (
+                f"; its size {disk['size_a']} -> {disk['size_b']} bytes")
             click.echo(f"disk{names}: {disk['changed_clusters']} of {disk['stored_clusters']} "
-                       f"stored 64 KiB clusters (of {disk['disk_clusters']}) changed")
+                       f"stored 64 KiB clusters (of {disk['disk_clusters']}) changed{grown}")
         else:
             click.echo(f"disk: {disk['changed_clusters']} of {disk['clusters']} "
                        f"64 KiB clusters changed")

@@ -33,7 +33,8 @@ from ksfs.cas.chunking import FIXED_SIZE as CLUSTER  # a disk image's chunk: one
 from ksfs.errors import KsfsError
 from ksfs.model import CheckpointRecord, FileRecord, validate_name
 
-_ABSENT = object()  # past the end of the shorter file: differs from every chunk and hole
+_ABSENT = None  # past the end of the shorter file: reads as zeros, like a hole (QA: a disk
+# grown online counted all its new, empty space as changed); the sizes are reported apart
 
 
 class Diffing:
@@ -205,8 +206,8 @@ class Diffing:
 def _compare_by_offset(ea: list, eb: list) -> dict[str, int]:
     """Two fixed-chunk manifests compared range by range at the same offsets (a run of holes
     may be one entry on one side and several on the other): the 64 KiB clusters that hold data
-    on either side (or lie past the end of the shorter file), those whose chunk ids differ, and
-    the bytes of the ranges that differ. No chunk is read."""
+    on either side, those whose chunk ids differ, and the bytes of the ranges that differ. Past
+    the end of the shorter file counts as holes. No chunk is read."""
 
     def ranges(entries: list) -> list[tuple[int, Any]]:
         out, pos = [], 0
