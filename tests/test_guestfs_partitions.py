@@ -72,6 +72,24 @@ def test_no_linux_partition(tmp_path: Path) -> None:
     assert "no Linux (0x83) partition" in str(err.value)
 
 
+@pytest.mark.parametrize("kind,at,magic", [
+    ("vfat", 0x36, b"FAT16   "), ("vfat", 0x52, b"FAT32   "), ("ntfs", 3, b"NTFS    "),
+    ("exfat", 3, b"EXFAT   "), ("xfs", 0, b"XFSB")])
+def test_a_whole_disk_of_another_filesystem_is_named(tmp_path: Path, kind: str, at: int,
+                                                     magic: bytes) -> None:
+    """QA: a whole-disk vfat was "the MBR partition table has no Linux (0x83) partition" (its
+    boot sector ends in 0x55AA), a whole-disk xfs "no ext2/3/4 superblock magic"."""
+    image = bytearray(4 << 20)
+    image[at:at + len(magic)] = magic
+    if kind != "xfs":
+        image[510:512] = b"\x55\xaa"
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(bytes(image))
+    with FileImageReader(disk) as reader, pytest.raises(GuestFSUnreadable) as err:
+        GuestFS.open(reader)
+    assert f"the whole disk holds a {kind} filesystem; only ext2/3/4 are read" in str(err.value)
+
+
 @pytest.mark.parametrize("damage", ["header", "entries"])
 def test_a_damaged_primary_gpt_is_read_from_its_backup(plain: tuple[Path, Path],
                                                        tmp_path: Path, damage: str) -> None:

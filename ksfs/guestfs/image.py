@@ -169,6 +169,17 @@ def probe(reader: Reader, offset: int, length: int) -> str:
     return ""
 
 
+def _boot_sector_fs(sector: bytes) -> str:
+    """The filesystem a DOS-style boot sector at the start of the disk says it holds, if any."""
+    if sector[3:11] == b"NTFS    ":
+        return "ntfs"
+    if sector[3:11] == b"EXFAT   ":
+        return "exfat"
+    if sector[0x36:0x39] == b"FAT" or sector[0x52:0x57] == b"FAT32":
+        return "vfat"
+    return ""
+
+
 def find_filesystem(reader: Reader) -> tuple[int, int, str]:
     """(byte offset, byte length, description) of the filesystem to read inside ``reader``: the
     first of ``find_filesystems`` (``GuestFS.open`` may prefer another of the same tier by
@@ -194,6 +205,10 @@ def find_filesystems(reader: Reader) -> list[Partition]:
         return [Partition(0, reader.size, "whole disk", "linux", "ext")]
     if reader.size < SECTOR:
         raise GuestFSUnreadable(why=f"the disk is only {reader.size} bytes")
+    other = probe(reader, 0, reader.size) or _boot_sector_fs(reader.read(0, SECTOR))
+    if other:  # (a FAT boot sector ends in 0x55AA too: not taken for a partition table)
+        raise GuestFSUnreadable(
+            why=f"the whole disk holds a {other} filesystem; only ext2/3/4 are read")
     mbr = reader.read(0, SECTOR)
     if mbr[510:512] != b"\x55\xaa":
         raise GuestFSUnreadable(
