@@ -220,6 +220,11 @@ def test_guest_json_missing_a_key_is_one_error_line(env) -> None:
     assert_nothing_made(env, name)
     # QA: values of the wrong kind were an internal error (exit 1), or silently the default
     whole = env["spec"]
+    for key, value in (("disk", str(d)), ("kernel", "/dev/null")):
+        (d / "guest.json").write_text(json.dumps(dict(whole, **{key: value})))
+        res = run(env, "session", "new", name, "--guest", str(d), check=False)
+        assert_error_line(res, 2, key, "not a regular file")
+        assert_nothing_made(env, name)
     for key, value in (("memory_mib", "512MiB"), ("memory_mib", [512]), ("memory_mib", 0),
                        ("memory_mib", 1.5), ("vcpus", "two"), ("vcpus", True),
                        ("transcript", 5), ("cmdline", 5), ("cmdline", "")):

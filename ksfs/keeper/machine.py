@@ -275,6 +275,8 @@ class MachineVerbs:
             _check_guest_values(spec, where)
         for key in ("kernel", "initrd", "disk"):
             path = base / Path(spec[key]).expanduser()  # an absolute path stays as it is
+            if path.exists() and not path.is_file():
+                raise BadInput(f"{where} {key} {path} is not a regular file")
             if not path.is_file():
                 raise NotFound(f"{where} {key} {path} does not exist")
             spec[key] = str(path.resolve())
