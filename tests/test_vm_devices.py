@@ -30,6 +30,16 @@ def all_sources(dom: str, inactive: bool = False) -> dict[str, str]:
     return dict(line.split(None, 1) for line in out.splitlines() if line.strip())  # (-q)
 
 
+def hotplug_domain(env: dict, guest: Path, tmp_path: Path, prefix: str
+                   ) -> tuple[str, str, Path]:
+    """(domain, its XML, an empty 16 MiB qcow2 to hot-plug): a user's domain with ACPI, which
+    PCI hot-plug needs."""
+    dom, _own, xml = raw_domain(env, guest, tmp_path, prefix)
+    data = tmp_path / "data.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(data), "16M"], check=True)
+    return dom, xml.replace("<devices>", "<features><acpi/></features><devices>"), data
+
+
 def checkpoint_names(store: Path, session: str, e: dict) -> list[str]:
     return [c["name"] for c in json.loads(run(store, "checkpoints", session, "--json",
                                               env=e).stdout)]
@@ -116,11 +126,8 @@ def test_a_disk_hot_plugged_after_a_checkpoint_goes_with_a_restore_to_it(
     definition kept it on a file the restore deleted (the next cold boot failed), and a
     release after a restore to a checkpoint with it refused it as unknown."""
     store, e = env["store"], env["env"]
-    dom, own, xml = raw_domain(env, guest, tmp_path, "hotplug")
-    xml = xml.replace("<devices>", "<features><acpi/></features><devices>")  # PCI hotplug
+    dom, xml, data = hotplug_domain(env, guest, tmp_path, "hotplug")
     name = dom
-    data = tmp_path / "data.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(data), "16M"], check=True)
     with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
         c1 = wait_transcript(store, name, e, 2)
         plugged = virsh("attach-disk", dom, str(data), "vdb", "--driver", "qemu",
@@ -226,11 +233,8 @@ def test_a_disk_detached_with_writes_in_ksfs_layers_is_handed_back(
     """QA: a disk detached after a save had its writes since in ksfs's overlay, which the next
     recover deleted as a leftover (and a release, after a restore, deleted its whole disk)."""
     store, e = env["store"], env["env"]
-    dom, own, xml = raw_domain(env, guest, tmp_path, "detachw")
-    xml = xml.replace("<devices>", "<features><acpi/></features><devices>")  # PCI hotplug
+    dom, xml, data = hotplug_domain(env, guest, tmp_path, "detachw")
     name = dom
-    data = tmp_path / "data.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(data), "16M"], check=True)
 
     def plug() -> None:
         done = virsh("attach-disk", dom, str(data), "vdc", "--driver", "qemu", "--subdriver",
@@ -332,3 +336,72 @@ def test_a_restore_brings_back_an_unplugged_disk_into_a_definition_that_changed(
         virsh("destroy", dom, check=True)
         virsh("start", dom, check=True)
         assert virsh("domstate", dom).stdout.strip() == "running"
+
+
+def test_a_hand_back_killed_part_way_is_finished_or_cleaned_up(
+        env, guest: Path, tmp_path: Path) -> None:
+    """QA: a hand-back killed during its commit left the user's file half written, and the
+    next run took that for the user's change (a layer moved out, nothing said); one killed
+    during a copy left its temporary file beside the user's disk for good after `session rm`;
+    and of two disks detached, the first one's event was lost when the second failed."""
+    store, e = env["store"], env["env"]
+    dom, xml, data = hotplug_domain(env, guest, tmp_path, "handkill")
+    name = dom
+    other = tmp_path / "other"
+    other.mkdir()
+    data2 = other / "data2.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(data2), "16M"], check=True)
+
+    def plug(path: Path, target: str) -> None:
+        done = virsh("attach-disk", dom, str(path), target, "--driver", "qemu", "--subdriver",
+                     "qcow2", "--persistent")
+        assert done.returncode == 0, done.stderr
+
+    def unplug(target: str) -> None:
+        done = virsh("detach-disk", dom, target, "--live", "--config")
+        assert done.returncode == 0, done.stderr
+        deadline = time.monotonic() + 60
+        while target in sources(dom) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert target not in sources(dom)
+
+    def handed() -> list[dict]:
+        return [ev["body"] for ev in kvm.events_of(store, name, e)
+                if ev["type"] == "disk.handed_back"]
+
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
+        wait_transcript(store, name, e, 2)
+        plug(data, "vdc")
+        save(store, name, e)
+        write_through_qemu(dom, "virtio-disk2", 0xEE)
+        unplug("vdc")
+        killed = run(store, "save", name, check=False,
+                     env=dict(e, KSFS_CRASH_AT="vm.detached.commit"))
+        assert killed.returncode == -9
+        run(store, "recover", env=e)
+        assert [h["how"] for h in handed()] == ["commit"]  # done again, not a "layer"
+        assert first_bytes(data, tmp_path) == b"\xee" * 65536
+        assert not list(tmp_path.glob("*.ksfs-layer*"))
+
+        # two disks on bases a restore wrote, both detached; the second's directory gone
+        plug(data, "vdc")
+        plug(data2, "vdd")
+        p2 = save(store, name, e)
+        run(store, "restore", name, p2, env=e)
+        write_through_qemu(dom, "virtio-disk2", 0xAB)
+        unplug("vdc")
+        unplug("vdd")
+        moved = tmp_path / "moved"
+        other.rename(moved)
+        refused = run(store, "save", name, check=False, env=e)
+        assert refused.returncode == 10 and str(other) in refused.stderr, refused.stderr
+        assert [h["how"] for h in handed()] == ["commit", "copy"]  # said although vdd failed
+        assert first_bytes(tmp_path / "data.released.qcow2", tmp_path) == b"\xab" * 65536
+        moved.rename(other)
+        killed = run(store, "save", name, check=False,
+                     env=dict(e, KSFS_CRASH_AT="vm.detached.copy"))
+        assert killed.returncode == -9
+        part = other / ".data2.released.qcow2.ksfs-part"
+        assert part.exists() and not (other / "data2.released.qcow2").exists()
+        run(store, "session", "rm", name, env=e)  # plain: the machine's writes since go too
+        assert not part.exists()

@@ -437,10 +437,11 @@ class MachineVerbs:
         the log says where its bytes went. Raises (nothing removed) when it cannot be."""
         if not rec.domain:
             return {}
-        done = self.vm.hand_back_detached(rec.name, rec.domain)
-        for target, where in done.items():
+
+        def said(target: str, where: dict[str, str]) -> None:  # each as soon as it is done
             self.ledger.record(rec.name, "disk.handed_back", {"target": target, **where})
-        return done
+
+        return self.vm.hand_back_detached(rec.name, rec.domain, said)
 
     def _save_locked(self, rec: SessionRecord, name: str | None, reason: str,
                      live: bool = True) -> CheckpointRecord:

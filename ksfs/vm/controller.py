@@ -245,17 +245,20 @@ class DomainController:
 
         return restore(self, session, domain, memory, disks, xml, checkpoint, staged)
 
-    def hand_back_detached(self, session: str, domain: str) -> dict[str, dict[str, str]]:
+    def hand_back_detached(self, session: str, domain: str,
+                           on_done: Callable[[str, dict[str, str]], None] | None = None
+                           ) -> dict[str, dict[str, str]]:
         """Give the user back each disk of an adopted domain detached while ksfs's layers were
         on it (their writes committed into the user's file, or copied out beside it); see
-        ksfs.vm.detached. Returns target -> {"how", "file"}; VMError when one cannot be."""
+        ksfs.vm.detached. Returns target -> {"how", "file"}, each told to ``on_done`` as it
+        is done; VMError when one cannot be."""
         from ksfs.vm.checkpoint import settle_commits
         from ksfs.vm.detached import hand_back
 
         if not self.exists(domain) or load_state(self._state_path(session)) is None:
             return {}
         settle_commits(self, session, domain)  # a killed save's commit ends first
-        return hand_back(self, session, domain)
+        return hand_back(self, session, domain, on_done)
 
     def check_start_files(self, xml: str, label: str, from_memory: bool) -> None:
         """NotFound when a checkpoint (``label``: "checkpoint S/C") with definition ``xml``
@@ -440,6 +443,11 @@ class DomainController:
         XML names, so that forks of those checkpoints still boot.
         """
         d = self.session_dir(session)
+        with contextlib.suppress(VMError):  # a killed hand-back's copy beside a user's disk
+            for ds in (load_state(self._state_path(session)) or SessionState("")).disks.values():
+                tmp = (ds.handing_back or {}).get("tmp")
+                if tmp:
+                    Path(tmp).unlink(missing_ok=True)
         if not keep_boot:
             shutil.rmtree(d, ignore_errors=True)
             return

@@ -27,9 +27,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ksfs.crashpoints import crash_point
 from ksfs.errors import VMError
 from ksfs.vm import domxml
 from ksfs.vm.chain import chain_files, qemu_img
@@ -68,11 +70,14 @@ def _chains(xml: str) -> set[Path]:
     return out
 
 
-def hand_back(ctl: DomainController, session: str, domain: str) -> dict[str, dict[str, str]]:
+def hand_back(ctl: DomainController, session: str, domain: str,
+              on_done: Callable[[str, dict[str, str]], None] | None = None
+              ) -> dict[str, dict[str, str]]:
     """Give back the layer of every disk the session tracks that the machine no longer runs on
     (the definition, when it is not running); returns target -> {"how", "file"} (see the
-    module). Raises VMError, removing nothing of that disk, when one cannot be given back. Call
-    it under the session's lock with no block job of ksfs's running (``settle_commits``)."""
+    module), each also told to ``on_done`` as soon as it is done (a later disk may fail).
+    Raises VMError, removing nothing of that disk, when one cannot be given back. Call it under
+    the session's lock with no block job of ksfs's running (``settle_commits``)."""
     state = ctl.load_state(session)
     if not state.adopted or not state.disks or state.pending or not ctl.exists(domain):
         return {}  # (a killed restore's machine runs on files its state does not name yet)
@@ -93,7 +98,7 @@ def hand_back(ctl: DomainController, session: str, domain: str) -> dict[str, dic
                 del state.disks[target]  # the user's file, detached; nothing of ours on it
                 ctl.save_state(session, state)
             continue
-        where = _give_back(ctl, state, target, ds, top, sdir, domain, used)
+        where = _give_back(ctl, session, state, target, ds, top, sdir, domain, used)
         done[target] = where
         log.warning("disk %s of %s was detached with writes in ksfs's layer %s: %s (%s)",
                     target, domain, top, where["how"], where["file"])
@@ -103,10 +108,12 @@ def hand_back(ctl: DomainController, session: str, domain: str) -> dict[str, dic
             inactive_xml = domxml.set_disk_sources(inactive_xml, {target: (where["file"], fmt)})
             with step(domain, f"pointing the definition's disk {target} at {where['file']}"):
                 ctl.conn.defineXML(inactive_xml)
+        if on_done is not None:
+            on_done(target, where)
         del state.disks[target]
         ctl.save_state(session, state)
-        # Only now, the bytes being where the event will say: the session's files of it that
-        # no chain of the machine uses.
+        # Only now, the bytes being where the event says: the session's files of it that no
+        # chain of the machine uses.
         for f in dict.fromkeys([str(top), *_chain_files(top)]):
             if _inside(f, sdir) and not _ids([Path(f)]) & used:
                 Path(f).unlink(missing_ok=True)
@@ -142,18 +149,25 @@ def _top(ds: DiskState, sdir: Path, used: set) -> Path | None:
     return best[1] if best else None
 
 
-def _give_back(ctl: DomainController, state: object, target: str, ds: DiskState, top: Path,
-               sdir: Path, domain: str, used: set) -> dict[str, str]:
+def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds: DiskState,
+               top: Path, sdir: Path, domain: str, used: set) -> dict[str, str]:
     root = Path(ds.root)
     what = f"handing back disk {target}, detached from {domain}"
+
+    def intend(how: str, tmp: Path | None = None) -> None:
+        """Said before the work: a kill part way is then finished or cleaned up, not guessed."""
+        ds.handing_back = {"how": how, "top": str(top), **({"tmp": str(tmp)} if tmp else {})}
+        ctl.save_state(session, state)
+
     if _inside(root, sdir):
-        origin = state.origins.get(target)  # type: ignore[attr-defined]
+        origin = state.origins.get(target)
         if origin is None:
             raise VMError(f"disk {target} was detached from {domain} while it ran on a disk a "
                           f"restore wrote, and ksfs has no record of the domain's own file for "
                           f"it: copy it out first (qemu-img convert {top} ...), then try again")
         dest = _released_name(Path(origin[0]))
         _check_dir(dest, target, domain, top)
+        intend("copy", _tmp_for(dest))
         _write_whole(dest, lambda tmp: qemu_img(
             "convert", "-q", "-O", origin[1], str(top), str(tmp), what=what,
             timeout=CONVERT_TIMEOUT))
@@ -161,10 +175,17 @@ def _give_back(ctl: DomainController, state: object, target: str, ds: DiskState,
         return {"how": "copy", "file": str(dest)}
     if not root.parent.is_dir():
         return {"how": "dropped", "file": str(top)}
-    if file_stat(root) == ds.root_stat and ds.root_stat and not _ids([root]) & used:
+    # A commit of this layer killed part way changed the file itself: it is done again (the
+    # layer is whole), not taken for a change of the user's.
+    again = (ds.handing_back or {}).get("how") == "commit" and \
+        ds.handing_back.get("top") == str(top)  # type: ignore[union-attr]
+    if (again or (ds.root_stat and file_stat(root) == ds.root_stat)) \
+            and not _ids([root]) & used:
+        intend("commit")
         try:
             qemu_img("commit", "-q", "-b", str(root), str(top), what=what,
                      timeout=CONVERT_TIMEOUT)
+            crash_point("vm.detached.commit")  # the file written, nothing recorded yet
             return {"how": "commit", "file": str(root)}
         except VMError as exc:  # another machine holds it (its write lock): not ours to write
             log.warning("%s: committing into %s failed, moving the layer out: %s", what, root,
@@ -179,13 +200,26 @@ def _give_back(ctl: DomainController, state: object, target: str, ds: DiskState,
         qemu_img("commit", "-q", "-b", str(ours[-1]), str(top), what=what,
                  timeout=CONVERT_TIMEOUT)
     dest = _free_name(root, "ksfs-layer", ".qcow2")
+    intend("layer", _tmp_for(dest))
     _write_whole(dest, lambda tmp: shutil.copyfile(ours[-1] if ours else top, tmp))
+    _mode_of(root, dest)
     return {"how": "layer", "file": str(dest)}
 
 
-def _fmt(state: object, target: str, ds: DiskState, where: dict[str, str]) -> str:
+def _mode_of(origin: Path, path: Path) -> None:
+    """A file handed back takes the mode and owner of the user's disk (ksfs's are 0600)."""
+    try:
+        st = origin.stat()
+        os.chmod(path, st.st_mode & 0o777)
+        if os.geteuid() == 0:
+            os.chown(path, st.st_uid, st.st_gid)
+    except OSError:
+        pass  # the user's file is gone: ksfs's own mode stays
+
+
+def _fmt(state: Any, target: str, ds: DiskState, where: dict[str, str]) -> str:
     if where["how"] == "copy":
-        return state.origins[target][1]  # type: ignore[attr-defined]
+        return state.origins[target][1]
     return ds.root_fmt
 
 
@@ -196,13 +230,18 @@ def _check_dir(dest: Path, target: str, domain: str, top: Path) -> None:
                       f"again and try again (`ksfs session rm` drops them instead)")
 
 
-def _write_whole(dest: Path, write) -> None:  # noqa: ANN001 - a callable(tmp path)
+def _tmp_for(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.ksfs-part")
+
+
+def _write_whole(dest: Path, write: Callable[[Path], object]) -> None:
     """Write ``dest`` through a temporary name beside it, so a kill leaves no partial file
     under a name the user would take for the whole (a leftover of a killed one goes first)."""
-    tmp = dest.with_name(f".{dest.name}.ksfs-part")
+    tmp = _tmp_for(dest)
     tmp.unlink(missing_ok=True)
     try:
         write(tmp)
+        crash_point("vm.detached.copy")  # written under its temporary name
         os.replace(tmp, dest)
     except BaseException:
         tmp.unlink(missing_ok=True)

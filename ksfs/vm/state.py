@@ -31,6 +31,10 @@ class DiskState:
     # detached with writes in ksfs's layer, and whether its user's file changed since.
     top: str | None = None
     root_stat: list | None = None
+    # A hand-back of this disk under way (vm.detached): {"top": the layer, "tmp": a copy's
+    # temporary file, if any}: a commit killed part way is done again, not taken for a user's
+    # change, and a killed copy's temporary file is removed even by a plain session rm.
+    handing_back: dict | None = None
 
 
 @dataclass
