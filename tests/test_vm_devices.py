@@ -304,6 +304,14 @@ def test_a_disk_detached_with_writes_in_ksfs_layers_is_handed_back(
         assert [h["how"] for h in handed] == ["commit", "copy", "commit", "layer"], handed
         assert handed[-1]["file"] == str(layer)
 
+        # a release says what it handed back of a detached disk (its events go with the session)
+        write_through_qemu(dom, "virtio-disk2", 0x77)
+        unplug()
+        res = json.loads(run(store, "session", "rm", name, "--release", "--json", env=e).stdout)
+        assert res["released"]["detached_disks"] == {
+            "vdc": {"how": "commit", "file": str(data)}}, res
+        assert first_bytes(data, tmp_path) == b"\x77" * 65536
+
 
 def test_a_restore_brings_back_an_unplugged_disk_into_a_definition_that_changed(
         env, guest: Path, tmp_path: Path) -> None:

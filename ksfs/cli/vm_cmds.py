@@ -132,6 +132,8 @@ def session_rm(ctx, name, keep_checkpoints, release, as_json) -> None:
         rel = res["released"]
         click.echo(f"domain {rel['domain']} kept" + "".join(
             f"\n  {t}: {f}" for t, f in sorted(rel["disks"].items())))
+        for t, where in sorted(rel.get("detached_disks", {}).items()):
+            click.echo(f"  {t} (detached): {where['how']} -> {where['file']}")
 
 
 @main.command()

@@ -316,6 +316,7 @@ class MachineVerbs:
         rec = self.ledger.session(name)
         if release and (rec.domain is None or rec.removed is not None):
             raise BadInput(f"session {name} has no machine to release")
+        detached: dict[str, dict[str, str]] = {}
         with session_lock(self.store_path, name):
             plan = None
             begun = self._removal_begun(name) if rec.domain and rec.removed is None else None
@@ -330,7 +331,8 @@ class MachineVerbs:
                     raise BadInput(f"--release hands back a domain the session adopted; the "
                                    f"machine of {name} was made by ksfs (plain `session rm` "
                                    f"removes it)")
-                self._hand_back_detached(rec)
+                # (its events go with the session: the result says them too)
+                detached = self._hand_back_detached(rec)
                 plan = self.vm.release_plan(name, rec.domain)  # refused: nothing changed yet
             intent = rec.domain is not None and rec.removed is None and begun is None
             if intent:
@@ -360,6 +362,8 @@ class MachineVerbs:
                                "kept_checkpoints": keep_checkpoints}
         if plan is not None:
             out["released"] = {"domain": rec.domain, "disks": released}
+            if detached:
+                out["released"]["detached_disks"] = detached
         return out
 
     def _remove_locked(self, rec: SessionRecord, keep_checkpoints: bool,
