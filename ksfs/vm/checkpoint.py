@@ -196,6 +196,12 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
                     "reactivated it and took the snapshot again", domain)
         meter = _take(ctl, dom, domain, disks, memory, overlays, skip, flags, live, on_freeze,
                       was_paused)
+    # The guest writes to the new overlays from now on, whatever becomes of this save (an
+    # aborted one leaves its frozen layer in the chain): vm.detached must know where.
+    for target, ds in state.disks.items():
+        if target in overlays:
+            ds.top = str(overlays[target])
+    ctl.save_state(session, state)
     try:
         crash_point("vm.snapshot")
         # The XML libvirt stored in the image itself: exactly what a restore of it starts from.

@@ -15,7 +15,9 @@ deletes it with the session's other files, and the writes with it (QA, thirteent
 - ``layer``: the user's file changed since (another machine wrote it, or it is attached again):
   committing would put old writes over newer ones, so the layer itself is moved out beside it
   (``disk.ksfs-layer.qcow2``, a qcow2 whose backing file is the user's) for the user to judge.
-- ``dropped``: the user's file and its directory are gone: there is nowhere to put it.
+
+When the user's directory is gone (maybe a file system not mounted just now) the verb is
+refused and nothing removed; ``session rm`` without ``--release`` drops the writes.
 
 A definition that still names the layer (a detach of the running machine only) is pointed at
 where its bytes went. Files are written under a temporary name and renamed when whole. Sessions
@@ -81,7 +83,8 @@ def hand_back(ctl: DomainController, session: str, domain: str,
     state = ctl.load_state(session)
     if not state.adopted or not state.disks or state.pending or not ctl.exists(domain):
         return {}  # (a killed restore's machine runs on files its state does not name yet)
-    running = ctl.state(domain) in ("running", "paused")
+    with step(domain, "reading its state"):
+        running = ctl.lookup(domain).isActive()  # (shutting down or suspended: QEMU writes)
     live_xml = ctl.xml(domain) if running else ""
     if running and _all_attached(live_xml, state.disks):
         return {}  # the common case, without a qemu-img run per disk
@@ -102,11 +105,14 @@ def hand_back(ctl: DomainController, session: str, domain: str,
         done[target] = where
         log.warning("disk %s of %s was detached with writes in ksfs's layer %s: %s (%s)",
                     target, domain, top, where["how"], where["file"])
-        if where["how"] != "dropped" and str(top) in domxml.file_sources(inactive_xml):
-            # A detach of the running machine only: the next boot must find the bytes.
+        named = [d.target for d in domxml.disks(inactive_xml) if _same(d.source, top)]
+        if named:
+            # A detach of the running machine only: the next boot must find the bytes (on
+            # whichever target the definition has the layer).
             fmt = "qcow2" if where["how"] == "layer" else _fmt(state, target, ds, where)
-            inactive_xml = domxml.set_disk_sources(inactive_xml, {target: (where["file"], fmt)})
-            with step(domain, f"pointing the definition's disk {target} at {where['file']}"):
+            inactive_xml = domxml.set_disk_sources(
+                inactive_xml, {t: (where["file"], fmt) for t in named})
+            with step(domain, f"pointing the definition's disk at {where['file']}"):
                 ctl.conn.defineXML(inactive_xml)
         if on_done is not None:
             on_done(target, where)
@@ -114,28 +120,30 @@ def hand_back(ctl: DomainController, session: str, domain: str,
         ctl.save_state(session, state)
         # Only now, the bytes being where the event says: the session's files of it that no
         # chain of the machine uses.
+        users = _ids([Path(f) for f, _fmt in state.origins.values()])  # never theirs
         for f in dict.fromkeys([str(top), *_chain_files(top)]):
-            if _inside(f, sdir) and not _ids([Path(f)]) & used:
+            if _inside(f, sdir) and not _ids([Path(f)]) & (used | users):
                 Path(f).unlink(missing_ok=True)
     return done
 
 
 def _all_attached(live_xml: str, tracked: dict[str, DiskState]) -> bool:
     """Every tracked disk's recorded top is what the running machine's XML says its target
-    runs on (a disk without a recorded top: its root is in that target's chain)."""
-    chains = {d.target: (d.source, *d.backing) for d in domxml.disks(live_xml)}
-    return all((ds.top == chains[t][0]) if ds.top else ds.root in chains[t]
-               for t, ds in tracked.items() if t in chains) and set(tracked) <= set(chains)
+    runs on (a state without tops, from before them, takes the long way)."""
+    tops = {d.target: d.source for d in domxml.disks(live_xml)}
+    return all(ds.top and tops.get(t) == ds.top for t, ds in tracked.items())
 
 
 def _top(ds: DiskState, sdir: Path, used: set) -> Path | None:
-    """The layer of ours the disk's writes since the last save are in: the recorded top; for a
-    state from before it was recorded, the longest unused chain of the session's files on the
-    root. None when there is none (no save since it was tracked, or the layer is gone)."""
+    """The layer of ours the disk's writes since the last save are in: the top of the longest
+    unused chain of the session's files on the recorded top (a save killed after its snapshot
+    left a newer one above it), or on the root for a state from before tops were recorded. A
+    chain through a file the machine uses is not one (a killed snapshot's leftover overlay on
+    a disk still attached). None when there is none."""
     root = Path(ds.root)
-    if ds.top:
-        top = Path(ds.top)
-        return top if top.exists() and not _same(top, root) else None
+    base = Path(ds.top) if ds.top else root
+    if ds.top and not base.exists():
+        base = root  # (committed and deleted by a finish killed before it recorded so)
     best: tuple[int, Path] | None = None
     for p in sdir.glob("*.qcow2"):
         if _ids([p]) & used:
@@ -144,9 +152,14 @@ def _top(ds: DiskState, sdir: Path, used: set) -> Path | None:
             files = chain_files(p, f"reading the chain of {p.name}")
         except VMError:
             continue
-        if any(_same(f, root) for f in files[1:]) and (best is None or len(files) > best[0]):
+        at = next((k for k, f in enumerate(files) if _same(f, base)), None)
+        if at is None or (base == root and at == 0) or _ids([Path(f) for f in files[:at]]) & used:
+            continue
+        if best is None or len(files) > best[0]:
             best = (len(files), p)
-    return best[1] if best else None
+    if best is not None:
+        return best[1]
+    return base if ds.top and base != root and not _same(base, root) else None
 
 
 def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds: DiskState,
@@ -154,10 +167,17 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
     root = Path(ds.root)
     what = f"handing back disk {target}, detached from {domain}"
 
-    def intend(how: str, tmp: Path | None = None) -> None:
+    def intend(how: str, dest: Path | None = None) -> None:
         """Said before the work: a kill part way is then finished or cleaned up, not guessed."""
-        ds.handing_back = {"how": how, "top": str(top), **({"tmp": str(tmp)} if tmp else {})}
+        ds.handing_back = {"how": how, "top": str(top)}
+        if dest is not None:
+            ds.handing_back.update(dest=str(dest), tmp=str(_tmp_for(dest)))
         ctl.save_state(session, state)
+
+    before = ds.handing_back or {}
+    if before.get("top") == str(top) and before.get("dest") and Path(before["dest"]).exists():
+        # killed after its copy was renamed into place: that copy is whole
+        return {"how": before["how"], "file": before["dest"]}
 
     if _inside(root, sdir):
         origin = state.origins.get(target)
@@ -167,14 +187,17 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
                           f"it: copy it out first (qemu-img convert {top} ...), then try again")
         dest = _released_name(Path(origin[0]))
         _check_dir(dest, target, domain, top)
-        intend("copy", _tmp_for(dest))
+        intend("copy", dest)
         _write_whole(dest, lambda tmp: qemu_img(
             "convert", "-q", "-O", origin[1], str(top), str(tmp), what=what,
             timeout=CONVERT_TIMEOUT))
         _like_the_users(state, {target: str(dest)})
         return {"how": "copy", "file": str(dest)}
     if not root.parent.is_dir():
-        return {"how": "dropped", "file": str(top)}
+        # (maybe a file system not mounted just now: its writes are not deleted for that)
+        raise VMError(f"disk {target} was detached from {domain} with writes in ksfs's layer "
+                      f"{top}, to be given back to {root}, but {root.parent} is gone: make it "
+                      f"available again and try again (`ksfs session rm` drops them instead)")
     # A commit of this layer killed part way changed the file itself: it is done again (the
     # layer is whole), not taken for a change of the user's.
     again = (ds.handing_back or {}).get("how") == "commit" and \
@@ -190,6 +213,8 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
         except VMError as exc:  # another machine holds it (its write lock): not ours to write
             log.warning("%s: committing into %s failed, moving the layer out: %s", what, root,
                         exc)
+            ds.handing_back = None  # nothing written: no later run may take it for its own
+            ctl.save_state(session, state)
     # Changed since (or in use, or unknown): the layer itself, squashed into one file on root.
     try:
         order = chain_files(top, f"reading the chain of {top.name}")  # top first
@@ -200,7 +225,7 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
         qemu_img("commit", "-q", "-b", str(ours[-1]), str(top), what=what,
                  timeout=CONVERT_TIMEOUT)
     dest = _free_name(root, "ksfs-layer", ".qcow2")
-    intend("layer", _tmp_for(dest))
+    intend("layer", dest)
     _write_whole(dest, lambda tmp: shutil.copyfile(ours[-1] if ours else top, tmp))
     _mode_of(root, dest)
     return {"how": "layer", "file": str(dest)}
