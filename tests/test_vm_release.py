@@ -177,13 +177,13 @@ def test_a_release_cut_short_changes_nothing_or_is_finished_never_destroyed(
 
 
 def test_a_released_copy_adopted_again_gets_the_next_number(tmp_path: Path) -> None:
-    from ksfs.vm.release import _released_name
+    from ksfs.vm.release import released_name
 
     disk = tmp_path / "disk.qcow2"
-    assert _released_name(disk) == tmp_path / "disk.released.qcow2"
+    assert released_name(disk) == tmp_path / "disk.released.qcow2"
     (tmp_path / "disk.released.qcow2").touch()
-    assert _released_name(tmp_path / "disk.released.qcow2") == \
+    assert released_name(tmp_path / "disk.released.qcow2") == \
         tmp_path / "disk.released-2.qcow2"
     (tmp_path / "disk.released-2.qcow2").touch()
-    assert _released_name(tmp_path / "disk.released-2.qcow2") == \
+    assert released_name(tmp_path / "disk.released-2.qcow2") == \
         tmp_path / "disk.released-3.qcow2"

@@ -37,8 +37,8 @@ from ksfs.crashpoints import crash_point
 from ksfs.errors import VMError
 from ksfs.vm import domxml
 from ksfs.vm.chain import chain_files, qemu_img
-from ksfs.vm.release import _like_the_users, _released_name
-from ksfs.vm.restore import _chain_files, _file_id
+from ksfs.vm.release import inside, like_the_users, released_name
+from ksfs.vm.restore import chain_file_set, file_id, same_file
 from ksfs.vm.state import DiskState, file_stat
 from ksfs.vm.steps import step
 
@@ -54,21 +54,17 @@ def _ids(paths: set[Path] | list[Path]) -> set[tuple[int, int]]:
     out = set()
     for p in paths:
         try:
-            out.add(_file_id(Path(p)))
+            out.add(file_id(Path(p)))
         except OSError:
             pass  # not there: in no chain
     return out
-
-
-def _inside(path: str | Path, directory: Path) -> bool:
-    return Path(path).resolve().is_relative_to(directory.resolve())
 
 
 def _chains(xml: str) -> set[Path]:
     """Every file of every disk chain ``xml`` names (unreadable: the top alone)."""
     out: set[Path] = set()
     for f in domxml.file_sources(xml):
-        out |= _chain_files(Path(f))
+        out |= chain_file_set(Path(f))
     return out
 
 
@@ -97,7 +93,7 @@ def hand_back(ctl: DomainController, session: str, domain: str,
         if top is not None and _ids([top]) & used:
             continue  # it runs on its layer (or the user attached ksfs's layer again)
         if top is None:
-            if not _ids([Path(ds.root)]) & used and not _inside(ds.root, sdir):
+            if not _ids([Path(ds.root)]) & used and not inside(ds.root, sdir):
                 del state.disks[target]  # the user's file, detached; nothing of ours on it
                 ctl.save_state(session, state)
             continue
@@ -105,7 +101,7 @@ def hand_back(ctl: DomainController, session: str, domain: str,
         done[target] = where
         log.warning("disk %s of %s was detached with writes in ksfs's layer %s: %s (%s)",
                     target, domain, top, where["how"], where["file"])
-        named = [d.target for d in domxml.disks(inactive_xml) if _same(d.source, top)]
+        named = [d.target for d in domxml.disks(inactive_xml) if same_file(d.source, top)]
         if named:
             # A detach of the running machine only: the next boot must find the bytes (on
             # whichever target the definition has the layer).
@@ -121,8 +117,8 @@ def hand_back(ctl: DomainController, session: str, domain: str,
         # Only now, the bytes being where the event says: the session's files of it that no
         # chain of the machine uses.
         users = _ids([Path(f) for f, _fmt in state.origins.values()])  # never theirs
-        for f in dict.fromkeys([str(top), *_chain_files(top)]):
-            if _inside(f, sdir) and not _ids([Path(f)]) & (used | users):
+        for f in dict.fromkeys([str(top), *chain_file_set(top)]):
+            if inside(f, sdir) and not _ids([Path(f)]) & (used | users):
                 Path(f).unlink(missing_ok=True)
     return done
 
@@ -152,14 +148,14 @@ def _top(ds: DiskState, sdir: Path, used: set) -> Path | None:
             files = chain_files(p, f"reading the chain of {p.name}")
         except VMError:
             continue
-        at = next((k for k, f in enumerate(files) if _same(f, base)), None)
+        at = next((k for k, f in enumerate(files) if same_file(f, base)), None)
         if at is None or (base == root and at == 0) or _ids([Path(f) for f in files[:at]]) & used:
             continue
         if best is None or len(files) > best[0]:
             best = (len(files), p)
     if best is not None:
         return best[1]
-    return base if ds.top and base != root and not _same(base, root) else None
+    return base if ds.top and base != root and not same_file(base, root) else None
 
 
 def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds: DiskState,
@@ -179,19 +175,19 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
         # killed after its copy was renamed into place: that copy is whole
         return {"how": before["how"], "file": before["dest"]}
 
-    if _inside(root, sdir):
+    if inside(root, sdir):
         origin = state.origins.get(target)
         if origin is None:
             raise VMError(f"disk {target} was detached from {domain} while it ran on a disk a "
                           f"restore wrote, and ksfs has no record of the domain's own file for "
                           f"it: copy it out first (qemu-img convert {top} ...), then try again")
-        dest = _released_name(Path(origin[0]))
+        dest = released_name(Path(origin[0]))
         _check_dir(dest, target, domain, top)
         intend("copy", dest)
         _write_whole(dest, lambda tmp: qemu_img(
             "convert", "-q", "-O", origin[1], str(top), str(tmp), what=what,
             timeout=CONVERT_TIMEOUT))
-        _like_the_users(state, {target: str(dest)})
+        like_the_users(state, {target: str(dest)})
         return {"how": "copy", "file": str(dest)}
     if not root.parent.is_dir():
         # (maybe a file system not mounted just now: its writes are not deleted for that)
@@ -220,7 +216,7 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
         order = chain_files(top, f"reading the chain of {top.name}")  # top first
     except VMError:
         order = [str(top)]  # (its backing file gone: the layer alone)
-    ours = [Path(f) for f in order if _inside(f, sdir) and not _same(f, root)]
+    ours = [Path(f) for f in order if inside(f, sdir) and not same_file(f, root)]
     if len(ours) > 1:
         qemu_img("commit", "-q", "-b", str(ours[-1]), str(top), what=what,
                  timeout=CONVERT_TIMEOUT)
@@ -279,10 +275,3 @@ def _free_name(origin: Path, tag: str, suffix: str) -> Path:
         if not os.path.lexists(cand):
             return cand
     raise VMError(f"no free name beside {origin}")
-
-
-def _same(a: str | Path, b: str | Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False

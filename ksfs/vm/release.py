@@ -36,7 +36,7 @@ from ksfs.crashpoints import crash_point
 from ksfs.errors import BadInput, VMError
 from ksfs.vm import domxml
 from ksfs.vm.chain import chain_files, qemu_img
-from ksfs.vm.restore import _chain_files
+from ksfs.vm.restore import chain_file_set
 from ksfs.vm.steps import step
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ JOB_TIMEOUT = 3600.0  # a copy of a large disk under TCG load; each second is po
 CONVERT_TIMEOUT = 3600.0
 
 
-def _inside(path: str | Path, directory: Path) -> bool:
+def inside(path: str | Path, directory: Path) -> bool:
     return Path(path).resolve().is_relative_to(directory.resolve())
 
 
@@ -57,7 +57,7 @@ def _chain(top: str) -> list[str]:
 RELEASED = re.compile(r"\.released(-\d+)?$")  # the stem of a copy a release made
 
 
-def _released_name(origin: Path) -> Path:
+def released_name(origin: Path) -> Path:
     """``disk.qcow2`` -> ``disk.released.qcow2`` (``-2``, ``-3``, ... when taken); a disk that
     is itself a released copy (adopted again) gives the next number, not a longer name."""
     stem, suffix = RELEASED.sub("", origin.stem), origin.suffix
@@ -84,25 +84,25 @@ def plan(ctl: DomainController, session: str, domain: str) -> dict[str, dict[str
     sdir = ctl.session_dir(session)
     xml = ctl.xml(domain)
     for tag, path in domxml.boot_files(xml).items():
-        if _inside(path, sdir):
+        if inside(path, sdir):
             raise VMError(f"domain {domain} boots from ksfs's copy of its {tag} ({path}); "
                           f"point it at your own {tag} (virsh edit) first")
     kept = {d.source for d in domxml.disks(xml)}
     for f in domxml.file_sources(xml):
-        if f not in kept and any(_inside(g, sdir) for g in _chain_files(Path(f))):
+        if f not in kept and any(inside(g, sdir) for g in chain_file_set(Path(f))):
             raise VMError(f"a read-only disk or cdrom of domain {domain} runs on {f}, a layer "
                           f"an older ksfs made; point it back at its own file (virsh edit, "
                           f"with the domain shut off) first")
     out: dict[str, dict[str, Any]] = {}
     for disk in domxml.disks(xml):
         chain = _chain(disk.source)
-        if not any(_inside(f, sdir) for f in chain):
+        if not any(inside(f, sdir) for f in chain):
             continue
         ds = state.disks.get(disk.target)
         if ds is None:
             raise VMError(f"disk {disk.target} of {domain} runs on ksfs's files but ksfs has no "
                           f"record of it")
-        if not _inside(ds.root, sdir):
+        if not inside(ds.root, sdir):
             out[disk.target] = {"how": "commit", "dest": ds.root, "fmt": ds.root_fmt}
             continue
         origin = state.origins.get(disk.target)
@@ -110,7 +110,7 @@ def plan(ctl: DomainController, session: str, domain: str) -> dict[str, dict[str
             raise VMError(f"disk {disk.target} of {domain} runs on a disk a restore wrote, and "
                           f"this session was adopted by a ksfs that did not record where the "
                           f"domain's own disk was: copy it out with `ksfs cat` first")
-        out[disk.target] = {"how": "copy", "dest": str(_released_name(Path(origin[0]))),
+        out[disk.target] = {"how": "copy", "dest": str(released_name(Path(origin[0]))),
                             "fmt": origin[1]}
     return out
 
@@ -141,7 +141,7 @@ def release(ctl: DomainController, session: str, domain: str,
         if active:
             _finish_job(dom, domain, target)  # a killed release's own job
             tops[target] = ctl.disk_files(domain)[target]
-        if any(_inside(f, sdir) for f in _chain(tops[target])):
+        if any(inside(f, sdir) for f in _chain(tops[target])):
             if active:
                 _live(dom, domain, target, how, tops[target])
             else:
@@ -150,9 +150,9 @@ def release(ctl: DomainController, session: str, domain: str,
     # own file): every disk, those an earlier attempt handed back too.
     done = ctl.disk_files(domain)
     state = ctl.load_state(session)
-    _like_the_users(state, done)
+    like_the_users(state, done)
     for target in [t for t in state.disks if t in done]:
-        if not any(_inside(f, sdir) for f in _chain(done[target])):
+        if not any(inside(f, sdir) for f in _chain(done[target])):
             # handed back: the user's now, whatever becomes of the rest of the release (QA:
             # after one that failed later, recover took these for detached disks and copied
             # them out again)
@@ -196,7 +196,7 @@ def _live(dom: libvirt.virDomain, domain: str, target: str, how: dict[str, Any],
         raise
 
 
-def _like_the_users(state: Any, done: dict[str, str]) -> None:
+def like_the_users(state: Any, done: dict[str, str]) -> None:
     """A copy takes the mode and owner of the disk the domain had when adopted (ksfs makes
     its files 0600, root's): it is the user's file from now on."""
     for target, path in done.items():
@@ -269,13 +269,13 @@ def _check_released(ctl: DomainController, domain: str, sdir: Path) -> None:
     directory any more: the caller deletes that directory next."""
     for xml in {ctl.xml(domain), ctl.xml(domain, inactive=True)}:
         for f in domxml.file_sources(xml):  # cdroms and read-only disks too
-            if _inside(f, sdir):
+            if inside(f, sdir):
                 raise VMError(f"domain {domain} still names {f} after its release")
         for disk in domxml.disks(xml):
             if not Path(disk.source).exists():
                 raise VMError(f"disk {disk.target} of domain {domain} names {disk.source}, "
                               "which does not exist, after its release")
-            for f in _chain_files(Path(disk.source)):  # unreadable: the top alone
-                if _inside(f, sdir):
+            for f in chain_file_set(Path(disk.source)):  # unreadable: the top alone
+                if inside(f, sdir):
                     raise VMError(f"disk {disk.target} of domain {domain} still uses {f} after "
                                   f"its release")

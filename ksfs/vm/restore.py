@@ -98,14 +98,14 @@ def _session_files_except(ctl: DomainController, session: str, keep: set[Path]) 
     device and inode: the paths in ``keep`` may spell the store another way (a symlink, a bind
     mount) than this process does. Nothing when a file to keep cannot be looked at."""
     try:
-        kept = {_file_id(p) for p in keep}
+        kept = {file_id(p) for p in keep}
     except OSError:
         return []
     d = ctl.session_dir(session)
     out = []
     for p in list(d.glob("*.qcow2")) + list(d.glob("*.raw")) + list(d.glob("*.raw.part")):
         try:
-            if _file_id(p) not in kept:
+            if file_id(p) not in kept:
                 out.append(p)
         except OSError:
             pass  # gone meanwhile, or not to be looked at: kept
@@ -250,12 +250,12 @@ def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
     for f in domxml.file_sources(xml):
         if f not in ours:  # an older ksfs layered read-only disks: such a layer is in use
             # (only files that are there: one to keep that cannot be looked at keeps all)
-            keep |= {p for p in _chain_files(Path(f)) if p.exists()}
+            keep |= {p for p in chain_file_set(Path(f)) if p.exists()}
     # memory images of restores that died staging (verbs on a session are serialized)
     for p in (ctl.session_dir(session) / "staging").glob("restore-*.image*"):
         p.unlink(missing_ok=True)
     for p in _session_files_except(ctl, session, keep):
-        if state.adopted and any(_same_file(p, own) for own in _users_disks(state, old_roots)):
+        if state.adopted and any(same_file(p, own) for own in _users_disks(state, old_roots)):
             continue  # an adopted disk in our directory is still the user's
         p.unlink(missing_ok=True)
 
@@ -270,7 +270,7 @@ def _users_disks(state: SessionState, old_roots: set[Path]) -> set[Path]:
     return {r for r in old_roots if not re.fullmatch(r".+-base-\d+\.raw", r.name)}
 
 
-def _chain_files(top: Path, strict: bool = False) -> set[Path]:
+def chain_file_set(top: Path, strict: bool = False) -> set[Path]:
     """The files of the qcow2/raw chain whose top is ``top`` (just ``top`` when it cannot be
     read: a file in doubt is kept; with ``strict`` the VMError is raised)."""
     from ksfs.vm.chain import chain_files
@@ -301,9 +301,9 @@ def files_in_use(ctl: DomainController, domain: str, strict: bool = False
         # every disk's, kept or not: an older ksfs layered read-only disks too
         for f in domxml.file_sources(x):
             if f in kept:
-                in_use |= _chain_files(Path(f), strict)
+                in_use |= chain_file_set(Path(f), strict)
             else:  # a cdrom's image may be gone: no use of a file that is not there
-                in_use |= {p for p in _chain_files(Path(f)) if p.exists()}
+                in_use |= {p for p in chain_file_set(Path(f)) if p.exists()}
     return in_use, live_xml
 
 
@@ -332,14 +332,14 @@ def unused_disk_files(ctl: DomainController, session: str, domain: str) -> list[
                                  in_use | own | {Path(ds.root) for ds in state.disks.values()})
 
 
-def _same_file(a: str | Path, b: str | Path) -> bool:
+def same_file(a: str | Path, b: str | Path) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:
         return False
 
 
-def _file_id(path: Path) -> tuple[int, int]:
+def file_id(path: Path) -> tuple[int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino
 
@@ -373,22 +373,22 @@ def settle(ctl: DomainController, session: str, domain: str) -> str | None:
         if live_xml:
             running_on = {d.target: d.source for d in domxml.disks(live_xml)}
     if running_on is None or set(running_on) != set(overlays) or not all(
-            _same_file(running_on[t], overlays[t]) for t in overlays):
+            same_file(running_on[t], overlays[t]) for t in overlays):
         # Not (or no longer: a save has layered on it since) exactly the restore's files:
         # what no chain uses goes, and the session's state stays as the save left it.
         try:  # by device and inode (see _session_files_except); none when in doubt
-            in_ids = {_file_id(p) for p in in_use}
+            in_ids = {file_id(p) for p in in_use}
         except OSError:
             in_ids = None
         for p in (*bases.values(), *overlays.values()):
             with contextlib.suppress(OSError):
-                if in_ids is not None and _file_id(p) not in in_ids:
+                if in_ids is not None and file_id(p) not in in_ids:
                     p.unlink()
         state.pending = None
         ctl.save_state(session, state)
         return None
     own = {t: p for t, p in domxml.boot_files(live_xml).items()
-           if _same_file(Path(p).parent, ctl.session_dir(session))}
+           if same_file(Path(p).parent, ctl.session_dir(session))}
     _redefine(ctl, domain, overlays, own, ctl.session_dir(session))
     _take_new_chain(ctl, session, state, bases, overlays, pending["label"], live_xml)
     return pending["label"]
