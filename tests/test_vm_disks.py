@@ -10,10 +10,12 @@ domain) made here is removed at the end, even on failure.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -204,6 +206,73 @@ def test_encrypted_qcow2_is_refused_up_front(env) -> None:
               env["spec"]["initrd"], "--disk", str(d / "secret.qcow2"), check=False)
     assert_error_line(res, 2, "encrypted")
     assert_nothing_made(env, name)
+
+
+def lock_byte_held(path: str, byte: int) -> bool:
+    with open(path, "rb") as f:
+        probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
+        return struct.unpack("hhqqi", fcntl.fcntl(f, fcntl.F_OFD_GETLK, probe))[0] != \
+            fcntl.F_UNLCK
+
+
+def qemu_holding(drives: list[str]) -> subprocess.Popen:
+    """A QEMU, stopped before its first instruction (-S: no CPU spent), that has its drives
+    open with its image locks taken, as a running machine has."""
+    cmd = ["qemu-system-x86_64", "-S", "-display", "none", "-machine", "pc,accel=tcg",
+           "-m", "32", "-monitor", "none", "-serial", "none", "-nodefaults"]
+    for drive in drives:
+        cmd += ["-drive", f"{drive},if=virtio"]
+    qemu = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = drives[0].split(",")[0].split("=", 1)[1]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if qemu.poll() is not None:
+            raise AssertionError(f"qemu exited: {qemu.stderr.read()}")
+        if lock_byte_held(first, 100):  # CONSISTENT_READ, which every opened drive takes
+            return qemu
+        time.sleep(0.1)
+    qemu.kill()
+    raise AssertionError("qemu never locked its drives")
+
+
+def test_a_disk_a_running_qemu_writes_is_refused_not_copied_torn(env) -> None:
+    """QA: `session new --disk` of the disk of a machine that is running copied it silently,
+    a torn copy of a disk being written; now Busy (exit 8) naming the way out, and nothing made.
+    A disk another QEMU only reads (read-only) is not in use in that sense."""
+    from ksfs.vm.files import written_by_another
+
+    d = new_dir(env, "inuse")
+    raw, image = d / "live.raw", d / "live.qcow2"
+    shutil.copyfile(env["spec"]["disk"], raw)
+    qemu_img("create", "-q", "-f", "qcow2", "-b", str(raw), "-F", "raw", str(image))
+    name = f"inuse-{env['tag']}"
+    qemu = qemu_holding([f"file={image},format=qcow2"])
+    try:
+        assert written_by_another(image) and not written_by_another(raw)  # raw: backing, read
+        res = run(env, "session", "new", name, "--kernel", env["spec"]["kernel"], "--initrd",
+                  env["spec"]["initrd"], "--disk", str(image), check=False)
+        assert_error_line(res, 8, "in use", str(image), "session adopt")
+        assert_nothing_made(env, name)
+    finally:
+        qemu.kill()
+        qemu.wait()
+    assert not written_by_another(image)
+    qemu = qemu_holding([f"file={raw},format=raw,readonly=on"])
+    try:
+        assert not written_by_another(raw)
+    finally:
+        qemu.kill()
+        qemu.wait()
+    qemu = qemu_holding([f"file={raw},format=raw"])
+    try:
+        assert written_by_another(raw)
+        res = run(env, "session", "new", name, "--kernel", env["spec"]["kernel"], "--initrd",
+                  env["spec"]["initrd"], "--disk", str(raw), check=False)
+        assert_error_line(res, 8, "in use")
+        assert_nothing_made(env, name)
+    finally:
+        qemu.kill()
+        qemu.wait()
 
 
 def test_guest_json_missing_a_key_is_one_error_line(env) -> None:

@@ -10,14 +10,16 @@ and forks point the domain at the session's own copies (docs/vm.md). No libvirt 
 
 from __future__ import annotations
 
+import fcntl
 import filecmp
 import os
 import shutil
+import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ksfs.errors import BadInput, NotFound, VMError
+from ksfs.errors import BadInput, Busy, NotFound, VMError
 from ksfs.vm import domxml
 from ksfs.vm.chain import (
     GUEST_DATA_UMASK,
@@ -31,6 +33,10 @@ from ksfs.vm.chain import (
 # os/<tag> of the domain XML -> the session directory's own copy
 BOOT_NAMES = {"kernel": "kernel", "initrd": "initrd"}
 CONVERT_TIMEOUT = 3600.0  # a cloud image expands its compressed clusters: a few GiB to write
+# QEMU's image locking (block/file-posix.c): a process that holds permission bit N of a file
+# has a shared OFD lock on byte 100 + N; WRITE is bit 1. Any QEMU that may write the file holds
+# byte 101, whoever started it; a reader (qemu-img, a read-only disk) does not.
+QEMU_WRITE_LOCK_BYTE = 101
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,14 @@ def inspect_disk(path: Path | str) -> DiskPlan:
     """
     path = Path(path)
     what = f"inspecting the disk {path}"
-    fmt = image_info(path, what)["format"]
+    info = image_info(path, what)
+    fmt = info["format"]
+    data = data_file_of(info)
+    for used in (path, data and path.parent / data):  # a relative data file: beside its image
+        if used and written_by_another(used):
+            raise Busy(f"the disk {path} is in use: a running QEMU may write {used} (it holds "
+                       f"its write lock), so a copy would be torn; shut that machine down "
+                       f"first, or take it under ksfs as it runs with `ksfs session adopt`")
     if fmt not in ("raw", "qcow2"):
         raise BadInput(f"the disk {path} is {fmt}; ksfs takes raw or qcow2 disks")
     if fmt == "raw":
@@ -69,6 +82,22 @@ def inspect_disk(path: Path | str) -> DiskPlan:
     if compressed_files(path, what, chain):
         return DiskPlan(path, "qcow2", "it has compressed clusters")
     return DiskPlan(path, "qcow2", None)
+
+
+def written_by_another(path: Path) -> bool:
+    """Whether a process holds QEMU's write lock on ``path`` (False when it cannot be told)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # qemu-img already named a missing file; an unreadable one fails later
+    try:
+        probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, QEMU_WRITE_LOCK_BYTE, 1, 0)
+        kind = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0]
+        return kind != fcntl.F_UNLCK
+    except OSError:
+        return False  # a filesystem without OFD locks (some network ones): nothing to tell
+    finally:
+        os.close(fd)
 
 
 def make_disk(plan: DiskPlan, dest: Path, what: str) -> None:
