@@ -346,6 +346,48 @@ def test_a_restore_brings_back_an_unplugged_disk_into_a_definition_that_changed(
         assert virsh("domstate", dom).stdout.strip() == "running"
 
 
+def test_a_disk_detached_from_a_shut_off_machine_is_handed_back_by_its_save(
+        env, guest: Path, tmp_path: Path) -> None:
+    """A disk detached from the definition while the machine is shut off (no live XML to
+    compare with): the save of the stopped disks gives its layer back into the user's file
+    first, and stores only the disks the machine still has."""
+    store, e = env["store"], env["env"]
+    dom, xml, data = hotplug_domain(env, guest, tmp_path, "detoff")
+    name = dom
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
+        wait_transcript(store, name, e, 2)
+        done = virsh("attach-disk", dom, str(data), "vdc", "--driver", "qemu", "--subdriver",
+                     "qcow2", "--persistent")
+        assert done.returncode == 0, done.stderr
+        before = save(store, name, e)  # vdc now runs on ksfs's overlay
+        write_through_qemu(dom, "virtio-disk2", 0xC3)
+        virsh("destroy", dom, "--graceful", check=True)  # QEMU flushes its images and exits
+        assert virsh("domstate", dom).stdout.strip() == "shut off"
+        done = virsh("detach-disk", dom, "vdc", "--config")
+        assert done.returncode == 0, done.stderr
+        # a save of a machine that is not running is refused, but hands the disk back first
+        res = run(store, "save", name, env=e, check=False)
+        assert res.returncode == 10 and "not running" in res.stderr, res.stderr
+        assert first_bytes(data, tmp_path) == b"\xc3" * 65536  # committed into the user's file
+        handed = [ev["body"] for ev in kvm.events_of(store, name, e)
+                  if ev["type"] == "disk.handed_back"]
+        assert handed == [{"target": "vdc", "how": "commit", "file": str(data)}], handed
+        assert not [p for p in (store / "vm" / name).glob("vdc*")]
+        # a restore keeps the stopped disks first: the machine's one disk, not the handed-back
+        run(store, "restore", name, before, env=e)
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        assert set(sources(dom)) == {"vda", "vdc"}  # as at that checkpoint
+        kept = checkpoint_names(store, name, e)[-1]
+        assert kept != before
+        def files_of(checkpoint: str) -> set[str]:
+            return set(json.loads(run(store, "cat", name, checkpoint, "meta.json",
+                                      env=e).stdout)["files"])
+
+        assert len(files_of(before) - {"memory"}) == 2, files_of(before)
+        assert files_of(kept) == {"disk.raw"}  # no memory: it boots its disks
+        assert first_bytes(data, tmp_path) == b"\xc3" * 65536  # the restore left it alone
+
+
 def test_a_hand_back_killed_part_way_is_finished_or_cleaned_up(
         env, guest: Path, tmp_path: Path) -> None:
     """QA: a hand-back killed during its commit left the user's file half written, and the
