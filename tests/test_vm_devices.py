@@ -368,6 +368,9 @@ def test_a_disk_detached_from_a_shut_off_machine_is_handed_back_by_its_save(
         # a save of a machine that is not running is refused, but hands the disk back first
         res = run(store, "save", name, env=e, check=False)
         assert res.returncode == 10 and "not running" in res.stderr, res.stderr
+        said = res.stderr.splitlines()  # what it did said as the error is (it was a bare line)
+        assert said[0].startswith("ksfs: warning: disk vdc of") and str(data) in said[0], said
+        assert said[1:] == [f"ksfs: error: the machine of session {name!r} is not running"]
         assert first_bytes(data, tmp_path) == b"\xc3" * 65536  # committed into the user's file
         handed = [ev["body"] for ev in kvm.events_of(store, name, e)
                   if ev["type"] == "disk.handed_back"]

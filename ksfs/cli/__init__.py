@@ -364,7 +364,28 @@ def main(ctx: click.Context, store_path: str) -> None:
     from ksfs.heap import tune_for_bulk_reads
 
     tune_for_bulk_reads()  # imports, saves and reads stream 8 MiB batches: see ksfs/heap.py
+    _log_lines_like_errors()
     ctx.obj = Context(os.path.abspath(store_path))
+
+
+class _LineFormatter:
+    """``ksfs: warning: ...``: one line, as errors are written."""
+
+    def format(self, record: Any) -> str:
+        return f"ksfs: {record.levelname.lower()}: {one_line(record.getMessage())}"
+
+
+def _log_lines_like_errors() -> None:
+    # What a verb logs beside its answer (a disk handed back, a leftover removed) would reach
+    # stderr through Python's last-resort handler, bare; the daemon and the mount log to files.
+    import logging
+
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(_LineFormatter())  # type: ignore[arg-type]
+        handler.setLevel(logging.WARNING)
+        root.addHandler(handler)
 
 
 FAMILIES = ("store_cmds", "ledger_cmds", "vm_cmds", "mount_cmds", "gateway_cmds")

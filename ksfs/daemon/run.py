@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream")
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
+        level=logging.INFO, stream=sys.stderr, force=True,  # over the CLI's (--foreground)
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     from ksfs.heap import tune_for_bulk_reads
