@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -88,7 +89,27 @@ def test_lifecycle_through_the_mount(mounted) -> None:
     assert lines[: len(at_cp)] == at_cp
     assert lines[len(at_cp)]["seq"] == at_cp[-1]["seq"] + 1
 
+    # A save by mkdir blocks its caller: another shell sees its progress in status.
+    seen: list[dict] = []
+    watched = f"watched-{tag}"
+    saving = threading.Thread(target=os.mkdir, args=(sess / "checkpoints" / watched,))
+    saving.start()
+    while saving.is_alive():
+        doing = json.loads((sess / "status").read_text())["doing"]
+        if doing is not None:
+            seen.append(doing)
+        time.sleep(0.01)
+    saving.join()
+    assert watched in os.listdir(sess / "checkpoints")
+    assert seen and {d["verb"] for d in seen} == {"save"}, seen
+    assert {d["checkpoint"] for d in seen} == {watched}, seen
+    steps = [d["step"] for d in seen if d["step"] is not None]
+    assert "taking the snapshot" in steps and any(
+        d["total"] and 0 <= d["done"] <= d["total"] for d in seen), seen
+    assert json.loads((sess / "status").read_text())["doing"] is None  # done: nothing in hand
+
     # rmdir deletes a checkpoint.
+    os.rmdir(sess / "checkpoints" / watched)
     os.rmdir(sess / "checkpoints" / after)
     assert after not in os.listdir(sess / "checkpoints")
 

@@ -82,7 +82,8 @@ class RestoreVerbs:
         validate_name(session, "session name")
         validate_name(checkpoint, "checkpoint name")
         rec = self._machine(session)
-        with session_lock(self.store_path, session):
+        with session_lock(self.store_path, session), \
+                self.activity.doing(session, "restore", checkpoint=checkpoint):
             return self._restore_locked(rec, checkpoint)
 
     def _restore_locked(self, rec: SessionRecord, checkpoint: str,
@@ -195,7 +196,8 @@ class RestoreVerbs:
         # The parent's lock too: while the fork reads the checkpoint, `rm` of it (and a gc
         # after) or `session rm` of the parent waits, instead of pulling its chunks or its
         # boot files out from under the fork. The parent's own verbs wait for the fork.
-        with session_lock(self.store_path, session), session_lock(self.store_path, new):
+        with session_lock(self.store_path, session), session_lock(self.store_path, new), \
+                self.activity.doing(session, "fork", checkpoint=checkpoint, session_new=new):
             parent = self.ledger.session(session)
             target = self.ledger.checkpoint(session, checkpoint)
             xml_disks = self._xml_disks(target)

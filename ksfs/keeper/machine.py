@@ -194,7 +194,7 @@ class MachineVerbs:
             raise BadInput("--cmdline must be one non-empty line")
         if cmdline is None:
             cmdline = spec["cmdline"] if "cmdline" in spec else default_cmdline(plan)
-        with session_lock(self.store_path, name):
+        with session_lock(self.store_path, name), self.activity.doing(name, "session new"):
             if self.vm.exists(domain):
                 raise AlreadyExists(what="libvirt domain", name=domain)
             config = {
@@ -428,7 +428,8 @@ class MachineVerbs:
         if name is not None:
             validate_name(name, "checkpoint name", new=True)
         rec = self._machine(session)
-        with session_lock(self.store_path, session):
+        with session_lock(self.store_path, session), \
+                self.activity.doing(session, "save", checkpoint=name):
             # A restore killed after libvirt took its files (no daemon ran recover since):
             # finished first, so the log says where the machine came from and the save builds
             # on its chain.

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ksfs.errors import IntegrityError, KsfsError
+from ksfs.keeper.activity import Activity
 from ksfs.keeper.holdings import ChunkHolders
 from ksfs.keeper.offline import is_disk_image
 from ksfs.model import (
@@ -90,6 +91,7 @@ class Views:
         self._holders = ChunkHolders(self.store, self.ledger)
         self._checkpoint_listeners: list[Callable[[str, str | None], None]] = []
         self._fs_rejected: set[tuple] = set()  # (session, checkpoint, lineage, seq) told once
+        self.activity = Activity()
 
     def on_checkpoint_change(self, listener: Callable[[str, str | None], None]
                              ) -> Callable[[], None]:
@@ -147,6 +149,7 @@ class Views:
             "last_checkpoint": latest.name if latest else None,
             "running_from": held,
             "parent": rec.parent.to_dict() if rec.parent else None,
+            "doing": self.activity.of(session),
         }
 
     def status_bytes(self, session: str) -> bytes:
