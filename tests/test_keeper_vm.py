@@ -530,7 +530,7 @@ def adopted(env: dict, xml_path: Path, xml: str, dom: str, name: str,
         for s in (fork_name, name):
             run(store, "session", "rm", s, check=False, env=e)
         virsh("destroy", dom)
-        virsh("undefine", dom)
+        virsh("undefine", "--keep-nvram", dom)  # a UEFI domain's is refused without it
     assert virsh("domstate", dom).returncode != 0
 
 

@@ -391,6 +391,45 @@ def test_a_disk_detached_from_a_shut_off_machine_is_handed_back_by_its_save(
         assert first_bytes(data, tmp_path) == b"\xc3" * 65536  # the restore left it alone
 
 
+OVMF = Path("/usr/share/OVMF")  # tools/setup installs Debian's ovmf
+
+
+def test_a_fork_of_a_uefi_machine_gets_its_own_variable_store(
+        env, guest: Path, tmp_path: Path) -> None:
+    """QA: a fork's definition named its parent's NVRAM file, so two QEMUs wrote one set of
+    EFI variables (their image locks share it) and `virsh undefine --nvram` of either deleted
+    the other's. The fork now has a copy in its own directory, removed with it."""
+    store, e = env["store"], env["env"]
+    dom, own, _ = raw_domain(env, guest, tmp_path, "uefi")
+    nvram = tmp_path / "VARS.fd"
+    nvram.write_bytes((OVMF / "OVMF_VARS_4M.fd").read_bytes())
+    spec = json.loads((guest / "guest.json").read_text())
+    xml = plain_domain_xml(dom, spec, [(own, "raw", "vda")]).replace(
+        "<type arch='x86_64'>hvm</type>",
+        "<type arch='x86_64' machine='q35'>hvm</type>"
+        f"<loader readonly='yes' type='pflash'>{OVMF / 'OVMF_CODE_4M.fd'}</loader>"
+        f"<nvram>{nvram}</nvram>").replace(
+        "<devices>", "<features><acpi/></features><devices>")
+    name, fork = dom, f"uefifork-{env['tag']}"
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, fork):
+        c1 = wait_transcript(store, name, e, 2)
+        run(store, "fork", name, c1, fork, env=e)
+        theirs = store / "vm" / fork / "nvram.fd"
+        for inactive in (False, True):
+            said = virsh("dumpxml", f"ksfs-{fork}", *(["--inactive"] if inactive else []),
+                         check=True).stdout
+            assert f">{theirs}</nvram>" in said, said
+            assert str(nvram) in virsh("dumpxml", dom, check=True).stdout
+        assert theirs.read_bytes() == nvram.read_bytes()
+        assert virsh("domstate", f"ksfs-{fork}").stdout.strip() == "running"
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        run(store, "session", "rm", fork, env=e)
+        assert not theirs.exists() and nvram.stat().st_size == len(
+            (OVMF / "OVMF_VARS_4M.fd").read_bytes())
+        assert virsh("domstate", f"ksfs-{fork}").returncode != 0
+        save(store, name, e)  # the parent runs on, on its own file
+
+
 def test_a_hand_back_killed_part_way_is_finished_or_cleaned_up(
         env, guest: Path, tmp_path: Path) -> None:
     """QA: a hand-back killed during its commit left the user's file half written, and the

@@ -434,6 +434,31 @@ def console_log_path(xml: str) -> str | None:
     return None
 
 
+def nvram(xml: str) -> tuple[str | None, str | None]:
+    """(file, template) of a UEFI domain's variable store (``<os><nvram>``, in either of the
+    forms libvirt writes: its text, or ``type='file'`` with ``<source file=...>``); (None, None)
+    when the domain has none."""
+    el = _parse(xml).find("os/nvram")
+    if el is None:
+        return None, None
+    src = el.find("source")
+    path = src.get("file") if src is not None else (el.text or "").strip()
+    return path or None, el.get("template")
+
+
+def set_nvram(xml: str, path: Path | str) -> str:
+    root = _parse(xml)
+    el = root.find("os/nvram")
+    if el is None:
+        raise VMError("the domain has no <nvram> to point elsewhere")
+    src = el.find("source")
+    if src is not None:
+        src.set("file", str(path))
+    else:
+        el.text = str(path)
+    return ET.tostring(root, encoding="unicode")
+
+
 def uuid_of(xml: str) -> str:
     el = _parse(xml).find("uuid")
     return el.text if el is not None and el.text else ""

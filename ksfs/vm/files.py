@@ -176,6 +176,34 @@ def own_boot_files(xml: str, session_dir: Path, workdir: Path, domain: str,
     return domxml.set_boot_files(xml, new) if new else xml
 
 
+def own_nvram(xml: str, session_dir: Path, domain: str) -> str:
+    """``xml`` with a UEFI variable store of the session's own (``nvram.fd`` in its directory),
+    a copy of the one ``xml`` names. A fork runs beside its parent: on one file both QEMUs
+    would write the same EFI variables (QEMU's image locks share it), and `virsh undefine
+    --nvram` of either would delete the other's. The running fork takes its variables from the
+    memory image (QEMU migrates the flash's contents), so the copy matters for its cold boots.
+    One the parent's file is gone: made from the definition's template by libvirt, as at a
+    first boot."""
+    path, template = domxml.nvram(xml)
+    if path is None and template is None:
+        return xml
+    own = session_dir / "nvram.fd"
+    if path is not None and Path(path).is_file():
+        try:
+            with open(path, "rb") as src, open(own, "xb") as dst:
+                os.fchmod(dst.fileno(), 0o600)  # as libvirt makes it: the guest's own data
+                shutil.copyfileobj(src, dst)
+                dst.flush()
+                os.fsync(dst.fileno())
+        except OSError as exc:
+            raise VMError(f"copying the UEFI variables {path} of {domain} failed: "
+                          f"{exc.strerror}") from exc
+    elif template is None:
+        raise VMError(f"the UEFI variable store {path} of {domain} does not exist and its "
+                      f"definition names no template to make one from; nothing was changed")
+    return domxml.set_nvram(xml, own)
+
+
 def check_adoptable(target: str, source: str, domain: str) -> None:
     """Refuse, before anything is written, an adopted disk whose chain ksfs could not snapshot
     and read in place: encrypted, compressed clusters, or an external data file. (A backing

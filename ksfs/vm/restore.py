@@ -486,6 +486,7 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         # The fork's own kernel and initrd (linked from its parent's copies in the store), so
         # it keeps booting whatever becomes of the parent or the guest directory.
         new_xml = files.own_boot_files(new_xml, d, ctl.workdir, new_domain)
+        new_xml = files.own_nvram(new_xml, d, new_domain)
         files.check_start_files(new_xml, set(overlays), mem is not None,
                                 f"checkpoint {checkpoint or new_domain}")
         if fw_cfg is not None:
