@@ -65,6 +65,8 @@ def world(tmp_path_factory: pytest.TempPathFactory):
         k.import_files("sess", "c2dup", [d2])
         k.import_files("sess", "two", two)
         k.import_files("sess", "img", [_disk(tmp, "5", "guest.img", {"grows": b"abcdefgh"})])
+        named = _disk(tmp, "6", "cloud.bin", {"grows": b"abcdefgh"})
+        k.import_files("sess", "asdisk", [named], disks=[named])  # `import --disk cloud.bin`
     return store, (d1, d2)
 
 
@@ -148,6 +150,16 @@ def test_img_name_is_a_disk_image(world) -> None:
                                                           ("removed", "keep")]
     assert d["disk"]["file_b"] == "guest.img"
     assert "disk in disk0.raw -> guest.img: " in run(store, "c1", "img")
+
+
+def test_a_file_imported_with_disk_is_the_disk_image_whatever_its_name(world) -> None:
+    """QA: `import --disk cloud.bin` chunked it as a disk, but the checkpoint had no guest
+    files (no fs/, diff "has no disk image"): disks were told by name alone."""
+    store, _ = world
+    d = as_json(store, "c1", "asdisk")
+    assert d["guest_disks"] == {"a": "disk0.raw", "b": "cloud.bin"}
+    assert [(c["kind"], c["path"]) for c in d["files"]] == [("changed", "grows"),
+                                                          ("removed", "keep")]
 
 
 def test_several_disk_images_are_not_guessed(world) -> None:

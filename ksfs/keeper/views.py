@@ -287,11 +287,13 @@ class Views:
 
     def guest_disk(self, record: CheckpointRecord) -> tuple[FileRecord | None, str | None]:
         """The disk image whose guest files stand for ``record`` (``fs/``, the transcript,
-        ``ksfs diff``): its only disk image (``disk*.raw``, ``*.img``); of several, the first
+        ``ksfs diff``): its only disk image (chunked as one: ``disk*.raw``, ``*.img`` or a file
+        imported with ``--disk``); of several, the first
         (``disk.raw``, then by name) whose filesystem holds the session's transcript, else
         ``disk.raw`` (an adopted domain's first disk may be a data disk and its second the
         guest's root); or (None, why none)."""
-        disks = sorted((f for f in record.files if is_disk_image(f.name)),
+        disks = sorted((f for f in record.files
+                        if f.chunking == "fixed" or is_disk_image(f.name)),
                        key=lambda f: (f.name != "disk.raw", f.name))
         label = f"{record.session}/{record.name}"
         if not disks:
