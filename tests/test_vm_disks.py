@@ -294,6 +294,17 @@ def test_guest_json_missing_a_key_is_one_error_line(env) -> None:
         res = run(env, "session", "new", name, "--guest", str(d), check=False)
         assert_error_line(res, 2, key, "not a regular file")
         assert_nothing_made(env, name)
+    # QA: a key of the wrong kind was called missing; a disk_format unlike the disk, ignored
+    for key, value in (("kernel", 5), ("disk", ["a"])):
+        (d / "guest.json").write_text(json.dumps(dict(whole, **{key: value})))
+        res = run(env, "session", "new", name, "--guest", str(d), check=False)
+        assert_error_line(res, 2, key, "must be a string")
+        assert "missing" not in res.stderr
+        assert_nothing_made(env, name)
+    (d / "guest.json").write_text(json.dumps(dict(whole, disk_format="vmdk")))
+    res = run(env, "session", "new", name, "--guest", str(d), check=False)
+    assert_error_line(res, 2, "disk_format", '"vmdk"', "is raw")
+    assert_nothing_made(env, name)
     for key, value in (("memory_mib", "512MiB"), ("memory_mib", [512]), ("memory_mib", 0),
                        ("memory_mib", 1.5), ("vcpus", "two"), ("vcpus", True),
                        ("transcript", 5), ("cmdline", 5), ("cmdline", "")):

@@ -190,6 +190,10 @@ class MachineVerbs:
 
         domain = domain_name_for(name)
         plan = inspect_disk(spec["disk"])  # an encrypted or foreign disk: refused before a record
+        if "disk_format" in spec and spec["disk_format"] != plan.fmt:
+            # the format is read from the disk itself; a guest.json saying otherwise is wrong
+            raise BadInput(f"guest.json says disk_format {json.dumps(spec['disk_format'])}, "
+                           f"but the disk {spec['disk']} is {plan.fmt}")
         if cmdline is not None and (not cmdline.strip() or "\n" in cmdline or "\0" in cmdline):
             raise BadInput("--cmdline must be one non-empty line")
         if cmdline is None:
@@ -267,11 +271,14 @@ class MachineVerbs:
                 raise BadInput(f"{gdir}/guest.json is not a JSON object")
             base = gdir.resolve()
             where = f"{gdir}/guest.json:"
-            missing = [k for k in ("kernel", "initrd", "disk")
-                       if not isinstance(spec.get(k), str) or not spec[k]]
+            missing = [k for k in ("kernel", "initrd", "disk") if spec.get(k) in (None, "")]
             if missing:
                 raise BadInput(f"{where} {', '.join(missing)} missing (each must name a file; "
                                f"a relative path is relative to {gdir})")
+            wrong = [k for k in ("kernel", "initrd", "disk") if not isinstance(spec[k], str)]
+            if wrong:
+                raise BadInput(f"{where} {', '.join(wrong)} must be a string naming a file, "
+                               f"not {json.dumps(spec[wrong[0]])}")
             _check_guest_values(spec, where)
         for key in ("kernel", "initrd", "disk"):
             path = base / Path(spec[key]).expanduser()  # an absolute path stays as it is
