@@ -174,6 +174,15 @@ class VMError(KsfsError):
 class NotRunning(VMError):
     """the machine of session {session!r} is not running"""
 
+    def __init__(self, message: str | None = None, **fields: object) -> None:
+        super().__init__(message, **fields)
+        if message is None and "session" in fields:
+            s = fields["session"]
+            self.message = (f"{self.message} (`ksfs resume {s}` boots it from its disks; "
+                            f"`ksfs restore {s} CHECKPOINT` keeps its disks as a checkpoint "
+                            f"first)")
+            self.args = (self.message,)
+
     errno = _errno.ESRCH
 
 

@@ -370,7 +370,9 @@ def test_a_disk_detached_from_a_shut_off_machine_is_handed_back_by_its_save(
         assert res.returncode == 10 and "not running" in res.stderr, res.stderr
         said = res.stderr.splitlines()  # what it did said as the error is (it was a bare line)
         assert said[0].startswith("ksfs: warning: disk vdc of") and str(data) in said[0], said
-        assert said[1:] == [f"ksfs: error: the machine of session {name!r} is not running"]
+        assert said[1:] == [f"ksfs: error: the machine of session {name!r} is not running "
+                            f"(`ksfs resume {name}` boots it from its disks; `ksfs restore "
+                            f"{name} CHECKPOINT` keeps its disks as a checkpoint first)"]
         assert first_bytes(data, tmp_path) == b"\xc3" * 65536  # committed into the user's file
         handed = [ev["body"] for ev in kvm.events_of(store, name, e)
                   if ev["type"] == "disk.handed_back"]
