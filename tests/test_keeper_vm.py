@@ -515,7 +515,7 @@ def plain_domain_xml(dom: str, spec: dict, disks: list[tuple[Path, str, str]],
 
 @contextlib.contextmanager
 def adopted(env: dict, xml_path: Path, xml: str, dom: str, name: str,
-            fork_name: str) -> Iterator[None]:
+            fork_name: str, adopt_args: tuple[str, ...] = ()) -> Iterator[None]:
     """Define and start ``dom`` from ``xml`` as a user would, adopt it as session ``name``;
     afterwards remove both sessions, destroy and undefine the domain, and check it is gone."""
     store, e = env["store"], env["env"]
@@ -523,7 +523,7 @@ def adopted(env: dict, xml_path: Path, xml: str, dom: str, name: str,
     try:
         virsh("define", str(xml_path), check=True)
         virsh("start", dom, check=True)
-        run(store, "session", "adopt", name, dom, env=e)
+        run(store, "session", "adopt", name, dom, *adopt_args, env=e)
         env["made"] += [name, fork_name]
         yield
     finally:
@@ -580,6 +580,40 @@ def test_adopt_a_plain_libvirt_domain(env, guest: Path, tmp_path: Path) -> None:
         assert {r["session"]: r["actions"] for r in report}[name] == [
             "adopted domain is gone: not made again (ksfs restore would)"]
         assert virsh("domstate", dom).returncode != 0
+
+
+def test_adopt_with_the_transcript_where_the_guest_keeps_it(env, guest: Path,
+                                                           tmp_path: Path) -> None:
+    """QA: an adopted session always looked for /agent/transcript.jsonl, so a guest keeping
+    its transcript elsewhere had none in its checkpoints and every restore said "missing"."""
+    store, e = env["store"], env["env"]
+    spec = json.loads((guest / "guest.json").read_text())
+    dom = f"trpath-{env['tag']}"
+    disk = tmp_path / "own.raw"
+    subprocess.run(["cp", "--sparse=always", spec["disk"], str(disk)], check=True)
+    tmp_path.chmod(0o755)
+    xml = plain_domain_xml(dom, dict(spec, cmdline=spec["cmdline"] + " ksfs.transcript=qa/log"),
+                           [(disk, "raw", "vda")])
+    for bad in ("", "/", "qa/../x", "a\nb"):
+        res = run(store, "session", "adopt", f"bad-{env['tag']}", dom, "--transcript", bad,
+                  check=False, env=e)
+        assert res.returncode == 2 and "--transcript must name a file" in res.stderr, res.stderr
+        assert res.stderr.count("\n") == 1
+    assert f"bad-{env['tag']}" not in run(store, "session", "list", env=e).stdout
+    name = dom
+    with adopted(env, tmp_path / "d.xml", xml, dom, name, f"unused-{env['tag']}",
+                 ("--transcript", "/qa/log")):
+        deadline = time.monotonic() + 120
+        while True:  # (the file is made by the guest at boot: none in the first saves)
+            c1 = save(store, name, e)
+            lines = run(store, "cat", name, c1, "transcript", env=e).stdout.splitlines()
+            if len(lines) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert len(lines) >= 2 and json.loads(lines[-1])["seq"] >= 2, lines
+        run(store, "restore", name, c1, env=e)
+        ev = [x for x in events_of(store, name, e) if x["type"] == "reconcile"][-1]
+        assert ev["body"]["outcome"] == "consistent", ev
 
 
 def test_release_refuses_a_machine_ksfs_made(env, agent: str) -> None:

@@ -42,7 +42,7 @@ def env(tmp_path_factory):
     e = dict(os.environ, KSFS_GUEST=str(guest))
     made: list[str] = []
     yield {"store": store, "env": e, "tag": uuid.uuid4().hex[:6], "made": made, "base": base,
-           "spec": json.loads((guest / "guest.json").read_text())}
+           "spec": json.loads((guest / "guest.json").read_text()), "guest": guest}
     remove_sessions(store, e, made)
     shutil.rmtree(base, ignore_errors=True)
 
@@ -301,6 +301,15 @@ def test_guest_json_missing_a_key_is_one_error_line(env) -> None:
         assert_error_line(res, 2, key, "must be a string")
         assert "missing" not in res.stderr
         assert_nothing_made(env, name)
+    for bad in ("../x", "/"):
+        res = run(env, "session", "new", name, "--guest", str(env["guest"]), "--transcript",
+                  bad, check=False)
+        assert_error_line(res, 2, "--transcript must name a file")
+        assert_nothing_made(env, name)
+    (d / "guest.json").write_text(json.dumps(dict(whole, transcript="a/./b")))
+    res = run(env, "session", "new", name, "--guest", str(d), check=False)
+    assert_error_line(res, 2, "guest.json transcript must name a file")
+    assert_nothing_made(env, name)
     (d / "guest.json").write_text(json.dumps(dict(whole, disk_format="vmdk")))
     res = run(env, "session", "new", name, "--guest", str(d), check=False)
     assert_error_line(res, 2, "disk_format", '"vmdk"', "is raw")

@@ -34,7 +34,10 @@ if ! mount -t ext4 /dev/vda /data; then
   say "cannot mount /dev/vda"; while true; do sleep 60; done
 fi
 mkdir -p /data/agent /data/work
-T=/data/agent/transcript.jsonl
+# ksfs.transcript=PATH (in the disk's filesystem): a guest that keeps it elsewhere, as an adopted
+# domain's may (`ksfs session adopt --transcript`)
+T=/data/$(arg ksfs.transcript); [ "$T" = /data/ ] && T=/data/agent/transcript.jsonl
+mkdir -p "${T%/*}"
 touch "$T"
 
 last=$(tail -n 20 "$T" | grep -o '"seq": *[0-9]*' | tail -n 1 | grep -o '[0-9]*$')

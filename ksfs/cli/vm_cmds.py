@@ -30,6 +30,10 @@ def session() -> None:
     """
 
 
+TRANSCRIPT_HELP = ("Where the guest writes its transcript, a path in its filesystem, read "
+                   "from checkpoints and reconciled on restores")
+
+
 @session.command("new")
 @click.argument("name")
 @click.option("--guest", type=click.Path(file_okay=False), help="A guest directory (guest.json).")
@@ -42,9 +46,11 @@ def session() -> None:
               help="Kernel command line (default: a guest.json's \"cmdline\", else "
                    "\"console=ttyS0 panic=-1 quiet\" plus \"root=/dev/vda rw\" when the disk is "
                    "a raw image holding one ext filesystem).")
+@click.option("--transcript", metavar="PATH", help=TRANSCRIPT_HELP + " (default: a guest.json's "
+              "\"transcript\", else /agent/transcript.jsonl).")
 @_json_option
 @pass_ctx
-def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, cmdline,
+def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, cmdline, transcript,
                 as_json) -> None:
     """Define and start domain ksfs-NAME as session NAME.
 
@@ -61,21 +67,23 @@ def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, cmdline,
         guest = os.path.abspath(os.environ["KSFS_GUEST"])
     rec = run_verb(ctx, "session_new", steps=f"session new {name}", name=name, guest=guest,
                    kernel=kernel, initrd=initrd, disk=disk, memory=memory, vcpus=vcpus,
-                   cmdline=cmdline)
+                   cmdline=cmdline, transcript=transcript)
     emit_json(rec) if as_json else click.echo(f"session {name} running as {rec['domain']}")
 
 
 @session.command("adopt")
 @click.argument("name")
 @click.argument("domain")
+@click.option("--transcript", metavar="PATH",
+              help=TRANSCRIPT_HELP + " (default: /agent/transcript.jsonl).")
 @_json_option
 @pass_ctx
-def session_adopt(ctx, name, domain, as_json) -> None:
+def session_adopt(ctx, name, domain, transcript, as_json) -> None:
     """Take existing libvirt DOMAIN (file-backed raw or qcow2 disks) under ksfs as NAME.
 
-    Example: ksfs session adopt myvm my-libvirt-domain
+    Example: ksfs session adopt myvm my-libvirt-domain --transcript /var/log/agent.jsonl
     """
-    rec = run_verb(ctx, "session_adopt", name=name, domain=domain)
+    rec = run_verb(ctx, "session_adopt", name=name, domain=domain, transcript=transcript)
     emit_json(rec) if as_json else click.echo(f"session {name} adopted domain {domain}")
 
 

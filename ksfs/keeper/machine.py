@@ -83,6 +83,17 @@ def _check_guest_values(spec: dict[str, Any], where: str) -> None:
                                f"{json.dumps(v)[:80]}")
 
 
+def transcript_in_guest(path: str, what: str = "--transcript") -> str:
+    """The transcript's path inside the guest's filesystem as records keep it (no leading
+    "/"); BadInput for one that cannot name a file there."""
+    parts = path.strip("/").split("/") if isinstance(path, str) else []
+    if not path or not isinstance(path, str) or "\n" in path or "\0" in path or \
+            not path.strip("/") or any(p in ("", ".", "..") for p in parts):
+        raise BadInput(f"{what} must name a file inside the guest's filesystem, like "
+                       f"/agent/transcript.jsonl, not {json.dumps(path)[:80]}")
+    return "/".join(parts)
+
+
 BASE_CMDLINE = "console=ttyS0 panic=-1 quiet"
 
 
@@ -177,10 +188,13 @@ class MachineVerbs:
         memory: int | None = None,
         vcpus: int | None = None,
         cmdline: str | None = None,
+        transcript: str | None = None,
     ) -> SessionRecord:
         """Define and start domain ``ksfs-NAME`` from a guest directory or kernel/initrd/disk."""
         validate_name(name, "session name", new=True)
         self._refuse_taken_session(name)  # before the guest is looked for: the likelier slip
+        if transcript is not None:
+            transcript = transcript_in_guest(transcript)
         spec = self._guest_spec(guest, kernel, initrd, disk)
         memory = int(memory or spec.get("memory_mib") or 256)
         vcpus = int(vcpus or spec.get("vcpus") or 1)
@@ -205,7 +219,8 @@ class MachineVerbs:
                 "guest": {k: spec[k] for k in ("kernel", "initrd", "disk") if k in spec},
                 "memory_mib": memory,
                 "vcpus": vcpus,
-                "transcript_path": spec.get("transcript", DEFAULT_TRANSCRIPT).lstrip("/"),
+                "transcript_path": transcript or transcript_in_guest(
+                    spec.get("transcript", DEFAULT_TRANSCRIPT), "guest.json transcript"),
                 "gateway_port": self.allocate_gateway_port(),
             }
             with self.store.env.begin(write=True) as txn:
@@ -289,9 +304,13 @@ class MachineVerbs:
             spec[key] = str(path.resolve())
         return spec
 
-    def adopt_session(self, name: str, domain: str) -> SessionRecord:
-        """Take an existing libvirt domain (file-backed raw or qcow2 disks) under ksfs."""
+    def adopt_session(self, name: str, domain: str,
+                      transcript: str | None = None) -> SessionRecord:
+        """Take an existing libvirt domain (file-backed raw or qcow2 disks) under ksfs;
+        ``transcript``: where its guest writes the transcript (default DEFAULT_TRANSCRIPT)."""
         validate_name(name, "session name", new=True)
+        transcript = transcript_in_guest(transcript) if transcript is not None \
+            else DEFAULT_TRANSCRIPT
         with session_lock(self.store_path, name):
             if not self.vm.exists(domain):
                 raise NotFound(f"no libvirt domain named {domain!r}")
@@ -306,7 +325,7 @@ class MachineVerbs:
                     raise AlreadyExists(f"domain {domain!r} is already kept by session "
                                         f"{holder!r}")
                 rec = self.ledger.create_session(
-                    txn, name, domain=domain, config={"transcript_path": DEFAULT_TRANSCRIPT},
+                    txn, name, domain=domain, config={"transcript_path": transcript},
                     adopted=True,
                 )
             with self._undone_on_failure(name):
