@@ -90,6 +90,23 @@ def test_a_whole_disk_of_another_filesystem_is_named(tmp_path: Path, kind: str, 
     assert f"the whole disk holds a {kind} filesystem; only ext2/3/4 are read" in str(err.value)
 
 
+@pytest.mark.parametrize("fmt,name", [("qcow2", "qcow2"), ("vmdk", "VMDK"), ("vhdx", "VHDX"),
+                                      ("vpc", "VHD"), ("vdi", "VDI"), ("qed", "QED")])
+def test_a_disk_image_format_that_wraps_a_disk_is_named(plain: tuple[Path, Path],
+                                                        tmp_path: Path, fmt: str,
+                                                        name: str) -> None:
+    """QA: a qcow2 cloud image named .img, imported as it is, said "no ext2/3/4 superblock
+    magic at byte 1080 and no partition table"; it now says what it is and what to do."""
+    _, img = plain
+    wrapped = tmp_path / f"cloud.{fmt}"
+    subprocess.run(["qemu-img", "convert", "-O", fmt, str(img), str(wrapped)], check=True,
+                   capture_output=True)
+    with FileImageReader(wrapped) as reader, pytest.raises(GuestFSUnreadable) as err:
+        GuestFS.open(reader)
+    assert f"the file is a {name} image, not a raw disk" in str(err.value)
+    assert "qemu-img convert -O raw" in str(err.value)
+
+
 @pytest.mark.parametrize("damage", ["header", "entries"])
 def test_a_damaged_primary_gpt_is_read_from_its_backup(plain: tuple[Path, Path],
                                                        tmp_path: Path, damage: str) -> None:

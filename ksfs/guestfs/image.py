@@ -180,6 +180,21 @@ def _boot_sector_fs(sector: bytes) -> str:
     return ""
 
 
+# The magic of disk image formats that wrap a disk instead of being one (a cloud image is often
+# a qcow2 file named .img): imported, they are stored byte for byte, but hold no filesystem at 0.
+IMAGE_MAGIC = ((b"QFI\xfb", "qcow2"), (b"KDMV", "VMDK"), (b"vhdxfile", "VHDX"),
+               (b"conectix", "VHD"), (b"QED\x00", "QED"))
+
+
+def _image_format(head: bytes) -> str:
+    for magic, name in IMAGE_MAGIC:
+        if head.startswith(magic):
+            return name
+    if head[64:68] == b"\x7f\x10\xda\xbe":  # VDI: its signature follows a 64-byte text header
+        return "VDI"
+    return ""
+
+
 def find_filesystem(reader: Reader) -> tuple[int, int, str]:
     """(byte offset, byte length, description) of the filesystem to read inside ``reader``: the
     first of ``find_filesystems`` (``GuestFS.open`` may prefer another of the same tier by
@@ -210,6 +225,11 @@ def find_filesystems(reader: Reader) -> list[Partition]:
         raise GuestFSUnreadable(
             why=f"the whole disk holds a {other} filesystem; only ext2/3/4 are read")
     mbr = reader.read(0, SECTOR)
+    container = _image_format(mbr)
+    if container:
+        raise GuestFSUnreadable(
+            why=f"the file is a {container} image, not a raw disk: guest files are read from "
+                f"raw images (`qemu-img convert -O raw` it, then import that)")
     if mbr[510:512] != b"\x55\xaa":
         raise GuestFSUnreadable(
             why="no ext2/3/4 superblock magic at byte 1080 and no partition table"
