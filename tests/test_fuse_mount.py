@@ -242,7 +242,12 @@ def test_bad_input_gets_its_errno_and_event(mnt, keeper):
             assert refused(os.write, fd, data) == want, data
         finally:
             os.close(fd)
-    assert (s1 / "resume").read_text().startswith("rejected: ")
+    said = (s1 / "resume").read_text()
+    assert said.startswith("rejected: ")
+    # QA: a chmod or touch of resume, refused, replaced what reading it says
+    assert refused(os.chmod, s1 / "resume", 0o600) in (errno.EROFS, errno.EPERM)
+    assert refused(os.utime, s1 / "resume") in (errno.EROFS, errno.EPERM)
+    assert (s1 / "resume").read_text() == said
 
     assert tree_of(mnt) == before
     got = rejected(mnt, "s1", since)
@@ -256,11 +261,37 @@ def test_bad_input_gets_its_errno_and_event(mnt, keeper):
         "checkpoints/bad\x01name", "checkpoints/bad\udcffname", "checkpoints/" + "x" * 256,
         "checkpoints/c1/forks/s1", "nothing", "checkpoints/c1/nothing", "newfile",
         "checkpoints/c1/memory", "checkpoints/c1", "s1", "status", "events",
-        "checkpoints/c1/memory", "checkpoints/c1/disk.raw"] + ["resume"] * 6)
-    values = [e["body"]["value"] for e in got if e["body"]["file"] == "resume"]
+        "checkpoints/c1/memory", "checkpoints/c1/disk.raw"] + ["resume"] * 8)
+    assert [e["body"].get("change") for e in got if e["body"]["file"] == "resume"][-2:] == [
+        "attributes", "attributes"]
+    values = [e["body"]["value"] for e in got
+              if e["body"]["file"] == "resume" and "change" not in e["body"]]
     # the value as restore read it: one trailing newline off, no more
     assert values == ["nope", "\ufffd\ufffd", "", "a/b", "x\x01", "x\n"]
     assert all(e["body"]["why"] for e in got)
+
+
+def test_live_files_keep_their_times_until_their_bytes_change(mnt, keeper):
+    """QA: status, events, usage and resume said "now" as their mtime at every stat, so
+    `tar -c` of a session exited 1 ("file changed as we read it") and rsync copied them on
+    every run."""
+    s1 = mnt / "sessions" / "s1"
+    live = ("status", "events", "usage", "resume")
+    first = {n: (s1 / n).stat() for n in live}
+    time.sleep(1.1)
+    again = {n: (s1 / n).stat() for n in live}
+    for n in live:
+        assert (first[n].st_mtime_ns, first[n].st_ctime_ns) == (
+            again[n].st_mtime_ns, again[n].st_ctime_ns), n
+    for n in ("status", "events", "resume", "usage"):  # a read does not move them either
+        (s1 / n).read_bytes()
+    archive = subprocess.run(["tar", "-cf", "-", "-C", str(s1), *live], capture_output=True)
+    assert archive.returncode == 0, archive.stderr
+    keeper.reject("s1", "somewhere", "", "a new event")  # events (and status's seq) change
+    later = {n: (s1 / n).stat() for n in ("events", "status")}
+    assert later["events"].st_mtime_ns > again["events"].st_mtime_ns
+    assert later["events"].st_size > again["events"].st_size
+    assert later["status"].st_mtime_ns > again["status"].st_mtime_ns
 
 
 def test_rmdir_deletes_a_checkpoint(mnt, keeper, tmp_path):

@@ -367,11 +367,12 @@ class CheckpointTree:
             return parts[1], "/".join(parts[2:]) or parts[1]
         return None, "/".join(parts)
 
-    def _rejecting(self, session: str | None, file: str, value: str, fn: Callable[[], Any]) -> Any:
+    def _rejecting(self, session: str | None, file: str, value: str, fn: Callable[[], Any],
+                   **about: str) -> Any:
         try:
             return fn()
         except _REJECTIONS as exc:
-            self.keeper.reject(session, file, value, str(exc))
+            self.keeper.reject(session, file, value, str(exc), **about)
             raise
 
     def mkdir(self, parent: int, name: str) -> Entry:
@@ -415,7 +416,9 @@ class CheckpointTree:
         def no() -> None:
             raise ReadOnly(what="/".join(parts) or "the mount's root")
 
-        return self._rejecting(session, "/".join(parts[2:]) or "/".join(parts), "", no)
+        # (a chmod or touch of resume is not a write of it: what reading resume says stays)
+        return self._rejecting(session, "/".join(parts[2:]) or "/".join(parts), "", no,
+                               change="attributes")
 
     # --- open files ---------------------------------------------------------------------------
 

@@ -73,7 +73,8 @@ class EventLogView:
                 if e.type == "restore.failed":
                     text += f": {e.body.get('reason', '')}"
                 resume = (text + "\n").encode()
-            elif e.type == "input.rejected" and e.body.get("file") == "resume":
+            elif e.type == "input.rejected" and e.body.get("file") == "resume" and \
+                    "change" not in e.body:  # a write of it, not a chmod or touch
                 resume = f"rejected: {e.body.get('why', '')}\n".encode()
         if lines:
             self.data += b"".join(lines)
@@ -255,13 +256,16 @@ class Views:
         """What reading ``resume`` tells: the last restore's outcome, one line."""
         return self._event_log(session).resume
 
-    def reject(self, session: str | None, file: str, value: str, why: str) -> None:
-        """Record that input to ``file`` was refused, in the session's log when there is one."""
+    def reject(self, session: str | None, file: str, value: str, why: str,
+               **about: str) -> None:
+        """Record that input to ``file`` was refused, in the session's log when there is one;
+        ``about``: what else says what was refused (change="attributes": a chmod, touch...)."""
         if session is None:
             return
         try:
             self.ledger.record(
-                session, "input.rejected", {"file": file, "value": value[:200], "why": why}
+                session, "input.rejected",
+                {"file": file, "value": value[:200], "why": why, **about}
             )
         except Exception:  # an unknown session has no log to record in
             pass
