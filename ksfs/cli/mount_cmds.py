@@ -8,7 +8,6 @@ import re
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -35,25 +34,22 @@ def _mount_type(mountpoint: str) -> str | None:
     return found
 
 
-def _mounted_store(mountpoint: str, wait: float = 2.0) -> str | None:
-    """The store the daemon serving ``mountpoint`` keeps (its ``store`` file says), or None
-    when that cannot be read within ``wait`` seconds (a daemon that no longer answers would
-    hold the read for ever: it is left to a thread the process does not wait for)."""
-    found: list[str] = []
-
-    def read() -> None:
-        try:
-            with open(os.path.join(mountpoint, "store"), "rb") as f:
-                path = json.loads(f.read(1 << 20)).get("path")
-        except (OSError, ValueError, AttributeError):
-            return
-        if isinstance(path, str) and os.path.isdir(path):
-            found.append(path)
-
-    reader = threading.Thread(target=read, name="umount-store", daemon=True)
-    reader.start()
-    reader.join(wait)
-    return found[0] if found else None
+def _mounted_store(mountpoint: str, wait: float = 2.0) -> tuple[str | None, bool]:
+    """(the store the daemon serving ``mountpoint`` keeps, as its ``store`` file says, or
+    None; whether the daemon answered at all within ``wait`` seconds). The file is read by a
+    child process, killed when the daemon does not answer: a read left waiting in this process
+    would hold the mount busy, and the unmount would fail (QA: a stopped daemon's mount could
+    not be unmounted, "in use")."""
+    try:
+        res = subprocess.run(["cat", "--", os.path.join(mountpoint, "store")],
+                             capture_output=True, timeout=wait, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:  # (run kills the child: a FUSE wait is killable)
+        return None, False
+    try:
+        path = json.loads(res.stdout[: 1 << 20]).get("path") if res.returncode == 0 else None
+    except (ValueError, AttributeError):
+        path = None
+    return (path if isinstance(path, str) and os.path.isdir(path) else None), True
 
 
 @main.command()
@@ -97,6 +93,7 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
     ctx.close()
     extra = (["--allow-other"] if allow_other else []) + (
         ["--upstream", upstream] if upstream else [])
+    mountpoint = os.path.realpath(mountpoint)  # as the kernel's mount table will name it
     if foreground:
         from ksfs.daemon.run import main as daemon_cli
 
@@ -173,8 +170,11 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
     if there != KSFS_FSTYPE:
         # fusermount3 run by root unmounts whatever is there: never another filesystem.
         raise BadInput(f"{mountpoint} is not a ksfs mount (it is {there}): not unmounted")
-    store = _mounted_store(mountpoint) or ctx.store_path
-    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True,
+    found, answered = _mounted_store(mountpoint)
+    store = found or ctx.store_path
+    # fusermount3 refuses a path whose last part is a symlink: the real one, as mounted
+    res = subprocess.run(["fusermount3", "-u", os.path.realpath(mountpoint)],
+                         capture_output=True, text=True,
                          env=dict(os.environ, LC_ALL="C"))  # its strerror read below, in English
     if res.returncode != 0:
         if "busy" in res.stderr.lower():
@@ -182,6 +182,11 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
                        "directory there, or is waiting on a verb it asked for there, such as a "
                        "mkdir that saves): not unmounted")
         raise DaemonError(f"could not unmount {mountpoint}: {res.stderr.strip()}")
+    if not answered:
+        # A daemon that does not answer (stopped, or stuck in a verb) is not waited for.
+        click.echo(f"unmounted {mountpoint} (its daemon did not answer and may still run: "
+                   f"see its log, daemon.log in the store)")
+        return
     lock = Path(store) / "daemon.lock"
     deadline = time.monotonic() + timeout
     import fcntl

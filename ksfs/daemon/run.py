@@ -66,7 +66,7 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
     mounted = False
     try:
         keeper = Keeper(store_path, create=True)
-        acquire_daemon_lock(store_path, os.path.abspath(mountpoint))
+        acquire_daemon_lock(store_path, os.path.realpath(mountpoint))
         recover = getattr(keeper, "recover", None)
         if recover is not None:
             try:

@@ -203,7 +203,9 @@ def run_mount(
     """
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: dump every stack
-    mnt = os.path.abspath(os.fspath(mountpoint))
+    # Resolved: the kernel's mount table names the real path, and a mount point reached
+    # through a symlink looked unmounted to the watcher a second later (QA).
+    mnt = os.path.realpath(os.fspath(mountpoint))
     tree = tree or CheckpointTree(keeper, open_reader=faults.reader_from_env())
     ops = Operations(tree)
 
