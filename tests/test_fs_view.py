@@ -129,6 +129,25 @@ def test_fs_view_equals_the_source_tree(store_with_two) -> None:
             (fs / "work" / "new").write_text("no")
 
 
+def test_fs_and_its_files_keep_their_inode_numbers_in_the_next_mount(store_with_two) -> None:
+    """QA: fs/ itself took a counter's number, another in every mount, so `tar
+    --listed-incremental` of a checkpoint's fs archived the whole guest tree again."""
+    store, _, _ = store_with_two
+
+    def numbers(mnt: Path) -> dict[str, int]:
+        cp = mnt / "sessions" / "s" / "checkpoints" / "A"
+        out = {"fs": os.stat(cp / "fs").st_ino}
+        for rel in ("work", "work/small.txt", "work/deep/er/random.bin"):
+            out[rel] = os.lstat(cp / "fs" / rel).st_ino
+        return out
+
+    with mounted(store) as mnt:
+        (mnt / "sessions" / "s" / "checkpoints" / "B").stat()  # other nodes first, this time
+        first = numbers(mnt)
+    with mounted(store) as mnt:
+        assert numbers(mnt) == first
+
+
 def test_diff_r_through_the_mount_agrees_with_ksfs_diff(store_with_two) -> None:
     store, a, b = store_with_two
     src = subprocess.run(["diff", "-rq", "--no-dereference", str(a), str(b)],

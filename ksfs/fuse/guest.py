@@ -47,6 +47,7 @@ class GuestNode(Node):
     what deleting it frees; and not 0, which archivers read as a file all hole (blocks_for)."""
 
     forgettable = True  # made again from the guest's inode when looked up again
+    ino_from_key = True
 
     def __init__(self, cp: CheckpointDir, st: Any) -> None:
         # Node's own constructor: StoredFile's (a later base of GuestFile) takes other arguments.
@@ -138,6 +139,8 @@ def node_of(cp: CheckpointDir, st: Any) -> Node:
 class EmptyFsDir(Dir):
     """``fs/`` of a checkpoint whose disk cannot be read: empty (the event says why)."""
 
+    ino_from_key = True  # as the fs/ it stands for
+
     def __init__(self, cp: CheckpointDir) -> None:
         super().__init__(cp.keeper, ("guest-empty", cp.lineage, cp.seq), cp.session)
         self.mtime = cp.mtime
@@ -153,7 +156,9 @@ def fs_dir(cp: CheckpointDir) -> Node | None:
 
     root = GuestDir(cp, fs.stat_ino(ROOT_INO))
     # one per checkpoint, and listed in the checkpoint's snapshot listing, which counts no
-    # lookups: kept for the mount's life like the rest of ksfs's own tree
+    # lookups: kept for the mount's life like the rest of ksfs's own tree, but numbered from
+    # its key as its files are (QA: its number changed with every mount, and tar
+    # --listed-incremental archived the whole guest tree again)
     root.forgettable = False
     return root
 

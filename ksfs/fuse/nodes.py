@@ -79,6 +79,10 @@ class Node:
     # True: dropped from the inode table once the kernel forgets it (a guest's file, which may
     # be one of millions); False: kept for the mount's life (sessions, checkpoints, records).
     forgettable = False
+    # True: its inode number is drawn from its key (tree._new_ino), the same in every mount,
+    # where ksfs's own nodes take a counter's: a guest's files and fs/ itself, which
+    # incremental backups (tar --listed-incremental) compare across mounts.
+    ino_from_key = False
     lists_lazily = False  # a directory listed part by part (children_from), not snapshotted
     mode = FILE_MODE
     entry_timeout = FOREVER

@@ -240,7 +240,7 @@ class CheckpointTree:
         same number when it is looked up again after the kernel forgot it, and in the next
         mount: incremental backups (tar --listed-incremental, rsync -H) see the same file. A
         number taken (two identities hashing alike) gives way to the next free one."""
-        if not node.forgettable:
+        if not node.ino_from_key:
             ino = self._next_ino
             self._next_ino += 1
             return ino
