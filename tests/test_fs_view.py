@@ -12,6 +12,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,30 @@ def test_fs_and_its_files_keep_their_inode_numbers_in_the_next_mount(store_with_
         first = numbers(mnt)
     with mounted(store) as mnt:
         assert numbers(mnt) == first
+
+
+def test_rm_rf_of_a_guest_tree_is_refused_without_an_event_per_file(store_with_two) -> None:
+    """QA: an `rm -rf` over fs/ added one input.rejected event per file (3,073 for one)."""
+    store, a, _ = store_with_two
+    files = sum(1 for _ in a.rglob("*"))
+    assert files > 600
+    k = Keeper(store)
+    try:
+        before = k.ledger.last_seq("s")
+        with mounted(store) as mnt:
+            fs = mnt / "sessions" / "s" / "checkpoints" / "A" / "fs"
+            t0 = time.monotonic()
+            res = subprocess.run(["rm", "-rf", str(fs / "work")], capture_output=True,
+                                 text=True, errors="surrogateescape")
+            took = time.monotonic() - t0
+            assert res.returncode != 0 and "Operation not permitted" in res.stderr
+            assert res.stderr.count("\n") >= 600  # every file refused, each said
+            assert (fs / "work" / "many" / "file-0007").read_text() == "7"
+        rejected = [e for e in k.ledger.events("s", before + 1) if e.type == "input.rejected"]
+        assert 1 <= len(rejected) <= 2 + took, (len(rejected), took)  # one a second at most
+        assert all(e.body["file"].startswith("checkpoints/A/fs") for e in rejected)
+    finally:
+        k.close()
 
 
 def test_diff_r_through_the_mount_agrees_with_ksfs_diff(store_with_two) -> None:
