@@ -2,10 +2,10 @@
 
 A save, restore, fork or new session started by ``mkdir`` or a write to ``resume`` has no
 terminal to draw progress on: the process that made the request is blocked in the system call.
-So the keeper
-keeps, per session, the step its verb is at (with bytes done of total, as the command line's bar
-shows them), and the mount's ``status`` file shows it to whoever looks from another shell. The
-progress still goes to the verb's own caller too (the control socket's command line).
+So the keeper keeps, per session, the step its verb is at (with bytes done of total, as the
+command line's bar shows them), and the mount's ``status`` file shows it to whoever looks from
+another shell. The progress still goes to the verb's own caller too (the control socket's
+command line).
 """
 
 from __future__ import annotations
