@@ -205,9 +205,10 @@ class MachineVerbs:
         domain = domain_name_for(name)
         plan = inspect_disk(spec["disk"])  # an encrypted or foreign disk: refused before a record
         if "disk_format" in spec and spec["disk_format"] != plan.fmt:
-            # the format is read from the disk itself; a guest.json saying otherwise is wrong
-            raise BadInput(f"guest.json says disk_format {json.dumps(spec['disk_format'])}, "
-                           f"but the disk {spec['disk']} is {plan.fmt}")
+            # The format is read from the disk itself: a guest.json copied and given another
+            # disk keeps working, but is told its key is wrong rather than silently ignored.
+            log.warning("guest.json says disk_format %s, but the disk %s is %s: taken as %s",
+                        json.dumps(spec["disk_format"]), spec["disk"], plan.fmt, plan.fmt)
         if cmdline is not None and (not cmdline.strip() or "\n" in cmdline or "\0" in cmdline):
             raise BadInput("--cmdline must be one non-empty line")
         if cmdline is None:
