@@ -294,6 +294,19 @@ def test_live_files_keep_their_times_until_their_bytes_change(mnt, keeper):
     assert later["status"].st_mtime_ns > again["status"].st_mtime_ns
 
 
+def test_an_open_event_log_reads_to_its_end_after_its_session_goes(mnt, keeper, tmp_path):
+    """QA: reading on in an open `events` (tail -f) of a session removed meanwhile was ENOENT."""
+    src = tmp_path / "f.bin"
+    src.write_bytes(b"x")
+    keeper.import_files("goes", "c1", [src])
+    with open(mnt / "sessions" / "goes" / "events", "rb") as f:
+        seen = f.read()
+        assert b"checkpoint" in seen
+        keeper.remove_session("goes")
+        assert f.read() == b""  # the end of the log it had, not an error
+    assert "goes" not in os.listdir(mnt / "sessions")
+
+
 def test_rmdir_deletes_a_checkpoint(mnt, keeper, tmp_path):
     scratch = cp(mnt, "s1", "scratch")
     assert (scratch / "note").read_bytes() == b"tiny\n"

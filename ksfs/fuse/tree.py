@@ -158,7 +158,10 @@ class DynamicHandle(Handle):
         # (status, usage) refreshed at its end would splice the tail of a newer copy onto the
         # older one. Those are one snapshot per open.
         if offset >= len(self.data) and self.node.append_only:
-            self.data = self.node.content()
+            try:
+                self.data = self.node.content()
+            except NotFound:
+                pass  # its session was removed meanwhile: the log as it was, and its end (QA)
         return self.data[offset : offset + size]
 
 
