@@ -92,6 +92,57 @@ async def test_every_paid_route_is_refused_over_budget(gw, ledger, provider, nur
     assert provider.count("/v1/models") == 1
 
 
+async def raw_status(port: int, target: str, body: bytes) -> int:
+    """The status of a POST sent with ``target`` exactly as written (clients such as httpx
+    resolve dot segments before sending)."""
+    import trio
+
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(
+            f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        got = b""
+        while b"\r\n" not in got:
+            part = await stream.receive_some(4096)
+            if not part:
+                break
+            got += part
+    return int(got.split(b" ", 2)[1])
+
+
+async def test_a_chat_completion_by_another_path_is_held_as_one(gw, ledger, provider, nursery):
+    """QA: /v1/./chat/completions, //v1/chat/completions (which the provider takes for chat)
+    and /v1/chat/completions?api-version=... were bought as other routes: a stream's usage was
+    never asked for (so never counted, nor held to the budget) and a stream cut short was kept
+    and replayed for ever."""
+    port = await nursery.start(gw.serve_session, "s1")
+    asked = len(provider.requests)
+    body = json.dumps(chat_body("dot dot")).encode()
+    for target in ("/v1/./chat/completions", "/v1/../v1/chat/completions",
+                   "//v1/chat/completions", "/v1//chat/completions", "/v1/chat/completions/.."):
+        assert await raw_status(port, target, body) == 400, target
+    assert len(provider.requests) == asked  # nothing was sent on
+    # a query (as Azure-style clients send the API version): still a chat completion
+    streamed = chat_body("four words of prompt", stream=True)
+    del streamed["stream_options"]  # as the openai client sends stream=True by default
+    r = await post(port, "/v1/chat/completions?api-version=2024-06-01", streamed)
+    assert r.status_code == 200 and "data: [DONE]" in r.text
+    assert '"usage"' not in r.text  # asked for on the guest's behalf, and kept from it
+    sent = json.loads(provider.requests[-1].body)
+    assert sent["stream_options"] == {"include_usage": True}
+    usage = gw.usage("s1")
+    assert usage["total_tokens"] == 4 + 7 and usage["unknown_usage_calls"] == 0, usage
+    # a stream cut short under that path is not kept
+    provider.stream_end = "no_done"
+    streamed["messages"][0]["content"] = "cut short"
+    r = await post(port, "/v1/chat/completions?api-version=2024-06-01", streamed)
+    assert "upstream_stream_incomplete" in r.text
+    provider.stream_end = None
+    r = await post(port, "/v1/chat/completions?api-version=2024-06-01", streamed)
+    assert r.headers["x-ksfs-replay"] == "false" and "data: [DONE]" in r.text  # bought again
+
+
 # --- under budget: their usage is counted, and they are bought once ----------------------------
 
 

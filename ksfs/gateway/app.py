@@ -64,8 +64,8 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
         # would send the call, with the API key, to another host.
         await send_reply(send, error_reply(
             400, "invalid_request_error",
-            "the request target must be a path that starts with '/' (no absolute URL, "
-            "authority or control characters)"))
+            "the request target must be a plain path that starts with '/' (no absolute URL, "
+            "authority, control characters, or '.', '..' or empty segments)"))
         return
     if is_paid(method, body):
         gw.answering += 1  # a stop waits for this answer to be written (Gateway.drain)
@@ -92,6 +92,12 @@ def wire_path(scope: dict) -> str | None:
     or None when it is not a plain origin-form path."""
     raw = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
     if not raw.startswith(b"/") or any(c <= 0x20 or c >= 0x7F for c in raw):
+        return None
+    # Dot and empty segments: the provider (and httpx, building its URL) resolves them, so
+    # /v1/./chat/completions is a chat completion there, but here it would be another route,
+    # its usage not asked for and a cut-off stream kept (QA). Refused rather than guessed at.
+    segments = raw.split(b"/")[1:]
+    if any(seg in (b"", b".", b"..") for seg in segments[:-1]) or segments[-1] in (b".", b".."):
         return None
     return raw.decode("ascii")
 

@@ -23,6 +23,13 @@ HEADER_KEY_MAX = 1024
 CHAT_PATH = "/v1/chat/completions"
 
 
+def is_chat(path: str) -> bool:
+    """Whether ``path`` is a chat completion at the provider: OpenAI's, and the same API under
+    another prefix (Azure's /openai/deployments/D/chat/completions, a base URL without /v1).
+    Such calls get their stream's usage asked for and must end in [DONE] to be kept."""
+    return path == CHAT_PATH or path.endswith("/chat/completions")
+
+
 def route_scope(method: str, path: str, query: bytes = b"") -> bytes:
     """The prefix that keeps one route's keys and digests apart from every other route's.
 
@@ -177,7 +184,7 @@ def not_an_answer(body: bytes, content_type: str, path: str) -> str | None:
     bodies (audio, files) stand for themselves.
     """
     is_json = content_type.split(";")[0].strip().lower() == "application/json"
-    if not is_json and path != CHAT_PATH:
+    if not is_json and not is_chat(path):
         return None
     try:
         obj = json.loads(body.decode("utf-8"))
@@ -186,7 +193,7 @@ def not_an_answer(body: bytes, content_type: str, path: str) -> str | None:
     if isinstance(obj, dict):
         err = obj.get("error")
         return "carries an error object" if isinstance(err, dict | str) and err else None
-    return "is not a JSON object" if path == CHAT_PATH else None
+    return "is not a JSON object" if is_chat(path) else None
 
 
 def usage_of_json(body: bytes, request_model: str | None) -> Usage:

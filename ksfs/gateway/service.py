@@ -34,6 +34,7 @@ from ksfs.gateway.calls import (
     derived_key,
     estimated_tokens,
     header_key,
+    is_chat,
     not_an_answer,
     paid_body,
     request_digest,
@@ -243,7 +244,7 @@ class Gateway:
         model = obj.get("model") if isinstance(obj.get("model"), str) else None
         stream = obj.get("stream") is True
         order = Order(route, headers, body, model, stream, digest,
-                      ask_usage=not scope and wants_usage_added(obj))
+                      ask_usage=is_chat(path) and wants_usage_added(obj))
         prompt, completion = estimated_tokens(obj, len(body))
         est_usd, priced = self.prices.cost(model, prompt, completion or 0)
         ikey = lineage_bytes(view.lineage) + key

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from ksfs.gateway.calls import CHAT_PATH, Usage, json_bytes, model_of, usage_from
+from ksfs.gateway.calls import Usage, is_chat, json_bytes, model_of, usage_from
 
 RESPONSES_PATH = "/v1/responses"
 # Terminal events of a Responses API stream that carry a whole response.
@@ -82,7 +82,7 @@ def incomplete(body: bytes, path: str) -> str | None:
             return "carried an error event"
         if data.strip() == "[DONE]" or name in RESPONSES_DONE or kind in RESPONSES_DONE:
             done = True
-    if path == CHAT_PATH and not done:
+    if is_chat(path) and not done:
         return "ended without its data: [DONE]"
     if path == RESPONSES_PATH and not done:
         return "ended without response.completed"
