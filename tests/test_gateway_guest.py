@@ -102,3 +102,32 @@ def test_fork_guest_talks_to_its_own_session(setup) -> None:
     # The fork's guest goes on calling: its calls are counted in its own session.
     wait(lambda: usage(mnt, f)["paid_calls"] + usage(mnt, f)["replays"] >= 1,
          "a call from the fork's guest", timeout=240)
+
+
+def test_umount_stores_the_calls_in_flight_first(tmp_path_factory) -> None:
+    """QA: `ksfs umount` cancelled the daemon's gateway with a purchase in flight: the provider
+    answered (and billed) it, the guest's connection was dropped, the call recorded as
+    gateway_stopped, and the guest's retry bought it again. Now the daemon stores it first."""
+    guest = guest_dir()
+    base = tmp_path_factory.mktemp("gwdrain")
+    spec = json.loads((guest / "guest.json").read_text())
+    spec["cmdline"] += " ksfs.call_every=4"
+    gdir = base / "guest"
+    gdir.mkdir()
+    (gdir / "guest.json").write_text(json.dumps(spec))
+    env = dict(os.environ, KSFS_GUEST=str(gdir))
+    up = FakeProvider(delay=4.0).start()
+    s = f"gd-{uuid.uuid4().hex[:6]}"
+    try:
+        with daemon_mount(base, env, "--upstream", up.url) as (store, mnt):
+            os.mkdir(mnt / "sessions" / s)
+            wait(lambda: calls_asked(up, 0) == 1, "the guest's first model call")
+            res = ksfs(store, env, "umount", str(mnt))  # with the call still open upstream
+            assert res.returncode == 0, res.stderr
+            assert not os.path.ismount(mnt)
+            events = [json.loads(x) for x in ksfs(store, env, "events", s, "--json")
+                      .stdout.splitlines() if x]
+            calls = [e["body"] for e in events if e["type"] == "gateway.call"]
+            assert calls and calls[0]["stored"] is True and "error" not in calls[0], calls
+    finally:
+        up.stop()

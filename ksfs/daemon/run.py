@@ -20,6 +20,7 @@ from pathlib import Path
 from ksfs.errors import Busy, KsfsError
 
 log = logging.getLogger("ksfs.daemon")
+GATEWAY_DRAIN_S = 30.0  # how long a stop waits for gateway calls in flight to be stored
 
 
 def acquire_daemon_lock(store_path: Path, mountpoint: str) -> int:
@@ -91,8 +92,19 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
                 os.write(ready_fd, b"ready\n")
                 os.close(ready_fd)
 
+        async def drain_gateway() -> None:
+            # Unmounted or signalled: purchases in flight are stored (and their answers
+            # written) before the servers stop, as `ksfs gateway serve` does on SIGTERM (QA: an
+            # umount dropped them, and the guest's retry bought them again).
+            gw = keeper.gateway
+            if gw is not None and gw.inflight_count():
+                log.info("stopping: waiting up to %g s for %d gateway call(s) in flight",
+                         min(GATEWAY_DRAIN_S, gw.timeout), gw.inflight_count())
+            if gw is not None:
+                await gw.drain(min(GATEWAY_DRAIN_S, gw.timeout))
+
         run_mount(keeper, mountpoint, foreground=True, allow_other=allow_other, ready=ready,
-                  extra_tasks=tasks)
+                  extra_tasks=tasks, before_stop=drain_gateway)
     except KsfsError as exc:
         if ready_fd is None and not mounted:
             # `ksfs mount --foreground` refused before mounting: one line, as every command

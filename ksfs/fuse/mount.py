@@ -165,6 +165,7 @@ async def _serve(
     mountpoint: str,
     ready: Callable[[], Any] | None,
     extra_tasks: Iterable[Callable[[], Awaitable[Any]]],
+    before_stop: Callable[[], Awaitable[Any]] | None = None,
 ) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, name="signals")
@@ -174,6 +175,8 @@ async def _serve(
         # When the FUSE loop ends (unmounted, or terminate() on a signal) the other tasks stop.
         async def fuse_main() -> None:
             await pyfuse3.main()
+            if before_stop is not None:
+                await before_stop()  # the other tasks still run (the gateway's purchases)
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(fuse_main, name="fuse")
@@ -194,11 +197,13 @@ def run_mount(
     ready: Callable[[], Any] | None = None,
     extra_tasks: Iterable[Callable[[], Awaitable[Any]]] = (),
     tree: CheckpointTree | None = None,
+    before_stop: Callable[[], Awaitable[Any]] | None = None,
 ) -> None:
     """Mount ``keeper``'s tree on ``mountpoint`` and serve it until unmounted or signalled.
 
     ``ready`` is called once, when the mount is in place; ``extra_tasks`` run in the same trio
-    nursery and are cancelled when the mount ends. ``foreground`` is the caller's business (see
+    nursery and are cancelled when the mount ends, after ``before_stop`` (awaited once the
+    mount is gone) returns. ``foreground`` is the caller's business (see
     the module docstring); it is accepted so the CLI can pass its flag through.
     """
     faulthandler.enable()
@@ -233,7 +238,8 @@ def run_mount(
         raise DaemonError(f"cannot mount on {mnt}: {exc}") from exc
     stop_listening = keeper.on_checkpoint_change(forget_entry)
     try:
-        trio.run(_serve, mnt, ready, [refresh_stored_blocks, _trim_heap, *extra_tasks])
+        trio.run(_serve, mnt, ready, [refresh_stored_blocks, _trim_heap, *extra_tasks],
+                 before_stop)
     except BaseException:
         pyfuse3.close(unmount=False)
         raise
