@@ -177,6 +177,15 @@ def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
             listed = json.loads(ksfs(store, "checkpoints", name, "--json", env=env).stdout)
             assert [c["name"] for c in listed] == ["first"]
             assert_clean(store, env)
+            # A fork writes its machine's files out of the store first: no room is NoSpace
+            # too, as a save's is (QA: exit 10, a VM error, and EIO through the mount)
+            res = ksfs(store, "fork", name, "first", f"{name}-f", env=env)
+            assert res.returncode == 9, (res.returncode, res.stderr)
+            assert res.stderr.startswith("ksfs: error: no space left") and \
+                len(res.stderr.strip().splitlines()) == 1, res.stderr
+            assert subprocess.run(["virsh", "-c", "qemu:///system", "domstate",
+                                   f"{domain}-f"], capture_output=True).returncode != 0
+            assert f"{name}-f" not in ksfs(store, "session", "list", env=env).stdout
             # Space back (the filler stands for whatever filled the disk), then a GC: saves work.
             filler.unlink()
             assert ksfs(store, "gc", env=env).returncode == 0
@@ -184,8 +193,9 @@ def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
             assert res.returncode == 0, res.stderr
             assert_clean(store, env)
         finally:
-            ksfs(store, "session", "rm", name, env=env)
-            subprocess.run(["virsh", "-c", "qemu:///system", "destroy", domain],
-                           capture_output=True)
-            subprocess.run(["virsh", "-c", "qemu:///system", "undefine", domain],
-                           capture_output=True)
+            for s, d in ((f"{name}-f", f"{domain}-f"), (name, domain)):
+                ksfs(store, "session", "rm", s, env=env)
+                subprocess.run(["virsh", "-c", "qemu:///system", "destroy", d],
+                               capture_output=True)
+                subprocess.run(["virsh", "-c", "qemu:///system", "undefine", d],
+                               capture_output=True)

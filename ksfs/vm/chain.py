@@ -9,6 +9,7 @@ Must never write to a layer it reads, and never import libvirt (that is controll
 from __future__ import annotations
 
 import bisect
+import errno
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ksfs import progress
-from ksfs.errors import VMError
+from ksfs.errors import NoSpace, VMError
 
 ZERO_BLOCK = 1 << 20
 # Files ksfs makes that hold a guest's bytes (disks, overlays, memory images) are its owner's
@@ -35,6 +36,8 @@ def qemu_img(*args: str, what: str, timeout: float = 120, cwd: Path | None = Non
         raise VMError(f"{what}: qemu-img could not run ({exc})") from exc
     if res.returncode != 0:
         err = "; ".join(line.strip() for line in res.stderr.splitlines() if line.strip())
+        if "No space left on device" in err or "Disk quota exceeded" in err:
+            raise NoSpace(path=cwd or args[-1], why=f"{what}: qemu-img {args[0]}: {err[-300:]}")
         raise VMError(f"{what}: qemu-img {args[0]} failed: {err[-500:]}")  # one line
     return res.stdout
 
@@ -210,6 +213,8 @@ def materialize(reader: object, path: Path, what: str, block: int = ZERO_BLOCK,
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # exit 9 / ENOSPC, as a save's is (QA)
+            raise NoSpace(path=path, why=f"{what}: {exc.strerror}") from exc
         raise VMError(f"{what}: writing {path} failed: {exc.strerror or exc}") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
