@@ -202,3 +202,27 @@ def test_session_new_through_the_daemon_takes_the_callers_paths_and_guest(
     finally:
         for s in (rel, own):
             ksfs(store, env, "session", "rm", s, check=False)
+
+
+def test_verbs_after_libvirtd_restarts_work_at_once(mounted) -> None:
+    """QA: the daemon's libvirt connection still said it was alive after libvirtd restarted,
+    and the first verb through the mount or the control socket failed ("Broken pipe")."""
+    mnt, store, env, tag = mounted["mnt"], mounted["store"], mounted["env"], mounted["tag"]
+    s = f"lv-{tag}"
+    sess = mnt / "sessions" / s
+    os.mkdir(sess)
+    os.mkdir(sess / "checkpoints" / "before")  # the daemon's connection is in use
+    subprocess.run(["pkill", "-x", "libvirtd"], check=False)
+    deadline = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-x", "libvirtd"], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "libvirtd did not stop"
+        time.sleep(0.1)
+    start = Path(__file__).resolve().parents[1] / "tools" / "start-libvirt"
+    subprocess.run(["bash", str(start)], check=True, timeout=120)
+    time.sleep(1.5)  # (past the daemon's check interval, as any later verb is)
+    res = ksfs(store, env, "save", s, "after-cli", check=False)
+    assert res.returncode == 0, res.stderr
+    os.mkdir(sess / "checkpoints" / "after-mount")
+    (sess / "resume").write_text("before\n")
+    assert (sess / "resume").read_text().startswith("ok before")
+    assert json.loads((sess / "status").read_text())["state"] == "running"

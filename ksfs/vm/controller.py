@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from ksfs.vm.restore import Staged
 
 log = logging.getLogger("ksfs.vm")
+
+# A connection unused this long is asked whether libvirtd still answers before it is used.
+CONN_CHECK_S = 1.0
 
 _STATES = {
     libvirt.VIR_DOMAIN_NOSTATE: "nostate",
@@ -64,15 +68,30 @@ class DomainController:
         self.workdir = Path(workdir)
         self._type_cache = domain_type_cache or self.workdir / "domain-type.json"
         self._conn: libvirt.virConnect | None = None
+        self._checked = 0.0  # when the connection was last known to answer
         self._domain_type: str | None = None
 
     # --- plumbing ----------------------------------------------------------------------------
 
     @property
     def conn(self) -> libvirt.virConnect:
+        now = time.monotonic()
+        if self._conn is not None and now - self._checked > CONN_CHECK_S:
+            # isAlive() says yes on a socket libvirtd closed when it restarted (no event loop
+            # runs to notice): ask it something, else the next verb fails with "Broken pipe"
+            # (QA: the first verb after a libvirtd restart, through a running mount).
+            try:
+                self._conn.getLibVersion()
+            except libvirt.libvirtError:
+                self.close()
         if self._conn is None or not self._conn.isAlive():
-            with step("(none)", f"connecting to {self.uri}"):
+            try:
                 self._conn = libvirt.open(self.uri)
+            except libvirt.libvirtError as exc:
+                raise VMError(f"cannot connect to libvirt at {self.uri}: "
+                              f"{exc.get_error_message()} (is libvirtd running? "
+                              f"tools/start-libvirt starts it)") from exc
+        self._checked = now
         return self._conn
 
     def close(self) -> None:
