@@ -507,6 +507,10 @@ class MachineVerbs:
             # save reads that layer as changed since the previous finished checkpoint.
             log.warning("checkpoint %s/%s published, but flattening its layer failed: %s",
                         session, name, exc)
+            # Its open files and memory image go now (QA: a daemon kept the frozen layers open,
+            # and a restore's deleting them pinned their space until it stopped).
+            with contextlib.suppress(KsfsError):
+                self.vm.abort(frozen)
         return record
 
     def _begin_checkpoint(self, session: str, name: str | None, reason: str

@@ -293,16 +293,37 @@ class Recovery:
 
     def _last_good(self, session: str) -> str | None:
         """The checkpoint to bring a dead machine back to: the one its disks last were at (its
-        chain root's: the last save, or the checkpoint a restore went to), so a machine that was
-        restored to an earlier checkpoint is not put back on the timeline the user left (the
-        restore's save-first is newer), even one without memory (then booted); else the newest
-        with memory of the session."""
+        chain root's: the last save, or the checkpoint a restore went to; or a save or restore
+        the ledger has after it, whose record in the chain was cut short), so a machine that
+        was restored to an earlier checkpoint is not put back on the timeline the user left
+        (the restore's save-first is newer), even one without memory (then booted); else the
+        newest with memory of the session."""
         held = self.vm.holds_checkpoint(session)
+        since, found = 0, None
         if held and held.partition("/")[0] == session:
             try:
-                return self.ledger.checkpoint(session, held.partition("/")[2]).name
+                found = self.ledger.checkpoint(session, held.partition("/")[2])
+                since = found.seq + 1
             except NotFound:
                 pass  # deleted since
+        # A save published after it whose layers were never folded into the root (a flatten
+        # that failed, or was cut off with the machine): the machine ran on from that save,
+        # not from the root's checkpoint, and going back there would lose it (QA). So does a
+        # restore done since. The newest of them that still exists.
+        later: list[str] = []
+        if found is not None or not held:
+            for ev in self.ledger.events(session, since):
+                if ev.type == "checkpoint.published" and ev.body.get("name"):
+                    later.append(ev.body["name"])
+                elif ev.type == "restore.done" and ev.body.get("checkpoint"):
+                    later.append(ev.body["checkpoint"])
+        for name in reversed(later):
+            try:
+                return self.ledger.checkpoint(session, name).name
+            except NotFound:
+                continue
+        if found is not None:
+            return found.name
         for name in reversed(self.ledger.checkpoint_names(session)):
             if self.ledger.checkpoint(session, name).file(MEMORY_FILE) is not None:
                 return name

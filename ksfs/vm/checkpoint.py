@@ -474,5 +474,6 @@ def abort(ctl: DomainController, frozen: Frozen) -> None:
         return
     frozen.close()
     with contextlib.suppress(OSError):
-        frozen.memory_path.unlink(missing_ok=True)
+        if frozen.memory_path is not None:
+            frozen.memory_path.unlink(missing_ok=True)
     frozen.finished = True
