@@ -380,3 +380,26 @@ def test_a_file_name_that_is_not_utf8_is_shown_as_its_bytes(store: Path, tmp_pat
     assert res.returncode == 2
     assert res.stderr.decode() == (
         "ksfs: error: invalid name b'\\xff\\xfe.bin': file name is not valid UTF-8\n")
+
+
+def test_check_says_what_a_killed_import_left_and_gc_gives_it_back(tmp_path):
+    """QA: the packs a killed import wrote were counted nowhere: `check` said "6 packs" with 9
+    on disk, and only a `gc` nobody was told to run gave the space back."""
+    store = tmp_path / "store"
+    src = tmp_path / "data.bin"
+    src.write_bytes(random.Random(5).randbytes(3 << 20))
+    ksfs(store, "import", "s", "kept", str(src))
+    other = tmp_path / "other.bin"
+    other.write_bytes(random.Random(6).randbytes(3 << 20))
+    killed = ksfs(store, "import", "s", "killed", str(other), check=False,
+                  env=dict(os.environ, KSFS_CRASH_AT="pack.fsync"))
+    assert killed.returncode == -signal.SIGKILL
+    out = ksfs(store, "check").stdout.decode()
+    assert out.startswith("store clean")
+    assert "left by ingests that did not finish" in out and "ksfs gc" in out
+    report = json.loads(ksfs(store, "check", "--json").stdout)
+    assert report["ok"] and report["unfinished_bytes"] >= 3 << 20, report
+    ksfs(store, "gc")
+    report = json.loads(ksfs(store, "check", "--json").stdout)
+    assert report["unfinished_bytes"] == 0 and report["unfinished_packs"] == 0, report
+    assert "did not finish" not in ksfs(store, "check").stdout.decode()

@@ -86,8 +86,14 @@ class CheckReport:
 
     def summary(self) -> str:
         state = "clean" if self.ok else "DAMAGED"
-        return (f"store {state}: {self.chunks_checked} chunks, {self.manifests_checked} manifests,"
+        text = (f"store {state}: {self.chunks_checked} chunks, {self.manifests_checked} manifests,"
                 f" {self.packs_checked} packs checked{' with data' if self.data_read else ''}")
+        if self.orphan_bytes:
+            # Not damage, but disk space: said, or a killed import's packs go unseen (QA).
+            files = f"{len(self.orphan_packs)} pack file(s) and " if self.orphan_packs else ""
+            text += (f"; {files}{self.orphan_bytes / (1 << 20):.1f} MiB left by ingests that "
+                     f"did not finish, which no checkpoint uses (`ksfs gc` gives them back)")
+        return text
 
 
 def check_store(store: ChunkStore, read_data: bool, references: dict[str, list[str]]

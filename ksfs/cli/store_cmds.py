@@ -235,7 +235,9 @@ def check(ctx, read_data: bool, as_json: bool) -> None:
         emit_json({"ok": report.ok, "problems": problems, "findings": report.findings(),
                    "summary": report.summary(), "chunks_checked": report.chunks_checked,
                    "manifests_checked": report.manifests_checked,
-                   "packs_checked": report.packs_checked, "data_read": report.data_read})
+                   "packs_checked": report.packs_checked, "data_read": report.data_read,
+                   "unfinished_packs": len(report.orphan_packs),
+                   "unfinished_bytes": report.orphan_bytes})
     else:
         for line in problems:
             click.echo(line)
