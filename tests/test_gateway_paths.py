@@ -143,6 +143,30 @@ async def test_a_chat_completion_by_another_path_is_held_as_one(gw, ledger, prov
     assert r.headers["x-ksfs-replay"] == "false" and "data: [DONE]" in r.text  # bought again
 
 
+async def test_an_upload_naming_an_unpriced_model_is_refused_under_a_usd_budget(
+        gw, ledger, provider, nursery):
+    """QA: a multipart upload (image edits, transcriptions) naming a model with no price went
+    upstream under a USD budget and cost 0, where the same call as JSON was refused."""
+    gw.set_budget("s1", usd=1.0)
+    port = await nursery.start(gw.serve_session, "s1")
+    asked = len(provider.requests)
+
+    def form(model: str) -> bytes:
+        return (b"--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n"
+                + model.encode() + b"\r\n--XyZ\r\nContent-Disposition: form-data; "
+                b"name=\"image\"; filename=\"a.png\"\r\nContent-Type: image/png\r\n\r\n"
+                b"\x89PNG fake\r\n--XyZ--\r\n")
+
+    r = await post(port, "/v1/images/edits", raw=form("gpt-image-1"),
+                   headers={"content-type": "multipart/form-data; boundary=XyZ"})
+    assert r.status_code == 402 and r.json()["error"]["reason"] == "unpriced_model", r.text
+    assert len(provider.requests) == asked
+    # one naming a priced model goes on (the fake provider has no such endpoint: 404)
+    r = await post(port, "/v1/images/edits", raw=form("test-model"),
+                   headers={"content-type": "multipart/form-data; boundary=XyZ"})
+    assert r.status_code == 404 and len(provider.requests) == asked + 1
+
+
 # --- under budget: their usage is counted, and they are bought once ----------------------------
 
 

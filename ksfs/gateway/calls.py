@@ -11,6 +11,7 @@ the request text itself.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,28 @@ def paid_body(scope: bytes, body: bytes, content_type: str | None
         return (scope + b"raw\0" + (content_type or "").encode("latin-1", "replace") + b"\0"
                 + body, {})
     return scope + b"json\0" + canon, obj
+
+
+def form_model(body: bytes, content_type: str | None) -> str | None:
+    """The ``model`` field of a multipart/form-data body (image edits, audio transcriptions
+    name their model so), or None: priced as a JSON body's would be (QA: an upload naming a
+    model with no price passed a USD budget, costing 0)."""
+    ctype = (content_type or "").strip()
+    if not ctype.lower().startswith("multipart/form-data"):
+        return None
+    match = re.search(r'boundary="?([^";]+)"?', ctype, re.IGNORECASE)
+    if match is None:
+        return None
+    delimiter = b"--" + match.group(1).encode("latin-1", "replace")
+    for part in body.split(delimiter)[1:]:
+        head, sep, value = part.partition(b"\r\n\r\n")
+        if not sep:
+            continue
+        if re.search(rb'content-disposition:[^\r\n]*;\s*name="?model"?(;|\s|\r|$)', head,
+                     re.IGNORECASE):
+            text = value.removesuffix(b"\r\n").decode("utf-8", "replace").strip()
+            return text or None
+    return None
 
 
 def canonical_body(body: bytes) -> tuple[bytes, dict[str, Any]]:

@@ -33,6 +33,7 @@ from ksfs.gateway.calls import (
     CHAT_PATH,
     derived_key,
     estimated_tokens,
+    form_model,
     header_key,
     is_chat,
     not_an_answer,
@@ -241,7 +242,8 @@ class Gateway:
         view = self.db.view(served.session)
         key = hkey if hkey is not None else derived_key(view.lineage, canon)
         digest = request_digest(canon)
-        model = obj.get("model") if isinstance(obj.get("model"), str) else None
+        model = obj.get("model") if isinstance(obj.get("model"), str) else \
+            form_model(body, header(headers, "content-type")) if not obj else None
         stream = obj.get("stream") is True
         order = Order(route, headers, body, model, stream, digest,
                       ask_usage=is_chat(path) and wants_usage_added(obj))
