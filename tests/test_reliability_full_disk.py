@@ -186,6 +186,33 @@ def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
             assert subprocess.run(["virsh", "-c", "qemu:///system", "domstate",
                                    f"{domain}-f"], capture_output=True).returncode != 0
             assert f"{name}-f" not in ksfs(store, "session", "list", env=env).stdout
+            # No room at all: QEMU pauses the guest at its next write. recover leaves it so
+            # (resumed, it paused again at once: QA) and says why; `ksfs resume` once mended.
+            more = fs / "filler2"
+            with open(more, "wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(bytes(1 << 20))
+                    f.flush()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and subprocess.run(
+                    ["virsh", "-c", "qemu:///system", "domstate", "--reason", domain],
+                    capture_output=True, text=True).stdout.strip() != "paused (I/O error)":
+                time.sleep(0.5)
+            res = ksfs(store, "recover", "--json", env=env)
+            report = json.loads(res.stdout)
+            said = [a for r in report if r["session"] == name for a in r["actions"]]
+            assert any("paused on a disk I/O error" in a for a in said), (said, res.stderr)
+            state = subprocess.run(["virsh", "-c", "qemu:///system", "domstate", domain],
+                                   capture_output=True, text=True).stdout.strip()
+            assert state == "paused"
+            more.unlink()
+            filler.unlink()
+            res = ksfs(store, "resume", name, env=env)
+            assert res.returncode == 0, res.stderr
+            state = subprocess.run(["virsh", "-c", "qemu:///system", "domstate", domain],
+                                   capture_output=True, text=True).stdout.strip()
+            assert state == "running"
+            filler.touch()  # (unlinked below, as before)
             # Space back (the filler stands for whatever filled the disk), then a GC: saves work.
             filler.unlink()
             assert ksfs(store, "gc", env=env).returncode == 0

@@ -148,6 +148,11 @@ class Recovery:
                 ev = self._reconcile_to(rec.name, target)
                 actions.append(f"fork of {point} had no reconcile: reconciled "
                                f"({ev.body.get('outcome')})")
+        if state == "paused" and self.vm.paused_on_io_error(rec.domain):
+            # Resumed, it would pause again at its next write (QA): left for the user to mend.
+            actions.append(f"machine is paused on a disk I/O error (a full disk?): left paused; "
+                           f"`ksfs resume {rec.name}` runs it once that is mended")
+            return actions
         if state == "paused" and not self._paused_by_user(rec.name):
             # A verb killed while the machine was paused (a save's last copy, a restore or fork
             # not yet resumed) must not leave it stopped. A restore killed after libvirt loaded

@@ -358,6 +358,15 @@ class DomainController:
                           f"{exc.get_error_message()}") from exc
         return _STATES.get(st, "unknown")
 
+    def paused_on_io_error(self, domain: str) -> bool:
+        """Whether QEMU paused the machine because a disk write failed (a full disk: libvirt's
+        default error policy stops the guest rather than fail its writes)."""
+        try:
+            st, reason = self.conn.lookupByName(domain).state()
+        except libvirt.libvirtError:
+            return False
+        return st == libvirt.VIR_DOMAIN_PAUSED and reason == libvirt.VIR_DOMAIN_PAUSED_IOERROR
+
     def holds_checkpoint(self, session: str) -> str | None:
         """The checkpoint label every disk's chain root holds (the last finished save, restore
         or fork), or None when they differ or nothing is known."""
