@@ -186,6 +186,13 @@ def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
             assert subprocess.run(["virsh", "-c", "qemu:///system", "domstate",
                                    f"{domain}-f"], capture_output=True).returncode != 0
             assert f"{name}-f" not in ksfs(store, "session", "list", env=env).stdout
+            # A restore's save-first finds no room either: said in the log (and so by reading
+            # `resume` through a mount) as the restore's failure, the machine untouched
+            res = ksfs(store, "restore", name, "first", env=env)
+            assert res.returncode == 9 and "no space" in res.stderr, res.stderr
+            last = events(store, name, env=env)[-1]
+            assert last["type"] == "restore.failed" and last["body"]["checkpoint"] == "first"
+            assert "no space" in last["body"]["reason"]
             # No room at all: QEMU pauses the guest at its next write. recover leaves it so
             # (resumed, it paused again at once: QA) and says why; `ksfs resume` once mended.
             more = fs / "filler2"

@@ -8,6 +8,7 @@ first so nothing is lost, and a fork that cannot start is rolled back.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -128,8 +129,15 @@ class RestoreVerbs:
             t_saved = time.monotonic()
             begin = self.ledger.record(session, "restore.begin", {
                 "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
-        except BaseException:
+        except BaseException as exc:
             _discard(staging)
+            if isinstance(exc, KsfsError):
+                # Said in the log (and so by reading `resume`) like a failure after the begin;
+                # nothing of the machine was touched (QA: its save-first on a full disk left
+                # `resume` telling an older outcome).
+                with contextlib.suppress(KsfsError):
+                    self.ledger.record(session, "restore.failed",
+                                       {"checkpoint": checkpoint, "reason": _reason(exc)})
             raise
         try:
             staged = staging.result()
