@@ -130,6 +130,11 @@ def test_cli_errors_and_help(tmp_path, provider):
     no_token = ksfs(store, "gateway", "serve", "--upstream", provider.url, "--token-file",
                     str(empty), check=False)
     assert no_token.returncode == 2 and "empty" in no_token.stderr
+    # a USD budget as the user wrote it (QA: 1e400 was "not inf"); "abc", -1 and nan refused
+    for bad, said in (("1e400", "not 1e400"), ("abc", "'abc'"), ("-1", "not -1"),
+                      ("nan", "not nan")):
+        res = ksfs(store, "budget", "default", "--usd", bad, check=False)
+        assert res.returncode == 2 and said in res.stderr, (bad, res.stderr)
     for cmd in (["gateway", "serve"], ["usage"], ["budget"]):
         text = ksfs(store, *cmd, "--help").stdout
         assert "Example:" in text and f"ksfs {' '.join(cmd)} " in text

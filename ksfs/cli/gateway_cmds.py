@@ -232,12 +232,12 @@ def usage(ctx, session: str, as_json: bool) -> None:
 @click.argument("session")
 @click.option("--tokens", type=int, default=None, metavar="N",
               help="Refuse calls once the session has used N tokens (prompt + completion).")
-@click.option("--usd", type=float, default=None, metavar="X",
+@click.option("--usd", default=None, metavar="X",  # parsed by set_budget: says it as given
               help="Refuse calls once the session has spent X US dollars.")
 @click.option("--clear", is_flag=True, help="Remove the session's budget.")
 @click.option("--json", "as_json", is_flag=True, help="Print the budget as JSON.")
 @pass_ctx
-def budget(ctx, session: str, tokens: int | None, usd: float | None, clear: bool,
+def budget(ctx, session: str, tokens: int | None, usd: str | None, clear: bool,
            as_json: bool) -> None:
     """Show or set the model-call budget of SESSION.
 

@@ -338,12 +338,14 @@ class GatewayStore:
                                    or tokens < 0):
             raise BadInput(f"a token budget must be a whole number >= 0, not {tokens!r}")
         if usd is not None:
+            given = usd
             try:
                 usd = float(usd)
             except (TypeError, ValueError):
                 raise BadInput(f"a USD budget must be a number >= 0, not {usd!r}") from None
             if not usd >= 0 or usd == float("inf"):
-                raise BadInput(f"a USD budget must be a number >= 0, not {usd!r}")
+                # (as given: 1e400 is "inf" once a float, which the user never wrote)
+                raise BadInput(f"a USD budget must be a finite number >= 0, not {given!s}")
         self.ledger.session(session)  # a bad or unknown name: refused before any write
         with self._write() as txn:
             rec = self.ledger.session(session, txn)
