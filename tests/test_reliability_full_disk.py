@@ -165,8 +165,11 @@ def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
                     n = min(left, 16 << 20)
                     f.write(os.urandom(n))
                     left -= n
+            layers = sorted(p.name for p in (store / "vm" / name).glob("*.qcow2"))
             res = ksfs(store, "save", name, "second", env=env)
             assert res.returncode == 9, (res.returncode, res.stderr)
+            # (QA: each failed save left its new overlay behind until a recover)
+            assert sorted(p.name for p in (store / "vm" / name).glob("*.qcow2")) == layers
             assert len(res.stderr.strip().splitlines()) == 1, res.stderr
             assert "no space" in res.stderr
             state = subprocess.run(["virsh", "-c", "qemu:///system", "domstate", domain],

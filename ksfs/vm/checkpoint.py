@@ -24,7 +24,7 @@ import libvirt
 
 from ksfs import progress
 from ksfs.crashpoints import crash_point
-from ksfs.errors import NotRunning, VMError
+from ksfs.errors import KsfsError, NotRunning, VMError
 from ksfs.vm import domxml, saveimage
 from ksfs.vm.chain import ChainSource, chain_files, create_overlay
 from ksfs.vm.state import DiskState, Frozen, FrozenDisk, SessionState, file_stat
@@ -291,7 +291,7 @@ def _take(ctl: DomainController, dom: libvirt.virDomain, domain: str,
                                f"creating the overlay of {disk.target} of {domain}",
                                ctl.cluster_size)
                 made.append(overlays[disk.target])
-        except VMError:
+        except KsfsError:  # (NoSpace too: qemu-img on a full disk)
             for path in made:
                 path.unlink(missing_ok=True)
             raise
@@ -300,8 +300,10 @@ def _take(ctl: DomainController, dom: libvirt.virDomain, domain: str,
     try:
         with meter, step(domain, "taking the external snapshot"):
             dom.snapshotCreateXML(_snapshot_xml(memory, overlays, skip), flags)
-    except VMError:
-        # ATOMIC: libvirt rolled the disks back; drop whatever files it left behind.
+    except KsfsError:
+        # ATOMIC: libvirt rolled the disks back; drop whatever files it left behind. (NoSpace
+        # too, which a full disk gives: it left an overlay per failed save behind, and a
+        # guest the snapshot paused was not run again: QA.)
         memory.unlink(missing_ok=True)
         for path in overlays.values():
             if path.exists() and path not in _current_tops(ctl, domain):
@@ -311,7 +313,7 @@ def _take(ctl: DomainController, dom: libvirt.virDomain, domain: str,
         raise
     try:
         _restore_run_state(dom, domain, was_paused)
-    except VMError:
+    except KsfsError:
         memory.unlink(missing_ok=True)
         raise
     return meter
