@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import libvirt
 
-from ksfs.errors import AlreadyExists, NotRunning, VMError
+from ksfs.errors import AlreadyExists, KsfsError, NotRunning, VMError
 from ksfs.model import validate_name
 from ksfs.vm import domxml, files
 from ksfs.vm.probe import domain_type
@@ -184,7 +184,7 @@ class DomainController:
         try:
             with step(domain_name, "starting"):
                 dom.create()
-        except VMError:
+        except KsfsError:  # (NoSpace too: a full disk is said so, not as a VMError)
             with contextlib.suppress(libvirt.libvirtError):
                 dom.undefine()
             raise

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ksfs.crashpoints import crash_point
-from ksfs.errors import VMError
+from ksfs.errors import KsfsError, VMError
 from ksfs.vm import domxml
 from ksfs.vm.chain import chain_files, qemu_img
 from ksfs.vm.release import inside, like_the_users, released_name
@@ -204,13 +204,16 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
         try:
             qemu_img("commit", "-q", "-b", str(root), str(top), what=what,
                      timeout=CONVERT_TIMEOUT)
-            crash_point("vm.detached.commit")  # the file written, nothing recorded yet
-            return {"how": "commit", "file": str(root)}
-        except VMError as exc:  # another machine holds it (its write lock): not ours to write
+        # Another machine holds it (its write lock): not ours to write. Or no room (NoSpace):
+        # what the commit wrote into it is in the layer too, which goes on top of it.
+        except KsfsError as exc:
             log.warning("%s: committing into %s failed, moving the layer out: %s", what, root,
                         exc)
             ds.handing_back = None  # nothing written: no later run may take it for its own
             ctl.save_state(session, state)
+        else:
+            crash_point("vm.detached.commit")  # the file written, nothing recorded yet
+            return {"how": "commit", "file": str(root)}
     # Changed since (or in use, or unknown): the layer itself, squashed into one file on root.
     try:
         order = chain_files(top, f"reading the chain of {top.name}")  # top first
