@@ -122,6 +122,8 @@ def test_cli_errors_and_help(tmp_path, provider):
     missing = ksfs(store, "gateway", "serve", "--upstream", provider.url, "--session", "nope",
                    check=False)
     assert missing.returncode == 3 and "nope" in missing.stderr
+    unsaid = ksfs(store, "gateway", "serve", check=False)  # (QA: "--upstream: " and nothing)
+    assert unsaid.returncode == 2 and "Missing option '--upstream'" in unsaid.stderr
     bad_url = ksfs(store, "gateway", "serve", "--upstream", "ftp://x", check=False)
     assert bad_url.returncode == 2 and "http://" in bad_url.stderr
     assert ksfs(store, "usage", "nope", check=False).returncode == 3

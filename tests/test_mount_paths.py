@@ -81,3 +81,16 @@ def test_umount_of_a_daemon_that_does_not_answer(tmp_path: Path) -> None:
             subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_wait_that_is_no_number_of_seconds_is_refused_before_anything(tmp_path: Path) -> None:
+    """QA: `mount --timeout -1` (or nan) started a daemon, killed it at once, and said exit 13
+    "no answer within -1s", having made the store's files."""
+    store, mnt = tmp_path / "store", tmp_path / "mnt"
+    mnt.mkdir()
+    for value in ("-1", "0", "nan", "inf", "soon"):
+        for verb in ("mount", "umount"):
+            res = ksfs(store, verb, str(mnt), "--timeout", value)
+            assert res.returncode == 2, (verb, value, res.stderr)
+            assert res.stderr.startswith("ksfs: error: --timeout: must be a number of seconds")
+        assert not store.exists() and not os.path.ismount(mnt)

@@ -365,7 +365,8 @@ def test_a_store_on_a_read_only_file_system_reads_and_refuses_changes(tmp_path: 
                      ["checkpoints", "s"], ["events", "s"]):
             res = ksfs(store, *verb)
             assert res.returncode == 0, (verb, res.stderr)
-        for verb in (["import", "s", "b", str(src)], ["rm", "s", "a"], ["gc"]):
+        for verb in (["import", "s", "b", str(src)], ["rm", "s", "a"], ["gc"],
+                     ["budget", "s", "--tokens", "5"]):  # (QA: the gateway's was exit 1)
             one_line(ksfs(store, *verb), 12, "read-only", str(store))
         assert json.loads(ksfs(store, "stats", "--json").stdout) == before
 

@@ -258,7 +258,8 @@ class KsfsGroup(click.Group):
             else:
                 where = self._command_path()
             message = exc.format_message()
-            if isinstance(exc, click.BadParameter) and isinstance(exc.param, click.Option):
+            if isinstance(exc, click.BadParameter) and isinstance(exc.param, click.Option) \
+                    and exc.message:  # (a missing option has none: click's own words then)
                 message = f"{'/'.join(exc.param.opts)}: {exc.message}"  # the option first
             click.echo(f"ksfs: error: {one_line(message)} (see '{where} --help')", err=True)
             sys.exit(2)
@@ -386,6 +387,26 @@ def _log_lines_like_errors() -> None:
         handler.setFormatter(_LineFormatter())  # type: ignore[arg-type]
         handler.setLevel(logging.WARNING)
         root.addHandler(handler)
+
+
+class Seconds(click.ParamType):
+    """A number of seconds > 0 (a wait): not negative, 0, nan or infinite."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        import math
+
+        try:
+            secs = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"must be a number of seconds > 0, not {value!r}", param, ctx)
+        if not math.isfinite(secs) or secs <= 0:
+            self.fail(f"must be a number of seconds > 0, not {value}", param, ctx)
+        return secs
+
+
+SECONDS = Seconds()
 
 
 FAMILIES = ("store_cmds", "ledger_cmds", "vm_cmds", "mount_cmds", "gateway_cmds")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from ksfs.cli import main, pass_ctx
+from ksfs.cli import SECONDS, main, pass_ctx
 from ksfs.errors import BadInput, Busy, DaemonError, NoSuchFile
 
 KSFS_FSTYPE = "fuse.ksfs"
@@ -60,7 +60,8 @@ def _mounted_store(mountpoint: str, wait: float = 2.0) -> tuple[str | None, bool
                    "checkpoint, memory and disk included.")
 @click.option("--upstream", metavar="URL",
               help="Model provider the gateway fronts (default $KSFS_UPSTREAM or config.json).")
-@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the mount.")
+@click.option("--timeout", type=SECONDS, default=120.0, show_default=True,
+              help="Seconds to wait for the mount.")
 @pass_ctx
 def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: str | None,
           timeout: float) -> None:
@@ -155,7 +156,8 @@ def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
 
 @main.command()
 @click.argument("mountpoint", type=click.Path(file_okay=False))
-@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the daemon.")
+@click.option("--timeout", type=SECONDS, default=60.0, show_default=True,
+              help="Seconds to wait for the daemon.")
 @pass_ctx
 def umount(ctx, mountpoint: str, timeout: float) -> None:
     """Unmount MOUNTPOINT and wait for its daemon to finish.

@@ -17,7 +17,14 @@ from typing import Any
 
 import lmdb
 
-from ksfs.errors import BadInput, IntegrityError, KsfsError, NoSpace
+from ksfs.errors import (
+    BadInput,
+    IntegrityError,
+    KsfsError,
+    NoSpace,
+    ReadOnly,
+    from_foreign,
+)
 from ksfs.gateway.calls import CHAT_PATH, Usage, derived_key
 from ksfs.ledger.keys import LINEAGE_BYTES, lineage_bytes
 from ksfs.model import Event
@@ -145,6 +152,10 @@ class GatewayStore:
         self._open_dbs(create=False)
 
     def _open_dbs(self, create: bool) -> None:
+        if create and self.env.flags().get("readonly"):
+            # (a store on a read-only file system is opened read-only: said as every verb
+            # that would write says it, exit 12; LMDB's own words were "Permission denied")
+            raise ReadOnly(what=f"the file system of the store at {self.path}")
         try:
             if create:
                 self._resp, self._usage, self._budgets = (
@@ -388,6 +399,10 @@ class _Txn:
         try:
             self.txn = self.env.begin(write=True)
         except lmdb.Error as exc:
+            # A read-only store is ReadOnly (exit 12), a full disk NoSpace, as for every verb
+            known = from_foreign(exc, self.path, "a gateway write")
+            if known is not None:
+                raise known from exc
             raise KsfsError(f"gateway write to the store at {self.path} failed: {exc}") from exc
         return self.txn
 
@@ -400,5 +415,8 @@ class _Txn:
         except lmdb.MapFullError as e:
             raise NoSpace(path=self.path, why="the LMDB map is full") from e
         except lmdb.Error as e:
+            known = from_foreign(e, self.path, "a gateway commit")
+            if known is not None:
+                raise known from e
             raise KsfsError(f"gateway commit to the store at {self.path} failed: {e}") from e
         return False
