@@ -5,7 +5,8 @@ Mounts a fresh store, creates a session running the agent-like guest with `mkdir
 checkpoints with `mkdir`, forks one with `mkdir forks/`, restores one with `echo > resume`, shows
 the tree with `ls` and a `cmp` between two checkpoints, prints the store figures and the dedup
 ratio, then cleans up (sessions removed, domains gone, unmounted, its directory under /var/tmp
-removed; `--keep` leaves the store there to look at). Prints where time goes.
+removed; `--keep` stops the machines but keeps the store and its checkpoints there to look at).
+Prints where time goes.
 """
 
 from __future__ import annotations
@@ -105,20 +106,23 @@ def main() -> int:
               f"{figures['stored_bytes']} bytes = {figures['dedup_ratio']}x")
     finally:
         keep = "--keep" in sys.argv[1:]
-        step("clean up: remove the sessions, unmount" + ("" if keep else f", remove {WORK}"))
-        clean = cleanup(mnt)
+        step("clean up: " + ("stop the machines, keep the checkpoints, unmount" if keep else
+                             f"remove the sessions, unmount, remove {WORK}"))
+        clean = cleanup(mnt, keep_checkpoints=keep)
         if keep or not clean:
             # Never removed under sessions still there: their machines would run on deleted
             # disks, and the next run's clean-up could not find them.
-            print(f"(the store is kept at {WORK / 'store'}: ksfs --store {WORK / 'store'} ...)")
+            print(f"(the store is kept at {WORK / 'store'}: ksfs --store {WORK / 'store'} "
+                  f"checkpoints agent, ksfs --store {WORK / 'store'} mount DIR, ...)")
         else:
             shutil.rmtree(WORK, ignore_errors=True)
     print(f"\ndemo finished in {time.monotonic() - T0:.1f}s")
     return 0
 
 
-def cleanup(mnt: Path) -> bool:
-    """Remove the demo's sessions (and so their machines) and unmount; True when all went."""
+def cleanup(mnt: Path, keep_checkpoints: bool = False) -> bool:
+    """Remove the demo's sessions (and so their machines; with ``keep_checkpoints`` their
+    checkpoints stay, to look at) and unmount; True when all went."""
     env = dict(os.environ, KSFS_STORE=str(WORK / "store"))
     clean = True
     if (WORK / "store").exists():
@@ -128,8 +132,9 @@ def cleanup(mnt: Path) -> bool:
             print(f"demo: cannot list the sessions: {listing.stderr.strip()}", file=sys.stderr)
             clean = False
         for sess in json.loads(listing.stdout or "[]") if listing.returncode == 0 else []:
-            rm = subprocess.run(KSFS + ["session", "rm", sess["session"]], env=env,
-                                capture_output=True, text=True)
+            rm = subprocess.run(KSFS + ["session", "rm", sess["session"],
+                                        *(["--keep-checkpoints"] if keep_checkpoints else [])],
+                                env=env, capture_output=True, text=True)
             if rm.returncode != 0:
                 print(f"demo: {rm.stderr.strip()}", file=sys.stderr)
                 clean = False
