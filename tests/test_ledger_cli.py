@@ -124,7 +124,7 @@ def test_verify_clean_then_damaged_through_the_script(tmp_path):
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == (
-        "ledger: clean (1 sessions, 1 lineages, 6 events, 1 checkpoints)")
+        "ledger: clean (1 session, 1 lineage, 6 events, 1 checkpoint)")  # (QA: "1 sessions")
     lin = K.lineage_bytes(led.session("v").lineage)
     with store.env.begin(write=True) as txn:
         txn.delete(K.event_key_raw(lin, 2), db=led._events)
@@ -156,4 +156,4 @@ def test_lineage_shows_a_removed_parent(tmp_path):
     doc = json.loads(run(path, "lineage", "kid", "--json").output)
     assert doc["chain"] == [{"session": "gone", "checkpoint": "b", "seq": cp.seq,
                              "lineage": doc["chain"][0]["lineage"], "removed": True}]
-    assert run(path, "ledger", "verify").output.startswith("ledger: clean (1 sessions, 2 lineages")
+    assert run(path, "ledger", "verify").output.startswith("ledger: clean (1 session, 2 lineages")

@@ -86,14 +86,19 @@ class CheckReport:
 
     def summary(self) -> str:
         state = "clean" if self.ok else "DAMAGED"
-        text = (f"store {state}: {self.chunks_checked} chunks, {self.manifests_checked} manifests,"
-                f" {self.packs_checked} packs checked{' with data' if self.data_read else ''}")
+        text = (f"store {state}: {_n(self.chunks_checked, 'chunk')}, "
+                f"{_n(self.manifests_checked, 'manifest')}, {_n(self.packs_checked, 'pack')} "
+                f"checked{' with data' if self.data_read else ''}")
         if self.orphan_bytes:
             # Not damage, but disk space: said, or a killed import's packs go unseen (QA).
             files = f"{len(self.orphan_packs)} pack file(s) and " if self.orphan_packs else ""
             text += (f"; {files}{self.orphan_bytes / (1 << 20):.1f} MiB left by ingests that "
                      f"did not finish, which no checkpoint uses (`ksfs gc` gives them back)")
         return text
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def check_store(store: ChunkStore, read_data: bool, references: dict[str, list[str]]

@@ -389,6 +389,11 @@ def _log_lines_like_errors() -> None:
         root.addHandler(handler)
 
 
+def counted(count: int, word: str) -> str:
+    """``1 chunk``, ``2 chunks``: a count with its noun, for people."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 class Seconds(click.ParamType):
     """A number of seconds > 0 (a wait): not negative, 0, nan or infinite."""
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from ksfs.cli import U64, emit_json, human_bytes, main, pass_ctx
+from ksfs.cli import U64, counted, emit_json, human_bytes, main, pass_ctx
 from ksfs.errors import IntegrityError
 
 
@@ -130,10 +130,11 @@ def verify(ctx, as_json: bool) -> None:
         return
     if not problems:
         st = led.stats()
-        click.echo(f"ledger: clean ({st['sessions']} sessions, {st['lineages']} lineages, "
-                   f"{st['events']} events, {st['checkpoints']} checkpoints)")
+        click.echo(f"ledger: clean ({counted(st['sessions'], 'session')}, "
+                   f"{counted(st['lineages'], 'lineage')}, {counted(st['events'], 'event')}, "
+                   f"{counted(st['checkpoints'], 'checkpoint')})")
         return
     for p in problems:
         click.echo(f"ledger: {p}")
-    click.echo(f"ledger: {len(problems)} problems", err=True)
+    click.echo(f"ledger: {counted(len(problems), 'problem')}", err=True)
     raise click.exceptions.Exit(IntegrityError.exit_code)

@@ -9,6 +9,7 @@ import click
 
 from ksfs.cli import (
     DONE_NOTE,
+    counted,
     emit_json,
     human_bytes,
     main,
@@ -284,8 +285,9 @@ def gc(ctx, as_json: bool) -> None:
 def gc_summary(d: dict) -> list[str]:
     """What a gc did, for people: one line, plus one per thing it left for later."""
     freed = d.get("bytes_freed", 0)
-    lines = [f"gc: freed {freed} bytes ({human_bytes(freed)}) in {d.get('chunks_freed', 0)} "
-             f"chunks; removed {len(d.get('packs_removed') or ())} packs, repacked "
+    lines = [f"gc: freed {freed} bytes ({human_bytes(freed)}) in "
+             f"{counted(d.get('chunks_freed', 0), 'chunk')}; removed "
+             f"{counted(len(d.get('packs_removed') or ()), 'pack')}, repacked "
              f"{len(d.get('packs_repacked') or ())}; "
              f"{human_bytes(d.get('disk_bytes_reclaimed', 0))} of disk given back"]
     if d.get("deltas_flattened"):
