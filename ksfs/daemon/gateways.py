@@ -1,8 +1,9 @@
 """Run the model-call gateway inside the daemon: one server per live machine session.
 
 Each session's port is fixed at its creation (``gateway_port`` in its config) because its guest
-learns it once; the token is derived from the store's secret and the session's lineage, so it
-is never written anywhere. A supervisor task starts a server for every live machine session and
+learns it once; the token is derived from the store's secret and the session's lineage, so no
+file of its own holds it (it reaches the guest in the domain XML, which each checkpoint keeps).
+A supervisor task starts a server for every live machine session and
 stops the servers of removed ones, so sessions made while mounted are served at once.
 """
 

@@ -1,8 +1,9 @@
 """The model-call gateway: OpenAI-style chat completions (and every other call that can cost
 money) on loopback, bought once, replayed after a save, counted per session and held to a budget.
 
-Layer 5: imports ksfs.errors, ksfs.model, ksfs.cas, ksfs.ledger, trio and its HTTP stack
-(hypercorn, httpx); never pyfuse3, libvirt or click. See docs/gateway.md.
+Layer 5: imports ksfs.errors, ksfs.model, ksfs.ledger, lmdb, blake3, trio and its HTTP stack
+(hypercorn, httpx); never ksfs.cas (it takes the store by shape: ``.env`` and ``.path``),
+pyfuse3, libvirt or click. See docs/gateway.md.
 
     gw = Gateway(store, ledger, "http://127.0.0.1:8000", prices=None, api_key=None)
     port = await nursery.start(gw.serve_session, "s1")     # one port per session

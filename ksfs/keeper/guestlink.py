@@ -1,10 +1,14 @@
 """What a session's guest is told about its gateway: a port fixed at creation and a token.
 
 The token is a keyed BLAKE3 of the session's lineage under the store's secret (``STORE/secret``,
-mode 0600), so it is never stored in a record or an event and a fork, with its new lineage, gets
-its own. The guest reads both through QEMU's fw_cfg (``opt/ksfs/gateway``, ``opt/ksfs/token``),
-which a restore or fork sets afresh from the domain XML: a forked guest therefore talks to its
-own session's port even though its memory came from the parent.
+mode 0600): it is computed when needed, so no file, event or ledger field of its own holds it, and
+a fork, with its new lineage, gets its own. The guest reads both through QEMU's fw_cfg
+(``opt/ksfs/gateway``, ``opt/ksfs/token``), which a restore or fork sets afresh from the domain
+XML: a forked guest therefore talks to its own session's port even though its memory came from
+the parent. That XML does carry the token in the clear, though: libvirt keeps it in the domain's
+definition, and every checkpoint keeps the XML of its instant (the record's ``domain.xml``, read
+through the mount or ``ksfs cat S C domain.xml``, and the header of its ``memory`` image). So
+whoever can read the store, the mount or libvirt's definitions can read each session's token.
 """
 
 from __future__ import annotations
