@@ -67,6 +67,7 @@ def world(tmp_path_factory: pytest.TempPathFactory):
         k.import_files("sess", "img", [_disk(tmp, "5", "guest.img", {"grows": b"abcdefgh"})])
         named = _disk(tmp, "6", "cloud.bin", {"grows": b"abcdefgh"})
         k.import_files("sess", "asdisk", [named], disks=[named])  # `import --disk cloud.bin`
+        k.import_files("sess", "otherdisk", [o1], disks=[o1])  # c1's other.bin, fixed chunks
     return store, (d1, d2)
 
 
@@ -160,6 +161,17 @@ def test_a_file_imported_with_disk_is_the_disk_image_whatever_its_name(world) ->
     assert d["guest_disks"] == {"a": "disk0.raw", "b": "cloud.bin"}
     assert [(c["kind"], c["path"]) for c in d["files"]] == [("changed", "grows"),
                                                           ("removed", "keep")]
+
+
+def test_the_same_bytes_chunked_another_way_are_identical(world) -> None:
+    """QA: a file imported once by content and once as a disk (--disk) was "changed", all its
+    chunks new, though its bytes are the same."""
+    store, _ = world
+    other = _stored(as_json(store, "c1", "otherdisk"))["other.bin"]
+    assert other["kind"] == "identical", other
+    assert "  = other.bin  (" in run(store, "c1", "otherdisk")
+    # and bytes that differ still differ (c2's other.bin has one byte more)
+    assert _stored(as_json(store, "c2", "otherdisk"))["other.bin"]["kind"] == "changed"
 
 
 def test_several_disk_images_are_not_guessed(world) -> None:
