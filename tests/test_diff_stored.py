@@ -68,6 +68,8 @@ def world(tmp_path_factory: pytest.TempPathFactory):
         named = _disk(tmp, "6", "cloud.bin", {"grows": b"abcdefgh"})
         k.import_files("sess", "asdisk", [named], disks=[named])  # `import --disk cloud.bin`
         k.import_files("sess", "otherdisk", [o1], disks=[o1])  # c1's other.bin, fixed chunks
+        k.import_files("sess", "odd", [_disk(tmp, "7", "disk0.raw", {
+            "keep": b"same\n", "grows": b"abc", os.fsdecode(b"bad\xffname"): b"x"})])
     return store, (d1, d2)
 
 
@@ -172,6 +174,17 @@ def test_the_same_bytes_chunked_another_way_are_identical(world) -> None:
     assert "  = other.bin  (" in run(store, "c1", "otherdisk")
     # and bytes that differ still differ (c2's other.bin has one byte more)
     assert _stored(as_json(store, "c2", "otherdisk"))["other.bin"]["kind"] == "changed"
+
+
+def test_a_name_that_is_not_utf8_goes_in_json_with_its_bytes(world) -> None:
+    """QA: --json gave such a name only as a string with a lone surrogate escape, which tools
+    other than Python's json (jq) read as U+FFFD: its bytes now go beside it, in hex."""
+    store, _ = world
+    d = as_json(store, "c1", "odd")
+    [added] = d["files"]
+    assert added["kind"] == "added" and os.fsencode(added["path"]) == b"bad\xffname"
+    assert bytes.fromhex(added["path_hex"]) == b"bad\xffname"
+    assert all("path_hex" not in c for c in as_json(store, "c1", "c2")["files"])  # UTF-8 names
 
 
 def test_several_disk_images_are_not_guessed(world) -> None:

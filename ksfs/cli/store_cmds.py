@@ -331,12 +331,20 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
 
     A name with control characters, a backslash, a double quote or bytes that are not UTF-8 is
     printed in double quotes with C escapes (\\n, \\t, \\ooo), as git quotes paths; --json
-    gives names exactly.
+    gives names exactly: a byte that is not UTF-8 as a \\udcXX escape (os.fsencode turns it
+    back), and such a name's bytes in hex as path_hex.
 
     Example: ksfs diff agent first second
     """
     d = ctx.open_keeper().diff(session, a, b)
     if as_json:
+        for c in (d["files"] or []) + (d.get("attr_changes") or []):
+            # JSON strings are Unicode: a name with bytes that are not UTF-8 also goes as its
+            # bytes, in hex, so tools other than Python's json get it exactly too (QA: jq
+            # printed U+FFFD for the byte)
+            raw = c["path"].encode("utf-8", "surrogateescape")
+            if raw.decode("utf-8", "replace") != c["path"]:
+                c["path_hex"] = raw.hex()
         emit_json(d)
         return
     click.echo(f"--- {d['a']}\n+++ {d['b']}")
