@@ -137,7 +137,7 @@ class CheckpointsDir(Dir):
     def mkdir(self, name: str) -> Node:
         validate_name(name, "checkpoint name", new=True)
         if name in self.keeper.ledger.checkpoint_names(self.session):
-            raise AlreadyExists(what="checkpoint", name=name)
+            raise AlreadyExists(what="checkpoint", name=f"{self.session}/{name}")
         rec = self.keeper.save(self.session, name)
         node = self._dir(rec.name, rec.seq, rec.created)
         node.record = rec

@@ -519,7 +519,7 @@ class MachineVerbs:
         c_ and the begin's seq). Called under the session lock, so the names are stable."""
         taken = set(self.ledger.checkpoint_names(session))
         if name is not None and name in taken:
-            raise AlreadyExists(what="checkpoint", name=name)
+            raise AlreadyExists(what="checkpoint", name=f"{session}/{name}")
         begin = self.ledger.record(session, "checkpoint.begin", {"name": name, "reason": reason})
         return begin, name or checkpoint_name_for_seq(begin.seq, taken)
 

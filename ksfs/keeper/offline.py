@@ -165,7 +165,7 @@ class OfflineVerbs:
         """import_files under the session's lock."""
         taken = set(self.ledger.checkpoint_names(session))  # stable under the lock
         if checkpoint is not None and checkpoint in taken:
-            raise AlreadyExists(what="checkpoint", name=checkpoint)
+            raise AlreadyExists(what="checkpoint", name=f"{session}/{checkpoint}")
         begin = self.ledger.record(
             session, "checkpoint.begin", {"name": checkpoint, "source": "import"}
         )
