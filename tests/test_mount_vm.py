@@ -194,7 +194,9 @@ def test_session_new_through_the_daemon_takes_the_callers_paths_and_guest(
                          text=True)
     assert res.returncode == 0, res.stderr
     own = f"env-{tag}"
-    ksfs(store, dict(env, KSFS_GUEST=str(mine)), "session", "new", own)
+    made = json.loads(ksfs(store, dict(env, KSFS_GUEST=str(mine)), "session", "new", own,
+                           "--json").stdout)
+    assert made["session"] == made["name"] == own  # (QA: only "name", where others say session)
     try:
         xml = subprocess.run(["virsh", "-q", "dumpxml", f"ksfs-{own}"], capture_output=True,
                              text=True, check=True).stdout

@@ -30,6 +30,12 @@ def session() -> None:
     """
 
 
+def _as_session(rec: dict) -> dict:
+    """A session record as --json gives it: its name as ``session`` too, the key every other
+    verb's JSON names a session by (QA); ``name`` stays for the scripts that read it."""
+    return {"session": rec["name"], **rec}
+
+
 TRANSCRIPT_HELP = ("Where the guest writes its transcript, a path in its filesystem, read "
                    "from checkpoints and reconciled on restores")
 
@@ -68,7 +74,8 @@ def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, cmdline, 
     rec = run_verb(ctx, "session_new", steps=f"session new {name}", name=name, guest=guest,
                    kernel=kernel, initrd=initrd, disk=disk, memory=memory, vcpus=vcpus,
                    cmdline=cmdline, transcript=transcript)
-    emit_json(rec) if as_json else click.echo(f"session {name} running as {rec['domain']}")
+    emit_json(_as_session(rec)) if as_json else click.echo(
+        f"session {name} running as {rec['domain']}")
 
 
 @session.command("adopt")
@@ -84,7 +91,8 @@ def session_adopt(ctx, name, domain, transcript, as_json) -> None:
     Example: ksfs session adopt myvm my-libvirt-domain --transcript /var/log/agent.jsonl
     """
     rec = run_verb(ctx, "session_adopt", name=name, domain=domain, transcript=transcript)
-    emit_json(rec) if as_json else click.echo(f"session {name} adopted domain {domain}")
+    emit_json(_as_session(rec)) if as_json else click.echo(
+        f"session {name} adopted domain {domain}")
 
 
 @session.command("list")
@@ -208,7 +216,7 @@ def fork(ctx, session_name, checkpoint, new, as_json) -> None:
     """
     rec = run_verb(ctx, "fork", steps=f"fork {new}", session=session_name,
                    checkpoint=checkpoint, new=new)
-    emit_json(rec) if as_json else click.echo(
+    emit_json(_as_session(rec)) if as_json else click.echo(
         f"session {new} forked from {session_name}/{checkpoint}, running as {rec['domain']}")
 
 
