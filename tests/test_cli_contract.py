@@ -5,6 +5,7 @@ a read changes nothing in the store, and names cannot hide what they are."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,15 @@ def test_names_a_store_made_before_the_rules_of_new_names_grew_still_work(tmp_pa
     # and a new name with such a character is still refused
     res = ksfs(store, None, "import", legacy, "c1", str(f), check=False)
     assert res.returncode == 2 and "control characters" in res.stderr
+
+
+def test_stats_of_a_store_whose_checkpoints_all_went_shows_no_ratio(tmp_path: Path) -> None:
+    """QA: before its gc it said dedup_ratio 0.0, as if nothing deduplicated."""
+    s, f = tmp_path / "store", tmp_path / "f.bin"
+    f.write_bytes(b"q" * 5000)
+    ksfs(s, None, "import", "demo", "c1", str(f))
+    ksfs(s, None, "rm", "demo", "c1")
+    figures = json.loads(ksfs(s, None, "stats", "--json").stdout)
+    assert figures["logical_bytes"] == 0 and figures["stored_bytes"] > 0
+    assert figures["dedup_ratio"] is None
+    assert "dedup_ratio    -" in ksfs(s, None, "stats").stdout

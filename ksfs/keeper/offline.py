@@ -334,7 +334,9 @@ class OfflineVerbs:
         figures["checkpoints"] = count
         figures["sessions"] = len(self.ledger.sessions())
         stored = figures.get("stored_bytes") or 0
-        figures["dedup_ratio"] = round(logical / stored, 2) if stored else None
+        # (none without logical bytes: 0.0 for a store whose checkpoints all went before a gc
+        # read as if nothing deduplicated)
+        figures["dedup_ratio"] = round(logical / stored, 2) if stored and logical else None
         return figures
 
 
