@@ -292,8 +292,9 @@ def gc_summary(d: dict) -> list[str]:
              f"{human_bytes(d.get('disk_bytes_reclaimed', 0))} of disk given back"]
     if d.get("deltas_flattened"):
         lines.append(f"gc: {d['deltas_flattened']} deltas stored whole so their bases could go "
-                     f"({human_bytes(d.get('bytes_rewritten', 0))} written for them: the store "
-                     f"shrank by {human_bytes(freed - d.get('bytes_rewritten', 0))})")
+                     f"({human_bytes(d.get('bytes_rewritten', 0))} written for them: the stored "
+                     f"bytes fell by {human_bytes(freed - d.get('bytes_rewritten', 0))}; the "
+                     f"disk space of packs still in use comes back as later gcs repack them)")
     if d.get("gateway_responses_freed"):
         lines.append(f"gc: dropped {d['gateway_responses_freed']} stored model responses "
                      f"({human_bytes(d.get('gateway_bytes_freed', 0))})")
