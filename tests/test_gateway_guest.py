@@ -35,17 +35,21 @@ def calls_asked(up: FakeProvider, n: int) -> int:
                if r.path.endswith("/chat/completions") and f"call {n}\"".encode() in r.body)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    guest = guest_dir()
-    base = tmp_path_factory.mktemp("gwguest")
-    # The same guest, calling the gateway every 4 steps.
-    spec = json.loads((guest / "guest.json").read_text())
+def calling_guest(base: Path) -> Path:
+    """The test guest, calling the gateway every 4 steps: its guest directory under base."""
+    spec = json.loads((guest_dir() / "guest.json").read_text())
     spec["cmdline"] += " ksfs.call_every=4"
     gdir = base / "guest"
     gdir.mkdir()
     (gdir / "guest.json").write_text(json.dumps(spec))
-    env = dict(os.environ, KSFS_GUEST=str(gdir), KSFS_UPSTREAM_API_KEY="sk-test-SECRET-MARKER")
+    return gdir
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("gwguest")
+    env = dict(os.environ, KSFS_GUEST=str(calling_guest(base)),
+               KSFS_UPSTREAM_API_KEY="sk-test-SECRET-MARKER")
     up = FakeProvider(delay=5.0).start()
     try:
         with daemon_mount(base, env, "--upstream", up.url) as (store, mnt):
@@ -108,14 +112,8 @@ def test_umount_stores_the_calls_in_flight_first(tmp_path_factory) -> None:
     """QA: `ksfs umount` cancelled the daemon's gateway with a purchase in flight: the provider
     answered (and billed) it, the guest's connection was dropped, the call recorded as
     gateway_stopped, and the guest's retry bought it again. Now the daemon stores it first."""
-    guest = guest_dir()
     base = tmp_path_factory.mktemp("gwdrain")
-    spec = json.loads((guest / "guest.json").read_text())
-    spec["cmdline"] += " ksfs.call_every=4"
-    gdir = base / "guest"
-    gdir.mkdir()
-    (gdir / "guest.json").write_text(json.dumps(spec))
-    env = dict(os.environ, KSFS_GUEST=str(gdir))
+    env = dict(os.environ, KSFS_GUEST=str(calling_guest(base)))
     up = FakeProvider(delay=4.0).start()
     s = f"gd-{uuid.uuid4().hex[:6]}"
     try:

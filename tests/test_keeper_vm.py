@@ -136,7 +136,12 @@ def test_incremental_save_reads_about_what_the_guest_wrote(env, agent: str) -> N
             "print(r.seq, r.frozen_seq)\n")
     out = subprocess.run([sys.executable, "-c", code, str(store), agent, body["name"]],
                          capture_output=True, text=True, check=True, env=e).stdout.split()
-    assert int(out[1]) >= int(out[0])
+    if out[1] == "None":
+        # no 5 ms poll saw the guest paused (a short final pause on a busy host): the record
+        # says so, paused_s is then the whole call, and reconcile takes the begin's seq
+        assert body["paused_s"] == body["snapshot_s"], body
+    else:
+        assert int(out[1]) >= int(out[0])
     # 3x leaves room for the fuzz of sampling wr_bytes after, not at, each snapshot
     assert body["disk_bytes_read"] <= 3 * written, (body, written)
     assert body["base_bytes_read"] <= 3 * written + (64 << 10), (body, written)
@@ -264,8 +269,10 @@ def test_restore_whose_save_first_fails_leaves_no_staged_files(env, agent: str) 
     assert after == before
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
     events = events_of(store, agent, e)
-    assert events[-1]["type"] == "checkpoint.failed"
-    assert "restore.begin" not in [ev["type"] for ev in events[-3:]]
+    # the save-first's failure, then the restore's own (reading resume through a mount says it)
+    assert [ev["type"] for ev in events[-2:]] == ["checkpoint.failed", "restore.failed"]
+    assert events[-1]["body"]["checkpoint"] == cp
+    assert "restore.begin" not in [ev["type"] for ev in events[-4:]]
 
 
 def test_two_forks_diverge_and_parent_undisturbed(env, agent: str) -> None:
