@@ -20,7 +20,6 @@ from ksfs.cli import emit_json, main, pass_ctx
 from ksfs.errors import BadInput, NoSuchSession
 
 DEFAULT_SESSION = "default"
-DRAIN_S = 30.0  # how long a stop waits for calls in flight to be stored
 BIND_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
 
 
@@ -165,7 +164,7 @@ async def _serve(gw: Any, session: str, host: str, port: int, upstream: str,
             async for _ in signals:
                 break
             # Calls already bought are stored before the stop (a second signal stops at once).
-            wait = min(DRAIN_S, gw.timeout)
+            wait = gw.stop_wait
             if gw.inflight_count():
                 click.echo(f"ksfs gateway: stopping; waiting up to {wait:g} s for "
                            f"{gw.inflight_count()} call(s) in flight")

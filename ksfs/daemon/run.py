@@ -20,7 +20,6 @@ from pathlib import Path
 from ksfs.errors import Busy, KsfsError
 
 log = logging.getLogger("ksfs.daemon")
-GATEWAY_DRAIN_S = 30.0  # how long a stop waits for gateway calls in flight to be stored
 
 
 def acquire_daemon_lock(store_path: Path, mountpoint: str) -> int:
@@ -97,11 +96,12 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
             # written) before the servers stop, as `ksfs gateway serve` does on SIGTERM (QA: an
             # umount dropped them, and the guest's retry bought them again).
             gw = keeper.gateway
-            if gw is not None and gw.inflight_count():
+            if gw is None:
+                return
+            if gw.inflight_count():
                 log.info("stopping: waiting up to %g s for %d gateway call(s) in flight",
-                         min(GATEWAY_DRAIN_S, gw.timeout), gw.inflight_count())
-            if gw is not None:
-                await gw.drain(min(GATEWAY_DRAIN_S, gw.timeout))
+                         gw.stop_wait, gw.inflight_count())
+            await gw.drain(gw.stop_wait)
 
         run_mount(keeper, mountpoint, foreground=True, allow_other=allow_other, ready=ready,
                   extra_tasks=tasks, before_stop=drain_gateway)

@@ -69,6 +69,7 @@ log = logging.getLogger("ksfs.gateway")
 MAX_BODY = 16 * 1024 * 1024
 DEFAULT_TIMEOUT = 300.0
 DRAIN_POLL_S = 0.02
+STOP_DRAIN_S = 30.0  # how long a stop waits for calls in flight to be stored
 API_KEY_ENV = ("KSFS_UPSTREAM_API_KEY", "OPENAI_API_KEY")
 
 
@@ -170,6 +171,13 @@ class Gateway:
 
     def inflight_count(self) -> int:
         return len(self._inflight)
+
+    @property
+    def stop_wait(self) -> float:
+        """How long a stop (`gateway serve` signalled, the daemon unmounted) waits for the
+        purchases in flight: STOP_DRAIN_S, or the upstream timeout when shorter, since no
+        purchase takes longer than that."""
+        return min(STOP_DRAIN_S, self.timeout)
 
     async def drain(self, timeout: float) -> int:
         """Start no new purchase and wait (up to ``timeout`` s) for those in flight to be
