@@ -399,11 +399,9 @@ class _Txn:
         try:
             self.txn = self.env.begin(write=True)
         except lmdb.Error as exc:
-            # A read-only store is ReadOnly (exit 12), a full disk NoSpace, as for every verb
-            known = from_foreign(exc, self.path, "a gateway write")
-            if known is not None:
-                raise known from exc
-            raise KsfsError(f"gateway write to the store at {self.path} failed: {exc}") from exc
+            # As for every verb: a read-only store is ReadOnly (exit 12), a full disk NoSpace,
+            # damage IntegrityError, anything else a KsfsError (never None for LMDB's errors)
+            raise from_foreign(exc, self.path, "a gateway write") from exc
         return self.txn
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -415,8 +413,5 @@ class _Txn:
         except lmdb.MapFullError as e:
             raise NoSpace(path=self.path, why="the LMDB map is full") from e
         except lmdb.Error as e:
-            known = from_foreign(e, self.path, "a gateway commit")
-            if known is not None:
-                raise known from e
-            raise KsfsError(f"gateway commit to the store at {self.path} failed: {e}") from e
+            raise from_foreign(e, self.path, "a gateway commit") from e
         return False
