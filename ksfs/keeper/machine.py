@@ -86,9 +86,9 @@ def _check_guest_values(spec: dict[str, Any], where: str) -> None:
 def transcript_in_guest(path: str, what: str = "--transcript") -> str:
     """The transcript's path inside the guest's filesystem as records keep it (no leading
     "/"); BadInput for one that cannot name a file there."""
-    parts = path.strip("/").split("/") if isinstance(path, str) else []
-    if not path or not isinstance(path, str) or "\n" in path or "\0" in path or \
-            not path.strip("/") or any(p in ("", ".", "..") for p in parts):
+    # (not a string: no parts to name a file; "" and "/" come out as one empty part)
+    parts = path.strip("/").split("/") if isinstance(path, str) else [""]
+    if any(p in ("", ".", "..") or "\n" in p or "\0" in p for p in parts):
         raise BadInput(f"{what} must name a file inside the guest's filesystem, like "
                        f"/agent/transcript.jsonl, not {json.dumps(path)[:80]}")
     return "/".join(parts)
