@@ -10,12 +10,10 @@ domain) made here is removed at the end, even on failure.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from ksfs.vm.files import qemu_lock_held
 from tests.cli_helpers import guest_dir, ksfs, remove_sessions, virsh
 
 pytestmark = pytest.mark.vm
@@ -208,13 +207,6 @@ def test_encrypted_qcow2_is_refused_up_front(env) -> None:
     assert_nothing_made(env, name)
 
 
-def lock_byte_held(path: str, byte: int) -> bool:
-    with open(path, "rb") as f:
-        probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
-        return struct.unpack("hhqqi", fcntl.fcntl(f, fcntl.F_OFD_GETLK, probe))[0] != \
-            fcntl.F_UNLCK
-
-
 def qemu_holding(drives: list[str]) -> subprocess.Popen:
     """A QEMU, stopped before its first instruction (-S: no CPU spent), that has its drives
     open with its image locks taken, as a running machine has."""
@@ -228,7 +220,7 @@ def qemu_holding(drives: list[str]) -> subprocess.Popen:
     while time.monotonic() < deadline:
         if qemu.poll() is not None:
             raise AssertionError(f"qemu exited: {qemu.stderr.read()}")
-        if lock_byte_held(first, 100):  # CONSISTENT_READ, which every opened drive takes
+        if qemu_lock_held(first, 100):  # CONSISTENT_READ, which every opened drive takes
             return qemu
         time.sleep(0.1)
     qemu.kill()

@@ -86,12 +86,18 @@ def inspect_disk(path: Path | str) -> DiskPlan:
 
 def written_by_another(path: Path) -> bool:
     """Whether a process holds QEMU's write lock on ``path`` (False when it cannot be told)."""
+    return qemu_lock_held(path, QEMU_WRITE_LOCK_BYTE)
+
+
+def qemu_lock_held(path: Path | str, byte: int) -> bool:
+    """Whether a process holds a lock on ``byte`` of ``path`` (an OFD lock as QEMU takes
+    them), False when it cannot be told."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False  # qemu-img already named a missing file; an unreadable one fails later
     try:
-        probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, QEMU_WRITE_LOCK_BYTE, 1, 0)
+        probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
         kind = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0]
         return kind != fcntl.F_UNLCK
     except OSError:
