@@ -205,6 +205,9 @@ def write_all(fd: int, pieces: list) -> None:
 def stats(ctx, as_json: bool) -> None:
     """Show the store figures: logical and stored bytes, chunks, packs, checkpoints, dedup ratio.
 
+    checkpoints counts every checkpoint the store holds, those kept by `session rm
+    --keep-checkpoints` too; sessions counts the sessions not removed.
+
     Example: ksfs stats --json | jq .dedup_ratio
     """
     figures = ctx.open_keeper().stats()
