@@ -52,6 +52,37 @@ def test_an_older_open_store_is_closed_at_its_next_open(tmp_path: Path) -> None:
         assert mode(store / sub) == 0o700, sub
 
 
+def test_the_store_lock_is_the_owners_and_a_wait_on_it_is_said(tmp_path: Path) -> None:
+    """QA (fifteenth session): the store's lock file was 0644, and flock needs only an open
+    file, so any local user could hold it and stall every import and gc; and an import
+    waiting on it said nothing at all."""
+    src = tmp_path / "notes.txt"
+    src.write_text("some notes\n" * 100)
+    store = tmp_path / "store"
+    ksfs(store, None, "import", "s", "c1", str(src))
+    assert mode(store / "lock") == 0o600
+    os.chmod(store / "lock", 0o644)  # as stores made before the rule have it
+    ksfs(store, None, "check")  # taking the lock again closes it
+    assert mode(store / "lock") == 0o600
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, sys, time
+        fd = os.open({str(store / "lock")!r}, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(3)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        res = ksfs(store, None, "import", "s", "c2", str(src))
+        assert "is locked by a gc; waiting for it" in res.stderr, res.stderr
+        assert res.stderr.startswith("ksfs: warning: "), res.stderr
+        assert holder.poll() is not None  # it waited for the holder, then went on
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ksfs(store, None, "cat", "s", "c2", "notes.txt").stdout == src.read_text()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
 def test_a_session_lock_root_made_serves_the_stores_owner() -> None:
     # a place the other user can reach (pytest's own temp directories are root's alone)

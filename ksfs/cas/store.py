@@ -13,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import stat as stat_
 import sys
@@ -43,6 +44,8 @@ from ksfs.errors import (
     from_os_error,
     translate,
 )
+
+log = logging.getLogger(__name__)
 
 MARKER = "ksfs.json"
 FORMAT = "ksfs-store"
@@ -317,7 +320,10 @@ class ChunkStore:
         """Take the store-wide flock; return its fd (closing the fd releases it)."""
         lock_path = os.path.join(self.path, "lock")
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # 0600: flock needs only an open file, so a lock file others may open is one any
+            # local user can hold, stalling every ingest and gc (QA, fifteenth session).
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            _close_to_others(fd)
         except OSError as exc:
             if exclusive or exc.errno != errno.EROFS:
                 raise from_os_error(exc, "open the store lock", lock_path) from exc
@@ -329,7 +335,13 @@ class ChunkStore:
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         try:
             if timeout is None:
-                fcntl.flock(fd, mode)
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    # Said, so that a command waiting here is not taken for hung.
+                    log.warning("the store at %s is locked by %s; waiting for it", self.path,
+                                "an ingest or a check" if exclusive else "a gc")
+                    fcntl.flock(fd, mode)
                 return fd
             deadline = time.monotonic() + timeout
             while True:
@@ -542,7 +554,8 @@ def _create_layout(path: str) -> None:
         for sub in LAYOUT:
             os.makedirs(os.path.join(path, sub), exist_ok=True)
         _make_private(path)
-        open(os.path.join(path, "lock"), "a").close()
+        os.close(os.open(os.path.join(path, "lock"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC,
+                         0o600))
         store_id = uuid.uuid4().hex
         index = os.path.realpath(os.path.join(path, "index"))
         env = _open_env(index, create=True)
@@ -561,6 +574,16 @@ def _create_layout(path: str) -> None:
         finally:
             _close_env(index)
         _write_marker(path, {"format": FORMAT, "version": VERSION, "id": store_id})
+
+
+def _close_to_others(fd: int) -> None:
+    """Take group and other access off a lock file of ours made before the 0600 rule."""
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and stat_.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, stat_.S_IMODE(st.st_mode) & 0o600)
+    except OSError:  # another owner's store, read here: it stays as it was
+        pass
 
 
 def _make_private(path: str) -> None:
