@@ -94,3 +94,64 @@ def test_a_wait_that_is_no_number_of_seconds_is_refused_before_anything(tmp_path
             assert res.returncode == 2, (verb, value, res.stderr)
             assert res.stderr.startswith("ksfs: error: --timeout: must be a number of seconds")
         assert not store.exists() and not os.path.ismount(mnt)
+
+
+def test_a_store_path_too_long_for_a_unix_socket_mounts_and_serves_verbs(tmp_path: Path) -> None:
+    """QA (fifteenth session): the control socket (STORE/daemon.sock) of a store path over ~95
+    characters is beyond a Unix socket's 108 bytes: its bind failed after the FUSE mount was
+    up, and the mount was left dead with an empty log."""
+    from ksfs.daemon.client import NO_DAEMON, call_daemon
+
+    store = tmp_path / ("s" * max(1, 120 - len(str(tmp_path)))) / "store"
+    assert len(os.fsencode(store / "daemon.sock")) > 108
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    res = ksfs(store, "mount", str(mnt), timeout=90)
+    assert res.returncode == 0, res.stderr
+    try:
+        assert (store / "daemon.sock").exists()
+        assert call_daemon(store, "ping") is not NO_DAEMON  # answered by the daemon
+        src = tmp_path / "notes.txt"
+        src.write_text("notes\n")
+        res = ksfs(store, "import", "s", "c1", str(src))
+        assert res.returncode == 0, res.stderr
+        assert (mnt / "sessions" / "s" / "checkpoints" / "c1" / "notes.txt").read_text() \
+            == "notes\n"
+    finally:
+        res = ksfs(store, "umount", str(mnt))
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+    assert res.returncode == 0 and not os.path.ismount(mnt), res
+
+
+def test_a_daemon_task_that_fails_after_the_mount_takes_the_mount_down_and_says_why(
+        tmp_path: Path) -> None:
+    """QA (fifteenth session): a task of the daemon failing once FUSE was mounted (there, the
+    control socket's bind) ended the daemon with nothing in its log, left a dead mount
+    (ENOTCONN) in the way, and `ksfs mount` waited its whole --timeout."""
+    store, mnt = tmp_path / "store", tmp_path / "mnt"
+    mnt.mkdir()
+    src = tmp_path / "notes.txt"
+    src.write_text("notes\n")
+    assert ksfs(store, "import", "s", "c1", str(src)).returncode == 0
+    (store / "daemon.sock").mkdir()  # the socket's place taken: its task fails at once
+    t0 = time.monotonic()
+    try:
+        res = ksfs(store, "mount", str(mnt), "--timeout", "60", timeout=90)
+        assert res.returncode == 13, res
+        assert time.monotonic() - t0 < 30, "it waited for its --timeout"
+        assert "the daemon failed" in res.stderr and "daemon.sock" in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert "daemon.sock" in (store / "daemon.log").read_text()
+        deadline = time.monotonic() + 10
+        while os.path.ismount(mnt) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.ismount(mnt)
+        (store / "daemon.sock").rmdir()
+        res = ksfs(store, "mount", str(mnt))  # nothing left in the way
+        assert res.returncode == 0, res.stderr
+        assert (mnt / "sessions" / "s" / "checkpoints" / "c1" / "notes.txt").exists()
+        assert ksfs(store, "umount", str(mnt)).returncode == 0
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ksfs.daemon.protocol import SOCKET_NAME, RemoteError, check_verb, encode
+from ksfs.daemon.protocol import SOCKET_NAME, RemoteError, check_verb, encode, unix_address
 from ksfs.errors import DaemonError
 
 NO_DAEMON = object()
@@ -38,7 +38,8 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
     sock.settimeout(timeout)
     try:
         try:
-            sock.connect(str(path))
+            with unix_address(path) as address:
+                sock.connect(address)
         except (ConnectionRefusedError, FileNotFoundError):
             return NO_DAEMON  # a stale socket of a daemon that died: work locally
         request: dict[str, Any] = {"verb": verb, "args": args}

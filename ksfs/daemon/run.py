@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from ksfs.errors import Busy, KsfsError
+from ksfs.errors import Busy, DaemonError, KsfsError
 
 log = logging.getLogger("ksfs.daemon")
 
@@ -103,8 +103,18 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
                          gw.stop_wait, gw.inflight_count())
             await gw.drain(gw.stop_wait)
 
-        run_mount(keeper, mountpoint, foreground=True, allow_other=allow_other, ready=ready,
-                  extra_tasks=tasks, before_stop=drain_gateway)
+        try:
+            run_mount(keeper, mountpoint, foreground=True, allow_other=allow_other, ready=ready,
+                      extra_tasks=tasks, before_stop=drain_gateway)
+        except BaseExceptionGroup as group:  # a task of the mount's nursery failed
+            raise _first_failure(group) from group
+        except Exception as exc:
+            if isinstance(exc, KsfsError):
+                raise
+            # Said in the log and to the waiting `ksfs mount` (QA, fifteenth session: a
+            # control socket that could not be bound ended the daemon with an empty log).
+            log.exception("the daemon failed")
+            raise DaemonError(f"the daemon failed: {exc}") from exc
     except KsfsError as exc:
         if ready_fd is None and not mounted:
             # `ksfs mount --foreground` refused before mounting: one line, as every command
@@ -121,6 +131,29 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
         if keeper is not None:
             keeper.close()
     return 0
+
+
+def _first_failure(group: BaseExceptionGroup) -> BaseException:
+    """The error to report of a failed nursery: its first KsfsError, else a DaemonError of its
+    first exception; a cancellation or interrupt is passed on as it is."""
+    flat: list[BaseException] = []
+
+    def walk(g: BaseExceptionGroup) -> None:
+        for e in g.exceptions:
+            if isinstance(e, BaseExceptionGroup):
+                walk(e)
+            else:
+                flat.append(e)
+
+    walk(group)
+    for e in flat:
+        if isinstance(e, KsfsError):
+            return e
+    for e in flat:
+        if not isinstance(e, Exception):
+            return e  # KeyboardInterrupt, SystemExit
+    log.error("the daemon failed", exc_info=flat[0])
+    return DaemonError(f"the daemon failed: {flat[0]}")
 
 
 def main(argv: list[str] | None = None) -> int:

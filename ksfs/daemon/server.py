@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from ksfs import progress
-from ksfs.daemon.protocol import check_verb, encode, error_reply, to_jsonable
+from ksfs.daemon.protocol import check_verb, encode, error_reply, to_jsonable, unix_address
 from ksfs.errors import BadInput, KsfsError, from_foreign
 
 log = logging.getLogger("ksfs.daemon")
@@ -30,7 +30,8 @@ async def serve_control(keeper: Any, path: Path, task_status=trio.TASK_STATUS_IG
     if path.exists():
         path.unlink()
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-    await sock.bind(str(path))
+    with unix_address(path) as address:
+        await sock.bind(address)
     os.chmod(path, 0o600)  # only the mounting user drives the daemon
     sock.listen(16)
     listener = trio.SocketListener(sock)

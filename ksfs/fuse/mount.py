@@ -182,7 +182,9 @@ async def _serve(
         nursery.start_soon(fuse_main, name="fuse")
         # A stat answered by our own loop proves the kernel's INIT is done; only then does a
         # readahead setting stick (INIT caps it at what it negotiated).
-        await trio.to_thread.run_sync(os.stat, mountpoint)
+        # Abandoned on cancel: should another task fail first, the loop that would answer
+        # this stat is cancelled too, and waiting for the thread would hang the daemon.
+        await trio.to_thread.run_sync(os.stat, mountpoint, abandon_on_cancel=True)
         raise_readahead(mountpoint)
         if ready is not None:
             ready()
@@ -241,7 +243,9 @@ def run_mount(
         trio.run(_serve, mnt, ready, [refresh_stored_blocks, _trim_heap, *extra_tasks],
                  before_stop)
     except BaseException:
-        pyfuse3.close(unmount=False)
+        # Unmounted too: a mount whose daemon is gone answers every request with ENOTCONN
+        # and stays in the way of the next mount (as root libfuse detaches it lazily).
+        pyfuse3.close(unmount=is_mounted(mnt))
         raise
     finally:
         stop_listening()
