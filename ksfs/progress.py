@@ -87,3 +87,46 @@ class Throttle:
                 return False
             self._last = (step, now)
             return True
+
+
+class Beside:
+    """Two parts of one verb that run at once (a restore's save-first and the writing of its
+    target), reported as one line: ``first's step; second's step`` with the second's bytes.
+    Each part reporting on its own would make the caller's line flip between the two at every
+    report (QA, fourteenth session). Once the second part is ``done``, the first reports alone
+    again, bytes and all."""
+
+    def __init__(self, sink: Sink | None = None) -> None:
+        self.sink = sink or _sink.get()
+        self._lock = threading.Lock()
+        self._first: tuple[str, int | None, int | None] | None = None
+        self._second: tuple[str, int | None, int | None] | None = None
+        self._second_done = False
+
+    def first(self, step: str, done: int | None = None, total: int | None = None) -> None:
+        with self._lock:
+            self._first = (step, done, total)
+        self._show()
+
+    def second(self, step: str, done: int | None = None, total: int | None = None) -> None:
+        with self._lock:
+            if not self._second_done:
+                self._second = (step, done, total)
+        self._show()
+
+    def done(self) -> None:
+        """The second part ended."""
+        with self._lock:
+            self._second_done, self._second = True, None
+        self._show()
+
+    def _show(self) -> None:
+        with self._lock:
+            first, second = self._first, self._second
+        if second is None:
+            if first is not None:
+                report(*first, sink=self.sink)
+        elif first is None:
+            report(*second, sink=self.sink)
+        else:
+            report(f"{first[0]}; {second[0]}", second[1], second[2], sink=self.sink)

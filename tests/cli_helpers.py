@@ -8,11 +8,14 @@ holds (so every domain), unmounts, and checks the mount point is gone.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pty
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,10 +34,11 @@ def ksfs(store: Path, env: dict | None, *args: str, check: bool = True,
 
 
 def ksfs_on_terminal(store: Path, env: dict | None, *args: str,
-                     timeout: float = 300) -> tuple[int, str, str]:
-    """Run ksfs with its standard error on a pseudo-terminal (standard output piped):
-    (exit code, stdout, what the terminal got)."""
+                     timeout: float = 300, columns: int = 200) -> tuple[int, str, str]:
+    """Run ksfs with its standard error on a pseudo-terminal ``columns`` wide (standard output
+    piped): (exit code, stdout, what the terminal got)."""
     controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     proc = subprocess.Popen(KSFS + ["--store", str(store), *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=terminal, env=env)
     os.close(terminal)

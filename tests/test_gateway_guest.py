@@ -106,6 +106,33 @@ def test_fork_guest_talks_to_its_own_session(setup) -> None:
     # The fork's guest goes on calling: its calls are counted in its own session.
     wait(lambda: usage(mnt, f)["paid_calls"] + usage(mnt, f)["replays"] >= 1,
          "a call from the fork's guest", timeout=240)
+    # QA (fifteenth session): the tokens were on QEMU's command line (every local user reads
+    # /proc/PID/cmdline) and in each checkpoint's domain.xml. Now QEMU reads them from files
+    # only root can read, one per lineage; the calls above prove the guests got them.
+    tokens_dir = Path(setup["store"]) / "guest-tokens"
+    assert tokens_dir.stat().st_mode & 0o777 == 0o700
+    files = {p.name: p for p in tokens_dir.iterdir()}
+    lineages = {json.loads((mnt / "sessions" / x / "status").read_text())["lineage"]
+                for x in (s, f)}
+    assert lineages <= set(files), (lineages, files)
+    tokens = {files[lin].read_bytes() for lin in lineages}
+    assert all(len(t) == 32 for t in tokens) and len(tokens) == 2, tokens
+    assert all(files[lin].stat().st_mode & 0o777 == 0o600 for lin in lineages)
+    for x in (s, f):
+        domain = json.loads((mnt / "sessions" / x / "status").read_text())["domain"]
+        pids = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+                and f"guest={domain},".encode() in _cmdline(p)]
+        assert len(pids) == 1, (domain, pids)
+        assert not any(t in _cmdline(pids[0]) for t in tokens)
+    xml = (mnt / "sessions" / s / "checkpoints" / "cp" / "domain.xml").read_bytes()
+    assert b"opt/ksfs/token" in xml and not any(t in xml for t in tokens)
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
 
 
 def test_umount_stores_the_calls_in_flight_first(tmp_path_factory) -> None:

@@ -44,6 +44,46 @@ def test_the_terminal_line_redraws_in_place_and_is_erased() -> None:
     assert out.getvalue() == text
 
 
+def test_the_terminal_line_fits_the_terminal_width() -> None:
+    """A line wider than the terminal wraps, and the next redraw's carriage return erases
+    only its last row: the rows would stack up. The step's middle is cut, its bytes kept."""
+    out = io.StringIO()
+    line = StepLine("restore agent", out)
+    line.width = lambda: 60  # type: ignore[method-assign]
+    line("saving the current state first; writing the checkpoint's memory and disks",
+         12 << 20, 30 << 20)
+    drawn = out.getvalue().removeprefix("\r\x1b[K")
+    assert len(drawn) == 59, drawn
+    assert drawn.startswith("restore agent: saving") and "..." in drawn
+    assert " 40% (12 of 30 MiB)  " in drawn
+    short = io.StringIO()
+    StepLine("save a", short)("taking the snapshot")
+    assert "..." not in short.getvalue()
+
+
+def test_two_parts_running_at_once_report_as_one_line() -> None:
+    """QA (fourteenth session): a restore's save-first and the writing of its target each
+    reported on their own, so the caller's line flipped between the two."""
+    got: list[tuple] = []
+    beside = progress.Beside(lambda *a: got.append(a))
+    beside.second("writing the checkpoint", 1, 4)
+    beside.first("saving the current state first")
+    beside.first("storing the memory", 5, 10)  # its bytes are not shown beside the other's
+    beside.second("writing the checkpoint", 2, 4)
+    beside.done()
+    beside.second("late", 9, 9)  # after done: ignored
+    beside.first("publishing the checkpoint")
+    assert got == [
+        ("writing the checkpoint", 1, 4),
+        ("saving the current state first; writing the checkpoint", 1, 4),
+        ("storing the memory; writing the checkpoint", 1, 4),
+        ("storing the memory; writing the checkpoint", 2, 4),
+        ("storing the memory", 5, 10),
+        ("storing the memory", 5, 10),
+        ("publishing the checkpoint", None, None),
+    ]
+
+
 def test_the_terminal_line_draws_nothing_when_nothing_was_reported(monkeypatch) -> None:
     out = io.StringIO()
     StepLine("save agent", out).close()

@@ -274,6 +274,17 @@ def test_set_fw_cfg_replaces_only_the_ksfs_entries() -> None:
         domxml.set_fw_cfg(bare, {"opt/other": "x"})
 
 
+def test_a_path_fw_cfg_value_is_given_as_a_file() -> None:
+    """A text entry goes on QEMU's command line, which every local user can read: secrets go
+    as a file QEMU reads, and replace a text entry of the same name."""
+    xml = ("<domain type='qemu'><name>d</name><sysinfo type='fwcfg'>"
+           "<entry name='opt/ksfs/token'>in-the-clear</entry></sysinfo></domain>")
+    new = domxml.set_fw_cfg(xml, {"opt/ksfs/token": Path("/s/guest-tokens/L")})
+    assert "in-the-clear" not in new
+    assert "file=\"/s/guest-tokens/L\"" in new
+    assert domxml.fw_cfg(new) == {"opt/ksfs/token": Path("/s/guest-tokens/L")}
+
+
 def test_a_fork_gets_its_own_host_endpoints() -> None:
     # QA (eighth session): a fixed VNC port or a TCP serial made forks fail ("Failed to reserve
     # port", "Address already in use"), and a unix channel was taken over from the parent.

@@ -5,6 +5,7 @@ at all when standard error is not a terminal (scripts, pipes, CI logs)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -13,6 +14,17 @@ from typing import TextIO
 from ksfs.progress import Throttle
 
 REDRAW_EVERY = 0.1
+
+
+def fit(head: str, tail: str, width: int) -> str:
+    """``head + tail`` in ``width - 1`` columns, the middle of ``head`` cut when it must be: a
+    line that wraps is not erased by the next redraw's carriage return, so each would stack
+    under the last."""
+    room = max(width - 1 - len(tail), 12)
+    if len(head) > room:
+        keep = room - 3  # "..." rather than an ellipsis: the terminal may not speak UTF-8
+        head = head[: keep - keep // 3] + "..." + head[len(head) - keep // 3:]
+    return head + tail
 
 
 def _mib(n: int) -> str:
@@ -39,13 +51,20 @@ class StepLine:
         if not self.throttle.due(step):
             return
         with self.lock:
-            text = f"{self.label}: {step}"
+            tail = ""
             if total:
                 done = min(done or 0, total)  # a live memory copy sends dirty pages again
-                text += f" {100 * done // total}% ({_mib(done)} of {_mib(total)} MiB)"
-            text += f"  {time.monotonic() - self.t0:.1f}s"
-            self._write("\r\x1b[K" + text)
+                tail = f" {100 * done // total}% ({_mib(done)} of {_mib(total)} MiB)"
+            tail += f"  {time.monotonic() - self.t0:.1f}s"
+            self._write("\r\x1b[K" + fit(f"{self.label}: {step}", tail, self.width()))
             self.shown = True
+
+    def width(self) -> int:
+        try:
+            columns = os.get_terminal_size(self.out.fileno()).columns
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+        return columns or 80  # a pseudo-terminal nobody sized says 0
 
     def close(self) -> None:
         with self.lock:

@@ -113,19 +113,28 @@ class RestoreVerbs:
         # The target's files are written while the current state is saved: the save waits
         # mostly on QEMU and libvirt, the writing on the store's decompression.
         n = self.vm.reserve_restore(session)
+        beside = progress.Beside()  # the save-first and the staging on one progress line
+
+        def stage() -> Any:
+            try:
+                with progress.reporting(beside.second):
+                    return self.vm.stage_restore(session, rec.domain, n, memory, disks)
+            finally:
+                beside.done()
+
         pool = ThreadPoolExecutor(1, thread_name_prefix="restore-stage")
-        # (in this verb's context: the staging reports its progress to the same caller)
-        staging = pool.submit(contextvars.copy_context().run, self.vm.stage_restore, session,
-                              rec.domain, n, memory, disks)
+        staging = pool.submit(contextvars.copy_context().run, stage)
         pool.shutdown(wait=False)  # the thread ends with its one job
         try:
             saved = kept
             if state in ("running", "paused"):
                 # Not live: the machine is replaced right after, so a shorter whole save beats
                 # a shorter pause, and the memory copy would compete with the staging.
-                progress.report("saving the current state first")
-                saved = self._save_locked(rec, None, reason=f"before restore to {checkpoint}",
-                                          live=False)
+                with progress.reporting(beside.first):
+                    progress.report("saving the current state first")
+                    saved = self._save_locked(rec, None,
+                                              reason=f"before restore to {checkpoint}",
+                                              live=False)
             t_saved = time.monotonic()
             begin = self.ledger.record(session, "restore.begin", {
                 "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
@@ -146,7 +155,8 @@ class RestoreVerbs:
             progress.report("restoring the machine")
             restored = self.vm.restore(session, rec.domain, memory, disks,
                                        xml=target.domain_xml,
-                                       checkpoint=f"{session}/{checkpoint}", staged=staged)
+                                       checkpoint=f"{session}/{checkpoint}", staged=staged,
+                                       fw_cfg=self.guest_facts(rec))
             t1 = time.monotonic()
             rec_ev = self._reconcile_to(session, target,
                                         saved.transcript_seq if saved else None)

@@ -3,24 +3,28 @@
 The token is a keyed BLAKE3 of the session's lineage under the store's secret (``STORE/secret``,
 mode 0600): it is computed when needed, so no file, event or ledger field of its own holds it, and
 a fork, with its new lineage, gets its own. The guest reads both through QEMU's fw_cfg
-(``opt/ksfs/gateway``, ``opt/ksfs/token``), which a restore or fork sets afresh from the domain
-XML: a forked guest therefore talks to its own session's port even though its memory came from
-the parent. That XML does carry the token in the clear, though: libvirt keeps it in the domain's
-definition, and every checkpoint keeps the XML of its instant (the record's ``domain.xml``, read
-through the mount or ``ksfs cat S C domain.xml``, and the header of its ``memory`` image). So
-whoever can read the store, the mount or libvirt's definitions can read each session's token.
+(``opt/ksfs/gateway``, ``opt/ksfs/token``), which a start, restore or fork sets afresh: a forked
+guest therefore talks to its own session's port even though its memory came from the parent.
+The token reaches QEMU as a file (``STORE/guest-tokens/LINEAGE``, mode 0600, in a 0700
+directory), never as text in the domain's XML: QA (fifteenth session) found that libvirt
+passes a text entry on QEMU's command line, which every local user may read in /proc, and
+checkpoints keep the XML of their instant. Whoever can read that file (root) or the store's
+secret can still act as the session.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
+from pathlib import Path
 from typing import Any
 
 import blake3
 
 GUEST_GATEWAY_HOST = "10.0.2.2"  # the host's loopback as QEMU user networking shows it
+TOKENS_DIR = "guest-tokens"
 
 
 class GuestLink:
@@ -54,15 +58,41 @@ class GuestLink:
                 return port
         raise RuntimeError("no free loopback port for the gateway")
 
-    def guest_facts(self, rec: Any) -> dict[str, str]:
-        """fw_cfg entries for a session's domain: its gateway URL and token."""
+    def guest_facts(self, rec: Any) -> dict[str, str | Path]:
+        """fw_cfg entries for a session's domain: its gateway URL, and its token's file."""
         port = rec.config.get("gateway_port")
         if not port:
             return {}
         return {
             "opt/ksfs/gateway": f"http://{GUEST_GATEWAY_HOST}:{port}",
-            "opt/ksfs/token": self.gateway_token(rec.lineage),
+            "opt/ksfs/token": self._token_file(rec.lineage),
         }
+
+    def _token_file(self, lineage: str) -> Path:
+        """The file QEMU reads ``lineage``'s token from, written when missing or stale."""
+        tokens = self.store_path / TOKENS_DIR
+        tokens.mkdir(mode=0o700, exist_ok=True)
+        path = tokens / lineage
+        token = self.gateway_token(lineage)
+        try:
+            if path.read_text() == token:
+                return path
+        except (FileNotFoundError, UnicodeDecodeError):
+            pass
+        tmp = tokens / f".{lineage}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, token.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return path
+
+    def drop_token_file(self, lineage: str) -> None:
+        """Remove a removed session's token file (its gateway is no longer served)."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.store_path / TOKENS_DIR / lineage).unlink()
 
     def gateway_targets(self) -> dict[str, tuple[int, str]]:
         """session -> (port, token) of every live machine session (for the daemon)."""

@@ -410,6 +410,7 @@ class MachineVerbs:
             # Kept checkpoints keep the kernel and initrd their forks boot from; a later
             # removal without --keep-checkpoints takes those too.
             self.vm.remove_files(rec.name, keep_boot=keep_checkpoints)
+            self.drop_token_file(rec.lineage)
             crash_point("session.remove.files")
         with self.store.env.begin(write=True) as txn:
             self.ledger.remove_session(txn, rec.name, keep_checkpoints=keep_checkpoints)

@@ -149,7 +149,7 @@ class DomainController:
     def create(self, session: str, domain_name: str, kernel: Path | str, initrd: Path | str,
                disk: Path | str | files.DiskPlan, memory_mib: int = 256, vcpus: int = 1,
                cmdline: str = "console=ttyS0 panic=-1 quiet", extra_cmdline: str = "",
-               fw_cfg: dict[str, str] | None = None) -> str:
+               fw_cfg: dict[str, str | Path] | None = None) -> str:
         """Copy ``disk`` into the session's directory, define and start a direct-boot domain.
         ``disk`` may be the plan ``files.inspect_disk`` made of it already.
 
@@ -255,14 +255,15 @@ class DomainController:
 
     def restore(self, session: str, domain: str, memory: object, disks: dict[str, object],
                 xml: str | None = None, checkpoint: str | None = None,
-                staged: Staged | None = None) -> Restored:
+                staged: Staged | None = None,
+                fw_cfg: dict[str, str | Path] | None = None) -> Restored:
         """Bring ``domain`` back to a checkpoint, paused; see ksfs.vm.restore.restore.
 
         ``staged``: its files already written by ``stage_restore`` (then memory and disks are
-        not read again)."""
+        not read again). ``fw_cfg``: the session's entries now, in place of the checkpoint's."""
         from ksfs.vm.restore import restore
 
-        return restore(self, session, domain, memory, disks, xml, checkpoint, staged)
+        return restore(self, session, domain, memory, disks, xml, checkpoint, staged, fw_cfg)
 
     def hand_back_detached(self, session: str, domain: str,
                            on_done: Callable[[str, dict[str, str]], None] | None = None
@@ -313,7 +314,8 @@ class DomainController:
 
     def fork(self, new_session: str, new_domain: str, memory: object, disks: dict[str, object],
              xml: str | None = None, lineage: str | None = None,
-             checkpoint: str | None = None, fw_cfg: dict[str, str] | None = None) -> Restored:
+             checkpoint: str | None = None,
+             fw_cfg: dict[str, str | Path] | None = None) -> Restored:
         """Start a checkpoint as a new domain beside its parent, paused; see restore.fork."""
         from ksfs.vm.restore import fork
 

@@ -381,10 +381,11 @@ def _free_port(host: str) -> int:
 KSFS_FW_CFG = "opt/ksfs/"
 
 
-def set_fw_cfg(xml: str, entries: dict[str, str]) -> str:
+def set_fw_cfg(xml: str, entries: dict[str, str | Path]) -> str:
     """Set the domain's ksfs fw_cfg entries (``<sysinfo type='fwcfg'>``, names under
     ``opt/ksfs/``), replacing the ksfs ones it had and keeping every other entry (an adopted
-    domain's own).
+    domain's own). A Path value is given as the entry's file, which QEMU reads: a text value
+    ends up on QEMU's command line, which every local user can read.
 
     fw_cfg is how a guest learns per-domain facts that must follow a restore or fork rather than
     its memory: QEMU builds the entries from the new definition, they are not in the migration
@@ -403,15 +404,20 @@ def set_fw_cfg(xml: str, entries: dict[str, str]) -> str:
         if sysinfo is None:
             sysinfo = ET.SubElement(root, "sysinfo", {"type": "fwcfg"})
         for name, value in sorted(entries.items()):
-            ET.SubElement(sysinfo, "entry", {"name": name}).text = value
+            if isinstance(value, Path):
+                ET.SubElement(sysinfo, "entry", {"name": name, "file": str(value)})
+            else:
+                ET.SubElement(sysinfo, "entry", {"name": name}).text = value
     if sysinfo is not None and len(sysinfo) == 0:
         root.remove(sysinfo)
     return ET.tostring(root, encoding="unicode")
 
 
-def fw_cfg(xml: str) -> dict[str, str]:
+def fw_cfg(xml: str) -> dict[str, str | Path]:
+    """The domain's fw_cfg entries: name -> text, or the Path of the file QEMU reads."""
     root = _parse(xml)
-    return {e.get("name"): e.text or "" for e in root.iterfind("sysinfo[@type='fwcfg']/entry")}
+    return {e.get("name"): Path(e.get("file")) if e.get("file") else e.text or ""
+            for e in root.iterfind("sysinfo[@type='fwcfg']/entry")}
 
 
 def set_cmdline_arg(cmdline: str, key: str, value: str) -> str:

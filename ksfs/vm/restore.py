@@ -148,7 +148,8 @@ def stage(ctl: DomainController, session: str, domain: str, n: int, memory: obje
 
 def restore(ctl: DomainController, session: str, domain: str, memory: object | None,
             disks: dict[str, object], xml: str | None, checkpoint: str | None,
-            staged: Staged | None = None) -> Restored:
+            staged: Staged | None = None,
+            fw_cfg: dict[str, str | Path] | None = None) -> Restored:
     if staged is None:
         staged = stage(ctl, session, domain, reserve(ctl, session), memory, disks)
     state = ctl.load_state(session)
@@ -166,6 +167,9 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         _check_disks(new_xml, bases, domain)
         new_xml = domxml.set_disk_sources(
             new_xml, {t: (str(p), "qcow2") for t, p in overlays.items()})
+        if fw_cfg is not None:
+            # (a checkpoint taken before tokens went by file has its token as text)
+            new_xml = domxml.set_fw_cfg(new_xml, fw_cfg)
         # Before anything is stopped: the kernel and initrd QEMU boots from are the session's
         # own (a checkpoint's XML may name a parent's copy or a guest directory since gone).
         new_xml = files.own_boot_files(new_xml, ctl.session_dir(session), ctl.workdir, domain,
@@ -458,7 +462,7 @@ def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path],
 
 def fork(ctl: DomainController, new_session: str, new_domain: str, memory: object | None,
          disks: dict[str, object], xml: str | None, lineage: str | None,
-         checkpoint: str | None, fw_cfg: dict[str, str] | None = None) -> Restored:
+         checkpoint: str | None, fw_cfg: dict[str, str | Path] | None = None) -> Restored:
     if ctl.exists(new_domain):
         raise AlreadyExists(what="domain", name=new_domain)
     if load_state(ctl.session_dir(new_session) / "state.json") is not None:
