@@ -407,6 +407,14 @@ def test_a_machine_undefined_behind_ksfs_is_made_again(env, agent: str) -> None:
     assert virsh("domstate", f"ksfs-{gone}").stdout.strip() == "running"
     assert "Persistent:     yes" in virsh("dominfo", f"ksfs-{gone}").stdout
     assert save(store, gone, e)  # and it goes on as a session
+
+    # QA (fifteenth session): undefined while it runs, the domain is transient; a restore
+    # left it so, and its next stop lost it with what it wrote since.
+    virsh("undefine", f"ksfs-{gone}", check=True)
+    assert "Persistent:     no" in virsh("dominfo", f"ksfs-{gone}").stdout
+    rel("restore", gone, cp)
+    assert "Persistent:     yes" in virsh("dominfo", f"ksfs-{gone}").stdout
+    assert virsh("domstate", f"ksfs-{gone}").stdout.strip() == "running"
     run(store, "session", "rm", gone, env=e)
 
 
@@ -667,6 +675,27 @@ def test_fork_killed_before_its_define_is_defined_by_recover(env, agent: str) ->
     assert virsh("domstate", f"ksfs-{new}").returncode != 0
 
 
+def test_a_restore_whose_resume_fails_is_done_and_says_the_machine_is_paused(
+        env, agent: str) -> None:
+    """QA (fifteenth session): an error after the machine came back (its resume) was logged
+    restore.failed, while the machine held the checkpoint."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    res = run(store, "restore", agent, cp, check=False,
+              env=dict(e, KSFS_FAIL_AT="restore.resume"))
+    try:
+        assert res.returncode != 0 and res.returncode != -signal.SIGKILL, res
+        assert f"restored to {cp} but left paused: `ksfs resume {agent}`" in res.stderr, \
+            res.stderr
+        assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "paused"
+        last = events_of(store, agent, e)[-1]
+        assert last["type"] == "restore.done" and last["body"]["checkpoint"] == cp, last
+        assert last["body"]["resumed"] is False and "injected fault" in last["body"]["reason"]
+    finally:
+        run(store, "resume", agent, env=e)
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+
+
 def test_restore_killed_after_the_machine_came_back_is_finished_by_recover(env, agent: str
                                                                           ) -> None:
     """kill -9 after the controller restored the machine (at restore.resume: reconciled, not yet
@@ -812,6 +841,13 @@ def test_recover_after_crash_and_a_dead_machine(env, agent: str) -> None:
     assert kept and f"saved as checkpoint {kept[-1]} (no memory)" in actions
     assert len(transcript_lines(store, agent, kept[-1], e)) > len(
         transcript_lines(store, agent, last, e))
+    # QA (fifteenth session): the restore recover made named no save and its reconcile read
+    # no current seq, so the lines the dead machine wrote after last-good went unsaid.
+    begin = [ev for ev in events if ev["type"] == "restore.begin"][-1]
+    assert begin["body"]["saved_as"] == kept[-1], begin
+    rec = [ev for ev in events if ev["type"] == "reconcile"][-1]["body"]
+    assert rec["current_transcript_seq"] is not None, rec
+    assert rec["transcript_rolled_back"], rec
     assert events[-1]["type"] == "recover"
     failed = [ev for ev in events if ev["type"] == "checkpoint.failed"]
     assert failed and failed[-1]["body"]["name"] == "doomed"

@@ -197,6 +197,7 @@ class Recovery:
                 self.vm.check_start_files(record.domain_xml,
                                           f"checkpoint {rec.name}/{target}",
                                           record.file(MEMORY_FILE) is not None)
+        kept = None
         if target and state != "absent":
             # What the machine wrote since that checkpoint is on its disks: kept first, or
             # the machine is left as it is (a restore would delete it).
@@ -211,7 +212,9 @@ class Recovery:
             actions.append(f"disks of the {state} machine saved as checkpoint {kept.name} "
                            "(no memory)")
         if target:
-            self._restore_locked(rec, target, keep_stopped=False)  # saved just above
+            # (saved just above: the restore's begin and reconcile name that save, so the
+            # transcript lines the machine wrote after the target are said rolled back)
+            self._restore_locked(rec, target, keep_stopped=False, kept=kept)
             actions.append(f"machine was {state}: restored to checkpoint {target}")
         elif state != "absent":
             self.vm.resume(rec.domain)

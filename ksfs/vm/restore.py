@@ -174,9 +174,13 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         # own (a checkpoint's XML may name a parent's copy or a guest directory since gone).
         new_xml = files.own_boot_files(new_xml, ctl.session_dir(session), ctl.workdir, domain,
                                        keep_outside=state.adopted)
+        persistent = False
         if dom is not None:
             with step(domain, "reading its UUID"):
                 uuid = dom.UUIDString()
+                # QA (fifteenth session): a domain undefined behind ksfs's back while it ran
+                # is transient; restored as it was, its next stop would lose it.
+                persistent = bool(dom.isPersistent())
         else:
             uuid = domxml.uuid_of(new_xml)
         if domxml.uuid_of(new_xml) != uuid or domxml.domain_name(new_xml) != domain:
@@ -207,7 +211,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         started = True
         crash_point("vm.restore.define")
         t3 = time.monotonic()
-        if dom is None:
+        if not persistent:
             with step(domain, "defining the restored machine again"):
                 ctl.conn.defineXML(new_xml)
         own = {t: p for t, p in domxml.boot_files(new_xml).items()
