@@ -140,3 +140,24 @@ def test_stats_of_a_store_whose_checkpoints_all_went_shows_no_ratio(tmp_path: Pa
     assert figures["logical_bytes"] == 0 and figures["stored_bytes"] > 0
     assert figures["dedup_ratio"] is None
     assert "dedup_ratio    -" in ksfs(s, None, "stats").stdout
+
+
+def test_a_umask_of_000_makes_nothing_others_can_write(tmp_path: Path) -> None:
+    """QA (fifteenth session): under umask 000 the store, vm/ and the daemon's log were
+    world-writable, so any local user could plant symlinks there or rewrite the log."""
+    import os
+    import stat
+    import subprocess
+
+    from tests.cli_helpers import KSFS
+
+    src = tmp_path / "notes.txt"
+    src.write_text("notes\n")
+    store = tmp_path / "store"
+    subprocess.run(KSFS + ["--store", str(store), "import", "s", "c1", str(src)], check=True,
+                   capture_output=True, preexec_fn=lambda: os.umask(0))
+    made = [store, *store.rglob("*")]
+    writable = [p for p in made
+                if not p.is_symlink() and stat.S_IMODE(p.stat().st_mode) & 0o022]
+    assert not writable, [(str(p), oct(p.stat().st_mode)) for p in writable]
+    assert len(made) > 5

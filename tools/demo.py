@@ -11,8 +11,10 @@ Prints where time goes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,13 +69,16 @@ def main() -> int:
         step("mkdir sessions/agent: a new session running the agent-like guest")
         sh("mkdir mnt/sessions/agent")
         sh("cat mnt/sessions/agent/status")
-        time.sleep(10)  # the guest boots (TCG) and its agent starts writing its transcript
+        # The guest boots (TCG) and its agent starts writing its transcript: waited for, not
+        # slept on (QA: on a loaded machine a fixed 10 s gave checkpoints of an agent that
+        # had not started, and cmp found nothing to compare).
+        at = wait_for_agent("agent", 3)
 
         step("mkdir checkpoints/first, let the agent work, mkdir checkpoints/second")
         t = time.monotonic()
         sh("mkdir mnt/sessions/agent/checkpoints/first")
         print(f"(checkpoint published in {time.monotonic() - t:.2f}s)")
-        time.sleep(4)
+        wait_for_agent("agent", at + 10)
         t = time.monotonic()
         sh("mkdir mnt/sessions/agent/checkpoints/second")
         print(f"(checkpoint published in {time.monotonic() - t:.2f}s)")
@@ -118,6 +123,25 @@ def main() -> int:
             shutil.rmtree(WORK, ignore_errors=True)
     print(f"\ndemo finished in {time.monotonic() - T0:.1f}s")
     return 0
+
+
+def wait_for_agent(session: str, lines: int, timeout: float = 180) -> int:
+    """Wait until the session's agent has written ``lines`` transcript lines, as the test
+    guest says on its serial console ("ksfs-counter N"); returns the count then. A guest
+    that says nothing there is given ``timeout`` seconds and the demo goes on."""
+    console = WORK / "store" / "vm" / session / "console.log"
+    deadline = time.monotonic() + timeout
+    count = 0
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            found = re.findall(rb"ksfs-counter (\d+)", console.read_bytes())
+            count = int(found[-1]) if found else 0  # seq of its last line, from 1
+        if count >= lines:
+            print(f"(the agent has written {count} transcript lines)")
+            return count
+        time.sleep(0.5)
+    print(f"(the agent wrote {count} transcript lines in {timeout:.0f}s; going on)")
+    return count
 
 
 def cleanup(mnt: Path, keep_checkpoints: bool = False) -> bool:

@@ -365,8 +365,16 @@ def main(ctx: click.Context, store_path: str) -> None:
     from ksfs.heap import tune_for_bulk_reads
 
     tune_for_bulk_reads()  # imports, saves and reads stream 8 MiB batches: see ksfs/heap.py
+    keep_others_from_writing()
     _log_lines_like_errors()
     ctx.obj = Context(os.path.abspath(store_path))
+
+
+def keep_others_from_writing() -> None:
+    """Mask group and other write bits whatever the caller's umask: under umask 000 the store,
+    its vm/ directory and the daemon's log were world-writable, so any local user could plant
+    symlinks in them or rewrite the log (QA, fifteenth session). Read bits stay the caller's."""
+    os.umask(os.umask(0o022) | 0o022)
 
 
 class _LineFormatter:

@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from ksfs.heap import tune_for_bulk_reads
 
     tune_for_bulk_reads(long_running=True)  # every READ builds a 1 MiB reply: ksfs/heap.py
+    os.umask(os.umask(0o022) | 0o022)  # as the CLI's keep_others_from_writing
     return daemon_main(args.store, args.mountpoint, args.allow_other, args.ready_fd,
                        args.upstream)
 
