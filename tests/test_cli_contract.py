@@ -161,3 +161,26 @@ def test_a_umask_of_000_makes_nothing_others_can_write(tmp_path: Path) -> None:
                 if not p.is_symlink() and stat.S_IMODE(p.stat().st_mode) & 0o022]
     assert not writable, [(str(p), oct(p.stat().st_mode)) for p in writable]
     assert len(made) > 5
+
+
+def test_a_machine_directory_planted_as_a_symlink_is_refused(tmp_path: Path) -> None:
+    """QA (fifteenth session): `session new` followed a symlink planted at vm/SESSION, wrote
+    the machine's disk and memory where it pointed, and `session rm` left them there."""
+    from tests.cli_helpers import guest_dir
+
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    src = tmp_path / "notes.txt"
+    src.write_text("notes\n")
+    ksfs(store, None, "import", "x", "c1", str(src))
+    (store / "vm").mkdir(exist_ok=True)
+    (store / "vm" / "planted").symlink_to(elsewhere)
+    res = ksfs(store, None, "session", "new", "planted", "--guest", str(guest_dir()),
+               check=False)
+    if res.returncode == 0:  # the bug back: its machine must not outlive the test
+        ksfs(store, None, "session", "rm", "planted", check=False)
+    assert res.returncode == 10, res
+    assert "is a symbolic link" in res.stderr and len(res.stderr.splitlines()) == 1
+    assert list(elsewhere.iterdir()) == []
+    listed = json.loads(ksfs(store, None, "session", "list", "--json").stdout)
+    assert [s["session"] for s in listed] == ["x"], listed

@@ -112,6 +112,12 @@ class DomainController:
 
     def _make_session_dir(self, session: str) -> Path:
         d = self.session_dir(session)
+        for p in (self.workdir, d):
+            if p.is_symlink():
+                # A machine's disks and memory would be written wherever it points, and its
+                # removal would leave them there (QA, fifteenth session).
+                raise VMError(f"{p} is a symbolic link: a session's machine files are kept "
+                              "only in a directory of the store's own; nothing was changed")
         (d / "staging").mkdir(parents=True, exist_ok=True)
         # QEMU runs as libvirt-qemu: it must be able to reach the files in here.
         for p in (self.workdir, d, d / "staging"):
@@ -478,6 +484,9 @@ class DomainController:
                 tmp = (ds.handing_back or {}).get("tmp")
                 if tmp:
                     Path(tmp).unlink(missing_ok=True)
+        if d.is_symlink():  # never made so by ksfs: not followed
+            d.unlink()
+            return
         if not keep_boot:
             shutil.rmtree(d, ignore_errors=True)
             return
