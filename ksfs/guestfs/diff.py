@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 import stat as st
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -81,46 +82,91 @@ def diff_trees(fs_a: GuestFS, fs_b: GuestFS, *, attrs: bool = False) -> list[Cha
     """Every difference between the two trees, sorted by path (as ``diff -rq`` orders them).
 
     With ``attrs=True`` mode and owner changes are reported too (kind ``"attrs"`` when nothing
-    else changed); without it the result is exactly what ``diff -rq --no-dereference`` says."""
+    else changed); without it the result is exactly what ``diff -rq --no-dereference`` says.
+
+    The walk keeps its own stack (a tree thousands of directories deep must not exhaust
+    Python's recursion limit) and the directories on the current path of each side: one that
+    is its own ancestor (a loop in a damaged filesystem) is one change, not descended."""
     changes: list[Change] = []
-    _diff_dir(fs_a, ROOT_INO, fs_b, ROOT_INO, "", changes, attrs)
+    stack = [_DirPair.open(fs_a, ROOT_INO, fs_b, ROOT_INO, "", (), ())]
+    while stack:
+        pair = stack[-1]
+        name = next(pair.names, None)
+        if name is None:
+            stack.pop()
+            continue
+        child = _compare_entry(fs_a, fs_b, pair, name, changes, attrs)
+        if child is not None:
+            stack.append(child)
     return changes
 
 
-def _diff_dir(fs_a: GuestFS, dir_a: int, fs_b: GuestFS, dir_b: int, prefix: str,
-              out: list[Change], attrs: bool = False) -> None:
-    a = dict(fs_a.listdir_stats(dir_a))  # entries whose inode cannot be read are left out
-    b = dict(fs_b.listdir_stats(dir_b))
-    # diff sorts names bytewise (LC_ALL=C): surrogateescape'd str would not, bytes do
-    for name in sorted(a.keys() | b.keys(), key=lambda n: n.encode("utf-8", "surrogateescape")):
-        path = prefix + name
-        sa, sb = a.get(name), b.get(name)
-        if sa is None:
-            out.append(Change("added", path, None, kind_of(sb), None, _size(sb)))
-        elif sb is None:
-            out.append(Change("removed", path, kind_of(sa), None, _size(sa), None))
-        elif kind_of(sa) != kind_of(sb):
-            out.append(Change("changed", path, kind_of(sa), kind_of(sb), _size(sa), _size(sb)))
-        else:
-            moved = attr_changes(sa, sb) if attrs else {}
-            if sa.is_dir:
-                if moved:  # the directory itself, before what changed inside it
-                    out.append(Change("attrs", path, "dir", "dir", None, None, moved))
-                inside: list[Change] = []
-                try:
-                    _diff_dir(fs_a, sa.ino, fs_b, sb.ino, path + "/", inside, attrs)
-                except GuestFSUnreadable as exc:
-                    # A directory whose own blocks are damaged: reported as changed, whole;
-                    # the rest of the tree is still compared.
-                    log.warning("comparing guest directory %s: %s", path, exc)
-                    inside = [Change("changed", path, "dir", "dir", None, None)]
-                out.extend(inside)
-            elif not _same(fs_a, sa, fs_b, sb):
-                out.append(Change("changed", path, kind_of(sa), kind_of(sb), sa.size, sb.size,
-                                  moved))
-            elif moved:
-                out.append(Change("attrs", path, kind_of(sa), kind_of(sb), _size(sa), _size(sb),
-                                  moved))
+@dataclass
+class _DirPair:
+    """One directory of each side being compared: their entries, the names still to compare
+    (bytewise order, as ``LC_ALL=C diff``) and the directory inodes from the root down to
+    them, on each side."""
+
+    a: dict[str, GuestStat]
+    b: dict[str, GuestStat]
+    names: Iterator[str]
+    prefix: str
+    path_a: tuple[int, ...]
+    path_b: tuple[int, ...]
+
+    @classmethod
+    def open(cls, fs_a: GuestFS, dir_a: int, fs_b: GuestFS, dir_b: int, prefix: str,
+             above_a: tuple[int, ...], above_b: tuple[int, ...]) -> _DirPair:
+        a = dict(fs_a.listdir_stats(dir_a))  # entries whose inode cannot be read are left out
+        b = dict(fs_b.listdir_stats(dir_b))
+        # diff sorts names bytewise (LC_ALL=C): surrogateescape'd str would not, bytes do
+        names = sorted(a.keys() | b.keys(), key=lambda n: n.encode("utf-8", "surrogateescape"))
+        return cls(a, b, iter(names), prefix, above_a + (dir_a,), above_b + (dir_b,))
+
+
+def _compare_entry(fs_a: GuestFS, fs_b: GuestFS, pair: _DirPair, name: str,
+                   out: list[Change], attrs: bool) -> _DirPair | None:
+    """Append the change of one name, if any; the pair of directories to descend into when
+    both sides hold a directory there that can be listed."""
+    path = pair.prefix + name
+    sa, sb = pair.a.get(name), pair.b.get(name)
+    if sa is None:
+        out.append(Change("added", path, None, kind_of(sb), None, _size(sb)))
+    elif sb is None:
+        out.append(Change("removed", path, kind_of(sa), None, _size(sa), None))
+    elif kind_of(sa) != kind_of(sb):
+        out.append(Change("changed", path, kind_of(sa), kind_of(sb), _size(sa), _size(sb)))
+    elif sa.is_dir:
+        moved = attr_changes(sa, sb) if attrs else {}
+        if moved:  # the directory itself, before what changed inside it
+            out.append(Change("attrs", path, "dir", "dir", None, None, moved))
+        return _open_subdir(fs_a, sa, fs_b, sb, pair, path, out)
+    else:
+        moved = attr_changes(sa, sb) if attrs else {}
+        if not _same(fs_a, sa, fs_b, sb):
+            out.append(Change("changed", path, kind_of(sa), kind_of(sb), sa.size, sb.size,
+                              moved))
+        elif moved:
+            out.append(Change("attrs", path, kind_of(sa), kind_of(sb), _size(sa), _size(sb),
+                              moved))
+    return None
+
+
+def _open_subdir(fs_a: GuestFS, sa: GuestStat, fs_b: GuestFS, sb: GuestStat, pair: _DirPair,
+                 path: str, out: list[Change]) -> _DirPair | None:
+    # A damaged directory (its own blocks, or a loop back to an ancestor) is reported as
+    # changed, whole; the rest of the tree is still compared.
+    if sa.ino in pair.path_a or sb.ino in pair.path_b:
+        log.warning("comparing guest directory %s: it is its own ancestor (a directory loop: "
+                    "the filesystem is damaged); not descended", path)
+        out.append(Change("changed", path, "dir", "dir", None, None))
+        return None
+    try:
+        return _DirPair.open(fs_a, sa.ino, fs_b, sb.ino, path + "/", pair.path_a, pair.path_b)
+    except GuestFSUnreadable as exc:
+        log.warning("comparing guest directory %s: %s", path, exc)
+        out.append(Change("changed", path, "dir", "dir", None, None))
+        return None
 
 
 def _same(fs_a: GuestFS, sa: GuestStat, fs_b: GuestFS, sb: GuestStat) -> bool:
