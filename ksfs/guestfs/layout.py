@@ -326,6 +326,9 @@ def iter_dirents(
         if off + 8 > end:
             raise GuestFSUnreadable(why=f"directory entry of {where} at {off} is truncated")
         ino, rec_len = struct.unpack_from("<IH", raw, off)
+        if _is_csum_tail(raw, off, ino, rec_len):
+            off += rec_len  # metadata_csum's checksum, dressed as an empty entry
+            continue
         if filetype:
             name_len, ftype = raw[off + 6], raw[off + 7]
         else:
@@ -338,3 +341,14 @@ def iter_dirents(
             out.append((raw[off + 8 : off + 8 + name_len], ino, ftype, off + rec_len))
         off += rec_len
     return out
+
+
+DIRENT_TAIL_FT = 0xDE  # the file type byte of metadata_csum's directory block tail
+
+
+def _is_csum_tail(raw: bytes, off: int, ino: int, rec_len: int) -> bool:
+    """Whether the entry at ``off`` is the 12-byte checksum tail of a directory block (inode
+    0, rec_len 12, name_len 0, file type 0xDE). Checked before the name length: without the
+    filetype feature the name length is read as 16 bits, which the tail's 0xDE would make
+    0xDE00, and a valid block would look damaged."""
+    return ino == 0 and rec_len == 12 and raw[off + 6] == 0 and raw[off + 7] == DIRENT_TAIL_FT
