@@ -155,3 +155,31 @@ def test_a_daemon_task_that_fails_after_the_mount_takes_the_mount_down_and_says_
     finally:
         if os.path.ismount(mnt):
             subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_the_module_entry_point_refuses_a_store_already_mounted(tmp_path: Path) -> None:
+    """QA (fifteenth session): `python -m ksfs.fuse.mount STORE MNT2` mounted a store that
+    `ksfs mount` already had, so two daemons served one store; and a refused second `ksfs
+    mount` wrote its error into the running daemon's log."""
+    import sys
+
+    store, mnt, mnt2 = tmp_path / "store", tmp_path / "mnt", tmp_path / "mnt2"
+    mnt.mkdir()
+    mnt2.mkdir()
+    assert ksfs(store, "mount", str(mnt)).returncode == 0
+    try:
+        log_before = (store / "daemon.log").read_text()
+        res = subprocess.run([sys.executable, "-m", "ksfs.fuse.mount", str(store), str(mnt2)],
+                             capture_output=True, text=True, timeout=60, env=ENV)
+        assert res.returncode == 8, res
+        assert f"already mounted at {mnt}" in res.stderr, res.stderr
+        assert not os.path.ismount(mnt2)
+        res = ksfs(store, "mount", str(mnt2))
+        assert res.returncode == 8 and "already mounted" in res.stderr, res
+        assert not os.path.ismount(mnt2)
+        assert (store / "daemon.log").read_text() == log_before
+    finally:
+        for m in (mnt2, mnt):
+            if os.path.ismount(m):
+                ksfs(store, "umount", str(m))
+    assert not os.path.ismount(mnt)

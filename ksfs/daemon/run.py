@@ -9,7 +9,6 @@ mid-verb leaves nothing half done.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import functools
 import json
 import logging
@@ -20,27 +19,6 @@ from pathlib import Path
 from ksfs.errors import Busy, DaemonError, KsfsError
 
 log = logging.getLogger("ksfs.daemon")
-
-
-def acquire_daemon_lock(store_path: Path, mountpoint: str) -> int:
-    """Hold the store's daemon lock for the life of this process, or raise Busy."""
-    path = Path(store_path) / "daemon.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        except ValueError:
-            holder = {}
-        os.close(fd)
-        raise Busy(
-            f"store {store_path} is already mounted at {holder.get('mountpoint', '?')} "
-            f"by pid {holder.get('pid', '?')}"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"pid": os.getpid(), "mountpoint": mountpoint}).encode(), 0)
-    return fd
 
 
 def upstream_url(store_path: Path, given: str | None) -> str | None:
@@ -58,7 +36,7 @@ def upstream_url(store_path: Path, given: str | None) -> str | None:
 def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
                 ready_fd: int | None = None, upstream: str | None = None) -> int:
     from ksfs.daemon.server import serve_control
-    from ksfs.fuse.mount import run_mount
+    from ksfs.fuse.mount import acquire_daemon_lock, run_mount
     from ksfs.keeper import Keeper
 
     store_path = Path(store)
@@ -119,7 +97,9 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
         if ready_fd is None and not mounted:
             # `ksfs mount --foreground` refused before mounting: one line, as every command
             print(f"ksfs: error: {exc}", file=sys.stderr, flush=True)
-        else:
+        elif mounted or not isinstance(exc, Busy):
+            # (a second mount refused is said by `ksfs mount`; its stderr is the log of the
+            # daemon that holds the store, which has nothing to do with it)
             log.error("%s", exc)
         if ready_fd is not None:
             try:

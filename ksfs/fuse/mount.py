@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import fcntl
+import json
 import logging
 import os
 import signal
@@ -21,7 +23,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from ksfs.errors import DaemonError, NotPermitted
+from ksfs.errors import Busy, DaemonError, NotPermitted
 from ksfs.fuse import faults
 from ksfs.fuse.ops import Operations
 from ksfs.fuse.tree import CheckpointTree
@@ -252,6 +254,28 @@ def run_mount(
     pyfuse3.close(unmount=is_mounted(mnt))
 
 
+def acquire_daemon_lock(store_path: Path | str, mountpoint: str) -> int:
+    """Hold the store's daemon lock for the life of this process, or raise Busy: one mount
+    per store, whichever way it is started (`ksfs mount`, or this module run directly)."""
+    path = Path(store_path) / "daemon.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            holder = {}
+        os.close(fd)
+        raise Busy(
+            f"store {store_path} is already mounted at {holder.get('mountpoint', '?')} "
+            f"by pid {holder.get('pid', '?')}"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "mountpoint": mountpoint}).encode(), 0)
+    return fd
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ksfs.fuse.mount")
     parser.add_argument("store")
@@ -270,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     tune_for_bulk_reads(long_running=True)  # every READ builds a 1 MiB reply: ksfs/heap.py
     from ksfs.keeper import Keeper
 
+    try:
+        acquire_daemon_lock(Path(args.store), os.path.realpath(args.mountpoint))
+    except Busy as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     with Keeper(args.store) as keeper:
         run_mount(
             keeper,
