@@ -183,3 +183,36 @@ def test_the_module_entry_point_refuses_a_store_already_mounted(tmp_path: Path) 
             if os.path.ismount(m):
                 ksfs(store, "umount", str(m))
     assert not os.path.ismount(mnt)
+
+
+def test_a_default_guest_template_that_is_no_guest_is_said_so(tmp_path: Path) -> None:
+    """QA (fifteenth session): a default guest (KSFS_GUEST or config.json) that does not
+    exist made `mkdir sessions/NAME` answer ENOENT with nothing in the log, as if the new
+    name were missing; an unparsable config.json was said to set no template."""
+    import errno
+
+    store, mnt = tmp_path / "store", tmp_path / "mnt"
+    mnt.mkdir()
+    nowhere = tmp_path / "nowhere"
+    for env, said in ((dict(ENV, KSFS_GUEST=str(nowhere)),
+                       f"the default guest template {nowhere} (KSFS_GUEST) is not a guest "
+                       "directory"),
+                      (ENV, "config.json is not valid JSON")):
+        if "KSFS_GUEST" in env and not env["KSFS_GUEST"]:
+            (store / "config.json").write_text("not json")
+        res = subprocess.run(KSFS + ["--store", str(store), "mount", str(mnt)], env=env,
+                             capture_output=True, text=True, timeout=90)
+        assert res.returncode == 0, res.stderr
+        try:
+            try:
+                os.mkdir(mnt / "sessions" / "s1")
+                raise AssertionError("mkdir sessions/s1 made a session")
+            except OSError as exc:
+                assert exc.errno == errno.EPERM, exc
+            assert said in (store / "daemon.log").read_text()
+            assert os.listdir(mnt / "sessions") == []
+        finally:
+            res = ksfs(store, "umount", str(mnt))
+            if os.path.ismount(mnt):
+                subprocess.run(["umount", "-l", str(mnt)], check=False)
+        assert res.returncode == 0, res

@@ -161,19 +161,28 @@ class MachineVerbs:
 
     def default_guest(self) -> Path:
         """The guest template of ``mkdir sessions/NAME``: $KSFS_GUEST, else the store's config."""
-        guest = os.environ.get("KSFS_GUEST")
+        guest, where = os.environ.get("KSFS_GUEST"), "KSFS_GUEST"
+        config = self.store_path / "config.json"
         if not guest:
+            where = f"default_guest in {config}"
             try:
-                guest = json.loads((self.store_path / "config.json").read_text()).get(
-                    "default_guest"
-                )
-            except (FileNotFoundError, ValueError):
-                guest = None
+                settings = json.loads(config.read_text())
+            except FileNotFoundError:
+                settings = {}
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise NotPermitted(f"{config} is not valid JSON ({exc}), so no default guest "
+                                   "template can be read from it") from None
+            guest = settings.get("default_guest") if isinstance(settings, dict) else None
         if not guest:
             raise NotPermitted(
-                "no default guest template is set: set KSFS_GUEST or default_guest in "
-                f"{self.store_path / 'config.json'} (tools/build-guest makes one)"
+                f"no default guest template is set: set KSFS_GUEST or default_guest in "
+                f"{config} (tools/build-guest makes one)"
             )
+        if not (Path(guest) / "guest.json").is_file():
+            # Said as what it is (QA, fifteenth session: a mkdir under sessions/ answered
+            # ENOENT with nothing in the log, as if the new name were missing).
+            raise NotPermitted(f"the default guest template {guest} ({where}) is not a guest "
+                               "directory (no guest.json)")
         return Path(guest)
 
     # --- creating, adopting, removing --------------------------------------------------------
