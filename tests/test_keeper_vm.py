@@ -401,6 +401,9 @@ def test_a_machine_undefined_behind_ksfs_is_made_again(env, agent: str) -> None:
     cp = rel("save", gone, "before-undefine").stdout.strip().splitlines()[-1]
     virsh("destroy", f"ksfs-{gone}", check=True)
     virsh("undefine", f"ksfs-{gone}", check=True)
+    res = rel("resume", gone, check=False)  # QA: libvirt's lookup error was all it said
+    assert res.returncode == 10 and "is gone" in res.stderr and "ksfs restore" in res.stderr, \
+        res.stderr
     report = json.loads(rel("recover", "--json").stdout)
     actions = {r["session"]: r["actions"] for r in report}
     assert actions[gone] == [f"machine was absent: restored to checkpoint {cp}"], actions

@@ -25,6 +25,7 @@ from ksfs.errors import (
     KsfsError,
     NotFound,
     NotPermitted,
+    NotRunning,
 )
 from ksfs.keeper.locks import drop_session_lock, session_lock
 from ksfs.model import (
@@ -451,8 +452,14 @@ class MachineVerbs:
     def resume(self, session: str) -> dict[str, Any]:
         rec = self._machine(session)
         with session_lock(self.store_path, session):
-            if self.vm.state(rec.domain) == "running" and not self._paused_by_user(session):
+            state = self.vm.state(rec.domain)
+            if state == "running" and not self._paused_by_user(session):
                 return {"session": session, "state": "running", "seq": None}  # nothing to do
+            if state == "absent":
+                # (QA: libvirt's own lookup error was all the user got)
+                raise NotRunning(f"the machine of session {session!r} is gone: its domain "
+                                 f"{rec.domain} is not defined in libvirt; `ksfs restore "
+                                 f"{session} CHECKPOINT` (or `ksfs recover`) makes it again")
             self.vm.resume(rec.domain)
             ev = self.ledger.record(session, "resume", {"domain": rec.domain})
         return {"session": session, "state": "running", "seq": ev.seq}
