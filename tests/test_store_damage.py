@@ -489,3 +489,42 @@ def test_a_file_shorter_than_its_size_is_named(tmp_path: Path) -> None:
         pytest.skip("no sysfs file that claims more bytes than it has")
     res = ksfs(tmp_path / "store", "import", "s", "c", kernel_made)
     one_line(res, 2, kernel_made, "import a copy")
+
+
+# --- 10: a live chunk the index no longer lists ---------------------------------------------
+
+
+def rekey(store: Path, cid: bytes) -> bytes:
+    """Move a chunk's index entry to another key, as one flipped bit in a B-tree key does:
+    the real id is gone from the index and an id no manifest names holds its location."""
+    other = bytes([cid[0] ^ 0x01]) + cid[1:]
+    with ChunkStore.open(store) as s, s.env.begin(write=True, db=s.db["chunks"]) as txn:
+        value = bytes(txn.get(cid))
+        txn.delete(cid)
+        txn.put(other, value)
+    return other
+
+
+def test_gc_refuses_when_a_live_chunk_is_not_in_the_index(made: tuple[Path, Path]) -> None:
+    """QA (issue 2): with a live chunk's key damaged, gc freed the entry under the damaged key,
+    the only pointer to that chunk's bytes (a later repack would delete them)."""
+    store, _ = made
+    with ChunkStore.open(store) as s:
+        mid = _manifests(s)[0]  # every manifest is live: nothing was removed
+        cid = s.load_manifest(mid).entries[0][0]
+    other = rekey(store, cid)
+    res = ksfs(store, "check")
+    assert res.returncode == 6 and f"chunk {cid.hex()}: missing" in res.stdout, res.stdout
+    before = packs_of(store)
+    one_line(ksfs(store, "gc"), 6, cid.hex(), "not in the index", "ksfs check")
+    with ChunkStore.open(store) as s:
+        assert s.lookup(other) is not None  # nothing freed: the entry can still be put back
+        with pytest.raises(StoreDamaged, match="not in the index"):
+            s.gc([mid])
+        assert s.lookup(other) is not None
+    assert packs_of(store) == before
+
+
+def _manifests(s: ChunkStore) -> list[str]:
+    with s.env.begin(db=s.db["manifests"]) as txn:
+        return [bytes(k).hex() for k in txn.cursor().iternext(values=False)]

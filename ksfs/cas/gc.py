@@ -9,7 +9,8 @@ commit chunks GC sees as unreferenced). Repacking copies live chunks to a new pa
 verifies it, and only then points the index at the copies and unlinks the old pack. A reader
 that had looked a chunk up in an old pack finds it again through the index, or keeps reading the
 unlinked file through its open fd. GC never deletes a manifest it was told is live, and stops
-before deleting anything if a live manifest is missing or damaged.
+before deleting anything if a live manifest is missing or damaged, or names a chunk the index
+does not list.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ksfs.cas.flatten import Flattened, append_to, commit_writers, flatten, rele
 from ksfs.cas.packs import PackWriter, decode_payload, fsync_dir
 from ksfs.cas.store import index_errors, list_packs_dir
 from ksfs.crashpoints import crash_point
-from ksfs.errors import IntegrityError, KsfsError, translate
+from ksfs.errors import IntegrityError, KsfsError, StoreDamaged, translate
 
 if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
@@ -78,6 +79,7 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
         for mid in live:
             info = store.load_manifest(mid.hex(), txn)
             marked.update(cid for cid, _ in info.entries if cid is not None)
+        _require_indexed(store, txn, marked)
         # a live delta keeps its base (bases are never deltas: one pass marks them all)
         bases = {bytes(v[fmt.INDEX_VALUE.size :]) for k, v in txn.cursor(db=db["chunks"])
                  if len(v) > fmt.INDEX_VALUE.size and bytes(k) in marked}
@@ -120,6 +122,21 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
     _drop_orphans(store, res)
     _repack(store, threshold, res)
     return res
+
+
+def _require_indexed(store: ChunkStore, txn, marked: set[bytes]) -> None:
+    """Every chunk a live manifest holds is in the index, or GC stops before deleting anything.
+
+    An index whose key was damaged lists the chunk under another id: the sweep would take that
+    entry for garbage and free the only pointer to live bytes (a later repack deletes them).
+    """
+    chunks = store.db["chunks"]
+    lost = [cid for cid in marked if txn.get(cid, db=chunks) is None]
+    if lost:
+        more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
+        raise StoreDamaged(path=store.path, why=(
+            f"chunk {min(lost).hex()}{more}, held by a live checkpoint, is not in the index, "
+            "so gc frees nothing (run `ksfs check` to see what is damaged)"))
 
 
 def _first_pack_no(txn, store: ChunkStore) -> int:
