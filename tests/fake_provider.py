@@ -51,6 +51,7 @@ class FakeProvider:
         # True: as OpenAI, a stream's usage (and "usage": null on its other chunks) only when
         # the request asks with stream_options.include_usage; False: never.
         self.stream_usage = stream_usage
+        self.json_usage = True  # False: JSON chat answers carry no usage (some servers' way)
         self.chunk_delay = chunk_delay
         self.stream_end: str | None = None  # "no_done": no [DONE]; "error_event": fails mid-way
         self.gzip = False  # compress JSON answers although asked for identity
@@ -120,6 +121,7 @@ class FakeProvider:
         old, self._stop = self._stop, threading.Event()
         old.set()
         self.delay, self.error, self.stream_usage, self.chunk_delay = 0.0, None, True, 0.0
+        self.json_usage = True
         self.stream_end, self.gzip, self.reject_stream_options = None, False, False
         self.stream_as_json = False
         self.answer_model, self.words, self.ok_but = None, list(COMPLETION_WORDS), None
@@ -255,13 +257,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             asked = (req.get("stream_options") or {}).get("include_usage") is True
             self._stream(cid, model, usage if asked and self.fake.stream_usage else None)
             return
-        self._json(200, {
+        answer = {
             "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "finish_reason": "stop",
                          "message": {"role": "assistant",
                                      "content": " ".join(fake.words)}}],
-            "usage": usage,
-        })
+        }
+        self._json(200, dict(answer, usage=usage) if fake.json_usage else answer)
 
     def _stream(self, cid: str, model: str, usage: dict | None) -> None:
         self.send_response(200)

@@ -116,6 +116,26 @@ def test_standalone_gateway_serves_replays_and_budgets(served, provider):
         assert s.check().ok
 
 
+def test_usage_says_calls_without_usage_are_counted_at_an_estimate(tmp_path):
+    # QA: the line said "N streamed call(s) without usage, 0 tokens" of any call without
+    # usage, a JSON answer's too, and such calls are now counted at an estimate.
+    from ksfs.gateway import GatewayStore
+    from ksfs.gateway.calls import Usage
+
+    store = tmp_path / "store"
+    with ChunkStore.open(store, create=True) as s:
+        led = Ledger(s)
+        with led.env.begin(write=True) as txn:
+            led.create_session(txn, "s1")
+        lineage = led.session("s1").lineage
+        guess = Usage("gpt-4o-mini", 30, 10, 40, known=False, estimated=True)
+        GatewayStore(s, led).record_unstored_call("s1", lineage, b"k" * 32, guess, 0.0, True,
+                                                  200, "not_an_answer")
+    human = ksfs(store, "usage", "s1").stdout
+    assert "1 call(s) without usage, counted at an estimate" in human, human
+    assert "streamed" not in human and "40 total" in human
+
+
 def test_cli_errors_and_help(tmp_path, provider):
     store = tmp_path / "store"
     ChunkStore.open(store, create=True).close()

@@ -167,6 +167,32 @@ async def test_an_upload_naming_an_unpriced_model_is_refused_under_a_usd_budget(
     assert r.status_code == 404 and len(provider.requests) == asked + 1
 
 
+async def test_a_chat_completion_naming_no_model_is_refused_under_a_usd_budget(
+        gw, ledger, provider, nursery):
+    """QA: a chat completion without "model" is answered by the provider's default model, at a
+    price the table cannot know; it went upstream under a USD budget, cost 0, and the budget
+    never tripped (the fake provider answers it as model "unknown")."""
+    gw.set_budget("s1", usd=0.01)
+    port = await nursery.start(gw.serve_session, "s1")
+    nameless = {"messages": [{"role": "user", "content": "which model are you?"}]}
+    for path in ("/v1/chat/completions", "/openai/deployments/d1/chat/completions"):
+        r = await post(port, path, nameless)
+        assert r.status_code == 402, (path, r.text)
+        err = r.json()["error"]
+        assert err["reason"] == "unpriced_model" and "names no model" in err["message"]
+        assert "name a model the table prices" in err["message"]
+    assert provider.requests == []
+    assert [e.body["reason"] for e in events(ledger, "s1", "budget.refused")] == [
+        "unpriced_model"] * 2
+    # Other routes that name no model keep going (an upload, a batch's cancel: not billed by
+    # the token; the fake provider has no such endpoint and answers 404).
+    r = await post(port, "/v1/batches/b1/cancel", raw=b"")
+    assert r.status_code == 404 and len(provider.requests) == 1
+    # Under a budget in tokens alone the cost need not be known: it goes.
+    gw.set_budget("s1", tokens=10_000)
+    assert (await post(port, "/v1/chat/completions", nameless)).status_code == 200
+
+
 # --- under budget: their usage is counted, and they are bought once ----------------------------
 
 

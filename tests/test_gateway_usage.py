@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -83,13 +84,17 @@ async def test_usage_counts_paid_calls_replays_and_cost(gw, ledger, provider, nu
     await call(port, chat_body("four five", model="test-model", stream=True))  # 2 + 7
     await call(port, chat_body("x", model="unpriced-model"))  # 1 + 7, no price
     provider.stream_usage = False
-    await call(port, chat_body("no usage here", model="test-model", stream=True))
+    no_usage = chat_body("no usage here", model="test-model", stream=True)
+    await call(port, no_usage)  # counted at an estimate: its size, and its text's
+    guessed = (len(json.dumps(no_usage)) // 4, len("this is the fake provider answering you ") // 4)
     u = gw.usage("s1")
     assert provider.count() == 4
     assert (u["paid_calls"], u["replays"], u["refused"], u["upstream_errors"]) == (4, 1, 0, 0)
-    assert (u["prompt_tokens"], u["completion_tokens"]) == (3 + 2 + 1, 7 * 3)
-    assert u["total_tokens"] == 6 + 21
-    assert u["cost_usd"] == pytest.approx((5 * 1000 + 14 * 2000) / 1e6)
+    assert (u["prompt_tokens"], u["completion_tokens"]) == (3 + 2 + 1 + guessed[0],
+                                                            7 * 3 + guessed[1])
+    assert u["total_tokens"] == 6 + 21 + sum(guessed)
+    assert u["cost_usd"] == pytest.approx(
+        ((5 + guessed[0]) * 1000 + (14 + guessed[1]) * 2000) / 1e6)
     assert (u["unpriced_calls"], u["unknown_usage_calls"]) == (1, 1)
     assert u["by_model"]["unpriced-model"]["priced"] is False
     assert u["by_model"]["test-model"]["calls"] == 3
@@ -201,32 +206,72 @@ async def test_calls_in_flight_cannot_spend_past_the_budget_together(gw, ledger,
     assert len(events(ledger, "s1", "budget.refused")) == 5
 
 
-@pytest.mark.parametrize("warm_up", ["unpriced", "no usage"])
-async def test_a_call_that_cost_nothing_does_not_open_the_gate(gw, provider, nursery, warm_up):
-    # A stream without usage is counted at 0 USD: that says nothing about what a priced call
-    # costs, so priced calls without a cap still start one at a time. An unpriced
-    # model's call is not bought at all under a USD budget: its cost could not be counted.
+async def test_a_call_that_cost_nothing_does_not_open_the_gate(gw, provider, nursery):
+    # An unpriced model's call costs 0 USD, which says nothing about what a priced call costs:
+    # priced calls without a cap still start one at a time. Under a USD budget it is not bought
+    # at all: its cost could not be counted.
     gw.set_budget("s1", usd=0.04)
     port = await nursery.start(gw.serve_session, "s1")
-    if warm_up == "unpriced":
-        r = await call(port, chat_body("warm up", model="unpriced-model"))
-        assert r.status_code == 402 and r.json()["error"]["reason"] == "unpriced_model"
-        assert "'unpriced-model' has no price" in r.json()["error"]["message"]
-        assert provider.count() == 0
-        # A request that names no model (a file upload) is not billed by the token: it goes.
-        async with client(port) as c:
-            up = await c.post("/v1/embeddings", content=b'{"input": "no model named"}')
-        assert up.status_code == 200 and provider.count("/v1/embeddings") == 1
-    else:
-        provider.stream_usage = False
-        await call(port, chat_body("warm up", model="test-model", stream=True))
-        provider.stream_usage = True
+    r = await call(port, chat_body("warm up", model="unpriced-model"))
+    assert r.status_code == 402 and r.json()["error"]["reason"] == "unpriced_model"
+    assert "'unpriced-model' has no price" in r.json()["error"]["message"]
+    assert provider.count() == 0
+    # A request that names no model and is no chat completion is not billed by the token.
+    async with client(port) as c:
+        up = await c.post("/v1/embeddings", content=b'{"input": "no model named"}')
+    assert up.status_code == 200 and provider.count("/v1/embeddings") == 1
     provider.delay = 0.3
     # 2 + 7 tokens of test-model each: 0.016 USD
     replies = await burst(port, [chat_body(f"priced {i}", model="test-model") for i in range(8)])
     assert sorted(r.status_code for r in replies) == [200] * 3 + [402] * 5
     # No cap and no priced call completed to size them by: one at a time.
     assert provider.most_active == 1 and gw.usage("s1")["cost_usd"] == pytest.approx(0.048)
+
+
+async def test_calls_without_usage_are_counted_at_an_estimate(gw, ledger, provider, nursery):
+    # QA: an answer without usage (a provider that ignores include_usage, a JSON answer with
+    # none) counted 0 tokens, so no budget ever stopped such calls.
+    provider.stream_usage = provider.json_usage = False
+    port = await nursery.start(gw.serve_session, "s1")
+    bodies = [chat_body(f"guess {n}", model="test-model", stream=n == 1) for n in range(2)]
+    for body in bodies:
+        assert (await call(port, body)).status_code == 200
+    answer = len("this is the fake provider answering you")  # 39 bytes whole, 40 streamed
+    for e, body, made in zip(events(ledger, "s1", "gateway.call"), bodies, (answer, answer + 1),
+                             strict=True):
+        prompt, completion = len(json.dumps(body)) // 4, -(-made // 4)
+        assert (e.body["prompt_tokens"], e.body["completion_tokens"]) == (prompt, completion)
+        assert e.body["usage_known"] is False and e.body["priced"] is True
+        assert e.body["cost_usd"] == pytest.approx((prompt * 1000 + completion * 2000) / 1e6)
+    u = gw.usage("s1")
+    assert u["unknown_usage_calls"] == 2 and u["total_tokens"] > 2 * 10
+
+
+async def test_calls_without_usage_are_held_to_the_budget(gw, ledger, provider, nursery):
+    provider.stream_usage = provider.json_usage = False
+    gw.set_budget("s1", tokens=200)  # about 30 tokens a call, by the estimate
+    port = await nursery.start(gw.serve_session, "s1")
+    codes = [(await call(port, chat_body(f"call {i}", model="test-model",
+                                         stream=i % 2 == 1))).status_code for i in range(12)]
+    bought = codes.count(200)
+    assert codes == [200] * bought + [402] * (12 - bought) and 5 <= bought <= 8, codes
+    assert provider.count() == bought
+    assert 200 <= gw.usage("s1")["total_tokens"] < 200 + 45
+    # In a burst the gate sizes each purchase by what the estimated calls cost: a few at once,
+    # then refused once the budget is used up.
+    used = gw.usage("s1")["total_tokens"]
+    gw.set_budget("s1", tokens=used + 100)
+    provider.delay = 0.3
+    replies = await burst(port, [chat_body(f"burst {i}", model="test-model") for i in range(8)])
+    assert 402 in [r.status_code for r in replies]
+    assert gw.usage("s1")["total_tokens"] < used + 100 + 40
+    assert provider.most_active > 1
+    # A USD budget sees them too: about 0.04 USD each at test-model's price.
+    gw.set_budget("s1", usd=gw.usage("s1")["cost_usd"] + 0.1)
+    provider.delay = 0
+    codes = [(await call(port, chat_body(f"priced {i}", model="test-model"))).status_code
+             for i in range(6)]
+    assert codes == [200] * 3 + [402] * 3, codes
 
 
 async def test_calls_with_room_in_the_budget_still_run_at_once(gw, provider, nursery):

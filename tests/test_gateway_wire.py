@@ -143,10 +143,13 @@ async def test_a_stream_that_fails_or_stops_short_is_passed_on_but_not_stored(
     assert [(e.body["stored"], e.body.get("error")) for e in calls] == [
         (False, "stream_incomplete"), (True, None), (False, "stream_incomplete"), (True, None)]
     # What the provider billed counts even when the stream is not stored (review: a provider
-    # that never sends [DONE] made every stream free and the budget void).
-    assert [e.body["total_tokens"] for e in calls] == [0, 2 + 7, 2 + 7, 2 + 7]
+    # that never sends [DONE] made every stream free and the budget void). The one that failed
+    # before its usage chunk is counted at an estimate: its request's size, three words' text.
+    guessed = len(json.dumps(chat_body("doomed 0", stream=True))) // 4 + len("this is the ") // 4
+    assert [e.body["total_tokens"] for e in calls] == [guessed, 2 + 7, 2 + 7, 2 + 7]
+    assert [e.body["usage_known"] for e in calls] == [False, True, True, True]
     u = gw.usage("s1")
-    assert (u["total_tokens"], u["upstream_errors"], u["paid_calls"]) == (27, 2, 4)
+    assert (u["total_tokens"], u["upstream_errors"], u["paid_calls"]) == (27 + guessed, 2, 4)
 
 
 async def test_a_compressed_answer_is_stored_decoded(store, ledger, provider, nursery):
@@ -273,6 +276,58 @@ def test_stream_usage_is_read_from_whole_events() -> None:
     assert usage_of_sse(split, "asked").total_tokens == 11
     none = usage_of_sse(b"data: {\"choices\": []}\n\ndata: [DONE]\n\n", "asked")
     assert (none.model, none.total_tokens, none.known) == ("asked", 0, False)
+
+
+def test_the_text_an_answer_generated_is_sized_from_its_deltas_and_text_fields() -> None:
+    """What a call without usage is counted at: the text it generated, not its JSON's size
+    and not the whole-answer events of a Responses stream, which repeat its deltas."""
+    from ksfs.gateway.calls import answer_text_bytes
+    from ksfs.gateway.sse import generated_text_bytes
+
+    chat = (b'data: {"choices":[{"delta":{"role":"assistant","content":"h\\u00e9 "}}]}\n\n'
+            b'data: {"choices":[{"delta":{"tool_calls":[{"function":{"arguments":"{}"}}]}}]}'
+            b'\n\ndata: [DONE]\n\n')
+    assert generated_text_bytes(chat) == len("hé ".encode()) + 2
+    done = {"type": "response.completed", "response": {"output": [{"content": [
+        {"type": "output_text", "text": "one two"}]}]}}
+    responses = "".join(f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n" for ev in (
+        {"type": "response.output_text.delta", "delta": "one "},
+        {"type": "response.output_text.delta", "delta": "two"},
+        {"type": "response.output_text.done", "text": "one two"}, done)).encode()
+    assert generated_text_bytes(responses) == len("one two")
+    answer = {"model": "m", "choices": [{"message": {"content": "four", "refusal": None}}],
+              "data": [{"b64_json": "QUJD" * 100}]}
+    assert answer_text_bytes(json.dumps(answer).encode(), "application/json") == 4
+    assert answer_text_bytes(b"1\n00:00 --> 00:01\nhi\n", "text/plain; charset=utf-8") == 21
+    assert answer_text_bytes(b"<html>502</html>", "text/html") == 0
+    assert answer_text_bytes(b"\xff\xfbMP3", "audio/mpeg") == 0
+
+
+def test_one_event_of_many_mb_passes_whole_and_is_held_as_it_came() -> None:
+    """QA: one huge event was copied onto what was held at every 64 KiB piece, so hiding the
+    usage of its stream took time growing with the square of its size (a 40 MB event: 38 s).
+    The pieces of an event not yet ended are held as they came, each joined once; its bytes
+    come out right."""
+    words = {"index": 0, "delta": {"content": "word " * 700_000}}  # 3.5 MB of text
+    big = {"id": "c", "choices": [words], "usage": None}
+    stream = (b"data: " + json.dumps(big).encode() + b"\n\n"
+              + b"data: " + json.dumps({"id": "c", "choices": [words]}).encode() + b"\r\n\r\n"
+              + b'data: {"id":"c","choices":[],"usage":{"total_tokens":3}}\n\n'
+              + b"data: [DONE]\n\n")
+    f, out = HiddenUsage(), []
+    pieces = [stream[at:at + 65536] for at in range(0, len(stream), 65536)]
+    first_end = stream.index(b"\n\n")
+    for n, piece in enumerate(pieces):
+        out.append(f.feed(piece))
+        if (n + 1) * 65536 < first_end:  # the first event not ended yet: nothing copied
+            assert out[-1] == b"" and all(
+                a is b for a, b in zip(f._held, pieces[:n + 1], strict=True))
+    got = b"".join(out) + f.flush()
+    big.pop("usage")
+    assert got == (b"data: " + json.dumps(big, separators=(",", ":")).encode() + b"\n\n"
+                   + b"data: " + json.dumps({"id": "c", "choices": [words]}).encode()
+                   + b"\r\n\r\ndata: [DONE]\n\n")
+    assert got == HiddenUsage.apply(stream)
 
 
 def test_filler_after_the_end_of_a_stream_does_not_release_it() -> None:

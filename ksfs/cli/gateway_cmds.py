@@ -196,7 +196,9 @@ def _is_loopback(host: str) -> bool:
 def usage(ctx, session: str, as_json: bool) -> None:
     """Model-call usage of SESSION: paid calls, replays, tokens, cost, budget.
 
-    Replays (calls served from the store) cost nothing and are counted apart.
+    Replays (calls served from the store) cost nothing and are counted apart. A call whose
+    answer carried no usage is counted at an estimate from the sizes of its request and of
+    the text it generated.
 
     Example: ksfs usage demo --json
     """
@@ -218,7 +220,8 @@ def usage(ctx, session: str, as_json: bool) -> None:
     if u["unpriced_calls"]:
         notes.append(f"{u['unpriced_calls']} call(s) of models with no price, counted as 0")
     if u["unknown_usage_calls"]:
-        notes.append(f"{u['unknown_usage_calls']} streamed call(s) without usage, 0 tokens")
+        notes.append(f"{u['unknown_usage_calls']} call(s) without usage, counted at an "
+                     "estimate")
     click.echo(f"cost             {u['cost_usd']:.6f} USD" + (f"  ({'; '.join(notes)})"
                                                                if notes else ""))
     click.echo(f"budget           {_show_budget(u['budget'])}")

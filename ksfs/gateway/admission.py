@@ -6,9 +6,11 @@ room for one were all bought. ``BudgetGate`` lets a new purchase of a lineage th
 start only when the budget still has room for it and for every purchase already in flight. Each
 is reckoned at the larger of what its request says it may cost (``calls.estimated_tokens``: its
 size and its own completion cap, priced by the table) and the largest cost a completed call of
-this gateway has had on that lineage. A request without a completion cap, on a lineage with no
-completed call to size it by, has no reckoning: it starts only when nothing else is in flight,
-and nothing starts beside it (the rule before requests were sized). A purchase held back waits
+this gateway has had on that lineage (as the provider reported it or, for an answer that
+carried no usage, as the gateway estimated it from the answer's text). A request without a
+completion cap, on a lineage with no completed call to size it by, has no reckoning: it starts
+only when nothing else is in flight, and nothing starts beside it (the rule before requests
+were sized). A purchase held back waits
 (the guest's request stays open) until one in flight ends, then is checked again, and refused
 with 402 if the budget is then used up.
 

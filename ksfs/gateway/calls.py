@@ -156,13 +156,65 @@ def estimated_tokens(obj: dict[str, Any], body_bytes: int) -> tuple[int, int | N
 
 @dataclass(frozen=True)
 class Usage:
-    """Token counts of one response; ``known`` False when the response carried no usage."""
+    """Token counts of one response; ``known`` False when the response carried no usage, and
+    then ``estimated`` when the counts are the gateway's reckoning rather than 0."""
 
     model: str | None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     known: bool = False
+    estimated: bool = False  # not known: counted at ``estimated_usage``'s reckoning
+
+
+# Keys whose string values in an answer are text the model generated: a chat message's content
+# (and its refusal, its reasoning), a tool call's arguments, a Responses output's or a
+# transcription's text.
+TEXT_KEYS = frozenset({"content", "text", "arguments", "refusal", "reasoning_content"})
+# Answers that are generated text whole (a transcription asked as text, srt or vtt); not any
+# text/*: a front server's HTML page in a 200 is no generation.
+TEXT_ANSWERS = frozenset({"text/plain", "text/vtt", "text/srt", "application/x-subrip"})
+
+
+def text_bytes(obj: Any) -> int:
+    """UTF-8 bytes of the generated text in a parsed answer: every string under a TEXT_KEYS key,
+    at any depth (walked with a list, not recursion: an answer may nest deeply)."""
+    total, todo = 0, [obj]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(v, str):
+                    total += len(v.encode("utf-8", "replace")) if k in TEXT_KEYS else 0
+                elif isinstance(v, dict | list):
+                    todo.append(v)
+        elif isinstance(node, list):
+            todo.extend(v for v in node if isinstance(v, dict | list))
+    return total
+
+
+def answer_text_bytes(body: bytes, content_type: str) -> int:
+    """UTF-8 bytes of the text a whole (not streamed) answer generated: the text fields of a
+    JSON answer, all of a text answer (a transcription as text/plain, srt or vtt), none of any
+    other (an image, audio: not billed by the token)."""
+    if content_type.split(";")[0].strip().lower() in TEXT_ANSWERS:
+        return len(body)
+    try:
+        return text_bytes(json.loads(body.decode("utf-8")))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return 0
+
+
+def estimated_usage(usage: Usage, prompt_bytes: int, answer_bytes: int) -> Usage:
+    """What a call whose answer carried no usage is counted at, rather than 0 tokens (which let
+    a provider ignoring ``include_usage`` spend past any budget): its prompt reckoned from the
+    request's size as ``estimated_tokens`` reckons it, its completion from the generated text,
+    rounded up (any text costs something). Still not ``known``: never taken for a provider's
+    figure."""
+    prompt = prompt_bytes // BYTES_PER_TOKEN
+    completion = -(-answer_bytes // BYTES_PER_TOKEN)
+    return Usage(usage.model, prompt, completion, prompt + completion, known=False,
+                 estimated=True)
 
 
 def usage_from(obj: Any, model: str | None) -> Usage | None:

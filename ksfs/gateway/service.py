@@ -31,8 +31,11 @@ from ksfs.gateway.admission import BudgetGate, Reckoning
 from ksfs.gateway.app import asgi_app
 from ksfs.gateway.calls import (
     CHAT_PATH,
+    Usage,
+    answer_text_bytes,
     derived_key,
     estimated_tokens,
+    estimated_usage,
     form_model,
     header_key,
     is_chat,
@@ -46,6 +49,7 @@ from ksfs.gateway.inflight import Call, StreamThrough, header, ksfs_headers, rep
 from ksfs.gateway.prices import PriceTable, load_prices
 from ksfs.gateway.sse import (
     HiddenUsage,
+    generated_text_bytes,
     incomplete,
     usage_of_sse,
     wants_usage_added,
@@ -111,6 +115,7 @@ class Order:
     stream: bool
     digest: str
     ask_usage: bool = False  # a chat stream sent with include_usage added on the guest's behalf
+    prompt_bytes: int = 0  # the size of a JSON request, a prompt's if the answer has no usage
 
 
 def check_upstream(upstream_url: str, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -253,8 +258,10 @@ class Gateway:
         model = obj.get("model") if isinstance(obj.get("model"), str) else \
             form_model(body, header(headers, "content-type")) if not obj else None
         stream = obj.get("stream") is True
+        # A body that is no JSON (an upload, audio) is not sized as a prompt.
         order = Order(route, headers, body, model, stream, digest,
-                      ask_usage=is_chat(path) and wants_usage_added(obj))
+                      ask_usage=is_chat(path) and wants_usage_added(obj),
+                      prompt_bytes=len(body) if obj else 0)
         prompt, completion = estimated_tokens(obj, len(body))
         est_usd, priced = self.prices.cost(model, prompt, completion or 0)
         ikey = lineage_bytes(view.lineage) + key
@@ -271,10 +278,12 @@ class Gateway:
                     return error_reply(503, "gateway_stopping",
                                        "the gateway is stopping; retry the call shortly"), []
                 budget, used = self.db.spending(view.lineage)
-                # A named model without a price: its cost could not be counted. A request that
-                # names none (a file upload, a batch's cancel) is not billed by the token.
+                # A named model without a price, or a chat completion naming none (the
+                # provider's default model answers it, at a price the table cannot know): its
+                # cost could not be counted. Another request that names none (a file upload,
+                # a batch's cancel) is not billed by the token.
                 unpriced = (budget is not None and budget.get("usd") is not None
-                            and model is not None and not priced)
+                            and not priced and (model is not None or is_chat(path)))
                 if used_up(budget, used) or unpriced:
                     return (await self._refuse(view, key, model, path, budget, used, unpriced),
                             ksfs_headers(key, "refused"))
@@ -327,10 +336,12 @@ class Gateway:
                                       "unpriced_model" if unpriced else "used_up")
         if unpriced:
             # Its cost could not be counted, so a USD budget would not hold against it.
-            why = (f"model {model!r} has no price in the gateway's price table, so session "
-                   f"{view.session!r}'s budget of {_fmt_budget(budget)} cannot be kept against "
-                   "it; add the model to the table (--prices) or remove the USD budget; "
-                   "nothing was sent upstream")
+            what = (f"model {model!r} has no price in the gateway's price table" if model
+                    else "the request names no model, so the provider's default model would "
+                         "answer at a price the gateway cannot know")
+            why = (f"{what}, so session {view.session!r}'s budget of {_fmt_budget(budget)} "
+                   "cannot be kept against it; name a model the table prices, add the model "
+                   "to the table (--prices) or remove the USD budget; nothing was sent upstream")
         else:
             why = (f"session {view.session!r} has used {used['tokens']} tokens and "
                    f"{used['usd']:.6f} USD of its budget of {_fmt_budget(budget)}; "
@@ -443,11 +454,15 @@ class Gateway:
         sse = ctype.startswith("text/event-stream") or (
             order.stream and not ctype.startswith("application/json"))
         usage = (usage_of_sse if sse else usage_of_json)(got.body, order.model)
+        if not usage.known:
+            usage = _estimated(usage, got.body, sse, ctype, order)
         cost, priced = self._cost(usage, order.model)
-        # What the gate may learn a call's size from: only figures the provider reported (an
-        # unpriced model's or a usage-less call's 0 would let every later call start at once).
-        learned = (usage.total_tokens if usage.known else None,
-                   cost if usage.known and priced else None)
+        # What the gate may learn a call's size from: figures the provider reported, or the
+        # estimate from the answer's own text; never a 0 that stands for "not known" (an
+        # unpriced model's cost, an upload's tokens), which would let every later call start
+        # at once.
+        counted = usage.known or usage.estimated
+        learned = (usage.total_tokens if counted else None, cost if counted and priced else None)
         path = order.route.path
         if sse and (why := incomplete(got.body, path)) is not None:
             self.db.record_unstored_call(view.session, view.lineage, key, usage, cost, priced,
@@ -495,6 +510,17 @@ class Gateway:
 
 
 # --- small helpers ----------------------------------------------------------------------------
+
+
+def _estimated(usage: Usage, body: bytes, sse: bool, content_type: str, order: Order) -> Usage:
+    """A 2xx answer without usage counted at an estimate, not 0 tokens: else a provider that
+    ignores ``include_usage``, or never reports usage, could spend past any budget. A call that
+    names no model and is no chat completion (a file upload, a batch's cancel) is not billed
+    by the token, and stays at 0."""
+    if usage.model is None and not is_chat(order.route.path):
+        return usage
+    made = generated_text_bytes(body) if sse else answer_text_bytes(body, content_type)
+    return estimated_usage(usage, order.prompt_bytes, made)
 
 
 def _key_reused() -> Reply:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from ksfs.gateway.calls import Usage, is_chat, json_bytes, model_of, usage_from
+from ksfs.gateway.calls import Usage, is_chat, json_bytes, model_of, text_bytes, usage_from
 
 RESPONSES_PATH = "/v1/responses"
 # Terminal events of a Responses API stream that carry a whole response.
@@ -27,6 +27,7 @@ RESPONSES_FAILED = ("response.failed", "error")
 # The blank line that ends an event: two line ends in a row, each "\r\n" or "\n" (a lone "\r"
 # line end, which no provider sends, is not recognised).
 _END = re.compile(rb"\r?\n\r?\n")
+_END_OVERLAP = 3  # bytes of an event's end (at most 4) that can come before the next piece
 _LINE = re.compile(rb"\r\n|\r|\n")
 
 
@@ -93,9 +94,10 @@ def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
     """Usage of a streamed response: the last event whose data carries a usage object.
 
     OpenAI-style chat streams send it in a final chunk when asked (``stream_options``); a
-    /v1/responses stream in its ``response.completed`` event. Without one the call counts 0
-    tokens and is marked unknown. Events are read as ``incomplete`` reads them: data split over
-    several lines is one JSON text, and a U+2028 inside a string does not end a line.
+    /v1/responses stream in its ``response.completed`` event. Without one the usage is not
+    known (the service counts the call at an estimate). Events are read as ``incomplete``
+    reads them: data split over several lines is one JSON text, and a U+2028 inside a string
+    does not end a line.
     """
     model = request_model
     found: Usage | None = None
@@ -110,6 +112,26 @@ def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
     if found is None:
         return Usage(model)
     return Usage(model, found.prompt_tokens, found.completion_tokens, found.total_tokens, True)
+
+
+def generated_text_bytes(body: bytes) -> int:
+    """UTF-8 bytes of the text a stream generated: the deltas of its chat chunks (their
+    ``choices``), and of a Responses stream's ``*.delta`` events. Read only when the stream
+    carried no usage, to count it at an estimate (``calls.estimated_usage``); never the
+    whole-answer events (``response.completed``, ``*.done``), which repeat the deltas."""
+    total = 0
+    for raw in split_events(body):
+        if b"{" not in raw:
+            continue
+        obj = _json_of(parse_event(raw)[1])
+        if not isinstance(obj, dict):
+            continue
+        delta, kind = obj.get("delta"), obj.get("type")
+        if isinstance(delta, str) and isinstance(kind, str) and kind.endswith(".delta"):
+            total += len(delta.encode("utf-8", "replace"))
+        else:
+            total += text_bytes(obj.get("choices"))
+    return total
 
 
 def wants_usage_added(obj: dict[str, Any]) -> bool:
@@ -132,23 +154,37 @@ def with_usage(obj: dict[str, Any]) -> bytes:
 class HiddenUsage:
     """Feeds of a stream in, the stream the guest asked for out: the final chunk that only
     carries usage (``"choices": []``) is dropped and other chunks lose their ``usage`` field.
-    Works event by event, so output comes at event boundaries whatever the chunking was."""
+    Works event by event, so output comes at event boundaries whatever the chunking was.
+
+    The bytes of an event not yet ended are held as the pieces they came in, joined once when
+    its end arrives: one event of many MB, fed 64 KiB at a time, is copied about twice, not
+    once per piece (which made hiding the usage quadratic in the event's size)."""
 
     def __init__(self) -> None:
-        self._buf = b""
+        self._held: list[bytes] = []  # the pieces of an event not yet ended
+        self._tail = b""  # the last few bytes held: a blank line may straddle two pieces
 
     def feed(self, data: bytes) -> bytes:
-        buf = self._buf + data
+        # Only the new bytes, and the few before them, can hold an event's end not seen yet.
+        window = self._tail + data
+        if _END.search(window) is None:
+            if data:
+                self._held.append(data)
+            self._tail = window[-_END_OVERLAP:]
+            return b""
+        held = sum(map(len, self._held))
+        buf = b"".join([*self._held, data])
         out, pos = [], 0
-        # From a little before the new bytes: a blank line may straddle the two.
-        for m in _END.finditer(buf, max(0, len(self._buf) - 3)):
+        for m in _END.finditer(buf, max(0, held - _END_OVERLAP)):
             out.append(_without_usage(buf[pos:m.end()]))
             pos = m.end()
-        self._buf = buf[pos:]
+        rest = buf[pos:]
+        self._held = [rest] if rest else []
+        self._tail = rest[-_END_OVERLAP:]
         return b"".join(out)
 
     def flush(self) -> bytes:
-        rest, self._buf = self._buf, b""
+        rest, self._held, self._tail = b"".join(self._held), [], b""
         return _without_usage(rest) if rest else b""
 
     @classmethod
