@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from ksfs.cli import SECONDS, main, pass_ctx
-from ksfs.errors import BadInput, Busy, DaemonError, NoSuchFile
+from ksfs.errors import BadInput, Busy, DaemonError, NoSuchFile, NotPermitted
 
 KSFS_FSTYPE = "fuse.ksfs"
 _MOUNTS_ESCAPES = re.compile(r"\\([0-7]{3})")  # /proc/mounts writes " " as \040 and so on
@@ -82,11 +82,13 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
     if not is_dir:
         raise BadInput(f"mount point {mountpoint} is not a directory")
     there = _mount_type(mountpoint)
+    # Busy, as mount(2)'s EBUSY and as a store already mounted elsewhere (QA: exit 2 here
+    # and 8 there for one situation)
     if there == KSFS_FSTYPE:
-        raise BadInput(f"{mountpoint} is already a ksfs mount (`ksfs umount {mountpoint}` "
-                       "unmounts it, also when its daemon died)")
+        raise Busy(f"{mountpoint} is already a ksfs mount (`ksfs umount {mountpoint}` "
+                   "unmounts it, also when its daemon died)")
     if there is not None:
-        raise BadInput(f"{mountpoint} is already a mount point (of {there}); mount elsewhere")
+        raise Busy(f"{mountpoint} is already a mount point (of {there}); mount elsewhere")
     store = Path(ctx.store_path)
     _refuse_overlap(store, Path(mountpoint))
     # Make (or check) the store before the daemon's log file lands in its directory.
@@ -183,6 +185,10 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
             raise Busy(f"{mountpoint} is in use (a process has a file open or its working "
                        "directory there, or is waiting on a verb it asked for there, such as a "
                        "mkdir that saves): not unmounted")
+        if os.geteuid() != 0 and ("not found in" in res.stderr or "permitted" in res.stderr):
+            # fusermount3 names /etc/mtab for a mount of another user's (QA: exit 13)
+            raise NotPermitted(f"{mountpoint} was mounted by another user: only that user or "
+                               "root can unmount it")
         raise DaemonError(f"could not unmount {mountpoint}: {res.stderr.strip()}")
     if not answered:
         # A daemon that does not answer (stopped, or stuck in a verb) is not waited for.
