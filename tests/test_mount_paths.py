@@ -216,3 +216,30 @@ def test_a_default_guest_template_that_is_no_guest_is_said_so(tmp_path: Path) ->
             if os.path.ismount(mnt):
                 subprocess.run(["umount", "-l", str(mnt)], check=False)
         assert res.returncode == 0, res
+
+
+def test_another_users_umount_is_not_permitted() -> None:
+    """QA (fifteenth session): a non-root user's `ksfs umount` of root's mount said exit 13
+    with fusermount3's words about /etc/mtab."""
+    import tempfile
+
+    # (not under pytest's own temporary directory, which nobody else may enter)
+    with tempfile.TemporaryDirectory(prefix="ksfs-other-user-", dir="/tmp") as where:
+        os.chmod(where, 0o755)
+        _try_umount_as_nobody(Path(where))
+
+
+def _try_umount_as_nobody(base: Path) -> None:
+    store, mnt = base / "store", base / "mnt"
+    mnt.mkdir()
+    assert ksfs(store, "mount", str(mnt)).returncode == 0
+    try:
+        res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                              *KSFS, "--store", str(store), "umount", str(mnt)],
+                             capture_output=True, text=True, env=ENV, timeout=60)
+        assert res.returncode == 12, res
+        assert "was mounted by another user" in res.stderr, res.stderr
+        assert os.path.ismount(mnt)
+    finally:
+        res = ksfs(store, "umount", str(mnt))
+    assert res.returncode == 0 and not os.path.ismount(mnt), res
