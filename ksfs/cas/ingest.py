@@ -1,17 +1,19 @@
 """Putting files into the store: ``Ingest``, one batch of files that becomes visible at once.
 
 An ingest holds the store lock shared (GC waits), cuts each file into chunks, hashes, skips holes
-and chunks the store or this ingest already has, compresses the rest on the worker threads and
-appends them to its own packs. ``seal`` fsyncs and re-reads every record; ``commit(txn)`` writes
-index entries, pack figures and manifests into the caller's LMDB write transaction, where the
-caller also writes its own records. Nothing an ingest does is visible before that transaction
-commits, and an abandoned ingest leaves only unindexed pack bytes, which GC reclaims.
+and chunks the store (in a pack file that is there) or this ingest already has, compresses the
+rest on the worker threads and appends them to its own packs. ``seal`` fsyncs and re-reads
+every record; ``commit(txn)`` writes index entries, pack figures and manifests into the caller's
+LMDB write transaction, where the caller also writes its own records. Nothing an ingest does
+is visible before that transaction commits, and an abandoned ingest leaves only unindexed pack
+bytes, which GC reclaims.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat as stat_
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from ksfs.cas.chunking import (
     iter_fixed,
     open_source,
 )
+from ksfs.cas.flatten import release
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, encode_alone
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.cas.patching import Patcher
@@ -87,6 +90,10 @@ class Ingest:
         self.store = store
         self.level = store.level
         self.new: dict[bytes, fmt.Location] = {}
+        # chunks the index lists in a pack file that is gone, stored again: their index value
+        # as seen, which commit replaces if it is still the same (re-importing repairs)
+        self.replacing: dict[bytes, bytes] = {}
+        self._packs_there: dict[int, bool] = {}  # pack number -> its file is there (cached)
         self.manifests: dict[bytes, bytes] = {}
         self.writers: list[PackWriter] = []
         self.writer: PackWriter | None = None
@@ -190,8 +197,10 @@ class Ingest:
             for results in pipeline:
                 for off, cid, length, payload in results:
                     if payload is not None and cid not in self.new:
-                        codec, data, read_back = payload
+                        codec, data, read_back, stale = payload
                         loc = self._append(cid, data, length, codec)
+                        if stale is not None:
+                            self.replacing[cid] = stale
                         stored += loc.record_len
                         base_read += read_back
                     if slots is None:
@@ -309,17 +318,53 @@ class Ingest:
         with self.store.env.begin(db=self.store.db["chunks"]) as txn:
             for k, (off, data) in enumerate(part):
                 cid, n = ids[k], len(data)
-                if cid is None or cid in self.new or txn.get(cid) is not None:
+                raw = None if cid is None or cid in self.new else txn.get(cid)
+                if cid is None or cid in self.new or (raw is not None and
+                                                      self._readable(txn, raw)):
                     out.append((off, cid, n, None))
                     continue
+                stale = None if raw is None else bytes(raw)
                 payload = encode_alone(cctx, data)
                 old = olds[k] if olds else None
-                diff, read_back = (None, 0) if old in (None, cid) else \
+                # a chunk stored again stays plain: other deltas may name it as their base
+                diff, read_back = (None, 0) if old in (None, cid) or stale is not None else \
                     self._delta(txn, old, data, bases)
                 if diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
                     payload = diff
-                out.append((off, cid, n, (*payload, read_back)))
+                out.append((off, cid, n, (*payload, read_back, stale)))
         return out
+
+    def _readable(self, txn: lmdb.Transaction, raw: bytes) -> bool:
+        """Whether an index entry can serve as a dedup hit: its pack file (and its base's, for
+        a delta) is there. One whose pack is gone is stored again, so importing the same data
+        repairs the store instead of publishing a file that cannot be read. GC, the only one
+        that deletes packs, waits for this ingest, so what is there now stays until commit."""
+        if len(raw) < fmt.INDEX_VALUE.size:
+            return True  # damaged: check names it, as before
+        loc = fmt.Location.decode(raw)
+        if loc.problem() is not None:
+            return True  # its figures cannot be trusted to release: check names it
+        if not self._pack_there(loc.pack):
+            return False
+        if loc.base is None:
+            return True
+        braw = txn.get(loc.base)
+        return braw is not None and len(braw) >= fmt.INDEX_VALUE.size and \
+            self._pack_there(fmt.Location.decode(braw).pack)
+
+    def _pack_there(self, no: int) -> bool:
+        """Pack ``no``'s file exists as a regular file; one lstat per pack per ingest."""
+        there = self._packs_there.get(no)
+        if there is None:
+            try:
+                st = os.lstat(os.path.join(self.store.packs_dir, fmt.pack_name(no)))
+                there = stat_.S_ISREG(st.st_mode)
+            except FileNotFoundError:
+                there = False
+            except OSError:  # cannot tell (EACCES, EIO): trust the index, as before
+                there = True
+            self._packs_there[no] = there
+        return there
 
     def _delta(self, txn: lmdb.Transaction, old: bytes, data: bytes,
                bases: dict[bytes, tuple[bytes, int] | None]) -> tuple[tuple | None, int]:
@@ -434,7 +479,7 @@ class Ingest:
         added: dict[int, int] = {}
         try:
             for cid, loc in self.new.items():
-                if txn.put(cid, loc.encode(), db=db["chunks"], overwrite=False):
+                if self._index(txn, cid, loc):
                     added[loc.pack] = added.get(loc.pack, 0) + loc.record_len
             top = 0
             for w in self.writers:
@@ -457,3 +502,20 @@ class Ingest:
             raise _lmdb_error("commit the ingest", self.store.path, exc) from exc
         crash_point("index.commit")
         self.committed = True
+
+    def _index(self, txn: lmdb.Transaction, cid: bytes, loc: fmt.Location) -> bool:
+        """Point the index at a new record; False where another ingest indexed the chunk first.
+        A chunk stored again over an entry whose pack was gone replaces that entry, unless
+        another ingest replaced it meanwhile; the old record's bytes leave its pack's figure."""
+        chunks = self.store.db["chunks"]
+        stale = self.replacing.get(cid)
+        if stale is None:
+            return txn.put(cid, loc.encode(), db=chunks, overwrite=False)
+        now = txn.get(cid, db=chunks)
+        if now is not None and bytes(now) != stale:
+            return False
+        txn.put(cid, loc.encode(), db=chunks)
+        if now is not None:
+            old = fmt.Location.decode(stale)
+            release(txn, self.store, {old.pack: old.record_len})
+        return True
