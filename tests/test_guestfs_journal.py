@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from test_guestfs_helpers import compare_with_dir, loop_mount
 
 from ksfs.errors import GuestFSUnreadable, NoSuchFile
 from ksfs.guestfs import FileImageReader, GuestFS, read_transcript
+from ksfs.guestfs.journal import COMMIT, DESCRIPTOR, JBD2_MAGIC, _journal_map
 from ksfs.guestfs.mkimage import build_ext4
 from ksfs.guestfs.volume import Volume
 
@@ -84,15 +86,119 @@ def test_live_copy_reads_as_the_kernel_recovers_it(tmp_path: Path, variant: str)
             except (GuestFSUnreadable, NoSuchFile):
                 stale_info = None
             assert stale_info != info
-        if variant == "4k":  # a damaged journal copy is refused, never replayed as metadata
-            target, copy = next(iter(sorted(vol.overlay.items())))
-            bad = tmp_path / "bad-journal.img"
-            shutil.copyfile(live, bad)
-            with open(bad, "r+b") as f:
-                f.seek(copy.block * vol.bs + 100)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([byte[0] ^ 1]))
-            with FileImageReader(bad) as bad_reader, pytest.raises(GuestFSUnreadable,
-                                                                  match="checksum"):
-                GuestFS.open(bad_reader).volume.read_blocks(target, 1, "replayed")
+
+
+# --- journals the kernel refuses to recover, and one it still accepts ------------------------
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def live_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of a mounted 4 KiB-block ext4 (journal checksums v3) after STEPS fsync'ed steps,
+    its journal needing recovery."""
+    base = tmp_path_factory.mktemp("guestfs-journal-damage")
+    (base / "src").mkdir()
+    img, live = base / "disk.img", base / "live.img"
+    build_ext4(base / "src", img, 48, VARIANTS["4k"], index_dirs=False)
+    with loop_mount(img, "rw,commit=600") as mnt:
+        if mnt is None:
+            pytest.skip("this machine cannot set up loop devices")
+        guest_work(mnt, STEPS)
+        shutil.copyfile(img, live)
+    return live
+
+
+def flipped(image: Path, out: Path, offset: int) -> Path:
+    """A copy of ``image`` with one bit of the byte at ``offset`` flipped."""
+    shutil.copyfile(image, out)
+    with open(out, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))
+    return out
+
+
+def last_commit_block(image: Path, kind: int = COMMIT) -> tuple[int, int]:
+    """(sequence, byte offset) of the newest commit block (or block of ``kind``) in the
+    image's journal."""
+    with FileImageReader(image) as reader:
+        vol = GuestFS.open(reader).volume
+        inode = vol.inode(vol.sb.journal_inum)
+        found = []
+        for phys in _journal_map(vol, inode, inode.size // vol.bs):
+            head = reader.read(phys * vol.bs, 12)
+            magic, btype, seq = struct.unpack(">III", head)
+            if magic == JBD2_MAGIC and btype == kind:
+                found.append((seq, phys * vol.bs))
+        return max(found)
+
+
+def kernel_refuses(image: Path, tmp_path: Path) -> bool:
+    """Whether the kernel refuses to mount (recover) a copy of ``image``."""
+    copy = shutil.copyfile(image, tmp_path / "kernel-try.img")
+    try:
+        with loop_mount(copy, "rw,noatime") as mnt:
+            return mnt is None
+    except AssertionError as exc:  # loop_mount's "mount failed: ..."
+        assert "mount failed" in str(exc)
+        return True
+
+
+def test_a_replayed_block_that_fails_its_checksum_refuses_the_journal(
+        live_copy: Path, tmp_path: Path) -> None:
+    # QA: the copy was refused only when read, so the tree lost entries silently (and
+    # ksfs diff called them removed). The kernel refuses the whole recovery.
+    with FileImageReader(live_copy) as reader:
+        vol = GuestFS.open(reader).volume
+        target, copy = min(vol.overlay.items())
+    bad = flipped(live_copy, tmp_path / "bad-copy.img", copy.block * vol.bs + 100)
+    with FileImageReader(bad) as reader:
+        fs, why = GuestFS.open_or_reason(reader)
+    assert fs is None
+    assert "the journal cannot be recovered" in why and f"block {target}" in why
+    assert "transaction" in why and "fails its checksum" in why
+    assert kernel_refuses(bad, tmp_path)
+
+
+def test_a_commit_block_that_fails_its_checksum_refuses_the_journal(
+        live_copy: Path, tmp_path: Path) -> None:
+    # QA: it was taken as the end of the log, silently showing the tree before it; the
+    # kernel (6.18) says "journal transaction N is corrupt" and refuses the mount.
+    seq, at = last_commit_block(live_copy)
+    bad = flipped(live_copy, tmp_path / "bad-commit.img", at + 0x38)  # in its header
+    with FileImageReader(bad) as reader:
+        fs, why = GuestFS.open_or_reason(reader)
+    assert fs is None
+    assert f"transaction {seq} is corrupt: its commit block" in why
+    assert kernel_refuses(bad, tmp_path)
+
+
+def test_a_commit_block_damaged_past_its_header_still_commits(
+        live_copy: Path, tmp_path: Path) -> None:
+    # The kernel checks a commit block's checksum over its header alone too (its padding may
+    # not all have been written): it replays this transaction, and so does GuestFS.
+    _, at = last_commit_block(live_copy)
+    partial = flipped(live_copy, tmp_path / "partial.img", at + 200)
+    kernel_copy = shutil.copyfile(partial, tmp_path / "partial-kernel.img")
+    with FileImageReader(partial) as reader:
+        fs = GuestFS.open(reader)
+        assert read_transcript(fs, "transcript.jsonl").count == STEPS
+        with loop_mount(kernel_copy, "rw,noatime") as recovered:
+            assert compare_with_dir(fs, recovered, exact=True) > 10
+
+
+def test_a_descriptor_block_that_fails_its_checksum_refuses_the_journal(
+        live_copy: Path, tmp_path: Path) -> None:
+    # Its tags say where each copy goes: unchecked, a damaged one would write a copy over
+    # the wrong block. The kernel refuses the recovery ("Invalid checksum found").
+    seq, at = last_commit_block(live_copy, DESCRIPTOR)
+    with FileImageReader(live_copy) as reader:
+        bs = GuestFS.open(reader).volume.bs
+    bad = flipped(live_copy, tmp_path / "bad-descriptor.img", at + bs - 1)  # its checksum
+    with FileImageReader(bad) as reader:
+        fs, why = GuestFS.open_or_reason(reader)
+    assert fs is None
+    assert f"transaction {seq} is corrupt: its descriptor block" in why
+    assert kernel_refuses(bad, tmp_path)

@@ -4,7 +4,9 @@ copy in the journal, as the kernel would write them back when mounting.
 A checkpoint is taken while the guest has its filesystem mounted, so metadata the guest already
 made durable (an fsync'ed file's new size, a new directory entry) may live only in the journal.
 Reading around it would show an older tree. This module only computes the overlay; it never
-writes, and it stops at the first transaction that is not whole (as recovery does).
+writes, and it stops at the first transaction that is not whole (as recovery does). A journal the
+kernel would refuse to recover (a committed transaction or a replayed block that fails its
+checksum) raises GuestFSUnreadable: never a silently older or incomplete tree.
 """
 
 from __future__ import annotations
@@ -28,21 +30,13 @@ TAG_ESCAPE, TAG_SAME_UUID, TAG_LAST = 0x1, 0x2, 0x8
 
 class JournalCopy(NamedTuple):
     """The newest committed copy of a filesystem block, at fs block ``block`` in the journal.
-    ``checksum`` (None without journal checksums) is checked when the copy is read, starting
-    from ``seed`` (the journal's seed extended with the transaction's sequence)."""
+    Its checksum (with journal checksums) was verified when the journal was replayed."""
 
     block: int
     escaped: bool
-    checksum: int | None
-    mask: int
-    seed: int
 
-    def verify(self, data: bytes, target: int) -> bytes:
-        if self.checksum is not None and crc32c(self.seed, data) & self.mask != self.checksum:
-            raise GuestFSUnreadable(
-                why=f"the journal copy of block {target} fails its checksum (the kernel would "
-                "refuse to recover this journal)"
-            )
+    def restore(self, data: bytes) -> bytes:
+        """The block as the kernel writes it back, from its bytes in the journal."""
         if self.escaped:  # jbd2 zeroes the magic of data blocks that would look like its own
             data = struct.pack(">I", JBD2_MAGIC) + data[4:]
         return data
@@ -93,6 +87,8 @@ def journal_overlay(vol: Volume) -> dict[int, JournalCopy]:
     revoked: dict[int, int] = {}
     pending: list[tuple[int, int, int, int]] = []  # (target, journal block, flags, checksum)
     pending_revokes: list[int] = []
+    damaged = ""  # a descriptor or revoke block of this transaction that fails its checksum
+    last_commit_time = 0
     j = start
     seen = 0
     while seen < maxlen:
@@ -101,6 +97,11 @@ def journal_overlay(vol: Volume) -> dict[int, JournalCopy]:
         if magic != JBD2_MAGIC or seq != sequence:
             break  # the end of the log: the next transaction was never committed
         seen += 1
+        if btype in (DESCRIPTOR, REVOKE) and checksums and not _block_tail_ok(block, seed):
+            # as the kernel: judged at the commit block, by its time (a stale block of an
+            # older log ends the log; one of this log makes it unrecoverable)
+            damaged = f"its {'descriptor' if btype == DESCRIPTOR else 'revoke'} block, " \
+                      f"journal block {j}, fails its checksum"
         if btype == DESCRIPTOR:
             off = 12
             while off + tag_bytes <= bs - tail:
@@ -122,8 +123,16 @@ def journal_overlay(vol: Volume) -> dict[int, JournalCopy]:
                 fmt = ">Q" if is64 else ">I"
                 pending_revokes.append(struct.unpack_from(fmt, block, off)[0])
         elif btype == COMMIT:
+            commit_time = struct.unpack_from(">Q", block, 0x30)[0]
             if checksums and not _commit_ok(block, seed):
-                break  # a commit block that fails its checksum ends the log, as for the kernel
+                damaged = f"its commit block, journal block {j}, fails its checksum"
+            if damaged:
+                if commit_time < last_commit_time or incompat & INCOMPAT_ASYNC_COMMIT:
+                    break  # a stale block of an older log (or async commit): the log ends here
+                raise GuestFSUnreadable(why=f"the journal cannot be recovered (the kernel "
+                                            f"refuses to mount it): transaction {sequence} is "
+                                            f"corrupt: {damaged}")
+            last_commit_time = commit_time
             transactions.append((sequence, pending))
             for b in pending_revokes:
                 revoked[b] = max(revoked.get(b, -1), sequence)
@@ -140,8 +149,15 @@ def journal_overlay(vol: Volume) -> dict[int, JournalCopy]:
                 continue  # a later transaction freed this block: its journal copy is stale
             if target >= vol.sb.blocks_count:
                 raise GuestFSUnreadable(why=f"the journal writes block {target}, past the end")
-            overlay[target] = JournalCopy(phys[jblock], bool(flags & TAG_ESCAPE),
-                                          csum if checksums else None, mask, seq_seed)
+            # Every copy the kernel would write back is checked now, superseded ones too, as
+            # its recovery does: one that fails makes the kernel refuse the whole journal, so
+            # it must not leave a tree with some blocks silently old.
+            if checksums and crc32c(seq_seed, jread(jblock)) & mask != csum:
+                raise GuestFSUnreadable(
+                    why=f"the journal cannot be recovered (the kernel refuses to mount it): "
+                        f"the copy of block {target} in journal block {jblock} (transaction "
+                        f"{seq}) fails its checksum")
+            overlay[target] = JournalCopy(phys[jblock], bool(flags & TAG_ESCAPE))
     return overlay
 
 
@@ -155,9 +171,24 @@ def _tag(block: bytes, off: int, incompat: int, is64: bool) -> tuple[int, int, i
     return lo | ((hi << 32) if is64 else 0), flags, csum
 
 
+COMMIT_HEADER = 60  # struct commit_header: what a commit block holds before its padding
+
+
 def _commit_ok(block: bytes, seed: int) -> bool:
+    """Whether a commit block passes its checksum, over the whole block or, as the kernel
+    (jbd2_commit_block_csum_verify_partial, since 6.x) also accepts, over its header alone
+    with zeros after it: a block whose padding was not all written still commits."""
     provided = struct.unpack_from(">I", block, 16)[0]
-    return crc32c(seed, block[:16] + b"\0\0\0\0" + block[20:]) == provided
+    header = block[:16] + b"\0\0\0\0" + block[20:COMMIT_HEADER]
+    if crc32c(seed, header + block[COMMIT_HEADER:]) == provided:
+        return True
+    return crc32c(seed, header + bytes(len(block) - COMMIT_HEADER)) == provided
+
+
+def _block_tail_ok(block: bytes, seed: int) -> bool:
+    """Whether a descriptor or revoke block passes the checksum in its last 4 bytes."""
+    provided = struct.unpack_from(">I", block, len(block) - 4)[0]
+    return crc32c(seed, block[:-4] + b"\0\0\0\0") == provided
 
 
 def _journal_map(vol: Volume, inode: object, n_blocks: int) -> list[int]:

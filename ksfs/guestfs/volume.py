@@ -66,7 +66,7 @@ class Volume:
             copy = self.overlay.get(b)
             if copy is not None:
                 data = read_exact(self.reader, self.offset + copy.block * self.bs, self.bs, what)
-                parts.append(copy.verify(data, b))
+                parts.append(copy.restore(data))
             else:
                 parts.append(read_exact(self.reader, self.offset + b * self.bs, self.bs, what))
         return b"".join(parts)
