@@ -88,7 +88,8 @@ def transcript_in_guest(path: str, what: str = "--transcript") -> str:
     """The transcript's path inside the guest's filesystem as records keep it (no leading
     "/"); BadInput for one that cannot name a file there."""
     # (not a string: no parts to name a file; "" and "/" come out as one empty part)
-    parts = path.strip("/").split("/") if isinstance(path, str) else [""]
+    parts = path.lstrip("/").split("/") if isinstance(path, str) else [""]
+    # (a trailing "/" names a directory: QA, "/agent/" was kept as the directory "agent")
     if any(p in ("", ".", "..") or "\n" in p or "\0" in p for p in parts):
         raise BadInput(f"{what} must name a file inside the guest's filesystem, like "
                        f"/agent/transcript.jsonl, not {json.dumps(path)[:80]}")
