@@ -157,6 +157,10 @@ def test_cli_errors_and_help(tmp_path, provider):
                       ("nan", "not nan")):
         res = ksfs(store, "budget", "default", "--usd", bad, check=False)
         assert res.returncode == 2 and said in res.stderr, (bad, res.stderr)
+    # -0 is the budget 0 (QA: it was recorded as -0.0)
+    set_to = json.loads(ksfs(store, "budget", "default", "--usd", "-0", "--json").stdout)
+    assert str(set_to["budget"]["usd"]) == "0.0", set_to
+    ksfs(store, "budget", "default", "--clear")
     for cmd in (["gateway", "serve"], ["usage"], ["budget"]):
         text = ksfs(store, *cmd, "--help").stdout
         assert "Example:" in text and f"ksfs {' '.join(cmd)} " in text

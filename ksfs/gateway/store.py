@@ -357,6 +357,7 @@ class GatewayStore:
             if not usd >= 0 or usd == float("inf"):
                 # (as given: 1e400 is "inf" once a float, which the user never wrote)
                 raise BadInput(f"a USD budget must be a finite number >= 0, not {given!s}")
+            usd += 0.0  # -0.0 is 0 (QA: "usd": -0.0 was recorded as given)
         self.ledger.session(session)  # a bad or unknown name: refused before any write
         with self._write() as txn:
             rec = self.ledger.session(session, txn)
