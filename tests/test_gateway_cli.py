@@ -158,6 +158,8 @@ def test_cli_errors_and_help(tmp_path, provider):
         res = ksfs(store, "budget", "default", "--usd", bad, check=False)
         assert res.returncode == 2 and said in res.stderr, (bad, res.stderr)
     # -0 is the budget 0 (QA: it was recorded as -0.0)
+    (tmp_path / "note").write_text("n\n")
+    ksfs(store, "import", "default", "c1", str(tmp_path / "note"))
     set_to = json.loads(ksfs(store, "budget", "default", "--usd", "-0", "--json").stdout)
     assert str(set_to["budget"]["usd"]) == "0.0", set_to
     ksfs(store, "budget", "default", "--clear")
