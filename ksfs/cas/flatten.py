@@ -3,9 +3,11 @@
 A delta keeps its base alive. While the checkpoint that first stored the base lives, that is
 free; once it is deleted, the base stays only for the deltas, and delta plus base can cost more
 than the deltas' chunks stored whole. GC then rewrites those deltas as plain chunks (zstd alone)
-and lets the base go, for each base where that stores fewer bytes. Like repack, the new records
-are written to a new pack, fsynced and verified before the index points at them, so a crash
-leaves either the deltas or the plain copies indexed, never neither.
+and lets the base go, for each base where that stores fewer bytes on disk in this GC: the
+records of base and deltas come back only where their pack is repacked or removed, so a base
+in a pack that stays full is kept (flattening it would only add the chunks written whole).
+Like repack, the new records are written to a new pack, fsynced and verified before the index
+points at them, so a crash leaves either the deltas or the plain copies indexed, never neither.
 """
 
 from __future__ import annotations
@@ -38,11 +40,15 @@ class Flattened:
     packs: list[int] = field(default_factory=list)
 
 
-def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> Flattened:
-    """Rewrite the deltas whose base no live manifest names, where that saves bytes.
+def flatten(store: ChunkStore, direct: set[bytes], first_no: int,
+            repacked: set[int]) -> Flattened:
+    """Rewrite the deltas whose base no live manifest names, where that saves disk bytes.
 
-    ``direct``: the chunks live manifests name. On failure nothing is committed and the packs
-    this wrote are removed before the error is raised.
+    ``direct``: the chunks live manifests name. ``repacked``: the packs this GC's repack copies
+    out or removes; only the records in those give their bytes back in this GC (a record left
+    dead in a pack that stays is still on disk), so only they count against the bytes written.
+    On failure nothing is committed and the packs this wrote are removed before the error is
+    raised.
     """
     db = store.db
     groups: dict[bytes, list[tuple[bytes, fmt.Location]]] = {}
@@ -63,13 +69,16 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int) -> Flattened:
         bloc = base_locs.get(base)
         if bloc is None:
             continue  # check reports the missing base
+        freed = sum(loc.record_len for loc in (bloc, *(loc for _, loc in deltas))
+                    if loc.pack in repacked)
+        if freed <= fmt.HEADER_SIZE * len(deltas):
+            continue  # no rewrite can be smaller: not worth reading the deltas
         try:
             plain = [_alone(cctx, cid, loc, store.read_chunk(cid, loc)) for cid, loc in deltas]
         except IntegrityError:
             continue  # damaged: left as it is, for check to name
-        kept = bloc.record_len + sum(loc.record_len for _, loc in deltas)
         whole = sum(fmt.HEADER_SIZE + len(p[3]) for p in plain)
-        if whole < kept:
+        if whole < freed:
             plans[base] = plain
             planned += whole
     done = Flattened()

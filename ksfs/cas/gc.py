@@ -1,8 +1,9 @@
 """Garbage collection: mark from the live manifests, sweep the rest, repack thin packs.
 
-Marking keeps the base of every live delta, except where storing that base's deltas whole is
-smaller than keeping it (a base no live manifest names, after its checkpoint was deleted):
-those deltas are rewritten as plain chunks first (``flatten``) and the base is swept.
+Marking keeps the base of every live delta, except where storing that base's deltas whole takes
+fewer bytes on disk than keeping it (a base no live manifest names, after its checkpoint was
+deleted, in a pack this GC repacks): those deltas are rewritten as plain chunks first
+(``flatten``) and the base is swept.
 
 GC holds the store lock exclusively, so it never runs beside an ingest (which could be about to
 commit chunks GC sees as unreferenced). Repacking copies live chunks to a new pack, fsyncs and
@@ -84,10 +85,13 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
         bases = {bytes(v[fmt.INDEX_VALUE.size :]) for k, v in txn.cursor(db=db["chunks"])
                  if len(v) > fmt.INDEX_VALUE.size and bytes(k) in marked}
         first_no = _first_pack_no(txn, store)
-    # ... unless its deltas cost less stored whole than with it. Flattening only saves bytes:
-    # when it fails (a full disk, most likely) GC goes on without it and frees what it can.
+        repacked = _packs_repacked(txn, store, marked | bases, threshold)
+    # ... unless its deltas cost less stored whole than with it, counting as given back only
+    # the records of packs this GC repacks or removes (the others stay on disk as they are).
+    # Flattening only saves bytes: when it fails (a full disk, most likely) GC goes on
+    # without it and frees what it can.
     try:
-        flat = flatten(store, marked, first_no)
+        flat = flatten(store, marked, first_no, repacked)
     except (OSError, KsfsError) as exc:
         log.warning("gc: not flattening deltas this time: %s", exc)
         res.flatten_skipped = str(exc)
@@ -137,6 +141,27 @@ def _require_indexed(store: ChunkStore, txn, marked: set[bytes]) -> None:
         raise StoreDamaged(path=store.path, why=(
             f"chunk {min(lost).hex()}{more}, held by a live checkpoint, is not in the index, "
             "so gc frees nothing (run `ksfs check` to see what is damaged)"))
+
+
+def _packs_repacked(txn, store: ChunkStore, kept: set[bytes], threshold: float) -> set[int]:
+    """The packs the repack after the sweep copies out or removes, judged as ``_repack`` will
+    judge them: their kept records under ``threshold`` of their size, or none. Flattening only
+    takes records out of packs, so it never takes a pack off this list."""
+    chunks = store.db["chunks"]
+    live: dict[int, int] = {}
+    for cid in kept:
+        raw = txn.get(cid, db=chunks)
+        if raw is None or len(raw) < fmt.INDEX_VALUE.size:
+            continue
+        loc = fmt.Location.decode(raw)
+        if loc.problem() is None:
+            live[loc.pack] = live.get(loc.pack, 0) + loc.record_len
+    going = set()
+    for k, v in txn.cursor(db=store.db["packs"]):
+        no, (size, _) = int.from_bytes(k, "big"), fmt.PACK_VALUE.unpack(v)
+        if live.get(no, 0) == 0 or (size and live[no] < threshold * size):
+            going.add(no)
+    return going
 
 
 def _first_pack_no(txn, store: ChunkStore) -> int:
