@@ -389,3 +389,22 @@ def test_a_handed_back_copy_appears_whole_or_not_at_all(tmp_path: Path) -> None:
     (tmp_path / ".data.released.qcow2.ksfs-part").write_bytes(b"a killed one's")
     _write_whole(dest, lambda tmp: tmp.write_bytes(b"whole"))
     assert [p.name for p in tmp_path.iterdir()] == [dest.name] and dest.read_bytes() == b"whole"
+
+
+def test_console_files_are_opened_for_appending() -> None:
+    """QA (fifteenth session): QEMU truncates a serial file (or a pty's log) without
+    append='on' when a restore starts the machine again: an adopted domain's console log
+    lost its history at every restore."""
+    xml = ("<domain type='qemu'><name>d</name><devices>"
+           "<serial type='file'><source path='/var/log/d.log'/><target port='0'/></serial>"
+           "<serial type='pty'><log file='/var/log/d1.log'/><target port='1'/></serial>"
+           "<serial type='pty'><target port='2'/></serial>"
+           "<console type='file'><source path='/var/log/d.log'/></console>"
+           "</devices></domain>")
+    new = domxml.append_console_logs(xml)
+    root = ET.fromstring(new)
+    assert [s.find("source").get("append") for s in root.iterfind("devices/serial[@type='file']")
+            ] == ["on"]
+    assert root.find("devices/serial/log").get("append") == "on"
+    assert root.find("devices/console/source").get("append") == "on"
+    assert domxml.append_console_logs(new) == new  # nothing left to change: the same text

@@ -427,6 +427,25 @@ def set_cmdline_arg(cmdline: str, key: str, value: str) -> str:
     return f"{cmdline} {key}={value}".strip()
 
 
+def append_console_logs(xml: str) -> str:
+    """``xml`` with every file a serial or console device writes (a file source, or a pty's
+    <log>) opened for appending: QEMU otherwise truncates it when a restore starts the
+    machine again, and an adopted domain's own console log lost its history at every restore
+    (QA, fifteenth session)."""
+    root = _parse(xml)
+    changed = False
+    for kind in ("serial", "console"):
+        for dev in root.iterfind(f"devices/{kind}"):
+            src = dev.find("source")
+            targets = [src] if dev.get("type") == "file" and src is not None else []
+            targets += [el for el in (dev.find("log"),) if el is not None]
+            for el in targets:
+                if (el.get("path") or el.get("file")) and el.get("append") != "on":
+                    el.set("append", "on")
+                    changed = True
+    return ET.tostring(root, encoding="unicode") if changed else xml
+
+
 def console_log_path(xml: str) -> str | None:
     """The file the serial console is written to, from a file serial or a pty's <log>."""
     root = _parse(xml)

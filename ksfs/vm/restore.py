@@ -170,6 +170,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         if fw_cfg is not None:
             # (a checkpoint taken before tokens went by file has its token as text)
             new_xml = domxml.set_fw_cfg(new_xml, fw_cfg)
+        new_xml = domxml.append_console_logs(new_xml)
         # Before anything is stopped: the kernel and initrd QEMU boots from are the session's
         # own (a checkpoint's XML may name a parent's copy or a guest directory since gone).
         new_xml = files.own_boot_files(new_xml, ctl.session_dir(session), ctl.workdir, domain,
