@@ -196,3 +196,24 @@ def test_quote_name() -> None:
     assert quote_name("x\x01y\x7f") == '"x\\001y\\177"'
     assert quote_name("bad\udcff") == '"bad\\377"'  # a non-UTF-8 byte as surrogateescape keeps it
     assert quote_name("ls\u2028") == '"ls\\342\\200\\250"'
+
+
+def test_a_changed_type_is_said_with_both_types(tmp_path: Path) -> None:
+    """QA (fifteenth session): a directory that became a file showed as `(file, - -> 0)`."""
+    src_a, src_b = tmp_path / "a", tmp_path / "b"
+    (src_a / "was-dir").mkdir(parents=True)
+    (src_a / "was-dir" / "inside").write_bytes(b"x")
+    src_b.mkdir()
+    (src_b / "was-dir").write_bytes(b"")
+    imgs = []
+    for name, src in (("A", src_a), ("B", src_b)):
+        out = tmp_path / f"img-{name}" / "disk.raw"
+        out.parent.mkdir()
+        build_ext4(src, out, 16)
+        imgs.append(out)
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("t", "A", [imgs[0]])
+        k.import_files("t", "B", [imgs[1]])
+    out = cli(store, "t", "A", "B")
+    assert "M was-dir  (dir -> file, - -> 0)\n" in out, out

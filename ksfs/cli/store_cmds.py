@@ -363,7 +363,7 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
                 part.encode("utf-8", "surrogateescape") for part in c["path"].split("/")]):
             what = []
             if c["kind"] != "attrs":
-                what.append(f"{c['type_b'] or c['type_a']}, "
+                what.append(f"{_types(c['type_a'], c['type_b'])}, "
                             f"{c['size_a'] if c['size_a'] is not None else '-'} -> "
                             f"{c['size_b'] if c['size_b'] is not None else '-'}")
             moved = c.get("attrs") or {}
@@ -439,3 +439,9 @@ def quote_name(name: str) -> str:
         else:  # a control character, or a byte surrogateescape kept from a non-UTF-8 name
             out.append("".join(f"\\{b:03o}" for b in c.encode("utf-8", "surrogateescape")))
     return '"' + "".join(out) + '"'
+
+
+def _types(a: str | None, b: str | None) -> str:
+    """A changed entry's type, or both when it changed type (a directory that became a file:
+    "dir -> file"; QA, fifteenth session: only the new type was shown)."""
+    return f"{a} -> {b}" if a and b and a != b else b or a or "-"
