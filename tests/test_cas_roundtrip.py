@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from ksfs.cas import ChunkStore, changed_share, chunking
 from ksfs.cas import ingest as ingest_module
-from ksfs.cas.chunking import ZERO_CHUNK, FileSource, iter_fixed
+from ksfs.cas.chunking import ZERO_CHUNK, FileSource, iter_cdc, iter_fixed
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.errors import BadInput, ManifestCorrupt, NotAStore
 from ksfs.keeper import Keeper
@@ -485,3 +485,74 @@ def test_fixed_chunking_reads_only_the_data_of_a_sparse_file(tmp_path, writes) -
             assert dict(chunks)[first] is not ZERO_CHUNK
     finally:
         src.close()
+
+
+def sparse_file(path, size: int, writes: list[tuple[int, int]], seed: int = 8) -> None:
+    rng = random.Random(seed)
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for off, n in writes:
+            f.seek(off)
+            f.write(rng.randbytes(n))
+
+
+def read_chars() -> int:
+    """Bytes this process has read through read/pread so far (holes paged in count too)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+SPARSE_WRITES = [(0, 1), (100_000, 300_000), (2**30 + 7, 70_000), (3 * 2**30 - 5000, 5000)]
+
+
+def test_cdc_reads_only_the_data_of_a_sparse_file(tmp_path) -> None:
+    """QA (issue 2): a 2 GiB sparse file that is no disk image took 9-13 s, reading its holes
+    (only fixed chunking asked the file system where the data is)."""
+    path = tmp_path / "e.bin"
+    size = 3 * 2**30 + 12345
+    sparse_file(path, size, SPARSE_WRITES)
+    src = CountingFileSource(path)
+    try:
+        chunks = [(off, data) for batch in iter_cdc(src) for off, data in batch]
+        # every byte once, in order, each chunk the file's bytes there
+        assert chunks[0][0] == 0 and sum(len(d) for _, d in chunks) == size
+        assert all(a + len(d) == b for (a, d), (b, _) in zip(chunks, chunks[1:], strict=False))
+        with open(path, "rb") as f:
+            for off, data in chunks:
+                if data is not ZERO_CHUNK:
+                    f.seek(off)
+                    assert data == f.read(len(data)), off
+        touched = sum(-(-(off % K64 + n) // K64) + 1 for off, n in SPARSE_WRITES) * K64
+        assert src.bytes_read <= touched, (src.bytes_read, touched)
+    finally:
+        src.close()
+
+
+def test_a_sparse_file_round_trips_through_cdc_without_its_holes_read(tmp_path) -> None:
+    path = tmp_path / "e.bin"
+    size = 3 * 2**30 + 12345
+    sparse_file(path, size, SPARSE_WRITES)
+    with ChunkStore.open(tmp_path / "store", create=True) as store:
+        before = read_chars()
+        f = put(store, str(path), "cdc")
+        assert read_chars() - before < 64 << 20  # its data, the packs' verify: not 3 GiB
+        reader = store.open_file(f.manifest)
+        assert reader.size == size
+        rng = random.Random(9)
+        spots = [(max(0, off - 5000), n + 10_000) for off, n in SPARSE_WRITES]
+        spots += [(rng.randrange(size), rng.randrange(1, 300_000)) for _ in range(40)]
+        spots += [(size - 70_000, 70_000), (2**30 - K64, 3 * K64)]
+        with open(path, "rb") as src:
+            for off, n in spots:
+                src.seek(off)
+                assert reader.read(off, n) == src.read(n), (off, n)
+        assert store.check(read_data=True).ok
+
+
+def test_a_small_sparse_file_round_trips_whole_through_cdc(tmp_path) -> None:
+    path = tmp_path / "e.bin"
+    writes = [(5, 3), (K64 - 1, 2), (5 * K64 + 100, 200_000), (40 * 2**20 - 10, 10)]
+    sparse_file(path, 40 * 2**20, writes)
+    with ChunkStore.open(tmp_path / "store", create=True) as store:
+        f = put(store, str(path), "cdc")
+        assert store.open_file(f.manifest).read(0, 1 << 30) == path.read_bytes()

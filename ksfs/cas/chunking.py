@@ -1,9 +1,10 @@
 """Cutting a source file into chunks: fixed 64 KiB for disk images, FastCDC for the rest.
 
 Chunkers read the source and yield batches of ``(offset, bytes)``; they never hash, compress or
-write, and never decide what is a hole (the ingest does, on the worker threads). The CDC cutter
-is pyfastcdc's compiled module only: its pure-Python fallback is some 200x slower, so when only
-the fallback loads we refuse with ChunkerUnavailable rather than crawl.
+write, and never decide what is a hole (the ingest does, on the worker threads). Both skip the
+ranges the file system says hold no data (``_extents``), handing them on as zeros unread. The
+CDC cutter is pyfastcdc's compiled module only: its pure-Python fallback is some 200x slower, so
+when only the fallback loads we refuse with ChunkerUnavailable rather than crawl.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def iter_fixed(
         for start, end in spans:
             for lo, hi, is_data in _extents(source, start, end):
                 if not is_data:
-                    yield from _hole_batches(lo, hi, size)
+                    yield from _zero_pieces(lo, hi)
                     continue
                 for pos in range(lo, hi, BATCH_BYTES):
                     n = min(BATCH_BYTES, hi - pos)
@@ -195,16 +196,6 @@ def _extents(source: Source, start: int, end: int) -> Iterator[tuple[int, int, b
         pos = hole
 
 
-def _hole_batches(lo: int, hi: int, size: int) -> Iterator[Batch]:
-    """The chunks of a range the file system holds no data for, as the shared ZERO_CHUNK (a
-    short last chunk as zeros of its length), without reading them."""
-    step = BATCH_BYTES * 16  # nothing is read: batches only bound the lists
-    for pos in range(lo, hi, step):
-        stop = min(hi, pos + step)
-        yield [(p, ZERO_CHUNK if p + FIXED_SIZE <= size else bytes(size - p))
-               for p in range(pos, stop, FIXED_SIZE)]
-
-
 def _fixed_batch(data: memoryview, pos: int) -> Batch:
     """The 64 KiB chunks of data (read at pos). A disk image is mostly zeros: a zero chunk is
     compared where it lies (memcmp) and handed on as the one shared ZERO_CHUNK, not copied out
@@ -250,23 +241,33 @@ def iter_cdc(source: Source, min_size: int = CDC_MIN, avg_size: int = CDC_AVG,
              max_size: int = CDC_MAX, start: int = 0) -> Iterator[Batch]:
     """Yield batches of content-defined chunks.
 
-    The source is read in big blocks; every cut but the last in a buffer is final (it was found
-    with the whole max_size window in view), the last one is carried into the next buffer, so
-    the cuts equal those of one pass over the whole file.
+    Ranges the file system holds no data for (``_extents``) are not read: they go out as zero
+    pieces, which the ingest keeps as holes like any zero run, and the data before a hole ends
+    with a cut of its own. So a sparse file costs the reads of its data, not of its size.
     """
     cutter = load_fastcdc()(avg_size, min_size=min_size, max_size=max_size)
-    size = source.size
+    for lo, hi, is_data in _extents(source, start, source.size):
+        if is_data:
+            yield from _cdc_span(cutter, source, lo, hi)
+        else:
+            yield from _zero_pieces(lo, hi)
+
+
+def _cdc_span(cutter: Any, source: Source, start: int, end: int) -> Iterator[Batch]:
+    """The chunks of [start, end), read in big blocks. Every cut but the last in a buffer is
+    final (it was found with the whole max_size window in view), the last one is carried into
+    the next buffer, so the cuts equal those of one pass over the whole span."""
     pos = start
     carry = b""
     carry_off = start
-    while pos < size or carry:
-        n = min(BATCH_BYTES, size - pos)
+    while pos < end or carry:
+        n = min(BATCH_BYTES, end - pos)
         block = read_exact(source, pos, n) if n else b""
         pos += n
         buf = carry + block if carry else block
         base = carry_off
         cuts = [(c.offset, c.length) for c in cutter.cut_buf(buf)]
-        if pos < size and cuts:
+        if pos < end and cuts:
             last_off, _ = cuts.pop()
             carry = buf[last_off:]
             carry_off = base + last_off
@@ -276,3 +277,12 @@ def iter_cdc(source: Source, min_size: int = CDC_MIN, avg_size: int = CDC_AVG,
         batch = [(base + off, buf[off : off + length]) for off, length in cuts]
         if batch:
             yield batch
+
+
+def _zero_pieces(lo: int, hi: int) -> Iterator[Batch]:
+    """[lo, hi) as zero pieces of at most 64 KiB (the shared ZERO_CHUNK where whole), unread."""
+    step = BATCH_BYTES * 16  # nothing is read: batches only bound the lists
+    for pos in range(lo, hi, step):
+        stop = min(hi, pos + step)
+        yield [(p, ZERO_CHUNK if p + FIXED_SIZE <= stop else bytes(stop - p))
+               for p in range(pos, stop, FIXED_SIZE)]
