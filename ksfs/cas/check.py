@@ -126,8 +126,8 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
     for _, loc in chunks:
         live[loc.pack] = live.get(loc.pack, 0) + loc.record_len
     disk, odd = _pack_files(store)
-    for no in odd:
-        rep.damaged_packs[no] = "its file is not a regular file"
+    for no, what in odd.items():
+        rep.damaged_packs[no] = f"its file is {what} (no ingest makes one; gc leaves it)"
     for no, (size, live_bytes) in packs.items():
         if no in odd:
             pass
@@ -157,7 +157,7 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
         if (why := loc.problem()) is not None:
             rep.damaged_chunks[cid.hex()] = why
         elif loc.pack in odd:
-            rep.missing_chunks[cid.hex()] = f"its pack {loc.pack} is not a regular file"
+            rep.missing_chunks[cid.hex()] = f"its pack {loc.pack} is {odd[loc.pack]}"
         elif loc.pack in rep.damaged_packs and loc.pack not in disk:
             rep.missing_chunks[cid.hex()] = f"its pack {loc.pack} is missing"
         elif end > packs.get(loc.pack, (0, 0))[0]:
@@ -220,23 +220,29 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
     return rep
 
 
-def _pack_files(store: ChunkStore) -> tuple[dict[int, int], set[int]]:
-    """({pack number: size} of the pack files in packs/, {numbers whose entry is no regular
-    file}: a directory or a device by a pack's name is damage to name, not one to read)."""
+def _pack_files(store: ChunkStore) -> tuple[dict[int, int], dict[int, str]]:
+    """({pack number: size} of the pack files in packs/, {number: what its entry is} for those
+    that are no regular file: a directory, a device or a symbolic link by a pack's name is
+    damage to name, not one to read). lstat, as gc judges them: a symbolic link is no pack gc
+    would give back, whatever it points at."""
     disk: dict[int, int] = {}
-    odd: set[int] = set()
+    odd: dict[int, str] = {}
     for name in list_packs_dir(store.path, store.packs_dir):
         if not (name.endswith(".pack") and name[:-5].isdigit()):
             continue
         try:
-            st = os.stat(os.path.join(store.packs_dir, name))
+            st = os.lstat(os.path.join(store.packs_dir, name))
         except FileNotFoundError:  # gone since the listing: as if never listed
             continue
         if stat_.S_ISREG(st.st_mode):
             disk[int(name[:-5])] = st.st_size
         else:
-            odd.add(int(name[:-5]))
+            odd[int(name[:-5])] = _kind(st.st_mode)
     return disk, odd
+
+
+def _kind(mode: int) -> str:
+    return "a symbolic link" if stat_.S_ISLNK(mode) else "not a regular file"
 
 
 def _cut_short(loc: fmt.Location, file_size: int) -> str:
