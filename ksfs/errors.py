@@ -20,7 +20,12 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the process is, as Ctrl-C's KeyboardInterrupt is (the command line
     installs the handler): a verb ends as it ends on Ctrl-C (an import's checkpoint marked
     failed with reason "terminated", its session taken back), not killed with its work half
-    said. Not a KsfsError: like Ctrl-C, it is no error of the verb's."""
+    said. Not a KsfsError: like Ctrl-C, it is no error of the verb's. SIGHUP (the terminal
+    closed) is taken the same way; ``signum`` says which came."""
+
+    def __init__(self, signum: int = 15) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class KsfsError(Exception):

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import click
 
-from ksfs.errors import BadInput, KsfsError, Terminated, from_foreign
+from ksfs.errors import BadInput, KsfsError, NoSpace, Terminated, from_foreign
 
 
 def default_store() -> str:
@@ -183,7 +183,8 @@ def _output_failed(ctx: click.Context | None, exc: OSError) -> NoReturn:
     done = ctx.meta.get(DONE_NOTE) if ctx is not None else None
     click.echo(f"ksfs: error: cannot write to standard output: {exc.strerror or exc}"
                + (f" ({done})" if done else ""), err=True)
-    sys.exit(1)
+    # a full disk has its own status, as everywhere else (QA: `> /dev/full` exited 1)
+    sys.exit(NoSpace.exit_code if exc.errno == errno.ENOSPC else 1)
 
 
 class KsfsGroup(click.Group):
@@ -279,9 +280,9 @@ class KsfsGroup(click.Group):
         except KsfsError as exc:
             click.echo(f"ksfs: error: {one_line(str(exc))}", err=True)
             sys.exit(exc.exit_code)
-        except Terminated:
+        except Terminated as exc:
             click.echo("ksfs: error: terminated", err=True)
-            sys.exit(143)  # 128 + SIGTERM, as a shell reports it
+            sys.exit(128 + exc.signum)  # as a shell reports it: 143 SIGTERM, 129 SIGHUP
         except KeyboardInterrupt:
             # raised as Abort here so click does not first print a blank line of its own
             raise click.Abort() from None
@@ -299,15 +300,18 @@ class KsfsGroup(click.Group):
 
 
 def _terminate_like_interrupt() -> None:
-    """SIGTERM raises Terminated in the main thread, unless something chose otherwise (a
-    parent that ignores it for us, trio's own handler in the daemon and the gateway)."""
+    """SIGTERM and SIGHUP raise Terminated in the main thread, unless something chose
+    otherwise (a parent that ignores them for us, as nohup does for SIGHUP; trio's own handler
+    in the daemon and the gateway). QA (fifteenth session): an import cut by SIGHUP left its
+    pack bytes, where SIGTERM's cleaned up."""
     import signal
 
     def on_term(signum: int, frame: Any) -> None:
-        raise Terminated()
+        raise Terminated(signum)
 
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, on_term)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, on_term)
 
 
 def _foreign(ctx: click.Context, exc: Exception) -> None:
@@ -346,8 +350,8 @@ def main(ctx: click.Context, store_path: str) -> None:
     Exit codes: 0 ok, 1 other error, 2 bad input, 3 not found, 4 already exists, 5 not a store,
     6 damaged data, 7 chunker unavailable, 8 busy, 9 no space, 10 virtual machine error,
     11 gateway/budget, 12 read-only or not permitted, 13 daemon error, 130 interrupted (Ctrl-C),
-    141 the reader of the output went away (as if killed by SIGPIPE), 143 terminated (SIGTERM:
-    a verb ends as on Ctrl-C).
+    141 the reader of the output went away (as if killed by SIGPIPE), 143 or 129 terminated
+    (SIGTERM or SIGHUP: a verb ends as on Ctrl-C).
 
     \b
     Example:
