@@ -27,6 +27,7 @@ from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.errors import BadInput, ManifestCorrupt, NotAStore
 from ksfs.keeper import Keeper
 from tests.cas_helpers import K64, BytesSource, put
+from tests.mount_helpers import write_disk
 
 
 def make_image(rng: random.Random, size: int) -> bytes:
@@ -462,24 +463,13 @@ class CountingFileSource(FileSource):
 def test_fixed_chunking_reads_only_the_data_of_a_sparse_file(tmp_path, writes) -> None:
     path = tmp_path / "sparse.img"
     size = 2**32 + 12345
-    rng = random.Random(7)
-    with open(path, "wb") as f:
-        f.truncate(size)
-        for off, n in writes:
-            f.seek(off)
-            f.write(rng.randbytes(n))
+    sparse_file(path, size, writes, seed=7)
     src = CountingFileSource(path)
     try:
         chunks = [(off, data) for batch in iter_fixed(src) for off, data in batch]
         # every chunk, in order, each the file's bytes there (holes as zeros, not read)
         assert [off for off, _ in chunks] == list(range(0, size, K64))
-        with open(path, "rb") as f:
-            for off, data in chunks:
-                if data is not ZERO_CHUNK:
-                    f.seek(off)
-                    assert data == f.read(len(data)), off
-        touched = sum(-(-(off % K64 + n) // K64) + 1 for off, n in writes) * K64
-        assert src.bytes_read <= touched, (src.bytes_read, touched)
+        assert_read_only_data(path, chunks, src, writes)
         for off, _ in writes:  # and the data chunks are not taken for holes
             first = off - off % K64
             assert dict(chunks)[first] is not ZERO_CHUNK
@@ -488,12 +478,20 @@ def test_fixed_chunking_reads_only_the_data_of_a_sparse_file(tmp_path, writes) -
 
 
 def sparse_file(path, size: int, writes: list[tuple[int, int]], seed: int = 8) -> None:
-    rng = random.Random(seed)
-    with open(path, "wb") as f:
-        f.truncate(size)
-        for off, n in writes:
-            f.seek(off)
-            f.write(rng.randbytes(n))
+    write_disk(path, size, seed, writes)
+
+
+def assert_read_only_data(path, chunks: list, src: CountingFileSource,
+                          writes: list[tuple[int, int]]) -> None:
+    """Each data chunk is the file's bytes at its offset, and the source read no more than
+    the 64 KiB clusters the writes touched (holes are never read)."""
+    with open(path, "rb") as f:
+        for off, data in chunks:
+            if data is not ZERO_CHUNK:
+                f.seek(off)
+                assert data == f.read(len(data)), off
+    touched = sum(-(-(off % K64 + n) // K64) + 1 for off, n in writes) * K64
+    assert src.bytes_read <= touched, (src.bytes_read, touched)
 
 
 def read_chars() -> int:
@@ -517,13 +515,7 @@ def test_cdc_reads_only_the_data_of_a_sparse_file(tmp_path) -> None:
         # every byte once, in order, each chunk the file's bytes there
         assert chunks[0][0] == 0 and sum(len(d) for _, d in chunks) == size
         assert all(a + len(d) == b for (a, d), (b, _) in zip(chunks, chunks[1:], strict=False))
-        with open(path, "rb") as f:
-            for off, data in chunks:
-                if data is not ZERO_CHUNK:
-                    f.seek(off)
-                    assert data == f.read(len(data)), off
-        touched = sum(-(-(off % K64 + n) // K64) + 1 for off, n in SPARSE_WRITES) * K64
-        assert src.bytes_read <= touched, (src.bytes_read, touched)
+        assert_read_only_data(path, chunks, src, SPARSE_WRITES)
     finally:
         src.close()
 
