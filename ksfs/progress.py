@@ -121,6 +121,10 @@ class Beside:
         self._show()
 
     def _show(self) -> None:
+        if self.sink is None:
+            # Nobody listens. (Not report()'s fall back to this thread's sink: the parts run
+            # with this object as theirs, and it would report to itself without end.)
+            return
         with self._lock:
             first, second = self._first, self._second
         if second is None:

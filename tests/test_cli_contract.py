@@ -175,12 +175,22 @@ def test_a_machine_directory_planted_as_a_symlink_is_refused(tmp_path: Path) -> 
     ksfs(store, None, "import", "x", "c1", str(src))
     (store / "vm").mkdir(exist_ok=True)
     (store / "vm" / "planted").symlink_to(elsewhere)
+    # what it points at names a file elsewhere as a hand-back's leftover: never removed
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    (elsewhere / "state.json").write_text(json.dumps({"domain": "ksfs-planted", "disks": {
+        "vda": {"root": "/x", "root_fmt": "raw", "base_checkpoint": None,
+                "handing_back": {"top": "/x", "tmp": str(victim)}}}}))
     res = ksfs(store, None, "session", "new", "planted", "--guest", str(guest_dir()),
                check=False)
     if res.returncode == 0:  # the bug back: its machine must not outlive the test
         ksfs(store, None, "session", "rm", "planted", check=False)
     assert res.returncode == 10, res
     assert "is a symbolic link" in res.stderr and len(res.stderr.splitlines()) == 1
-    assert list(elsewhere.iterdir()) == []
+    assert [p.name for p in elsewhere.iterdir()] == ["state.json"]
+    assert victim.read_text() == "keep me\n"  # (the review: it was deleted as root)
+    assert not (store / "vm" / "planted").exists()  # the link itself went
+    # nor is the token file written for its start left (review: it outlived the session)
+    assert list((store / "guest-tokens").iterdir()) == []
     listed = json.loads(ksfs(store, None, "session", "list", "--json").stdout)
     assert [s["session"] for s in listed] == ["x"], listed

@@ -699,6 +699,30 @@ def test_a_restore_whose_resume_fails_is_done_and_says_the_machine_is_paused(
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
 
 
+def test_a_restore_takes_a_text_token_out_of_the_persistent_definition(env, agent: str,
+                                                                        tmp_path: Path
+                                                                        ) -> None:
+    """Review (fifteenth session): a session made before the guest token went by file kept it
+    as text in libvirt's definition after any restore, so a cold boot put it back on QEMU's
+    command line."""
+    store, e = env["store"], env["env"]
+    dom = f"ksfs-{agent}"
+    cp = save(store, agent, e)
+    xml = virsh("dumpxml", "--inactive", dom, check=True).stdout
+    token_file = re.search(r"<entry name=.opt/ksfs/token. file=.([^'\"]+).", xml).group(1)
+    token = Path(token_file).read_text()
+    old = re.sub(r"<entry name=.opt/ksfs/token. file=[^>]*/>",
+                 f"<entry name='opt/ksfs/token'>{token}</entry>", xml)
+    assert token in old
+    defined = tmp_path / "old-style.xml"
+    defined.write_text(old)
+    virsh("define", str(defined), check=True)
+    assert token in virsh("dumpxml", "--inactive", dom, check=True).stdout
+    run(store, "restore", agent, cp, env=e)
+    after = virsh("dumpxml", "--inactive", dom, check=True).stdout
+    assert token not in after and f"file='{token_file}'" in after, after
+
+
 def test_restore_killed_after_the_machine_came_back_is_finished_by_recover(env, agent: str
                                                                           ) -> None:
     """kill -9 after the controller restored the machine (at restore.resume: reconciled, not yet

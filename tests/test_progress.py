@@ -84,6 +84,20 @@ def test_two_parts_running_at_once_report_as_one_line() -> None:
     ]
 
 
+def test_two_parts_with_nobody_listening_report_nothing(caplog) -> None:
+    """Review (fifteenth session): with no sink (recover's restore at a daemon's start), the
+    parts' reports went back to the Beside through this thread's sink, without end (until
+    a RecursionError, which report() swallows and logs)."""
+    caplog.set_level("DEBUG", logger="ksfs.progress")
+    beside = progress.Beside()
+    assert beside.sink is None
+    with progress.reporting(beside.second):
+        progress.report("writing the checkpoint", 1, 4)
+    with progress.reporting(beside.first):
+        progress.report("saving the current state first")
+    assert "progress sink failed" not in caplog.text
+
+
 def test_the_terminal_line_draws_nothing_when_nothing_was_reported(monkeypatch) -> None:
     out = io.StringIO()
     StepLine("save agent", out).close()

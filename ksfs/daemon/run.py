@@ -127,12 +127,14 @@ def _first_failure(group: BaseExceptionGroup) -> BaseException:
 
     walk(group)
     for e in flat:
+        if isinstance(e, Exception) and not isinstance(e, KsfsError):
+            log.error("a task of the daemon failed", exc_info=e)  # a bug: its traceback
+    for e in flat:
         if isinstance(e, KsfsError):
             return e
     for e in flat:
         if not isinstance(e, Exception):
             return e  # KeyboardInterrupt, SystemExit
-    log.error("the daemon failed", exc_info=flat[0])
     return DaemonError(f"the daemon failed: {flat[0]}")
 
 

@@ -112,6 +112,9 @@ class RestoreVerbs:
         t0 = time.monotonic()
         # The target's files are written while the current state is saved: the save waits
         # mostly on QEMU and libvirt, the writing on the store's decompression.
+        # (before anything is staged: a token file that cannot be written, on a full disk,
+        # must leave no staged files behind)
+        facts = self.guest_facts(rec)
         n = self.vm.reserve_restore(session)
         beside = progress.Beside()  # the save-first and the staging on one progress line
 
@@ -157,7 +160,7 @@ class RestoreVerbs:
             restored = self.vm.restore(session, rec.domain, memory, disks,
                                        xml=target.domain_xml,
                                        checkpoint=f"{session}/{checkpoint}", staged=staged,
-                                       fw_cfg=self.guest_facts(rec))
+                                       fw_cfg=facts)
             t1 = time.monotonic()
             rec_ev = self._reconcile_to(session, target,
                                         saved.transcript_seq if saved else None)
@@ -202,10 +205,11 @@ class RestoreVerbs:
                 "booted": memory is None}
 
     def _holds(self, rec: SessionRecord, checkpoint: str) -> bool:
-        """Whether the machine is up (running or paused) on ``checkpoint``'s chain."""
+        """Whether the machine is paused on ``checkpoint``'s chain (a running one was resumed:
+        what failed after that is no resume)."""
         try:
             return (self.vm.holds_checkpoint(rec.name) == f"{rec.name}/{checkpoint}"
-                    and self.vm.state(rec.domain) in ("running", "paused"))
+                    and self.vm.state(rec.domain) == "paused")
         except KsfsError:
             return False
 

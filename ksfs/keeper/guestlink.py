@@ -23,6 +23,8 @@ from typing import Any
 
 import blake3
 
+from ksfs.errors import from_os_error
+
 GUEST_GATEWAY_HOST = "10.0.2.2"  # the host's loopback as QEMU user networking shows it
 TOKENS_DIR = "guest-tokens"
 
@@ -80,13 +82,17 @@ class GuestLink:
         except (FileNotFoundError, UnicodeDecodeError):
             pass
         tmp = tokens / f".{lineage}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, token.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, token.encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise from_os_error(exc, "write the guest's gateway token", str(path)) from exc
         return path
 
     def drop_token_file(self, lineage: str) -> None:

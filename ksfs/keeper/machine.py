@@ -263,11 +263,16 @@ class MachineVerbs:
         try:
             yield
         except BaseException:
+            lineage = None
+            with contextlib.suppress(KsfsError):
+                lineage = self.ledger.session(name).lineage
             try:
                 if domain is not None:
                     self.vm.destroy_and_undefine(domain)
                 self.vm.remove_files(name)
             finally:
+                if lineage is not None:
+                    self.drop_token_file(lineage)  # written for its start (guest_facts)
                 with self.store.env.begin(write=True) as txn:
                     self.ledger.remove_session(txn, name)
                 drop_session_lock(self.store_path, name)  # held by the caller: safe to drop

@@ -174,6 +174,7 @@ class Recovery:
                 self.ledger.remove_session(txn, rec.name)
             self.checkpoint_changed(rec.name, None)
             self.vm.remove_files(rec.name)
+            self.drop_token_file(rec.lineage)
             drop_session_lock(self.store_path, rec.name)
             try:  # the parent's log has its fork.created: say it came to nothing
                 self.ledger.record(rec.parent.session, "fork.failed", {

@@ -112,12 +112,12 @@ class DomainController:
 
     def _make_session_dir(self, session: str) -> Path:
         d = self.session_dir(session)
-        for p in (self.workdir, d):
-            if p.is_symlink():
-                # A machine's disks and memory would be written wherever it points, and its
-                # removal would leave them there (QA, fifteenth session).
-                raise VMError(f"{p} is a symbolic link: a session's machine files are kept "
-                              "only in a directory of the store's own; nothing was changed")
+        if d.is_symlink():
+            # A machine's disks and memory would be written wherever it points, and its
+            # removal would leave them there (QA, fifteenth session). (vm/ itself may be a
+            # link the user made to put machines on another disk.)
+            raise VMError(f"{d} is a symbolic link: a session's machine files are kept only "
+                          "in a directory of its own; nothing was changed")
         (d / "staging").mkdir(parents=True, exist_ok=True)
         # QEMU runs as libvirt-qemu: it must be able to reach the files in here.
         for p in (self.workdir, d, d / "staging"):
@@ -479,14 +479,14 @@ class DomainController:
         XML names, so that forks of those checkpoints still boot.
         """
         d = self.session_dir(session)
+        if d.is_symlink():  # never made so by ksfs: not followed, nor its state.json read
+            d.unlink()
+            return
         with contextlib.suppress(VMError):  # a killed hand-back's copy beside a user's disk
             for ds in (load_state(self._state_path(session)) or SessionState("")).disks.values():
                 tmp = (ds.handing_back or {}).get("tmp")
                 if tmp:
                     Path(tmp).unlink(missing_ok=True)
-        if d.is_symlink():  # never made so by ksfs: not followed
-            d.unlink()
-            return
         if not keep_boot:
             shutil.rmtree(d, ignore_errors=True)
             return

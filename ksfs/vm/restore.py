@@ -217,7 +217,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
                 ctl.conn.defineXML(new_xml)
         own = {t: p for t, p in domxml.boot_files(new_xml).items()
                if Path(p).parent == ctl.session_dir(session)}
-        _redefine(ctl, domain, overlays, own, ctl.session_dir(session))
+        _redefine(ctl, domain, overlays, own, ctl.session_dir(session), fw_cfg)
         timings.update(destroy=t2 - t1, restore=t3 - t2, redefine=time.monotonic() - t3)
     except BaseException:
         if started or dom is None:
@@ -428,9 +428,12 @@ def _start_paused(ctl: DomainController, domain: str, mem: Path | None, xml: str
 
 
 def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path],
-              boot: dict[str, str] | None, session_dir: Path) -> None:
+              boot: dict[str, str] | None, session_dir: Path,
+              fw_cfg: dict[str, str | Path] | None = None) -> None:
     """Point the persistent definition at the new disks (and the session's own kernel and
-    initrd) too, so a cold boot finds them, and give it the restored machine's set of disks:
+    initrd, and its fw_cfg entries: a token given as text before they went by file must not
+    come back at a cold boot) too, so a cold boot finds them, and give it the restored
+    machine's set of disks:
     one hot-plugged after the checkpoint would name a file the restore deletes (QA). The
     machine runs by now: a definition libvirt refuses with the disks matched (a re-added
     disk's address taken since) is retried without their addresses, then made as before."""
@@ -454,6 +457,8 @@ def _redefine(ctl: DomainController, domain: str, overlays: dict[str, Path],
             xml = domxml.set_disk_sources(xml, sources)
             if boot:
                 xml = domxml.set_boot_files(xml, boot)
+            if fw_cfg is not None:
+                xml = domxml.set_fw_cfg(xml, fw_cfg)
             try:
                 ctl.conn.defineXML(xml)
                 return
