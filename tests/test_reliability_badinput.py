@@ -70,7 +70,7 @@ def snapshot(store: Path) -> dict:
         (str(p.relative_to(store)), p.stat().st_size if p.suffix == ".pack" else None)
         for p in store.rglob("*")
         if p.is_file() and p.parts[len(store.parts)] not in ("index",)
-        and p.name not in ("daemon.log", "daemon.pid", "daemon.sock")
+        and p.name not in ("daemon.log", "daemon.pid", "daemon.sock", "daemon.lock")
     )
     stats = json.loads(ksfs(store, "stats", "--json").stdout)
     with Keeper(store) as k:
