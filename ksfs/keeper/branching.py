@@ -110,11 +110,11 @@ class RestoreVerbs:
             kept = self._save_stopped_disks(
                 rec, f"disks of the {state} machine, kept before restore to {checkpoint}")
         t0 = time.monotonic()
+        # Before anything is staged: a token file that cannot be written (a full disk) must
+        # leave no staged files behind.
+        facts = self.guest_facts(rec)
         # The target's files are written while the current state is saved: the save waits
         # mostly on QEMU and libvirt, the writing on the store's decompression.
-        # (before anything is staged: a token file that cannot be written, on a full disk,
-        # must leave no staged files behind)
-        facts = self.guest_facts(rec)
         n = self.vm.reserve_restore(session)
         beside = progress.Beside()  # the save-first and the staging on one progress line
 
