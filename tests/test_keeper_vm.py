@@ -1212,3 +1212,122 @@ def test_a_restore_of_a_shut_off_machine_keeps_its_disks_first(env, agent: str) 
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
     assert any(ev["type"] == "checkpoint.published" and ev["body"].get("name") == kept
                for ev in events_of(store, agent, e))
+
+
+def ksfs_while_a_user_defines(store: Path, e: dict, point: str, xml_path: Path,
+                              *args: str) -> subprocess.CompletedProcess:
+    """``ksfs ARGS`` in which, when it reaches ``point`` (a crash point, or ``make_disk``), a
+    user runs ``virsh define XML_PATH``: the moment a racing definition of the same name lands
+    between ksfs's look at libvirt and its own definition."""
+    code = (
+        "import subprocess, sys\n"
+        "point, xml = sys.argv[1], sys.argv[2]\n"
+        "def define():\n"
+        "    subprocess.run(['virsh', '-q', 'define', xml], check=True, capture_output=True)\n"
+        "if point == 'make_disk':\n"
+        "    import ksfs.vm.files as f\n"
+        "    orig_make = f.make_disk\n"
+        "    def make_disk(*a, **k):\n"
+        "        orig_make(*a, **k)\n"
+        "        define()\n"
+        "    f.make_disk = make_disk\n"
+        "else:\n"
+        "    import ksfs.vm.restore as r\n"
+        "    orig_point = r.crash_point\n"
+        "    def hook(name):\n"
+        "        if name == point:\n"
+        "            define()\n"
+        "        orig_point(name)\n"
+        "    r.crash_point = hook\n"
+        "from ksfs.cli import main\n"
+        "sys.argv = ['ksfs', *sys.argv[3:]]\n"
+        "main()\n"
+    )
+    return subprocess.run([sys.executable, "-c", code, point, str(xml_path), "--store",
+                           str(store), *args], capture_output=True, text=True, env=e,
+                          timeout=300)
+
+
+def test_a_users_domain_that_takes_the_name_first_is_never_removed(env, agent: str,
+                                                                     guest: Path,
+                                                                     tmp_path: Path) -> None:
+    """Re-check (fifteenth session): a fork racing a `virsh define` of the same name destroyed
+    and undefined the user's domain, 4 times in 4, in its undoing; `session new` had the same
+    shape, and so had a restore making a gone machine again. ksfs now undoes only the domain
+    of the UUID it recorded."""
+    store, e = env["store"], env["env"]
+    spec = json.loads((guest / "guest.json").read_text())
+    spec = {k: str(guest / spec[k]) for k in ("kernel", "initrd")} | {"cmdline": "console=ttyS0"}
+    cp = save(store, agent, e)
+    for verb, point in (("fork", "vm.fork"), ("new", "make_disk")):
+        name = f"race{verb}-{env['tag']}"
+        env["made"].append(name)
+        dom = f"ksfs-{name}"
+        xml_path = tmp_path / f"{name}.xml"
+        xml_path.write_text(plain_domain_xml(dom, spec, []))
+        args = ("fork", agent, cp, name) if verb == "fork" else ("session", "new", name)
+        try:
+            res = ksfs_while_a_user_defines(store, e, point, xml_path, *args)
+            assert res.returncode != 0, res.stderr
+            assert "already exists" in res.stderr, res.stderr
+            assert virsh("domstate", dom).stdout.strip() == "shut off", (verb, res.stderr)
+            assert name not in run(store, "session", "list", env=e).stdout
+            assert not (store / "vm" / name).exists()
+        finally:
+            virsh("destroy", dom)
+            virsh("undefine", dom)
+    # A session whose machine went: a restore making it again meets the user's domain.
+    gone = f"racerestore-{env['tag']}"
+    env["made"].append(gone)
+    dom = f"ksfs-{gone}"
+    run(store, "fork", agent, cp, gone, env=e)
+    gcp = save(store, gone, e)
+    virsh("destroy", dom, check=True)
+    virsh("undefine", dom, check=True)
+    xml_path = tmp_path / "user.xml"
+    xml_path.write_text(plain_domain_xml(dom, spec, []))
+    try:
+        res = ksfs_while_a_user_defines(store, e, "vm.restore", xml_path, "restore", gone, gcp)
+        assert res.returncode != 0 and "already exists" in res.stderr, res.stderr
+        assert virsh("domstate", dom).stdout.strip() == "shut off", res.stderr
+        # nor does a later restore or session rm take the user's domain for the session's
+        res = run(store, "restore", gone, gcp, check=False, env=e)
+        assert res.returncode == 10 and "defined outside ksfs" in res.stderr, res.stderr
+        assert virsh("domstate", dom).stdout.strip() == "shut off"
+        res = run(store, "session", "rm", gone, env=e)
+        assert "is not the machine ksfs made" in res.stderr, res.stderr
+        assert virsh("domstate", dom).stdout.strip() == "shut off"
+    finally:
+        virsh("destroy", dom)
+        virsh("undefine", dom)
+
+
+def test_a_cold_start_by_resume_takes_a_text_token_off_the_command_line(env, agent: str,
+                                                                        tmp_path: Path) -> None:
+    """Re-check (fifteenth session): a session defined before the guest token went by file,
+    started again by `ksfs resume` (or recover) from shut off, ran `dom.create()` on its
+    definition as it stood, so the token came back as text on QEMU's command line."""
+    store, e = env["store"], env["env"]
+    dom = f"ksfs-{agent}"
+    cp = save(store, agent, e)
+    xml = virsh("dumpxml", "--inactive", dom, check=True).stdout
+    token_file = re.search(r"<entry name=.opt/ksfs/token. file=.([^'\"]+).", xml).group(1)
+    token = Path(token_file).read_text()
+    old = re.sub(r"<entry name=.opt/ksfs/token. file=[^>]*/>",
+                 f"<entry name='opt/ksfs/token'>{token}</entry>", xml)
+    defined = tmp_path / "old-style.xml"
+    defined.write_text(old)
+    virsh("define", str(defined), check=True)
+    virsh("destroy", dom, check=True)
+    Path(token_file).unlink()  # and a token file that went missing is written again
+    try:
+        run(store, "resume", agent, env=e)
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        after = virsh("dumpxml", "--inactive", dom, check=True).stdout
+        assert token not in after and f"file='{token_file}'" in after, after
+        pid = Path(f"/run/libvirt/qemu/{dom}.pid").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        assert token not in cmdline and token_file in cmdline, cmdline
+        assert Path(token_file).read_text() == token
+    finally:
+        run(store, "restore", agent, cp, env=e)  # the agent as the other tests know it

@@ -267,8 +267,8 @@ class MachineVerbs:
             with contextlib.suppress(KsfsError):
                 lineage = self.ledger.session(name).lineage
             try:
-                if domain is not None:
-                    self.vm.destroy_and_undefine(domain)
+                if domain is not None:  # only the one ksfs made (a user's may race it)
+                    self.vm.destroy_and_undefine(domain, session=name, made=True)
                 self.vm.remove_files(name)
             finally:
                 if lineage is not None:
@@ -418,7 +418,7 @@ class MachineVerbs:
                 progress.report("handing the machine back on its own disks")
                 released = self.vm.release(rec.name, rec.domain, release)
             else:
-                self.vm.destroy_and_undefine(rec.domain)
+                self.vm.destroy_and_undefine(rec.domain, session=rec.name)
             if steps is not None:
                 steps["machine_gone"] = True  # destroyed, or handed back
             crash_point("session.remove")
@@ -466,7 +466,7 @@ class MachineVerbs:
                 raise NotRunning(f"the machine of session {session!r} is gone: its domain "
                                  f"{rec.domain} is not defined in libvirt; `ksfs restore "
                                  f"{session} CHECKPOINT` (or `ksfs recover`) makes it again")
-            self.vm.resume(rec.domain)
+            self.vm.resume(rec.domain, fw_cfg=self.guest_facts(rec))  # (if it starts)
             ev = self.ledger.record(session, "resume", {"domain": rec.domain})
         return {"session": session, "state": "running", "seq": ev.seq}
 

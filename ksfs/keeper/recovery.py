@@ -218,7 +218,7 @@ class Recovery:
             self._restore_locked(rec, target, keep_stopped=False, kept=kept)
             actions.append(f"machine was {state}: restored to checkpoint {target}")
         elif state != "absent":
-            self.vm.resume(rec.domain)
+            self.vm.resume(rec.domain, fw_cfg=self.guest_facts(rec))
             actions.append(f"machine was {state}: started")
         else:
             actions.append("machine is gone and no checkpoint can bring it back")

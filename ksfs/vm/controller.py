@@ -184,7 +184,8 @@ class DomainController:
                                     d / "console.log")
         if fw_cfg:
             xml = domxml.set_fw_cfg(xml, fw_cfg)
-        self.save_state(session, SessionState(domain_name, {"vda": DiskState(str(copy), fmt)}))
+        self.save_state(session, SessionState(domain_name, {"vda": DiskState(str(copy), fmt)},
+                                              uuid=domxml.uuid_of(xml)))
         with step(domain_name, "defining"):
             dom = self.conn.defineXML(xml)
         try:
@@ -217,7 +218,8 @@ class DomainController:
         self._make_session_dir(session)
         state = SessionState(domain_name, {d.target: DiskState(d.source, d.fmt) for d in disks},
                              adopted=True,
-                             origins={d.target: [d.source, d.fmt] for d in disks})
+                             origins={d.target: [d.source, d.fmt] for d in disks},
+                             uuid=dom.UUIDString())
         self.save_state(session, state)
         if start and not dom.isActive():
             with step(domain_name, "starting"):
@@ -338,12 +340,20 @@ class DomainController:
             with step(domain, "pausing"):
                 dom.suspend()
 
-    def resume(self, domain: str) -> None:
-        """Run a paused domain; start a shut-off one."""
+    def resume(self, domain: str, fw_cfg: dict[str, str | Path] | None = None) -> None:
+        """Run a paused domain; start a shut-off one, with its definition's ksfs fw_cfg entries
+        set to ``fw_cfg`` first when given (a definition from before the guest token went by
+        file holds it as text, which a start would put on QEMU's command line)."""
         dom = self.lookup(domain)
         try:
             with step(domain, "resuming"):
                 if not dom.isActive():
+                    if fw_cfg is not None and dom.isPersistent():
+                        xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE
+                                          | libvirt.VIR_DOMAIN_XML_SECURE)
+                        new_xml = domxml.set_fw_cfg(xml, fw_cfg)
+                        if domxml.fw_cfg(xml) != domxml.fw_cfg(new_xml):
+                            self.conn.defineXML(new_xml)
                     dom.create()
                 elif dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
                     dom.resume()
@@ -415,14 +425,31 @@ class DomainController:
 
         return release(self, session, domain, disks)
 
-    def destroy_and_undefine(self, domain: str) -> None:
-        """Stop the domain if it runs and remove its definition; absent domains are fine."""
+    def destroy_and_undefine(self, domain: str, session: str | None = None,
+                             made: bool = False) -> bool:
+        """Stop the domain if it runs and remove its definition; absent domains are fine.
+
+        Given ``session``, a domain of that name whose UUID is not the one the session's
+        state recorded is not the session's machine (a user's, defined while ksfs's was being
+        made or after it went): it is left alone, with a warning. ``made`` (undoing a session
+        that never started) leaves alone also a domain the session recorded nothing of: ksfs
+        records the UUID before it defines. Returns whether a domain was removed."""
         try:
             dom = self.conn.lookupByName(domain)
         except libvirt.libvirtError as exc:
             if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
-                return
+                return False
             raise VMError(f"looking up {domain} failed: {exc.get_error_message()}") from exc
+        if session is not None:
+            state = load_state(self._state_path(session))
+            recorded = state.uuid if state is not None else None
+            with step(domain, "reading its UUID"):
+                actual = dom.UUIDString()
+            if (recorded is None and made) or (recorded is not None and recorded != actual):
+                log.warning("domain %s (UUID %s) is not the machine ksfs made for session %s "
+                            "(%s): left as it is", domain, actual, session,
+                            f"UUID {recorded}" if recorded else "none was defined")
+                return False
         with step(domain, "destroying"):
             if dom.isActive():
                 dom.destroy()
@@ -430,7 +457,7 @@ class DomainController:
             persistent = dom.isPersistent()
         except libvirt.libvirtError as exc:
             if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
-                return  # it was transient (a fork killed before its define): destroy removed it
+                return True  # it was transient (a fork killed before its define): gone now
             raise VMError(f"looking up {domain} failed: {exc.get_error_message()}") from exc
         with step(domain, "undefining"):
             if persistent:
@@ -442,6 +469,7 @@ class DomainController:
                                   | libvirt.VIR_DOMAIN_UNDEFINE_KEEP_NVRAM
                                   | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
                                   | libvirt.VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA)
+        return True
 
     def drop_leftovers(self, session: str, domain: str | None = None) -> int:
         """Delete what a killed verb of the session left that nothing will read: memory images

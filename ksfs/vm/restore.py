@@ -162,6 +162,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
     n, mem, bases, overlays = staged.n, staged.memory, staged.bases, staged.overlays
     timings = {"materialize": staged.seconds}
     started = False
+    uuid = None  # the UUID the machine will have: only a domain of it is undone on failure
     try:
         new_xml = _start_xml(mem, xml, domain)
         _check_disks(new_xml, bases, domain)
@@ -182,8 +183,15 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
                 # QA (fifteenth session): a domain undefined behind ksfs's back while it ran
                 # is transient; restored as it was, its next stop would lose it.
                 persistent = bool(dom.isPersistent())
+            if state.uuid and uuid != state.uuid and not state.adopted:
+                raise VMError(f"domain {domain} (UUID {uuid}) is not the machine of session "
+                              f"{session} (UUID {state.uuid}): it was defined outside ksfs; "
+                              f"undefine or rename it, then restore again")
         else:
-            uuid = domxml.uuid_of(new_xml)
+            # the UUID the session's machine had (a fork's checkpoint XML holds its parent's,
+            # which libvirt refuses while the parent runs)
+            uuid = state.uuid or domxml.uuid_of(new_xml)
+        state.uuid = uuid
         if domxml.uuid_of(new_xml) != uuid or domxml.domain_name(new_xml) != domain:
             # A checkpoint of another domain (a parent's): take this domain's identity, keeping
             # everything else, and put it in the header, as libvirt checks the UUID there.
@@ -223,12 +231,14 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         if started or dom is None:
             # A machine started on the files removed below would run on deleted files that no
             # save can read: stop it (the old one was stopped already; its definition and
-            # chain are untouched, so recover brings it back). One made again goes entirely.
+            # chain are untouched, so recover brings it back). One made again goes entirely;
+            # never a user's domain that took the name meanwhile (its start failed for it).
             with contextlib.suppress(libvirt.libvirtError):
-                ctl.conn.lookupByName(domain).destroy()
-        if dom is None:
-            with contextlib.suppress(libvirt.libvirtError):
-                ctl.conn.lookupByName(domain).undefine()
+                now = ctl.conn.lookupByName(domain)
+                if now.UUIDString() == uuid:
+                    now.destroy()
+                    if dom is None:
+                        now.undefine()
         for p in (*bases.values(), *overlays.values()):
             p.unlink(missing_ok=True)
         if state.pending is not None:
@@ -510,6 +520,7 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         # Written before the domain exists, so a fork killed between its restore and its
         # define leaves a machine recover can define and the next save can use.
         label = checkpoint or f"fork-{n}"
+        state.uuid = domxml.uuid_of(new_xml)
         state.disks = {t: DiskState(str(p), "raw", label) for t, p in bases.items()}
         ctl.save_state(new_session, state)
         crash_point("vm.fork")

@@ -49,6 +49,10 @@ class SessionState:
     # An adopted domain's own disks as it was adopted: target -> [file, format]; where
     # ``session rm --release`` puts a disk that a restore replaced (vm.release).
     origins: dict[str, list[str]] = field(default_factory=dict)
+    # The UUID of the domain this session's machine is: ksfs destroys a domain of the session's
+    # name only when it is this one, never a user's domain that took the name (a fork racing a
+    # `virsh define` destroyed the user's). None in a state.json from before it.
+    uuid: str | None = None
 
     def next_number(self) -> int:
         self.counter += 1
@@ -78,7 +82,7 @@ def load_state(path: Path) -> SessionState | None:
         raise VMError(f"controller state {path} is unreadable: {exc}") from exc
     disks = {t: DiskState(**d) for t, d in data.get("disks", {}).items()}
     return SessionState(data["domain"], disks, data.get("counter", 0), data.get("adopted", False),
-                        data.get("pending"), data.get("origins", {}))
+                        data.get("pending"), data.get("origins", {}), data.get("uuid"))
 
 
 def save_state(path: Path, state: SessionState) -> None:
@@ -93,6 +97,8 @@ def save_state(path: Path, state: SessionState) -> None:
         data["pending"] = state.pending
     if state.origins:
         data["origins"] = state.origins
+    if state.uuid is not None:
+        data["uuid"] = state.uuid
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(data, indent=1) + "\n")
