@@ -403,3 +403,31 @@ def test_check_says_what_a_killed_import_left_and_gc_gives_it_back(tmp_path):
     report = json.loads(ksfs(store, "check", "--json").stdout)
     assert report["unfinished_bytes"] == 0 and report["unfinished_packs"] == 0, report
     assert "did not finish" not in ksfs(store, "check").stdout.decode()
+
+
+FALLBACK_ONLY = """
+import sys
+
+
+class NoCompiledChunker:  # as when pyfastcdc's extension cannot load: the package itself does
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("pyfastcdc.cy"):
+            raise ImportError(f"{name}: cannot open shared object file")
+
+
+sys.meta_path.insert(0, NoCompiledChunker())
+from ksfs.cli import main
+main()
+"""
+
+
+def test_a_missing_compiled_chunker_is_one_line(store: Path, tmp_path: Path) -> None:
+    """QA: with only pyfastcdc's pure-Python fallback loadable, the library's own warning (two
+    lines) came before ksfs's one-line refusal (exit 7)."""
+    src = tmp_path / "notes.txt"
+    src.write_bytes(random.Random(1).randbytes(100_000))
+    res = subprocess.run([sys.executable, "-c", FALLBACK_ONLY, "--store", str(store), "import",
+                          "s", "c", str(src)], capture_output=True, timeout=60)
+    assert res.returncode == 7, res.stderr
+    lines = res.stderr.decode().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ksfs: error: pyfastcdc's compiled"), lines

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
@@ -123,7 +124,10 @@ def read_exact(source: Source, offset: int, n: int) -> bytes:
 def load_fastcdc() -> Any:
     """The compiled FastCDC class, or ChunkerUnavailable."""
     try:
-        from pyfastcdc.cy import FastCDC
+        with warnings.catch_warnings():
+            # the package warns (two lines) when only its fallback loads: ours is the one line
+            warnings.simplefilter("ignore")
+            from pyfastcdc.cy import FastCDC
     except ImportError as exc:
         raise ChunkerUnavailable(
             "pyfastcdc's compiled chunker (pyfastcdc.cy) cannot be imported, and its pure-Python "
