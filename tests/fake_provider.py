@@ -53,7 +53,9 @@ class FakeProvider:
         self.stream_usage = stream_usage
         self.json_usage = True  # False: JSON chat answers carry no usage (some servers' way)
         self.chunk_delay = chunk_delay
-        self.stream_end: str | None = None  # "no_done": no [DONE]; "error_event": fails mid-way
+        # "no_done": no [DONE]; "error_event": fails mid-way; "drop": the connection is closed
+        # after three events, the chunked body never ended (a provider or a proxy that dies)
+        self.stream_end: str | None = None
         self.gzip = False  # compress JSON answers although asked for identity
         self.reject_stream_options = False  # 400 for stream_options, as some servers do
         self.stream_as_json = False  # answer a stream request with one JSON body
@@ -284,10 +286,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                                "finish_reason": "stop"}]))
         if usage is not None and self.fake.stream_end != "error_event":
             events.append(dict(base, choices=[], usage=usage))
+        if self.fake.stream_end == "drop":
+            events = events[:3]
         for ev in events:
             self._chunk(b"data: " + json.dumps(ev).encode() + b"\n\n")
             if self.fake.chunk_delay:
                 self.fake.sleep(self.fake.chunk_delay)
+        if self.fake.stream_end == "drop":
+            self.close_connection = True  # no last chunk: the body never ends
+            return
         if self.fake.stream_end is None:
             self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")

@@ -8,6 +8,7 @@ import contextlib
 import json
 
 import httpx
+import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -369,7 +370,9 @@ async def test_a_duplicate_of_a_stream_in_flight_follows_it(store, ledger, provi
     assert provider.count() == 1
     assert got["retry"][1] == got["buyer"][1] and data_events(got["retry"][1])[-1] == "[DONE]"
     assert got["retry"][0] < 1.5  # its first bytes came while the stream was still going
-    assert got["retry"][2]["x-ksfs-replay"] == "true"
+    # Its headers went out before the purchase was stored: "joined", not yet a replay; it is
+    # counted as one once its end (stored) goes out.
+    assert got["retry"][2]["x-ksfs-replay"] == "joined"
     assert got["buyer"][2]["x-ksfs-replay"] == "false"
     assert gw.usage("s1")["replays"] == 1 and len(events(ledger, "s1", "gateway.replay")) == 1
 
@@ -385,3 +388,44 @@ async def test_a_stream_request_answered_with_one_json_body_is_stored(store, led
     again = await call(port, body)
     assert again.headers["x-ksfs-replay"] == "true" and again.content == first.content
     assert provider.count() == 1 and gw.usage("s1")["total_tokens"] == 2 + 7
+
+
+@pytest.mark.parametrize("end", ["error_event", "drop"])
+async def test_a_follower_of_a_stream_that_fails_is_not_told_it_was_a_replay(
+        store, ledger, provider, nursery, end):
+    """QA (last session): a duplicate that joined a stream in flight got `x-ksfs-replay: true`
+    whatever became of the purchase; when it then failed (an error event, the connection
+    dropped) nothing was bought to replay, yet its headers said it was a replay."""
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=30)
+    port = await nursery.start(gw.serve_session, "s1")
+    provider.chunk_delay, provider.stream_end = 0.3, end
+    body = chat_body(f"doomed to {end}", stream=True)
+    got: dict[str, tuple[bytes, dict]] = {}
+
+    async def one(name: str) -> None:
+        async with client(port) as c, c.stream("POST", "/v1/chat/completions", json=body,
+                                                headers={"idempotency-key": "k1"}) as r:
+            got[name] = (b"".join([chunk async for chunk in r.aiter_raw()]), dict(r.headers))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(one, "buyer")
+        with trio.fail_after(10):
+            while not provider.requests:  # the purchase is under way
+                await trio.sleep(0.01)
+        await trio.sleep(0.4)  # and has streamed something
+        n.start_soon(one, "follower")
+    assert provider.count() == 1
+    (data, headers), (bought, buyer) = got["follower"], got["buyer"]
+    assert data == bought  # the same attempt, so the same bytes and the same failure
+    ends = data_events(data)
+    assert "[DONE]" not in ends and ends[-1]["error"]["type"] in (
+        "upstream_stream_incomplete", "upstream_unreachable")
+    assert buyer["x-ksfs-replay"] == "false"
+    assert headers["x-ksfs-replay"] == "joined", headers  # not "true": nothing was replayed
+    assert headers["x-ksfs-key"] == buyer["x-ksfs-key"]
+    assert events(ledger, "s1", "gateway.replay") == [] and gw.usage("s1")["replays"] == 0
+    # A retry once it failed buys it again (nothing stored), as a fresh purchase.
+    provider.chunk_delay, provider.stream_end = 0, None
+    again = await call(port, body, key="k1")
+    assert again.headers["x-ksfs-replay"] == "false" and data_events(again.content)[-1] == "[DONE]"
+    assert provider.count() == 2

@@ -112,7 +112,14 @@ class StreamThrough:
 
     @property
     def _replay_header(self) -> str:
-        return "false" if self.replayed is None else "true"
+        """``false`` for the buyer's own answer, ``true`` for a duplicate whose purchase is
+        stored, and ``joined`` for one whose headers go out while the purchase is still in
+        flight: it may yet fail, and a header cannot be taken back (QA: it said ``true``, a
+        replay, of a purchase that then failed and bought nothing). Its end tells: the
+        stream's own end once stored (then counted as a replay), or the gateway's error."""
+        if self.replayed is None:
+            return "false"
+        return "true" if self.call.stored is not None else "joined"
 
     async def _record_replay(self) -> None:
         if self.replayed is not None and self.call.stored is not None:
