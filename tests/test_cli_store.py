@@ -431,3 +431,27 @@ def test_a_missing_compiled_chunker_is_one_line(store: Path, tmp_path: Path) -> 
     assert res.returncode == 7, res.stderr
     lines = res.stderr.decode().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ksfs: error: pyfastcdc's compiled"), lines
+
+
+def test_check_json_names_a_damaged_chunks_pack_and_offset(store: Path, tmp_path: Path) -> None:
+    """QA: `check --json` named a damaged chunk's pack only inside its sentence."""
+    from ksfs.cas import ChunkStore
+
+    src = tmp_path / "disk.raw"
+    make_image(src, 4 * 65536, seed=9, holes=False)
+    ksfs(store, "import", "s", "c", str(src))
+    with ChunkStore.open(store) as s:
+        with s.env.begin(db=s.db["chunks"]) as txn:
+            cid = bytes(next(iter(txn.cursor()))[0])
+        loc = s.lookup(cid)
+    with open(store / "packs" / f"{loc.pack:08d}.pack", "r+b") as f:
+        f.seek(loc.offset + 20)  # inside the record's header: check sees it without --read-data
+        b = f.read(1)
+        f.seek(loc.offset + 20)
+        f.write(bytes([b[0] ^ 0x40]))
+    for extra in ((), ("--read-data",)):
+        res = ksfs(store, "check", "--json", *extra, check=False)
+        assert res.returncode == 6, res.stderr
+        found = [f for f in json.loads(res.stdout)["findings"] if f["kind"] == "damaged_chunk"]
+        assert found == [{"kind": "damaged_chunk", "chunk": cid.hex(), "pack": loc.pack,
+                          "offset": loc.offset, "why": found[0]["why"]}], found

@@ -41,6 +41,8 @@ class CheckReport:
     manifests_checked: int = 0
     packs_checked: int = 0
     data_read: bool = False
+    # where the index puts each damaged or missing chunk: (pack, offset), for scripts
+    locations: dict[str, tuple[int, int]] = field(default_factory=dict)
     orphan_packs: list[int] = field(default_factory=list)  # unindexed packs GC will remove
     orphan_bytes: int = 0  # bytes of abandoned ingests, reclaimable, not damage
 
@@ -72,9 +74,9 @@ class CheckReport:
         order: each has a ``kind`` and names what it is about."""
         out: list[dict[str, Any]] = [{"kind": "damaged_pack", "pack": no, "why": why}
                                      for no, why in sorted(self.damaged_packs.items())]
-        out += [{"kind": "damaged_chunk", "chunk": c, "why": why}
+        out += [{"kind": "damaged_chunk", "chunk": c, **self._where(c), "why": why}
                 for c, why in sorted(self.damaged_chunks.items())]
-        out += [{"kind": "missing_chunk", "chunk": c, "why": why}
+        out += [{"kind": "missing_chunk", "chunk": c, **self._where(c), "why": why}
                 for c, why in sorted(self.missing_chunks.items())]
         out += [{"kind": "damaged_manifest", "manifest": m, "why": why}
                 for m, why in sorted(self.damaged_manifests.items())]
@@ -83,6 +85,11 @@ class CheckReport:
         out += [{"kind": "unreadable_file", "file": ref, "why": list(why)}
                 for ref, why in sorted(self.affected_references.items())]
         return out
+
+    def _where(self, chunk: str) -> dict[str, int]:
+        """The pack and offset the index gives a chunk (none for one it does not list)."""
+        at = self.locations.get(chunk)
+        return {} if at is None else {"pack": at[0], "offset": at[1]}
 
     def summary(self) -> str:
         state = "clean" if self.ok else "DAMAGED"
@@ -199,6 +206,10 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
                 hurt.add(h)
         if hurt:
             rep.affected_manifests[mid.hex()] = sorted(hurt)
+
+    for cid, loc in chunks:
+        if cid.hex() in rep.damaged_chunks or cid.hex() in rep.missing_chunks:
+            rep.locations[cid.hex()] = (loc.pack, loc.offset)
 
     for mhex, refs in references.items():
         why = None
