@@ -455,3 +455,29 @@ def test_check_json_names_a_damaged_chunks_pack_and_offset(store: Path, tmp_path
         found = [f for f in json.loads(res.stdout)["findings"] if f["kind"] == "damaged_chunk"]
         assert found == [{"kind": "damaged_chunk", "chunk": cid.hex(), "pack": loc.pack,
                           "offset": loc.offset, "why": found[0]["why"]}], found
+
+
+def test_check_during_an_import_says_its_packs_are_in_use(store: Path, tmp_path: Path) -> None:
+    """QA: a check run while an import wrote called its packs "left by ingests that did not
+    finish"; they are a running ingest's, and once it commits they are counted as the store's."""
+    from ksfs.cas import ChunkStore
+    from tests.cas_helpers import BytesSource
+
+    src = tmp_path / "data.bin"
+    src.write_bytes(random.Random(3).randbytes(1 << 20))
+    ksfs(store, "import", "s", "c", str(src))
+    with ChunkStore.open(store) as s:
+        with s.ingest() as ing:  # a running import: written, not yet committed
+            ing.add_file(BytesSource(random.Random(4).randbytes(2 << 20)), chunking="fixed")
+            ing.seal()
+            out = ksfs(store, "check").stdout.decode()
+            assert out.startswith("store clean") and "did not finish" not in out, out
+            assert "an ingest is running" in out, out
+            report = json.loads(ksfs(store, "check", "--json").stdout)
+            assert report["unfinished_bytes"] == 0 and report["unfinished_packs"] == 0, report
+            assert report["in_use_bytes"] >= 2 << 20 and report["in_use_packs"] >= 1, report
+            with s.env.begin(write=True) as txn:
+                ing.commit(txn)
+    report = json.loads(ksfs(store, "check", "--json").stdout)
+    assert report["in_use_bytes"] == 0 == report["unfinished_bytes"], report
+    assert "running" not in ksfs(store, "check").stdout.decode()

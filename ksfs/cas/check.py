@@ -8,6 +8,7 @@ The report names every reference (checkpoint file) that depends on something dam
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat as stat_
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ class CheckReport:
     locations: dict[str, tuple[int, int]] = field(default_factory=dict)
     orphan_packs: list[int] = field(default_factory=list)  # unindexed packs GC will remove
     orphan_bytes: int = 0  # bytes of abandoned ingests, reclaimable, not damage
+    # packs a running ingest (or repack) is appending to, and its bytes not yet committed
+    in_use_packs: list[int] = field(default_factory=list)
+    in_use_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -101,6 +105,9 @@ class CheckReport:
             files = f"{len(self.orphan_packs)} pack file(s) and " if self.orphan_packs else ""
             text += (f"; {files}{self.orphan_bytes / (1 << 20):.1f} MiB left by ingests that "
                      f"did not finish, which no checkpoint uses (`ksfs gc` gives them back)")
+        if self.in_use_bytes:
+            text += (f"; an ingest is running: {len(self.in_use_packs)} pack file(s) in use by "
+                     f"it, {self.in_use_bytes / (1 << 20):.1f} MiB not yet committed")
         return text
 
 
@@ -142,15 +149,14 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
             rep.damaged_packs[no] = "its file is missing"
         elif disk[no] < size:
             rep.damaged_packs[no] = f"its file has {disk[no]} bytes, the index expects {size}"
-        else:
-            rep.orphan_bytes += disk[no] - size
+        elif disk[no] > size:
+            _uncommitted(store, rep, no, disk[no] - size)
         if live.get(no, 0) != live_bytes:
             rep.damaged_packs.setdefault(
                 no, f"live bytes {live_bytes} disagree with its index entries ({live.get(no, 0)})")
     for no, size in disk.items():
         if no not in packs:
-            rep.orphan_packs.append(no)
-            rep.orphan_bytes += size
+            _uncommitted(store, rep, no, size, listed=False)
     for no in live:
         if no not in packs:
             rep.damaged_packs[no] = "index entries point at a pack the store does not list"
@@ -250,6 +256,36 @@ def _pack_files(store: ChunkStore) -> tuple[dict[int, int], dict[int, str]]:
         else:
             odd[int(name[:-5])] = _kind(st.st_mode)
     return disk, odd
+
+
+def _uncommitted(store: ChunkStore, rep: CheckReport, no: int, nbytes: int,
+                 listed: bool = True) -> None:
+    """Count pack bytes the index does not list: a running writer's (it holds the pack's
+    flock until it has committed) or ones an ingest that died left (gc gives them back)."""
+    if _in_use(os.path.join(store.packs_dir, fmt.pack_name(no))):
+        rep.in_use_packs.append(no)
+        rep.in_use_bytes += nbytes
+    else:
+        if not listed:
+            rep.orphan_packs.append(no)
+        rep.orphan_bytes += nbytes
+
+
+def _in_use(path: str) -> bool:
+    """Whether a writer holds the pack's flock (a try with a shared lock, let go at once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # also lets go of a lock we got
+    return False
 
 
 def _kind(mode: int) -> str:

@@ -241,7 +241,9 @@ def check(ctx, read_data: bool, as_json: bool) -> None:
                    "manifests_checked": report.manifests_checked,
                    "packs_checked": report.packs_checked, "data_read": report.data_read,
                    "unfinished_packs": len(report.orphan_packs),
-                   "unfinished_bytes": report.orphan_bytes})
+                   "unfinished_bytes": report.orphan_bytes,
+                   "in_use_packs": len(report.in_use_packs),
+                   "in_use_bytes": report.in_use_bytes})
     else:
         for line in problems:
             click.echo(line)
