@@ -157,3 +157,33 @@ def test_lineage_shows_a_removed_parent(tmp_path):
     assert doc["chain"] == [{"session": "gone", "checkpoint": "b", "seq": cp.seq,
                              "lineage": doc["chain"][0]["lineage"], "removed": True}]
     assert run(path, "ledger", "verify").output.startswith("ledger: clean (1 session, 2 lineages")
+
+
+def test_lineage_says_a_removed_session_is_removed(tmp_path):
+    """QA: `lineage` of a session removed with its checkpoints kept said nothing of it."""
+    path = tmp_path / "store"
+    store = open_store(path)
+    led = Ledger(store)
+    with store.env.begin(write=True) as txn:
+        led.create_session(txn, "top")
+    cp = take_checkpoint(led, store, "top", {"disk.raw": b"t" * 3000}, name="b")
+    with store.env.begin(write=True) as txn:
+        led.create_session(txn, "kid", parent=ForkPoint("top", "b", cp.seq))
+        led.remove_session(txn, "kid", keep_checkpoints=True)
+        led.remove_session(txn, "top", keep_checkpoints=True)
+    top = led.session("top").lineage
+    store.close()
+    lines = run(path, "lineage", "kid").output.splitlines()
+    assert lines[0].startswith("kid  lineage ") and lines[0].endswith("  (removed)")
+    assert lines[1].startswith(f"  <- top at b (seq {cp.seq})") and lines[1].endswith("(removed)")
+    assert run(path, "lineage", "top").output.splitlines() == [
+        f"top  lineage {top}  (removed)", "  (root)"]
+    doc = json.loads(run(path, "lineage", "kid", "--json").output)
+    assert doc["removed"] is True and doc["chain"][0]["removed"] is True
+    assert json.loads(run(path, "lineage", "top", "--json").output)["removed"] is True
+
+
+def test_lineage_of_a_live_session_says_nothing_of_removal(world):
+    path, _, _ = world
+    assert "(removed)" not in run(path, "lineage", "leaf").output
+    assert json.loads(run(path, "lineage", "leaf", "--json").output)["removed"] is False

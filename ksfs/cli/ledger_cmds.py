@@ -71,14 +71,15 @@ def checkpoints(ctx, session: str, as_json: bool) -> None:
 @main.command()
 @click.argument("session")
 @click.option("--json", "as_json", is_flag=True,
-              help="One JSON object: {session, lineage, chain: [{session, checkpoint, seq, "
-                   "lineage, removed}]}.")
+              help="One JSON object: {session, lineage, removed, chain: [{session, "
+                   "checkpoint, seq, lineage, removed}]}.")
 @pass_ctx
 def lineage(ctx, session: str, as_json: bool) -> None:
     """The chain from SESSION back to its root: each parent session, branch checkpoint and seq.
 
     A parent that was removed, or whose branch checkpoint was deleted, still shows: the branch
-    point is kept in the child's own records.
+    point is kept in the child's own records. "(removed)" marks a removed session (SESSION
+    itself when it was removed with its checkpoints kept).
 
     Example: ksfs lineage demo-fork
     """
@@ -90,9 +91,11 @@ def lineage(ctx, session: str, as_json: bool) -> None:
         chain.append({"session": fp.session, "checkpoint": fp.checkpoint, "seq": fp.seq,
                       "lineage": fp.lineage, "removed": info.removed is not None})
     if as_json:
-        emit_json({"session": rec.name, "lineage": rec.lineage, "chain": chain})
+        emit_json({"session": rec.name, "lineage": rec.lineage,
+                   "removed": rec.removed is not None, "chain": chain})
         return
-    click.echo(f"{rec.name}  lineage {rec.lineage}")
+    gone = "  (removed)" if rec.removed is not None else ""
+    click.echo(f"{rec.name}  lineage {rec.lineage}{gone}")
     for hop in chain:
         gone = "  (removed)" if hop["removed"] else ""
         click.echo(f"  <- {hop['session']} at {hop['checkpoint']} (seq {hop['seq']})  "
