@@ -224,3 +224,29 @@ def test_decide_is_pure_and_covers_every_outcome():
     assert body["outcome"] == "unrecorded" and body["rolled_back"] is None
     seen.add(body["outcome"])
     assert seen == set(OUTCOMES)
+
+
+def test_fork_does_not_roll_back_the_fork_created_that_made_it(tmp_path):
+    """QA: a fork's first reconcile listed the parent's ``fork.created`` of this very fork as
+    rolled back; that event is the parent's record of the fork, not work the fork undoes. Other
+    forks' ``fork.created`` are parent work the fork does not inherit: still listed."""
+    store = open_store(tmp_path / "store")
+    try:
+        led = Ledger(store)
+        with store.env.begin(write=True) as txn:
+            led.create_session(txn, "p")
+        cp = take_checkpoint(led, store, "p", {"disk.raw": b"p" * 4096}, name="cp",
+                             transcript_seq=2)
+        with store.env.begin(write=True) as txn:
+            led.create_session(txn, "f1", parent=ForkPoint("p", "cp", cp.seq))
+            body = led.reconcile(txn, "f1", cp, TranscriptInfo(2, None, 3)).body
+        assert body["kind"] == "fork" and body["rolled_back"] is None
+        with store.env.begin(write=True) as txn:
+            led.create_session(txn, "f2", parent=ForkPoint("p", "cp", cp.seq))
+            body = led.reconcile(txn, "f2", cp, TranscriptInfo(2, None, 3)).body
+        assert body["rolled_back"]["by_type"] == {"fork.created": 1}  # f1's, not its own
+        f1_created = [e for e in led.events("p") if e.type == "fork.created"][0]
+        assert body["rolled_back"]["from"] == body["rolled_back"]["to"] == f1_created.seq
+        assert led.verify() == []
+    finally:
+        store.close()

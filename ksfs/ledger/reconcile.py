@@ -80,10 +80,12 @@ def decide_reconcile(
         b = -1 if base is None else base
         if current_transcript_seq > b:
             tx_back = {"from": b + 1, "to": current_transcript_seq}
-    # The checkpoint's own ``checkpoint.published`` describes it; it is not rolled back.
+    # The checkpoint's own ``checkpoint.published`` describes it, and the parent's
+    # ``fork.created`` of this session records the fork itself: neither is rolled back.
     after = [
         e for e in after
         if not (e.type == "checkpoint.published" and e.body.get("name") == checkpoint.name)
+        and not (e.type == "fork.created" and e.body.get("lineage") == session_lineage)
     ]
     calls = [e for e in after if e.type == "gateway.call"]
     keys = [str(e.body["key"])[:KEY_CHARS] for e in calls if e.body.get("key") is not None]
