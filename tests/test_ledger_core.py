@@ -366,3 +366,27 @@ def test_listing_thousands_reads_only_the_index(ledger, store):
         for key, value in saved.items():
             txn.put(key, value, db=ledger._ckpts)
     assert ledger.latest_checkpoint("many").name == "n0000"
+
+
+def test_automatic_names_skip_to_the_next_free_number(ledger, store):
+    """QA: a user's checkpoint named ``c_0007`` made the automatic name of begin seq 7
+    ``c_0007-2``; it is the next free ``c_NNNN`` instead, whatever names users chose."""
+    from ksfs.ledger import auto_checkpoint_name
+
+    assert auto_checkpoint_name(7) == "c_0007"
+    assert auto_checkpoint_name(12345) == "c_12345"
+    assert auto_checkpoint_name(7, {"c_0007"}) == "c_0008"
+    assert auto_checkpoint_name(7, {"c_0007", "c_0007-2", "c_0008", "c_7", "c_0010"}) == "c_0009"
+    assert auto_checkpoint_name(9999, {"c_9999"}) == "c_10000"
+    with pytest.raises(BadInput):
+        auto_checkpoint_name(-1)
+    # through the checkpoint flow: the user takes the name the next begin's seq would give
+    new_session(ledger, "n")
+    taken = f"c_{ledger.last_seq('n') + 3:04d}"
+    user = take_checkpoint(ledger, store, "n", {"f": b"u"}, name=taken)
+    auto = take_checkpoint(ledger, store, "n", {"f": b"a"})
+    assert auto.seq == user.seq + 2 and user.name == f"c_{auto.seq:04d}"
+    assert auto.name == f"c_{auto.seq + 1:04d}"
+    nxt = take_checkpoint(ledger, store, "n", {"f": b"b"})
+    assert nxt.name == f"c_{nxt.seq:04d}" and nxt.seq > auto.seq + 1
+    assert ledger.checkpoint_names("n") == [user.name, auto.name, nxt.name]

@@ -15,8 +15,8 @@ from typing import Any
 
 import lmdb
 
-from ksfs.ledger import Ledger
-from ksfs.model import CheckpointRecord, FileRecord, checkpoint_name_for_seq
+from ksfs.ledger import Ledger, auto_checkpoint_name
+from ksfs.model import CheckpointRecord, FileRecord
 
 
 def cas_available() -> bool:
@@ -65,8 +65,9 @@ def take_checkpoint(
 ) -> CheckpointRecord:
     """The keeper's checkpoint flow: ``checkpoint.begin``, ingest, then record + manifests +
     ``checkpoint.published`` in one transaction."""
+    taken = set(ledger.checkpoint_names(session))
     begin = ledger.record(session, "checkpoint.begin", {"name": name})
-    name = name or checkpoint_name_for_seq(begin.seq)
+    name = name or auto_checkpoint_name(begin.seq, taken)
     if isinstance(store, LmdbOnlyStore):
         records = []
         with store.env.begin(write=True) as txn:

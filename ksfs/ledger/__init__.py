@@ -3,6 +3,7 @@ and reconciliation with the in-guest transcript. Pure synchronous Python on the 
 LMDB environment; it never imports trio, pyfuse3, libvirt or click. See docs/ledger.md.
 """
 
+from ksfs.ledger.checkpoints import auto_checkpoint_name
 from ksfs.ledger.ledger import Ledger
 from ksfs.ledger.reconcile import OUTCOMES, TranscriptInfo, decide_reconcile
 from ksfs.ledger.records import BODY_MAX, CheckpointSummary, LineageInfo
@@ -14,5 +15,6 @@ __all__ = [
     "Ledger",
     "LineageInfo",
     "TranscriptInfo",
+    "auto_checkpoint_name",
     "decide_reconcile",
 ]

@@ -7,6 +7,7 @@ module must never write a record whose manifests the store does not hold in the 
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 import lmdb
@@ -21,6 +22,19 @@ from ksfs.ledger.records import (
     summary_of,
 )
 from ksfs.model import CheckpointRecord, Event, event_file_names, validate_name
+
+
+def auto_checkpoint_name(seq: int, taken: Container[str] = ()) -> str:
+    """The name of an unnamed checkpoint whose ``checkpoint.begin`` has seq ``seq``: ``c_`` and
+    that seq, 4 digits at least; when that name is taken (a user may name a checkpoint
+    ``c_0007``), the next free ``c_NNNN`` above it. Never an odd form such as ``c_0007-2``, and
+    never a taken name (an automatic name must not make a save or a restore fail)."""
+    if not isinstance(seq, int) or seq < 0:
+        raise BadInput(f"a checkpoint's seq must be an integer >= 0, not {seq!r}")
+    n = seq
+    while f"c_{n:04d}" in taken:
+        n += 1
+    return f"c_{n:04d}"
 
 
 class CheckpointMethods:
