@@ -1,6 +1,7 @@
 """A small real model provider on 127.0.0.1 for tests: OpenAI-style chat completions (JSON and
 server-sent events, with usage), embeddings, the Responses API (``/v1/responses``, JSON and its
-typed server-sent events, usage as input/output tokens), a models list, a configurable delay and
+typed server-sent events, usage as input/output tokens), file uploads and batches (objects that
+name no model and carry no usage), a models list, a configurable delay and
 error mode, and counters of what it was asked.
 
 It is deliberately built on the standard library's http.server (a thread per connection), not on
@@ -208,6 +209,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         serial = self._seen(body)
         fake = self.fake
         route = self.path.split("?")[0]
+        if route in ("/v1/files", "/v1/batches"):
+            self._resource(route, body, serial)
+            return
         if route not in ("/v1/chat/completions", "/v1/embeddings", "/v1/responses"):
             self._json(404, {"error": {"type": "not_found", "message": self.path}})
             return
@@ -298,6 +302,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.fake.stream_end is None:
             self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
+
+    def _resource(self, route: str, body: bytes, serial: int) -> None:
+        """As the real endpoints answer a file upload and a batch's creation: an object that
+        names no model and carries no usage (what a batch costs is billed as it runs)."""
+        now = int(time.time())
+        if route == "/v1/files":
+            self._json(200, {"id": f"file-{serial}", "object": "file", "bytes": len(body),
+                             "created_at": now, "filename": "upload", "purpose": "batch"})
+            return
+        req = json.loads(body or b"{}")
+        self._json(200, {"id": f"batch_{serial}", "object": "batch", "status": "validating",
+                         "endpoint": req.get("endpoint"), "created_at": now,
+                         "input_file_id": req.get("input_file_id"),
+                         "completion_window": req.get("completion_window")})
 
     def _embeddings(self, req: dict, model: str) -> None:
         # As the real endpoint: one vector per input string, usage with prompt and total only.

@@ -184,13 +184,57 @@ async def test_a_chat_completion_naming_no_model_is_refused_under_a_usd_budget(
     assert provider.requests == []
     assert [e.body["reason"] for e in events(ledger, "s1", "budget.refused")] == [
         "unpriced_model"] * 2
-    # Other routes that name no model keep going (an upload, a batch's cancel: not billed by
-    # the token; the fake provider has no such endpoint and answers 404).
-    r = await post(port, "/v1/batches/b1/cancel", raw=b"")
-    assert r.status_code == 404 and len(provider.requests) == 1
     # Under a budget in tokens alone the cost need not be known: it goes.
     gw.set_budget("s1", tokens=10_000)
     assert (await post(port, "/v1/chat/completions", nameless)).status_code == 200
+
+
+UPLOAD = (b"--XyZ\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+          b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
+          b"Content-Type: application/jsonl\r\n\r\n" + b'{"custom_id": "1"}\n' * 40
+          + b"\r\n--XyZ--\r\n")
+
+
+async def test_a_call_of_any_route_naming_no_model_is_held_as_a_chat_completion_is(
+        gw, ledger, provider, nursery):
+    """QA (last session): a call that named no model and was no chat completion (a batch, a
+    file upload) counted 0 tokens, yet was marked as counted at an estimate, and went
+    upstream under a USD budget, where a chat completion naming no model is refused: a batch
+    names no model and may spend anything."""
+    port = await nursery.start(gw.serve_session, "s1")
+    batch = {"input_file_id": "file-1", "endpoint": "/v1/chat/completions",
+             "completion_window": "24h"}
+    form = {"content-type": "multipart/form-data; boundary=XyZ"}
+    # No budget: bought, and counted at the estimate a chat completion without usage gets (its
+    # JSON request's size; an upload's body is no prompt, and its answer generated no text).
+    assert (await post(port, "/v1/batches", batch)).status_code == 200
+    assert (await post(port, "/v1/files", raw=UPLOAD, headers=form)).status_code == 200
+    made, sent = events(ledger, "s1", "gateway.call"), len(json.dumps(batch))
+    assert [(e.body["usage_known"], e.body["total_tokens"]) for e in made] == [
+        (False, sent // 4), (False, 0)]
+    u = gw.usage("s1")
+    assert (u["unknown_usage_calls"], u["unpriced_calls"], u["total_tokens"]) == (
+        2, 2, sent // 4)
+    # A USD budget: refused as a chat completion naming no model is, nothing sent upstream.
+    gw.set_budget("s1", usd=1.0)
+    asked = len(provider.requests)
+    tries = [("/v1/batches", {"raw": json.dumps(dict(batch, input_file_id="file-2")).encode()}),
+             ("/v1/files", {"raw": UPLOAD + b" ", "headers": form}),
+             ("/v1/batches/b1/cancel", {"raw": b""})]
+    for path, how in tries:
+        r = await post(port, path, **how)
+        assert r.status_code == 402, (path, r.text)
+        err = r.json()["error"]
+        assert err["reason"] == "unpriced_model" and "names no model" in err["message"]
+    assert len(provider.requests) == asked
+    assert [e.body["reason"] for e in events(ledger, "s1", "budget.refused")] == [
+        "unpriced_model"] * 3
+    # A token budget: they go, and their estimates spend it as a chat completion's would.
+    gw.set_budget("s1", tokens=u["total_tokens"] + 60)
+    codes = [(await post(port, "/v1/batches", dict(batch, input_file_id=f"f{n}"))).status_code
+             for n in range(6)]
+    assert codes == [200] * 3 + [402] * 3, codes  # 22 tokens each; the third crosses it
+    assert events(ledger, "s1", "budget.refused")[-1].body["reason"] == "used_up"
 
 
 # --- under budget: their usage is counted, and they are bought once ----------------------------

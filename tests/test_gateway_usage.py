@@ -216,10 +216,11 @@ async def test_a_call_that_cost_nothing_does_not_open_the_gate(gw, provider, nur
     assert r.status_code == 402 and r.json()["error"]["reason"] == "unpriced_model"
     assert "'unpriced-model' has no price" in r.json()["error"]["message"]
     assert provider.count() == 0
-    # A request that names no model and is no chat completion is not billed by the token.
+    # Nor is a request naming no model, whatever its route (a batch may spend anything).
     async with client(port) as c:
         up = await c.post("/v1/embeddings", content=b'{"input": "no model named"}')
-    assert up.status_code == 200 and provider.count("/v1/embeddings") == 1
+    assert up.status_code == 402 and up.json()["error"]["reason"] == "unpriced_model"
+    assert provider.count("/v1/embeddings") == 0
     provider.delay = 0.3
     # 2 + 7 tokens of test-model each: 0.016 USD
     replies = await burst(port, [chat_body(f"priced {i}", model="test-model") for i in range(8)])

@@ -278,12 +278,11 @@ class Gateway:
                     return error_reply(503, "gateway_stopping",
                                        "the gateway is stopping; retry the call shortly"), []
                 budget, used = self.db.spending(view.lineage)
-                # A named model without a price, or a chat completion naming none (the
-                # provider's default model answers it, at a price the table cannot know): its
-                # cost could not be counted. Another request that names none (a file upload,
-                # a batch's cancel) is not billed by the token.
+                # A named model without a price, or a request naming none (a chat completion
+                # the provider's default model answers, a batch that runs what its file
+                # names): its cost could not be counted, so a USD budget would not hold.
                 unpriced = (budget is not None and budget.get("usd") is not None
-                            and not priced and (model is not None or is_chat(path)))
+                            and not priced)
                 if used_up(budget, used) or unpriced:
                     return (await self._refuse(view, key, model, path, budget, used, unpriced),
                             ksfs_headers(key, "refused"))
@@ -337,8 +336,9 @@ class Gateway:
         if unpriced:
             # Its cost could not be counted, so a USD budget would not hold against it.
             what = (f"model {model!r} has no price in the gateway's price table" if model
-                    else "the request names no model, so the provider's default model would "
-                         "answer at a price the gateway cannot know")
+                    else "the request names no model, so it would be answered (a chat "
+                         "completion by the provider's default model, a batch or a run by "
+                         "what it refers to) at a price the gateway cannot know")
             why = (f"{what}, so session {view.session!r}'s budget of {_fmt_budget(budget)} "
                    "cannot be kept against it; name a model the table prices, add the model "
                    "to the table (--prices) or remove the USD budget; nothing was sent upstream")
@@ -459,9 +459,9 @@ class Gateway:
         cost, priced = self._cost(usage, order.model)
         # What the gate may learn a call's size from: figures the provider reported, or the
         # estimate from the answer's own text; never a 0 that stands for "not known" (an
-        # unpriced model's cost, an upload's tokens), which would let every later call start
-        # at once.
-        counted = usage.known or usage.estimated
+        # unpriced model's cost, an upload's estimate: its body is no prompt), which would let
+        # every later call start at once.
+        counted = usage.known or (usage.estimated and usage.total_tokens > 0)
         learned = (usage.total_tokens if counted else None, cost if counted and priced else None)
         path = order.route.path
         if sse and (why := incomplete(got.body, path)) is not None:
@@ -514,11 +514,10 @@ class Gateway:
 
 def _estimated(usage: Usage, body: bytes, sse: bool, content_type: str, order: Order) -> Usage:
     """A 2xx answer without usage counted at an estimate, not 0 tokens: else a provider that
-    ignores ``include_usage``, or never reports usage, could spend past any budget. A call that
-    names no model and is no chat completion (a file upload, a batch's cancel) is not billed
-    by the token, and stays at 0."""
-    if usage.model is None and not is_chat(order.route.path):
-        return usage
+    ignores ``include_usage``, or never reports usage, could spend past any budget. Whatever
+    the route and whether it names a model (QA: a batch's creation, naming none, counted 0
+    while said to be estimated): a JSON request is sized as a prompt, an upload's body is not,
+    and an answer's generated text as its completion."""
     made = generated_text_bytes(body) if sse else answer_text_bytes(body, content_type)
     return estimated_usage(usage, order.prompt_bytes, made)
 
