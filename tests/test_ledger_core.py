@@ -11,6 +11,7 @@ from ksfs.errors import (
     AlreadyExists,
     BadInput,
     BadName,
+    IntegrityError,
     ManifestCorrupt,
     NoSuchCheckpoint,
     NoSuchSession,
@@ -390,3 +391,54 @@ def test_automatic_names_skip_to_the_next_free_number(ledger, store):
     nxt = take_checkpoint(ledger, store, "n", {"f": b"b"})
     assert nxt.name == f"c_{nxt.seq:04d}" and nxt.seq > auto.seq + 1
     assert ledger.checkpoint_names("n") == [user.name, auto.name, nxt.name]
+
+
+def test_odd_bodies_are_refused_or_kept_exactly(ledger):
+    """Bodies a JSON reader elsewhere could not take are refused with BadInput and use no seq
+    (NaN and Infinity were stored, and `events --json` then printed lines that are not JSON; a
+    body nested thousands deep raised RecursionError, one nested 900 deep was stored and broke
+    `events --json`); odd but valid strings come back exactly."""
+    new_session(ledger, "s")
+    deep: dict = {}
+    cur = deep
+    for _ in range(5000):
+        cur["x"] = {}
+        cur = cur["x"]
+    nested = json_nested(200)
+    for bad in ({"x": float("nan")}, {"x": float("-inf")}, {"a": [1, float("inf")]}, deep,
+                {"x": nested}):
+        with pytest.raises(BadInput):
+            ledger.record("s", "pause", bad)
+    with pytest.raises(BadInput):
+        with ledger.env.begin(write=True) as txn:
+            ledger.create_session(txn, "c", config={"x": float("nan")})
+    assert ledger.last_seq("s") == 0
+    odd = {"nul": "a\x00b", "k\x00": 1, "lone": "x\ud800y", "nl": "a\r\nb\n", "wide": "é漢🙂",
+           "shallow": json_nested(20)}
+    ev = ledger.record("s", "pause", odd)
+    assert ev.seq == 1 and ledger.event("s", 1).body == odd
+    assert ledger.verify() == []
+
+
+def json_nested(depth: int) -> list:
+    out: list = []
+    for _ in range(depth - 1):
+        out = [out]
+    return out
+
+
+def test_a_stored_value_nested_too_deep_is_damage_not_a_crash(ledger):
+    """A value no JSON reader can take back (written by hand or by an older ksfs) is reported
+    as a damaged record (IntegrityError, and one line of verify), not a RecursionError."""
+    new_session(ledger, "s")
+    lin = K.lineage_bytes(ledger.session("s").lineage)
+    raw = b'{"body":{"x":' + b"[" * 100000 + b"]" * 100000 + b'},"time":1.0,"type":"pause"}'
+    with ledger.env.begin(write=True) as txn:
+        txn.put(K.event_key_raw(lin, 1), raw, db=ledger._events)
+    with pytest.raises(IntegrityError):
+        ledger.event("s", 1)
+    problems = ledger.verify()
+    assert len(problems) == 1 and "event 1 does not decode" in problems[0], problems
+    with ledger.env.begin(write=True) as txn:  # mended, so the fixture's verify is clean
+        txn.put(K.event_key_raw(lin, 1), b'{"body":{},"time":1.0,"type":"pause"}',
+                db=ledger._events)

@@ -95,8 +95,10 @@ def prefix_end(prefix: bytes) -> bytes | None:
     return None
 
 
-def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode("utf-8")
+def dumps(obj: Any, strict: bool = False) -> bytes:
+    """Compact JSON with sorted keys; ``strict``: ValueError on NaN and Infinity (not JSON)."""
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True,
+                      allow_nan=not strict).encode("utf-8")
 
 
 def loads(raw: bytes) -> Any:
@@ -105,3 +107,5 @@ def loads(raw: bytes) -> Any:
         return json.loads(bytes(raw).decode("utf-8"))
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise RecordCorrupt(why=str(exc)) from None
+    except RecursionError:
+        raise RecordCorrupt(why="it is nested too deeply to read") from None

@@ -18,6 +18,10 @@ from ksfs.ledger import keys as K
 from ksfs.model import CheckpointRecord, Event, ForkPoint
 
 BODY_MAX = 64 * 1024
+#: Arrays and objects within one another in a body or config, at most. Every reader (the CLI's
+#: --json, the mount's events file, other tools' JSON parsers) must be able to take it back:
+#: Python's own json module fails near 1000 levels, fewer under a deep call stack.
+DEPTH_MAX = 64
 CHECKPOINT_EVENTS = ("checkpoint.begin", "checkpoint.published")
 
 @dataclass(frozen=True)
@@ -86,13 +90,40 @@ def summary_of(record: CheckpointRecord) -> dict[str, Any]:
 
 
 def check_json(obj: Any, what: str) -> bytes:
+    """``obj`` as the ledger stores it; BadInput unless it is plain JSON that any JSON reader
+    takes back: no NaN or Infinity, nested at most DEPTH_MAX deep, at most BODY_MAX bytes."""
+    depth = _depth(obj)
+    if depth > DEPTH_MAX:
+        raise BadInput(f"{what} is nested {depth} deep, over the limit of {DEPTH_MAX}")
     try:
-        raw = K.dumps(obj)
-    except (TypeError, ValueError) as exc:
+        raw = K.dumps(obj, strict=True)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise BadInput(f"{what} is not plain JSON: {exc}") from None
     if len(raw) > BODY_MAX:
         raise BadInput(f"{what} is {len(raw)} bytes of JSON, over the {BODY_MAX} byte limit")
     return raw
+
+
+def _depth(obj: Any) -> int:
+    """How deep arrays and objects nest in ``obj`` (0 for a scalar), counted without recursion
+    and only up to DEPTH_MAX + 1 (enough to refuse); a container met twice on one path (a
+    cycle) counts as too deep."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        item, d = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        d += 1
+        deepest = max(deepest, d)
+        if d > DEPTH_MAX:
+            return d
+        stack.extend((c, d) for c in children if isinstance(c, (dict, list, tuple)))
+    return deepest
 
 
 def encode_event(event: Event) -> bytes:
