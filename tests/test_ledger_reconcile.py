@@ -250,3 +250,35 @@ def test_fork_does_not_roll_back_the_fork_created_that_made_it(tmp_path):
         assert led.verify() == []
     finally:
         store.close()
+
+
+def test_reconcile_never_refuses_a_guest_written_transcript(tmp_path):
+    """The transcript is the guest's writing: a lineage of any length or characters (or 200
+    gateway keys of odd characters) must still give one ``reconcile`` event that fits the body
+    limit, never BadInput that would fail the restore (it did for a 70 000-char lineage)."""
+    store = open_store(tmp_path / "store")
+    try:
+        led = Ledger(store)
+        with store.env.begin(write=True) as txn:
+            led.create_session(txn, "g")
+        cp = take_checkpoint(led, store, "g", {"disk.raw": b"g" * 4096}, name="cp",
+                             transcript_seq=3)
+        with store.env.begin(write=True) as txn:
+            for i in range(250):
+                led.append(txn, "g", "gateway.call", {"key": f"{i}" + "🙂\x00" * 200})
+        for lineage in ("x" * 70000, "é\x00🙂" * 20000, "a\ud800" * 30000):
+            with store.env.begin(write=True) as txn:
+                ev = led.reconcile(txn, "g", cp, TranscriptInfo(3, lineage, 4))
+            tx = ev.body["transcript"]
+            assert ev.body["outcome"] == "foreign" and ev.body["truth"] == "host"
+            assert tx["lineage"] == lineage[:128] and tx["lineage_truncated"] is True
+            assert ev.body["replay"]["count"] == 250 and ev.body["replay"]["keys_truncated"]
+            assert 0 < len(ev.body["replay"]["keys"]) <= 200
+            assert ev.body["replay"]["keys"][0] == ("0" + "🙂\x00" * 200)[:128]
+        own = led.session("g").lineage
+        with store.env.begin(write=True) as txn:
+            tx = led.reconcile(txn, "g", cp, TranscriptInfo(3, own, 4)).body["transcript"]
+        assert tx["lineage"] == own and "lineage_truncated" not in tx
+        assert led.verify() == []
+    finally:
+        store.close()

@@ -17,11 +17,14 @@ from typing import Any
 
 import lmdb
 
+from ksfs.ledger import keys as K
+from ksfs.ledger.records import BODY_MAX
 from ksfs.model import CheckpointRecord, Event, TranscriptInfo  # noqa: F401 (re-exported)
 
 OUTCOMES = ("consistent", "behind", "ahead", "missing", "unreadable", "foreign", "unrecorded")
 KEYS_MAX = 200  # gateway keys listed in one reconcile body; the count is always exact
-KEY_CHARS = 128
+KEY_CHARS = 128  # of each key, and of a transcript's lineage, recorded
+BODY_ROOM = 4096  # bytes of a reconcile body left for what record_reconcile adds
 
 
 def transcript_fields(t: Any) -> tuple[int | None, str | None, int]:
@@ -59,7 +62,12 @@ def decide_reconcile(
         tx.update(outcome="missing")
     else:
         disk, lineage, count = transcript_fields(transcript)
-        tx.update(disk_seq=disk, lineage=lineage, count=count)
+        # The guest wrote the lineage: it is compared whole but recorded cut, so the event
+        # always fits the body limit (a reconcile must never fail the restore).
+        shown = lineage[:KEY_CHARS] if isinstance(lineage, str) else lineage
+        tx.update(disk_seq=disk, lineage=shown, count=count)
+        if shown != lineage:
+            tx.update(lineage_truncated=True)
         known = {session_lineage, *ancestry, checkpoint_lineage} - {None}
         if lineage and lineage not in known:
             tx.update(outcome="foreign")
@@ -90,7 +98,7 @@ def decide_reconcile(
     calls = [e for e in after if e.type == "gateway.call"]
     keys = [str(e.body["key"])[:KEY_CHARS] for e in calls if e.body.get("key") is not None]
     restore = checkpoint_lineage == session_lineage
-    return {
+    body = {
         "outcome": tx["outcome"],
         "kind": "restore" if restore else "fork",
         "checkpoint": checkpoint.name,
@@ -105,6 +113,12 @@ def decide_reconcile(
         "current_transcript_seq": current_transcript_seq,
         "transcript_rolled_back": tx_back,
     }
+    # Keys of odd characters escape to up to 12 bytes each: fewer of them, rather than an
+    # event over the limit (room is left for the session's name, added by record_reconcile).
+    replay = body["replay"]
+    while replay["keys"] and len(K.dumps(body)) > BODY_MAX - BODY_ROOM:
+        replay.update(keys=replay["keys"][: len(replay["keys"]) // 2], keys_truncated=True)
+    return body
 
 
 def _range_summary(events: list[Event]) -> dict[str, Any] | None:
