@@ -151,3 +151,21 @@ def test_status_of_a_session_removed_with_its_checkpoints_kept(keeper):
     keeper.remove_session("s", keep_checkpoints=True)
     status = keeper.status("s")
     assert status["state"] == "removed" and status["last_checkpoint"] == "c1"
+
+
+def test_resume_is_one_line_whatever_the_reason_holds(keeper):
+    """A restore's failure reason comes from libvirt and QEMU, whose messages carry newlines
+    (QEMU's stderr); reading ``resume`` is one line all the same, and the events file one
+    line per event."""
+    keeper.ledger.record("s", "restore.failed", {
+        "checkpoint": "c1", "reason": "qemu unexpectedly closed the monitor:\r\nline two\n\n"})
+    seq = keeper.ledger.last_seq("s")
+    assert keeper.resume_result("s") == (
+        f"failed c1 seq={seq}: qemu unexpectedly closed the monitor: line two\n".encode())
+    keeper.ledger.record("s", "input.rejected", {"file": "resume", "why": "bad\nname\x00"})
+    assert keeper.resume_result("s") == b"rejected: bad name\\x00\n"
+    # a file name the OS gave back undecodable (surrogate escapes) made the whole view fail
+    keeper.ledger.record("s", "restore.failed", {"checkpoint": "c1", "reason": "no /v/\udcff"})
+    seq = keeper.ledger.last_seq("s")
+    assert keeper.resume_result("s") == f"failed c1 seq={seq}: no /v/\\udcff\n".encode()
+    assert keeper.events_bytes("s").count(b"\n") == keeper.ledger.last_seq("s") + 1

@@ -40,6 +40,14 @@ def _event_line(e: Event) -> bytes:
     return (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode()
 
 
+def _answer_line(text: str) -> bytes:
+    """``text`` as the one line ``resume`` answers: whitespace runs (the newlines of QEMU's
+    messages in a failure reason) made one space, other unprintable characters (NUL, a
+    surrogate escape of an undecodable file name, which cannot be encoded) written as escapes."""
+    text = " ".join(text.split())
+    return ("".join(c if c.isprintable() else repr(c)[1:-1] for c in text) + "\n").encode()
+
+
 # The chunk cache of a store reader under a guest filesystem (the mount keeps a few open,
 # fuse.guest.FS_KEPT): guest metadata and files are read a few KiB at a time.
 GUEST_READER_CACHE = 8 << 20
@@ -72,10 +80,10 @@ class EventLogView:
                 text = f"{word} {e.body.get('checkpoint', '')} seq={e.seq}"
                 if e.type == "restore.failed":
                     text += f": {e.body.get('reason', '')}"
-                resume = (text + "\n").encode()
+                resume = _answer_line(text)
             elif e.type == "input.rejected" and e.body.get("file") == "resume" and \
                     "change" not in e.body:  # a write of it, not a chmod or touch
-                resume = f"rejected: {e.body.get('why', '')}\n".encode()
+                resume = _answer_line(f"rejected: {e.body.get('why', '')}")
         if lines:
             self.data += b"".join(lines)
             self.next_seq, self.resume = next_seq, resume
