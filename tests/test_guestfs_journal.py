@@ -202,3 +202,41 @@ def test_a_descriptor_block_that_fails_its_checksum_refuses_the_journal(
     assert fs is None
     assert f"transaction {seq} is corrupt: its descriptor block" in why
     assert kernel_refuses(bad, tmp_path)
+
+
+def test_a_stale_commit_block_of_an_older_log_ends_the_replay(
+        live_copy: Path, tmp_path: Path) -> None:
+    # A block left from an older use of the log can carry the next expected sequence number;
+    # it fails its checksum, and its commit time is older than the previous commit's. The
+    # kernel then ends the recovery there ("Invalid checksum ignored ..., likely stale
+    # data") and mounts: the transactions before it are replayed, it and what follows not.
+    seq, at = last_commit_block(live_copy)
+    with FileImageReader(live_copy) as reader:
+        vol = GuestFS.open(reader).volume
+        inode = vol.inode(vol.sb.journal_inum)
+        times = {}
+        for phys in _journal_map(vol, inode, inode.size // vol.bs):
+            magic, btype, s = struct.unpack(">III", reader.read(phys * vol.bs, 12))
+            if magic == JBD2_MAGIC and btype == COMMIT:
+                times[s] = struct.unpack(">Q", reader.read(phys * vol.bs + 0x30, 8))[0]
+    assert seq - 1 in times and times[seq - 1] > 0
+    stale = tmp_path / "stale.img"
+    shutil.copyfile(live_copy, stale)
+    with open(stale, "r+b") as f:  # h_commit_sec older than the previous commit's
+        f.seek(at + 0x30)
+        f.write(struct.pack(">Q", times[seq - 1] - 1))
+    kernel_copy = shutil.copyfile(stale, tmp_path / "stale-kernel.img")
+    with FileImageReader(stale) as reader:
+        fs = GuestFS.open(reader)
+        count = read_transcript(fs, "transcript.jsonl").count
+        assert 0 < count < STEPS  # the last step's transaction is not replayed
+        with loop_mount(kernel_copy, "rw,noatime") as recovered:
+            assert compare_with_dir(fs, recovered, exact=True) > 10
+    # the same block with a commit time not older is this log's, damaged: refused
+    newer = shutil.copyfile(live_copy, tmp_path / "newer.img")
+    with open(newer, "r+b") as f:
+        f.seek(at + 0x30)
+        f.write(struct.pack(">Q", times[seq - 1] + 1000))
+    with FileImageReader(newer) as reader:
+        fs, why = GuestFS.open_or_reason(reader)
+    assert fs is None and f"transaction {seq} is corrupt" in why
