@@ -2,19 +2,25 @@
 
 An ingest holds the store lock shared (GC waits), cuts each file into chunks, hashes, skips holes
 and chunks the store (in a pack file that is there) or this ingest already has, compresses the
-rest on the worker threads and appends them to its own packs. ``seal`` fsyncs and re-reads
-every record; ``commit(txn)`` writes index entries, pack figures and manifests into the caller's
-LMDB write transaction, where the caller also writes its own records. Nothing an ingest does
-is visible before that transaction commits, and an abandoned ingest leaves only unindexed pack
-bytes, which GC reclaims.
+rest on the worker threads and appends them to its own packs. ``seal`` takes the store's seal
+lock (held until the ingest closes, so ingests publish one at a time), drops from its packs the
+chunks another ingest committed meanwhile (two imports of the same new data keep it once), then
+fsyncs and re-reads every record; ``commit(txn)`` writes index entries, pack figures and
+manifests into the caller's LMDB write transaction, where the caller also writes its own records.
+Nothing an ingest does is visible before that transaction commits, and an abandoned ingest leaves
+only unindexed pack bytes, which GC reclaims.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import fcntl
 import logging
 import os
 import stat as stat_
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
@@ -39,7 +45,14 @@ from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.cas.patching import Patcher
 from ksfs.cas.store import list_packs_dir
 from ksfs.crashpoints import crash_point
-from ksfs.errors import BadInput, ChunkCorrupt, ChunkMissing, IntegrityError, KsfsError
+from ksfs.errors import (
+    BadInput,
+    ChunkCorrupt,
+    ChunkMissing,
+    IntegrityError,
+    KsfsError,
+    translate,
+)
 
 if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
@@ -48,6 +61,10 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 PAGE_CUTTER = True  # False: memory images go through plain FastCDC too (for the benchmark)
 BASES_KEPT = 64 * 1024 * 1024  # plain bytes of delta bases an ingest keeps for its seal
+SEAL_LOCK = "seal.lock"
+# How long a seal waits for another ingest's publish; then it seals without the lock (the
+# figures stay true, commit still skips what another committed; only the bytes may stay twice)
+SEAL_WAIT_S = 120.0
 _zeros: dict[int, bytes] = {FIXED_SIZE: ZERO_CHUNK}  # the chunker's own: compared by identity
 
 
@@ -72,8 +89,10 @@ def _refuse_if_changed(src: Any) -> None:
 
 @dataclass(frozen=True)
 class IngestedFile:
-    """One ingested file. ``stored``: compressed record bytes it was first to bring. ``digest``:
-    ksfs content digest (see ``format.content_digest``), not the b3sum of the file."""
+    """One ingested file. ``stored``: compressed record bytes it was first to bring, as added
+    (``Ingest.stored(file)`` after seal and commit leaves out what another ingest committed
+    first). ``digest``: ksfs content digest (see ``format.content_digest``), not the b3sum of
+    the file."""
 
     manifest: str
     size: int
@@ -81,6 +100,7 @@ class IngestedFile:
     digest: str
     chunking: str
     base_bytes_read: int = 0  # stored bytes of base chunks read back to patch changed ranges
+    number: int = -1  # which add_file of its ingest made it (for ``Ingest.stored``)
 
 
 class Ingest:
@@ -95,6 +115,9 @@ class Ingest:
         self.replacing: dict[bytes, bytes] = {}
         self._packs_there: dict[int, bool] = {}  # pack number -> its file is there (cached)
         self.manifests: dict[bytes, bytes] = {}
+        self.brought: list[list[bytes]] = []  # per add_file: the chunks it stored first
+        self.lost: set[bytes] = set()  # stored here, but another ingest committed them first
+        self._seal_fd = -1
         self.writers: list[PackWriter] = []
         self.writer: PackWriter | None = None
         self.sealed = True
@@ -136,6 +159,9 @@ class Ingest:
             w.close()
         self.writers = []
         self.writer = None
+        if self._seal_fd >= 0:
+            os.close(self._seal_fd)
+            self._seal_fd = -1
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -189,6 +215,7 @@ class Ingest:
             batches = patcher.batches(ranges)
             ref = delta.Reference(list(slots), fixed=True)
         entries = fmt.ManifestBuilder()
+        brought: list[bytes] = []
         stored = 0
         done = 0
         base_read = 0
@@ -199,6 +226,7 @@ class Ingest:
                     if payload is not None and cid not in self.new:
                         codec, data, read_back, stale = payload
                         loc = self._append(cid, data, length, codec)
+                        brought.append(cid)
                         if stale is not None:
                             self.replacing[cid] = stale
                         stored += loc.record_len
@@ -228,10 +256,12 @@ class Ingest:
                                  f"{size}-byte file")
         mid = fmt.manifest_id(raw)
         self.manifests[mid] = raw
+        self.brought.append(brought)
         crash_point("ingest.file")
         if base is not None:
             base_read += patcher.base_bytes_read
-        return IngestedFile(mid.hex(), size, stored, fmt.content_digest(raw), chunking, base_read)
+        return IngestedFile(mid.hex(), size, stored, fmt.content_digest(raw), chunking, base_read,
+                            len(self.brought) - 1)
 
     @staticmethod
     def _cdc_batches(src: Any) -> Iterator[list[tuple[int, bytes]]]:
@@ -455,9 +485,22 @@ class Ingest:
 
     # --- sealing and committing ----------------------------------------------------------
 
+    def stored(self, f: IngestedFile) -> int:
+        """The record bytes file ``f`` (of this ingest) brought that the ingest keeps: after
+        seal and commit, what no other ingest committed first (the truthful ``stored``)."""
+        return sum(self.new[c].record_len for c in self.brought[f.number]
+                   if c in self.new and c not in self.lost)
+
     def seal(self) -> None:
-        """fsync every pack written, then re-read, decompress and re-hash every new chunk."""
+        """Take the seal lock, drop the chunks another ingest committed meanwhile, fsync every
+        pack written, then re-read, decompress and re-hash every new chunk."""
+        self._seal(locked=True)
+
+    def _seal(self, locked: bool) -> None:
         with self._mutex:
+            if locked and self._seal_fd < 0 and self._lock_fd >= 0:
+                self._seal_fd = self._take_seal_lock()
+            self._drop_committed()
             for w in self.writers:
                 if w.written and not w.synced:
                     w.sync()
@@ -474,13 +517,17 @@ class Ingest:
         if self._lock_fd < 0:
             raise KsfsError("commit must happen inside the 'with store.ingest()' block")
         if not self.sealed:
-            self.seal()
+            # inside the caller's write transaction: waiting here for an ingest that waits for
+            # that transaction would never end, so this seal goes without the lock
+            self._seal(locked=False)
         db = self.store.db
         added: dict[int, int] = {}
         try:
             for cid, loc in self.new.items():
                 if self._index(txn, cid, loc):
                     added[loc.pack] = added.get(loc.pack, 0) + loc.record_len
+                else:
+                    self.lost.add(cid)  # committed by another ingest since our seal
             top = 0
             for w in self.writers:
                 top = max(top, w.no)
@@ -502,6 +549,72 @@ class Ingest:
             raise _lmdb_error("commit the ingest", self.store.path, exc) from exc
         crash_point("index.commit")
         self.committed = True
+
+    def _take_seal_lock(self) -> int:
+        """The store's seal lock (fd), held until close: ingests seal and publish one at a
+        time, so each sees what the one before committed. -1 after SEAL_WAIT_S."""
+        path = os.path.join(self.store.path, SEAL_LOCK)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # no lock, no worse than before it: commit still dedups
+            log.info("sealing without the seal lock %s: %s", path, exc)
+            return -1
+        deadline = time.monotonic() + SEAL_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or \
+                        time.monotonic() >= deadline:
+                    log.info("sealing without the seal lock %s: %s", path, exc)
+                    os.close(fd)
+                    return -1
+            time.sleep(0.02)
+
+    def _drop_committed(self) -> None:
+        """Take out of our packs the chunks another ingest committed since we stored them
+        (two imports of the same new data at once): the index keeps theirs, and ours would be
+        dead bytes. Our records past each writer's start are ours alone and not yet fsynced or
+        indexed, so the ones we keep are moved down over the gaps and the file cut."""
+        chunks = self.store.db["chunks"]
+        with self.store.env.begin(db=chunks) as txn:
+            for cid in self.new:
+                now = txn.get(cid)
+                if now is not None and bytes(now) != self.replacing.get(cid):
+                    self.lost.add(cid)
+        if not self.lost:
+            return
+        for w in self.writers:
+            if any(cid in self.lost for cid, _ in w.written):
+                self._compact(w)
+        for cid in self.lost:
+            self.new.pop(cid, None)
+            self.replacing.pop(cid, None)
+
+    def _compact(self, w: PackWriter) -> None:
+        with translate("compact pack", w.path):
+            raw = os.pread(w.fd, w.end - w.start, w.start)
+            if len(raw) != w.end - w.start:
+                raise IntegrityError(f"pack {w.path} is shorter than what was just written "
+                                     "to it")
+            pos = w.start
+            kept = []
+            for cid, loc in w.written:
+                if cid in self.lost:
+                    continue
+                if loc.offset != pos:  # pos only trails offset: the bytes read are the old ones
+                    rec = raw[loc.offset - w.start : loc.offset - w.start + loc.record_len]
+                    if os.pwrite(w.fd, rec, pos) != len(rec):
+                        raise OSError(errno.EIO, "short write to pack", w.path)
+                    loc = dataclasses.replace(loc, offset=pos)
+                    self.new[cid] = loc
+                kept.append((cid, loc))
+                pos += loc.record_len
+            os.ftruncate(w.fd, pos)
+        w.written = kept
+        w.end = pos
+        w.synced = False
 
     def _index(self, txn: lmdb.Transaction, cid: bytes, loc: fmt.Location) -> bool:
         """Point the index at a new record; False where another ingest indexed the chunk first.

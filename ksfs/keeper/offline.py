@@ -190,20 +190,22 @@ class OfflineVerbs:
                                         like=prev.manifest if prev else None,
                                         map_source=map_files)
                     done += f.size
-                    records.append(
-                        FileRecord(p.name, f.manifest, f.size, f.stored, f.chunking, f.digest)
-                    )
+                    records.append(f)
                 ingest.seal()
-                record = CheckpointRecord(
-                    session=session,
-                    name=name,
-                    seq=begin.seq,
-                    created=time.time(),
-                    files=tuple(records),
-                    parent=parent.name if parent else None,
-                )
                 with self.store.env.begin(write=True) as txn:
                     ingest.commit(txn)
+                    # the figures once committed: a chunk another import committed first
+                    # (the same new data imported at once) is theirs, not ours
+                    record = CheckpointRecord(
+                        session=session,
+                        name=name,
+                        seq=begin.seq,
+                        created=time.time(),
+                        files=tuple(FileRecord(p.name, f.manifest, f.size,
+                                               ingest.stored(f), f.chunking, f.digest)
+                                    for p, f in zip(paths, records, strict=True)),
+                        parent=parent.name if parent else None,
+                    )
                     self.ledger.put_checkpoint(txn, record)
                     self.ledger.append(
                         txn, session, "checkpoint.published", self._published_body(record)
