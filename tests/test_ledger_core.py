@@ -442,3 +442,16 @@ def test_a_stored_value_nested_too_deep_is_damage_not_a_crash(ledger):
     with ledger.env.begin(write=True) as txn:  # mended, so the fixture's verify is clean
         txn.put(K.event_key_raw(lin, 1), b'{"body":{},"time":1.0,"type":"pause"}',
                 db=ledger._events)
+
+
+def test_seq_arguments_out_of_range_are_bad_input(ledger):
+    """A seq is an unsigned 64-bit number: anything else given to a reader is BadInput (one
+    sentence), never struct.error; the top seq itself reads as nothing there."""
+    new_session(ledger, "s")
+    for bad in (-1, 2**64, 10**30, True, 1.0, "3", None):
+        with pytest.raises(BadInput, match="seq"):
+            list(ledger.events("s", since=bad))
+        with pytest.raises(BadInput, match="seq"):
+            ledger.event("s", bad)
+    assert list(ledger.events("s", since=2**64 - 1)) == [] and ledger.event("s", 2**64 - 1) is None
+    assert ledger.event("s", 0).type == "session.created"

@@ -51,6 +51,12 @@ _BATCH = 512
 _UNSET: Any = object()
 
 
+def _check_seq(seq: Any, what: str) -> None:
+    """BadInput unless ``seq`` is a seq: a whole number 0..2**64-1 (keys pack it in 8 bytes)."""
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 1 << 64:
+        raise BadInput(f"{what} must be a seq (a whole number from 0 to 2**64-1), not {seq!r}")
+
+
 class Ledger(CheckpointMethods):
     """Sessions, lineages, events and checkpoint records of one store.
 
@@ -367,6 +373,7 @@ class Ledger(CheckpointMethods):
 
     def event(self, session: str, seq: int, txn: lmdb.Transaction | None = None) -> Event | None:
         """Event ``seq`` of the session's log, or None."""
+        _check_seq(seq, "seq")
         with self._read(txn) as t:
             lin = K.lineage_bytes(self._need(t, session).lineage)
             return self._event_raw(t, lin, seq)
@@ -377,8 +384,7 @@ class Ledger(CheckpointMethods):
 
     def events(self, session: str, since: int = 0) -> Iterator[Event]:
         """The session's events with seq >= ``since``, in order, read in short transactions."""
-        if not isinstance(since, int) or since < 0:
-            raise BadInput(f"--since must be a seq >= 0, not {since!r}")
+        _check_seq(since, "--since")
         return self.lineage_events(self.session(session).lineage, since)
 
     def events_in(self, txn: lmdb.Transaction, lineage: str, since: int = 0) -> Iterator[Event]:
