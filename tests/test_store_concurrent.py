@@ -147,3 +147,46 @@ def test_two_imports_of_one_new_file_report_it_once(tmp_path: Path) -> None:
         on_disk = sum(os.path.getsize(os.path.join(packs, n)) for n in os.listdir(packs))
         assert on_disk == figures["stored_bytes"]
         assert list(k.ledger.events("a"))[-1].body["stored_bytes"] == 0
+
+
+KILLED_AFTER_COMPACTION = """
+import random, sys
+from ksfs.cas import ChunkStore
+sys.path.insert(0, sys.argv[2])
+from tests.cas_helpers import K64, BytesSource
+
+s = ChunkStore.open(sys.argv[1], create=True)
+rnd = random.Random(5)
+shared = [rnd.randbytes(K64) for _ in range(8)]
+own = [rnd.randbytes(K64) for _ in range(8)]
+b = s.ingest()
+b.add_file(BytesSource(b"".join(p for pair in zip(shared, own) for p in pair)))
+with s.ingest() as a:
+    fa = a.add_file(BytesSource(b"".join(shared)))
+    a.seal()  # pack.fsync, first time
+    with s.env.begin(write=True) as txn:
+        a.commit(txn)
+print(fa.manifest, flush=True)
+b.seal()  # compacts its pack, then is killed at its pack.fsync
+"""
+
+
+def test_a_kill_after_compaction_leaves_a_clean_store(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, KSFS_CRASH_AT="pack.fsync:2")
+    res = subprocess.run([sys.executable, "-c", KILLED_AFTER_COMPACTION, str(tmp_path / "s"),
+                          str(root)], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == -9, res.stderr
+    manifest = res.stdout.split()[0]
+    rnd = random.Random(5)
+    shared = b"".join(rnd.randbytes(K64) for _ in range(8))
+    with ChunkStore.open(tmp_path / "s") as s:
+        rep = s.check(read_data=True)
+        assert rep.ok and rep.orphan_bytes > 0, rep.lines()
+        assert _read(s, manifest) == shared
+        s.gc([manifest])
+        _whole(s)
+        assert _read(s, manifest) == shared
