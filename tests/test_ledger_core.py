@@ -455,3 +455,21 @@ def test_seq_arguments_out_of_range_are_bad_input(ledger):
             ledger.event("s", bad)
     assert list(ledger.events("s", since=2**64 - 1)) == [] and ledger.event("s", 2**64 - 1) is None
     assert ledger.event("s", 0).type == "session.created"
+
+
+def test_an_event_whose_body_is_no_object_is_damage(ledger):
+    """A stored body that is not a JSON object (``[]``, ``[["a", 1]]``) was silently made a dict
+    by decoding, so verify called a damaged event clean."""
+    new_session(ledger, "s")
+    lin = K.lineage_bytes(ledger.session("s").lineage)
+    for raw in (b'{"body":[],"time":1.0,"type":"pause"}',
+                b'{"body":[["a",1]],"time":1.0,"type":"pause"}'):
+        with ledger.env.begin(write=True) as txn:
+            txn.put(K.event_key_raw(lin, 1), raw, db=ledger._events)
+        with pytest.raises(IntegrityError):
+            ledger.event("s", 1)
+        problems = ledger.verify()
+        assert len(problems) == 1 and "event 1 does not decode" in problems[0], problems
+    with ledger.env.begin(write=True) as txn:  # mended, so the fixture's verify is clean
+        txn.put(K.event_key_raw(lin, 1), b'{"body":{},"time":1.0,"type":"pause"}',
+                db=ledger._events)

@@ -135,7 +135,9 @@ def decode_event(seq: int, raw: bytes) -> Event:
     """The Event stored under ``seq``; IntegrityError when the value does not decode."""
     try:
         d = K.loads(raw)
-        return Event(seq, float(d["time"]), str(d["type"]), dict(d["body"]))
+        if not isinstance(d["body"], dict):  # dict() would make a list of pairs one
+            raise TypeError(f"its body is a JSON {type(d['body']).__name__}, not an object")
+        return Event(seq, float(d["time"]), str(d["type"]), d["body"])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"event {seq} does not decode: {exc}") from None
 
