@@ -10,8 +10,10 @@ when only the fallback loads we refuse with ChunkerUnavailable rather than crawl
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
+import stat as stat_
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
@@ -40,13 +42,25 @@ class FileSource:
 
     def __init__(self, path: str | os.PathLike[str], mappable: bool = False) -> None:
         with translate("open source file", path):
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            st = os.fstat(self.fd)
+            # O_NONBLOCK: a FIFO would block the open until a writer came
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            try:
+                st = os.fstat(self.fd)
+                if not stat_.S_ISREG(st.st_mode):
+                    # a device, FIFO or directory: its size says nothing of what reads give
+                    raise BadInput(f"{os.fspath(path)} is not a regular file: only regular "
+                                   "files are imported")
+                fcntl.fcntl(self.fd, fcntl.F_SETFL,
+                            fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            except BaseException:
+                os.close(self.fd)
+                raise
         self.size = st.st_size
         self._times_ns = (st.st_mtime_ns, st.st_ctime_ns)
         self.path = os.fspath(path)
         self._map: mmap.mmap | None = None
         self._unmappable = not mappable
+        self.lease_broken = False  # another process opened the file to write or truncate it
 
     def pread(self, offset: int, n: int) -> bytes:
         with translate("read source file", self.path):
@@ -58,6 +72,8 @@ class FileSource:
         file ever had as a whole."""
         with translate("stat source file", self.path):
             st = os.fstat(self.fd)
+        if self.lease_broken and st.st_size == self.size:
+            return "another process opened it to write to it"
         if st.st_size != self.size:
             return f"{self.size} bytes when its import began, {st.st_size} now"
         # ctime too: it moves with every write and cannot be set back (an mtime can, by utime)
@@ -76,21 +92,68 @@ class FileSource:
         serves the mount); see docs/limits.md.
         """
         if self._map is None and self.size and not self._unmappable:
+            self._unmappable = True  # tried once
+            if not _take_lease(self):
+                return None
             try:
                 self._map = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
                 self._map.madvise(mmap.MADV_SEQUENTIAL)  # read ahead when not in page cache
             except (OSError, ValueError, OverflowError):  # a pipe, /proc, 2 GiB on 32 bits
                 self._map = None
-                self._unmappable = True
+                self.unmap()
         return self._map
 
-    def close(self) -> None:
+    def unmap(self) -> None:
+        """Drop the mapping, then the lease, which lets a writer waiting on it go on (the
+        chunker's views must be released first)."""
         if self._map is not None:
             try:
                 self._map.close()
             except BufferError:  # a chunker's view outlived this (an error in flight): GC unmaps
                 pass
+            self._map = None
+        if _leases.pop(self.fd, None) is not None:
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.unmap()
         os.close(self.fd)
+
+
+# The mapping is read only under a read lease (fcntl F_SETLEASE): a process that opens the file
+# to write or truncates it then waits (up to /proc/sys/fs/lease-break-time, 45 s) until the
+# lease is given back, and SIGIO tells us; the chunker drops the mapping at its next batch and
+# goes on with pread, which sees the change, so a file cut short is an error line, not SIGBUS
+# on a page past its new end. No lease (someone has it open for writing already, another
+# user's file, a file system without leases, not the main thread): no mapping.
+_leases: dict[int, FileSource] = {}
+
+
+def _on_lease_break(signum: int, frame: Any) -> None:
+    for src in list(_leases.values()):
+        src.lease_broken = True
+
+
+def _take_lease(src: FileSource) -> bool:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return False  # signal handlers are set in the main thread only
+    current = signal.getsignal(signal.SIGIO)
+    if current is not _on_lease_break:
+        if current != signal.SIG_DFL:
+            return False  # SIGIO is someone else's
+        signal.signal(signal.SIGIO, _on_lease_break)
+    try:
+        fcntl.fcntl(src.fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError:
+        return False
+    _leases[src.fd] = src
+    return True
 
 
 def open_source(source: Any, mappable: bool = False) -> tuple[Source, bool]:
@@ -156,10 +219,15 @@ def iter_fixed(
                     continue
                 for pos in range(lo, hi, BATCH_BYTES):
                     n = min(BATCH_BYTES, hi - pos)
+                    if view is not None and source.lease_broken:  # type: ignore[union-attr]
+                        # a writer waits on our lease: let it go, read on with pread
+                        view.release()
+                        view = None
+                        source.unmap()  # type: ignore[union-attr]
                     # mapped: the page cache itself, nothing copied but the chunks kept below
-                    data = view[pos : pos + n] if view is not None else \
-                        memoryview(read_exact(source, pos, n))
-                    yield _fixed_batch(data, pos)
+                    batch = _fixed_batch(view[pos : pos + n], pos) if view is not None else \
+                        _fixed_batch(memoryview(read_exact(source, pos, n)), pos)
+                    yield batch  # no view of the mapping held while suspended here
     finally:
         if view is not None:
             view.release()
