@@ -481,3 +481,30 @@ def test_check_during_an_import_says_its_packs_are_in_use(store: Path, tmp_path:
     report = json.loads(ksfs(store, "check", "--json").stdout)
     assert report["in_use_bytes"] == 0 == report["unfinished_bytes"], report
     assert "running" not in ksfs(store, "check").stdout.decode()
+
+
+def test_two_imports_of_one_new_file_at_once_store_and_count_it_once(store: Path,
+                                                                     tmp_path: Path) -> None:
+    """QA: two `ksfs import`s of the same new data at once both kept it in their packs and
+    both reported it as stored. Whichever order they publish in, it is kept and counted once."""
+    src = tmp_path / "data.bin"
+    src.write_bytes(random.Random(8).randbytes(16 << 20))
+    tiny = tmp_path / "tiny"
+    tiny.write_bytes(b"t")
+    ksfs(store, "import", "z", "c", str(tiny))  # the store exists before both start
+    base = json.loads(ksfs(store, "stats", "--json").stdout)["stored_bytes"]
+    procs = [subprocess.Popen(KSFS + ["--store", str(store), "import", "--json", s, "c",
+                                      str(src)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for s in ("a", "b")]
+    records = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        records.append(json.loads(out))
+    stored = sorted(sum(f["stored"] for f in r["files"]) for r in records)
+    figures = json.loads(ksfs(store, "stats", "--json").stdout)
+    assert stored[0] == 0 and stored[1] > 16 << 20, stored
+    assert figures["stored_bytes"] == base + stored[1], figures
+    packs = store / "packs"
+    assert sum(p.stat().st_size for p in packs.iterdir()) == base + stored[1]
+    assert ksfs(store, "check", "--read-data").returncode == 0
