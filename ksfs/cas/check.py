@@ -265,10 +265,27 @@ def _uncommitted(store: ChunkStore, rep: CheckReport, no: int, nbytes: int,
     if _in_use(os.path.join(store.packs_dir, fmt.pack_name(no))):
         rep.in_use_packs.append(no)
         rep.in_use_bytes += nbytes
+    elif _committed_since(store, no):
+        pass  # an ingest committed them after our snapshot of the index, then let go
     else:
         if not listed:
             rep.orphan_packs.append(no)
         rep.orphan_bytes += nbytes
+
+
+def _committed_since(store: ChunkStore, no: int) -> bool:
+    """Whether the index now counts the whole pack file: read after its writer let go of the
+    pack, so a commit made before that is seen."""
+    with index_errors("read the index", store.path), store.env.begin() as txn:
+        raw = txn.get(fmt.pack_key(no), db=store.db["packs"])
+    if raw is None:
+        return False
+    path = os.path.join(store.packs_dir, fmt.pack_name(no))
+    try:
+        size = os.lstat(path).st_size
+    except OSError:
+        return False
+    return fmt.PACK_VALUE.unpack(raw)[0] >= size
 
 
 def _in_use(path: str) -> bool:
