@@ -65,6 +65,8 @@ SEAL_LOCK = "seal.lock"
 # How long a seal waits for another ingest's publish; then it seals without the lock (the
 # figures stay true, commit still skips what another committed; only the bytes may stay twice)
 SEAL_WAIT_S = 120.0
+COMMITS = b"ingest_commits"  # in cas_meta: how many ingests committed, so a seal with none
+# since its ingest began skips looking every new chunk up again
 _zeros: dict[int, bytes] = {FIXED_SIZE: ZERO_CHUNK}  # the chunker's own: compared by identity
 
 
@@ -129,6 +131,7 @@ class Ingest:
         self._bases_bytes = 0
         self._mutex_bases = threading.Lock()
         self._lock_fd = store.lock(exclusive=False)
+        self._commits_seen = self._commits()  # after the lock: no GC runs from here on
         self._mutex = threading.Lock()  # add_file from two threads would interleave packs
 
     def __enter__(self) -> Self:
@@ -543,6 +546,8 @@ class Ingest:
                 txn.put(b"next_pack", str(top + 1).encode(), db=db["cas_meta"])
             for mid, raw in self.manifests.items():
                 txn.put(mid, raw, db=db["manifests"])
+            count = txn.get(COMMITS, db=db["cas_meta"])
+            txn.put(COMMITS, str(int(count or 0) + 1).encode(), db=db["cas_meta"])
         except lmdb.Error as exc:
             from ksfs.cas.store import _lmdb_error
 
@@ -572,11 +577,20 @@ class Ingest:
                     return -1
             time.sleep(0.02)
 
+    def _commits(self) -> bytes | None:
+        with self.store.env.begin(db=self.store.db["cas_meta"]) as txn:
+            raw = txn.get(COMMITS)
+        return None if raw is None else bytes(raw)
+
     def _drop_committed(self) -> None:
         """Take out of our packs the chunks another ingest committed since we stored them
         (two imports of the same new data at once): the index keeps theirs, and ours would be
         dead bytes. Our records past each writer's start are ours alone and not yet fsynced or
         indexed, so the ones we keep are moved down over the gaps and the file cut."""
+        now = self._commits()
+        if not self.new or now == self._commits_seen:
+            return  # no ingest committed since ours began: nothing to look up
+        self._commits_seen = now  # chunks added after this lookup saw those commits
         chunks = self.store.db["chunks"]
         with self.store.env.begin(db=chunks) as txn:
             for cid in self.new:
