@@ -508,3 +508,17 @@ def test_two_imports_of_one_new_file_at_once_store_and_count_it_once(store: Path
     packs = store / "packs"
     assert sum(p.stat().st_size for p in packs.iterdir()) == base + stored[1]
     assert ksfs(store, "check", "--read-data").returncode == 0
+
+
+def test_a_path_that_cannot_be_looked_at_is_one_line(store: Path, tmp_path: Path) -> None:
+    """Review: a directory name over 255 bytes in a FILE argument ended `ksfs import` with a
+    traceback (exit 1); a symbolic link loop was called "not found"."""
+    loop = tmp_path / "loop.img"
+    loop.symlink_to(loop)
+    for path, words in ((f"{'a' * 300}/f", "too long"), (str(loop), "symbolic link")):
+        res = ksfs(store, "import", "s", "c", path, check=False)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.decode().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ksfs: error: ") and words in lines[0], \
+            lines
+    assert not store.exists()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ from ksfs.errors import (
     NoSuchSession,
     NotFound,
     Terminated,
+    from_os_error,
 )
 from ksfs.keeper.locks import drop_session_lock, session_lock
 from ksfs.model import (
@@ -47,6 +50,25 @@ def _claims_empty_but_is_not(path: Path) -> bool:
             return f.read(1) != b""
     except OSError:
         return False  # unreadable: the import's own read says why
+
+
+def _is_regular_file(path: Path) -> bool:
+    """Whether ``path`` names a regular file (through symbolic links); a path that names
+    nothing or cannot be looked at is said in one sentence (pathlib raises some of these and
+    calls others absent: a link loop is not a missing file)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        raise NoSuchFile(what="file to import", name=str(path)) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadInput(f"{path} is a symbolic link that leads round in a loop (or through "
+                           "too many links): name the file itself") from None
+        if exc.errno == errno.ENAMETOOLONG:
+            shown = str(path) if len(str(path)) <= 80 else str(path)[:60] + "..."
+            raise BadInput(f"{shown} is too long a path (a name in it is over 255 bytes, or "
+                           "the whole over 4095)") from None
+        raise from_os_error(exc, "look at the file to import", path) from None
 
 
 def is_disk_image(name: str) -> bool:
@@ -85,10 +107,8 @@ def import_paths(session: str, checkpoint: str | None, files: Iterable[str | os.
         if p.name in CHECKPOINT_RESERVED_NAMES:
             raise BadName(name=p.name, why="a checkpoint directory shows its own entry by "
                           f"that name (reserved: {', '.join(CHECKPOINT_RESERVED_NAMES)})")
-        if not p.is_file():
-            if p.exists():
-                raise BadInput(f"{p} is not a regular file: only regular files are imported")
-            raise NoSuchFile(what="file to import", name=str(p))
+        if not _is_regular_file(p):
+            raise BadInput(f"{p} is not a regular file: only regular files are imported")
         if _claims_empty_but_is_not(p):
             raise BadInput(f"{p} says it is empty but has content (a /proc or /sys file?): "
                            "copy it to a regular file and import that")
