@@ -429,3 +429,64 @@ async def test_a_follower_of_a_stream_that_fails_is_not_told_it_was_a_replay(
     again = await call(port, body, key="k1")
     assert again.headers["x-ksfs-replay"] == "false" and data_events(again.content)[-1] == "[DONE]"
     assert provider.count() == 2
+
+
+async def test_a_stream_broken_off_after_it_began_is_counted(store, ledger, provider, nursery):
+    """Review (item 3): a stream the provider (or the path to it) broke off after it began
+    (the connection dropped, the gateway's timeout) was recorded with 0 tokens and counted in
+    no total, though the provider bills what it generated: a provider that always breaks off
+    before [DONE] spent past any budget, each retry buying it again for free."""
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=30)
+    gw.set_budget("s1", tokens=100)
+    port = await nursery.start(gw.serve_session, "s1")
+    provider.stream_end = "drop"
+    codes = []
+    for n in range(6):
+        r = await call(port, chat_body(f"dropped {n}", stream=True))
+        codes.append(r.status_code)
+        if r.status_code == 200:  # the headers were out: the failure is in the stream
+            err = data_events(r.content)[-1]["error"]
+            assert err["type"] == "upstream_unreachable" and "broke off" in err["message"]
+    # Each counted at an estimate (its request's size, three words' text): 37 tokens.
+    assert codes == [200] * 3 + [402] * 3, codes
+    calls = events(ledger, "s1", "gateway.call")
+    guessed = len(json.dumps(chat_body("dropped 0", stream=True))) // 4 + len("this is the ") // 4
+    assert [(e.body["stored"], e.body["error"], e.body["usage_known"]) for e in calls] == [
+        (False, "upstream_unreachable", False)] * 3
+    assert calls[0].body["total_tokens"] == guessed
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["upstream_errors"], u["total_tokens"]) == (3, 3, 3 * guessed)
+    # One cut by the gateway's own timeout after it began is counted the same way.
+    slow = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=1.0)
+    provider.stream_end, provider.chunk_delay = None, 0.3
+    sport = await nursery.start(slow.serve_session, "s2")
+    r = await call(sport, chat_body("too slow", stream=True))
+    assert data_events(r.content)[-1]["error"]["type"] == "upstream_timeout"
+    (cut,) = events(ledger, "s2", "gateway.call")
+    assert (cut.body["error"], cut.body["usage_known"]) == ("upstream_timeout", False)
+    assert cut.body["total_tokens"] > len(json.dumps(chat_body("too slow", stream=True))) // 4
+    assert slow.usage("s2")["paid_calls"] == 1
+
+
+async def test_a_stream_the_gateway_stops_under_is_counted(store, ledger, provider):
+    """Review (item 3): a stop under a stream that had begun recorded it with 0 tokens."""
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=30)
+    provider.chunk_delay = 0.3
+    async with trio.open_nursery() as n:
+        port = await n.start(gw.serve_session, "s1")
+
+        async def doomed() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # its server goes away under it
+                await call(port, chat_body("stopped under", stream=True))
+
+        n.start_soon(doomed)
+        with trio.fail_after(10):
+            while not provider.requests:
+                await trio.sleep(0.01)
+        await trio.sleep(1.0)  # some words are out
+        n.cancel_scope.cancel()
+    (cut,) = events(ledger, "s1", "gateway.call")
+    assert (cut.body["error"], cut.body["stored"], cut.body["usage_known"]) == (
+        "gateway_stopped", False, False)
+    assert cut.body["total_tokens"] > len(json.dumps(chat_body("stopped under", stream=True))) // 4
+    assert gw.usage("s1")["paid_calls"] == 1

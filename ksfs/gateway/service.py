@@ -58,6 +58,7 @@ from ksfs.gateway.sse import (
 from ksfs.gateway.store import GatewayStore, StoredResponse, View, used_up
 from ksfs.gateway.upstream import (
     NOT_STORED,
+    CutShort,
     Fetched,
     Headers,
     Reply,
@@ -367,6 +368,13 @@ class Gateway:
                 else:
                     call.stored = stored
                 return
+            if isinstance(got, CutShort) and got.begun is not None \
+                    and 200 <= got.begun.status < 300:
+                # Broken off after it began: billed as far as it went, so counted.
+                call.error = Reply(got.status, got.headers, got.body)
+                cost = await trio.to_thread.run_sync(self._count_cut, view, key, got.begun,
+                                                     _error_type(call.error), order)
+                return
             if isinstance(got, Reply) or not 200 <= got.status < 300:
                 call.error = got if isinstance(got, Reply) else _passed_back(got)
                 why = _error_type(call.error)
@@ -381,9 +389,15 @@ class Gateway:
                                      "the gateway stopped before the call completed")
             with trio.CancelScope(shield=True):
                 try:
-                    await trio.to_thread.run_sync(self.db.record_upstream_error, view.session,
-                                                  view.lineage, key, order.model, 503,
-                                                  "gateway_stopped", route.path)
+                    if call.status is not None and 200 <= call.status < 300:
+                        # The answer had begun: billed as far as it went, so counted.
+                        begun = Fetched(call.status, call.headers, b"".join(call.chunks))
+                        cost = await trio.to_thread.run_sync(
+                            self._count_cut, view, key, begun, "gateway_stopped", order)
+                    else:
+                        await trio.to_thread.run_sync(
+                            self.db.record_upstream_error, view.session, view.lineage, key,
+                            order.model, 503, "gateway_stopped", route.path)
                 except Exception as exc:  # noqa: BLE001 - a removed session, a full disk:
                     # the stop must go on, and an error here would replace the cancellation
                     log.error("could not record the call stopped under session %s: %s",
@@ -450,19 +464,8 @@ class Gateway:
         cut short, an error object in a 200) is not stored but counted: (None, what the guest
         gets instead, cost)."""
         ctype = header(got.headers, "content-type") or ""
-        # A provider may answer a stream request with one JSON body: that is the answer, whole.
-        sse = ctype.startswith("text/event-stream") or (
-            order.stream and not ctype.startswith("application/json"))
-        usage = (usage_of_sse if sse else usage_of_json)(got.body, order.model)
-        if not usage.known:
-            usage = _estimated(usage, got.body, sse, ctype, order)
-        cost, priced = self._cost(usage, order.model)
-        # What the gate may learn a call's size from: figures the provider reported, or the
-        # estimate from the answer's own text; never a 0 that stands for "not known" (an
-        # unpriced model's cost, an upload's estimate: its body is no prompt), which would let
-        # every later call start at once.
-        counted = usage.known or (usage.estimated and usage.total_tokens > 0)
-        learned = (usage.total_tokens if counted else None, cost if counted and priced else None)
+        sse = _is_sse(ctype, order)
+        usage, cost, priced, learned = self._counted(got, order)
         path = order.route.path
         if sse and (why := incomplete(got.body, path)) is not None:
             self.db.record_unstored_call(view.session, view.lineage, key, usage, cost, priced,
@@ -496,6 +499,35 @@ class Gateway:
             raise
         return stored, None, learned
 
+    def _counted(self, got: Fetched, order: Order
+                 ) -> tuple[Usage, float, bool, tuple[int | None, float | None]]:
+        """(usage, USD, priced, what the gate may learn) of an answer, whole or as far as it
+        came: the usage it reported, else the estimate from its sizes."""
+        ctype = header(got.headers, "content-type") or ""
+        sse = _is_sse(ctype, order)
+        usage = (usage_of_sse if sse else usage_of_json)(got.body, order.model)
+        if not usage.known:
+            usage = _estimated(usage, got.body, sse, ctype, order)
+        cost, priced = self._cost(usage, order.model)
+        # What the gate may learn a call's size from: figures the provider reported, or the
+        # estimate from the answer's own text; never a 0 that stands for "not known" (an
+        # unpriced model's cost, an upload's estimate: its body is no prompt), which would let
+        # every later call start at once.
+        counted = usage.known or (usage.estimated and usage.total_tokens > 0)
+        learned = (usage.total_tokens if counted else None, cost if counted and priced else None)
+        return usage, cost, priced, learned
+
+    def _count_cut(self, view: View, key: bytes, begun: Fetched, error: str, order: Order
+                   ) -> tuple[int | None, float | None]:
+        """Record an answer that had begun (2xx) and then broke off, or was stopped under:
+        the provider bills what it generated, so it counts, at what it reported or at the
+        estimate from its sizes, in ``paid_calls`` and ``upstream_errors`` (review: it counted
+        0, so a provider that always broke off before the end spent past any budget)."""
+        usage, cost, priced, learned = self._counted(begun, order)
+        self.db.record_unstored_call(view.session, view.lineage, key, usage, cost, priced,
+                                     begun.status, error, order.route.path)
+        return learned
+
     def _cost(self, usage: Any, request_model: str | None) -> tuple[float, bool]:
         """(USD, priced) of a call's usage. A router answers with the vendor's prefix on the
         model's name ("openai/gpt-4o-mini" for "gpt-4o-mini"): then the price of the model asked
@@ -510,6 +542,13 @@ class Gateway:
 
 
 # --- small helpers ----------------------------------------------------------------------------
+
+
+def _is_sse(content_type: str, order: Order) -> bool:
+    """Whether an answer is a stream; a provider may answer a stream request with one JSON
+    body, and that is the answer, whole."""
+    return content_type.startswith("text/event-stream") or (
+        order.stream and not content_type.startswith("application/json"))
 
 
 def _estimated(usage: Usage, body: bytes, sse: bool, content_type: str, order: Order) -> Usage:

@@ -56,6 +56,14 @@ class Reply:
     body: bytes
 
 
+@dataclass(frozen=True)
+class CutShort(Reply):
+    """The error Reply (502/504) for an answer that broke off after it began (the connection
+    dropped, the timeout): ``begun`` is what had arrived, which the provider may have billed."""
+
+    begun: Fetched | None = None
+
+
 def error_reply(status: int, type_: str, message: str, **extra: object) -> Reply:
     """An OpenAI-style JSON error: {"error": {"type", "message", ...}}."""
     body = json.dumps({"error": {"type": type_, "message": message, **extra}},
@@ -140,8 +148,11 @@ class Upstream:
         """The whole response, or the error Reply (502/504) when none came in time.
 
         ``on_start(status, headers)`` and ``on_chunk(bytes)`` see the response as it arrives
-        (for streaming it through); the bytes they see are exactly those of the result.
+        (for streaming it through); the bytes they see are exactly those of the result. An
+        answer that breaks off after it began is a ``CutShort`` holding what had arrived.
         """
+        begun: list[tuple[int, Headers]] = []
+        chunks: list[bytes] = []
         try:
             with trio.fail_after(self.timeout):
                 async with self.client.stream(
@@ -150,9 +161,9 @@ class Upstream:
                     content=body,
                 ) as resp:
                     headers = list(resp.headers.items())
+                    begun.append((resp.status_code, headers))
                     if on_start is not None:
                         on_start(resp.status_code, headers)
-                    chunks = []
 
                     def take(piece: bytes) -> None:
                         if piece:
@@ -170,12 +181,19 @@ class Upstream:
                     take(mask.end())
                     return Fetched(resp.status_code, headers, b"".join(chunks))
         except (trio.TooSlowError, httpx.TimeoutException):
-            return error_reply(504, "upstream_timeout",
-                               f"the model provider did not answer within {self.timeout:g} s")
+            reply = error_reply(504, "upstream_timeout",
+                                f"the model provider did not answer within {self.timeout:g} s"
+                                + (" (its answer had begun)" if begun else ""))
         except httpx.HTTPError as exc:
             log.warning("upstream %s failed: %s", self.base_url, type(exc).__name__)
-            return error_reply(502, "upstream_unreachable",
-                               f"the model provider could not be reached ({type(exc).__name__})")
+            reply = error_reply(502, "upstream_unreachable", (
+                f"the model provider's answer broke off before its end ({type(exc).__name__})"
+                if begun else
+                f"the model provider could not be reached ({type(exc).__name__})"))
+        if not begun:
+            return reply
+        return CutShort(reply.status, reply.headers, reply.body,
+                        Fetched(*begun[0], b"".join(chunks)))
 
     async def passthrough(self, method: str, path: str, query: bytes, guest_headers: Headers,
                           body: bytes, send) -> None:
