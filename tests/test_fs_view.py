@@ -6,6 +6,7 @@ plus an event while the rest of the checkpoint still reads."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -475,3 +476,87 @@ def test_a_checkpoints_fs_directory_is_never_forgotten(tmp_path: Path) -> None:
         listed = {e.name: e.ino for e in tree.listdir(ino)}
         tree.forget(fs, 1)
         assert listed["fs"] == fs and tree.lists_lazily(fs)
+
+
+def test_guest_nodes_answer_with_the_guests_extended_attributes(tmp_path: Path) -> None:
+    """fs/ nodes give the guest file's xattrs (what ops.listxattr/getxattr hand the kernel);
+    the attributes here are the kernel's own, set through a loop mount."""
+    from ksfs.fuse.tree import ROOT_INODE, CheckpointTree
+    from tests.test_guestfs_helpers import loop_mount
+
+    src = tmp_path / "src"
+    make_tree(src, 5)
+    img = tmp_path / "disk.raw"
+    build_ext4(src, img, 64)
+    with loop_mount(img, "rw") as mnt:
+        if mnt is None:
+            pytest.skip("this machine cannot set up loop devices")
+        os.setxattr(mnt / "work" / "small.txt", "user.note", b"kept")
+        os.setxattr(mnt / "work" / "small.txt", "security.label", b"s0\0")
+        for i in range(4):  # past the inode's room: an xattr block
+            os.setxattr(mnt / "work" / "deep", f"user.big-{i}", b"v" * 150)
+    with Keeper(tmp_path / "store", create=True) as k:
+        k.import_files("s", "c", [img])
+        tree = CheckpointTree(k)
+        ino = ROOT_INODE
+        for name in ("sessions", "s", "checkpoints", "c", "fs", "work"):
+            ino = tree.lookup(ino, name).ino
+        small = tree.node(tree.lookup(ino, "small.txt").ino)
+        assert small.xattr_names() == [b"user.note", b"security.label"]
+        assert small.xattr(b"user.note") == b"kept" and small.xattr(b"user.none") is None
+        deep = tree.node(tree.lookup(ino, "deep").ino)
+        assert deep.xattr_names() == [f"user.big-{i}".encode() for i in range(4)]
+        assert deep.xattr(b"user.big-3") == b"v" * 150
+        assert tree.node(tree.lookup(ino, "link").ino).xattr_names() == []
+
+
+def test_metadata_failing_its_checksum_is_eio_in_fs_and_damaged_in_diff(tmp_path: Path
+                                                                        ) -> None:
+    """QA: an inode or directory block damaged into other sane-looking values was read as
+    such (an extent moved onto another file's blocks read that file's bytes). With
+    metadata_csum (mkfs.ext4's default) it is refused: EIO through fs/, where the guest's
+    own kernel says EBADMSG, and one "damaged" change in `ksfs diff`."""
+    from ksfs.guestfs import FileImageReader, GuestFS
+
+    src = tmp_path / "src"
+    make_tree(src, 6)
+    imgs = {}
+    for name in ("A", "B"):
+        imgs[name] = tmp_path / name / "disk.raw"
+        imgs[name].parent.mkdir()
+        build_ext4(src, imgs[name], 64)
+    with FileImageReader(imgs["B"]) as reader:
+        fs = GuestFS.open(reader)
+        vol = fs.volume
+        ino = fs.resolve("work/secret")
+        group, index = divmod(ino - 1, vol.sb.inodes_per_group)
+        at = vol._inode_table(group) * vol.bs + index * vol.sb.inode_size
+        (_, _, dir_block), = vol.runs(vol.inode(fs.resolve("work/deep/er")), 0, 1)
+        dir_at = dir_block * vol.bs
+    with open(imgs["B"], "r+b") as f:
+        f.seek(at + 2)  # i_uid 1234 -> 0: a sane value, but not the guest's
+        f.write(b"\0\0")
+        f.seek(dir_at)
+        block = f.read(vol.bs)
+        f.seek(dir_at + block.index(b"random.bin"))
+        f.write(b"R")  # a name changed by one letter
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "A", [imgs["A"]])
+        k.import_files("s", "B", [imgs["B"]])
+    with mounted(store) as mnt:
+        fs_b = mnt / "sessions" / "s" / "checkpoints" / "B" / "fs"
+        for what in (lambda: os.lstat(fs_b / "work" / "secret"),
+                     lambda: os.listdir(fs_b / "work" / "deep" / "er")):
+            with pytest.raises(OSError) as err:
+                what()
+            assert err.value.errno == errno.EIO
+        assert "secret" not in os.listdir(fs_b / "work")  # left out, with a warning
+        assert (fs_b / "work" / "small.txt").read_text() == "hello guest\n"
+        res = subprocess.run([*KSFS, "--store", str(store), "diff", "s", "A", "B", "--json"],
+                             capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    changes = {c["path"]: (c["kind"], c["type_a"], c["type_b"])
+               for c in json.loads(res.stdout)["files"]}
+    assert changes == {"work/secret": ("changed", "file", "damaged"),
+                       "work/deep/er": ("changed", "dir", "dir")}

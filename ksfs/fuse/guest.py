@@ -67,6 +67,15 @@ class GuestNode(Node):
     def blocks(self, size: int) -> int:
         return blocks_for(0, size) if stat.S_ISREG(self.st.mode) else 0
 
+    def xattr_names(self) -> list[bytes]:
+        """The guest file's extended attribute names, as the guest's kernel lists them
+        (GuestFS.listxattr_ino); read-only, like the rest of fs/."""
+        return self.fs.listxattr_ino(self.st.ino)
+
+    def xattr(self, name: bytes) -> bytes | None:
+        """One extended attribute's value (POSIX ACLs as getxattr gives them), or None."""
+        return self.fs.getxattr_ino(self.st.ino, name)
+
     def attr(self) -> Attr:
         st = self.st
         return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, self.blocks(st.size),

@@ -67,6 +67,19 @@ def _size(s: GuestStat | None) -> int | None:
     return None if s is None or s.is_dir else s.size
 
 
+DAMAGED = "damaged"  # the type of a path whose inode cannot be read (diff_trees)
+
+
+def _kind_or_damage(s: GuestStat | GuestFSUnreadable | None) -> str | None:
+    if isinstance(s, GuestFSUnreadable):
+        return DAMAGED
+    return None if s is None else kind_of(s)
+
+
+def _size_or_none(s: GuestStat | GuestFSUnreadable | None) -> int | None:
+    return None if isinstance(s, GuestFSUnreadable) else _size(s)
+
+
 def attr_changes(sa: GuestStat, sb: GuestStat) -> dict[str, list[int]]:
     """What moved of the permission bits and the owner between two stats, as {name: [a, b]}:
     "mode" when the bits differ, "uid" and "gid" both when either differs."""
@@ -107,8 +120,8 @@ class _DirPair:
     (bytewise order, as ``LC_ALL=C diff``) and the directory inodes from the root down to
     them, on each side."""
 
-    a: dict[str, GuestStat]
-    b: dict[str, GuestStat]
+    a: dict[str, GuestStat | GuestFSUnreadable]
+    b: dict[str, GuestStat | GuestFSUnreadable]
     names: Iterator[str]
     prefix: str
     path_a: tuple[int, ...]
@@ -117,8 +130,10 @@ class _DirPair:
     @classmethod
     def open(cls, fs_a: GuestFS, dir_a: int, fs_b: GuestFS, dir_b: int, prefix: str,
              above_a: tuple[int, ...], above_b: tuple[int, ...]) -> _DirPair:
-        a = dict(fs_a.listdir_stats(dir_a))  # entries whose inode cannot be read are left out
-        b = dict(fs_b.listdir_stats(dir_b))
+        # entries of cleared or unlinked inodes are left out; a damaged inode is kept, with
+        # why it cannot be read, so that it is a change (not a file added or removed)
+        a = {n: st for n, st, _ in fs_a.listdir_checked_from(dir_a)}
+        b = {n: st for n, st, _ in fs_b.listdir_checked_from(dir_b)}
         # diff sorts names bytewise (LC_ALL=C): surrogateescape'd str would not, bytes do
         names = sorted(a.keys() | b.keys(), key=lambda n: n.encode("utf-8", "surrogateescape"))
         return cls(a, b, iter(names), prefix, above_a + (dir_a,), above_b + (dir_b,))
@@ -130,6 +145,15 @@ def _compare_entry(fs_a: GuestFS, fs_b: GuestFS, pair: _DirPair, name: str,
     both sides hold a directory there that can be listed."""
     path = pair.prefix + name
     sa, sb = pair.a.get(name), pair.b.get(name)
+    if isinstance(sa, GuestFSUnreadable) or isinstance(sb, GuestFSUnreadable):
+        # one change, as a damaged file is: its type on that side is "damaged"
+        for side, s in (("A", sa), ("B", sb)):
+            if isinstance(s, GuestFSUnreadable):
+                log.warning("comparing guest path %s: its inode on side %s cannot be read: %s",
+                            path, side, s)
+        out.append(Change("changed", path, _kind_or_damage(sa), _kind_or_damage(sb),
+                          _size_or_none(sa), _size_or_none(sb)))
+        return None
     if sa is None:
         out.append(Change("added", path, None, kind_of(sb), None, _size(sb)))
     elif sb is None:

@@ -73,6 +73,7 @@ class GuestFS:
         self.volume = volume
         self.where = where
         self._names = LRU(64)  # dir ino -> {name bytes: ino}, for lookups in big directories
+        self._xattr_blocks = LRU(64)  # xattr block -> (its bytes, entries): often shared
 
     @classmethod
     def open(cls, reader: Reader, holding: str | bytes | None = None) -> GuestFS:
@@ -217,14 +218,29 @@ class GuestFS:
     def listdir_stats_from(self, dir_ino: int, after: int = 0
                            ) -> Iterator[tuple[str, GuestStat, int]]:
         """``listdir_stats`` with each entry's cookie, past cookie ``after`` (listdir_from)."""
+        for name, got, cookie in self.listdir_checked_from(dir_ino, after):
+            if isinstance(got, GuestFSUnreadable):
+                log.warning("%s: entry %r of directory inode %d left out: %s", self.where,
+                            name, dir_ino, got)
+                continue
+            yield name, got, cookie
+
+    def listdir_checked_from(self, dir_ino: int, after: int = 0
+                             ) -> Iterator[tuple[str, GuestStat | GuestFSUnreadable, int]]:
+        """(name, stat or why its inode cannot be read, cookie) of each entry past ``after``:
+        an entry whose inode is damaged (it fails its checksum, say) comes with the error, so
+        a comparison can say so; one pointing at a cleared or unlinked inode is left out, as
+        no file is there."""
         for name, ino, _, cookie in self.listdir_from(dir_ino, after):
             try:
-                st = self.stat_ino(ino)
-            except (NoSuchFile, GuestFSUnreadable) as exc:
+                got: GuestStat | GuestFSUnreadable = self.stat_ino(ino)
+            except NoSuchFile as exc:
                 log.warning("%s: entry %r of directory inode %d left out: %s", self.where,
                             name, dir_ino, exc)
                 continue
-            yield name, st, cookie
+            except GuestFSUnreadable as exc:
+                got = exc
+            yield name, got, cookie
 
     def listdir_from(self, dir_ino: int, after: int = 0) -> Iterator[tuple[str, int, bool, int]]:
         """(name, ino, is_dir, cookie) of each entry but . and .. past position ``after``.
@@ -273,6 +289,68 @@ class GuestFS:
             return inode.block[: inode.size]
         return self.volume.read_data(inode, 0, inode.size)
 
+    def listxattr_ino(self, ino: int) -> list[bytes]:
+        """The names of the extended attributes of ``ino`` the kernel's ext4 lists, in its
+        order (those inside the inode, then those of its xattr block): ``user.*``,
+        ``trusted.*``, ``security.*``, ``system.posix_acl_access`` and ``_default``. Inline
+        data's ``system.data`` and other systems' namespaces (lustre, richacl, hurd) are not
+        listed, as the kernel does not list them."""
+        return [name for name, _, _, _ in self._xattr_entries(ino)]
+
+    def getxattr_ino(self, ino: int, name: str | bytes) -> bytes | None:
+        """The value of extended attribute ``name`` of ``ino`` (None when it has none): the
+        stored bytes, except a POSIX ACL, given in the form the kernel's getxattr gives it
+        (ext4 keeps ACLs in a shorter form of its own)."""
+        key = _encode(name)
+        for full, area, value_start, entry in self._xattr_entries(ino):
+            if full == key:
+                value = self._xattr_value(ino, area, value_start, entry)
+                if entry.index in (layout.XATTR_INDEX_POSIX_ACL_ACCESS,
+                                   layout.XATTR_INDEX_POSIX_ACL_DEFAULT):
+                    return layout.acl_to_xattr(value, f"inode {ino}")
+                return value
+        return None
+
+    def _xattr_entries(self, ino: int) -> list[tuple[bytes, bytes, int, layout.XattrEntry]]:
+        """(full name, area, where its values count from, entry) of each listed attribute."""
+        inode = self._inode(ino)
+        found: list[tuple[bytes, int, layout.XattrEntry]] = []
+        area, entries = layout.in_inode_xattr_entries(inode)
+        found.extend((area, 4, e) for e in entries)
+        if inode.file_acl:
+            block = inode.file_acl
+            got = self._xattr_blocks.get(block)
+            if got is None:
+                raw = self.volume.read_blocks(block, 1, f"extended attribute block of inode {ino}")
+                got = (raw, layout.parse_xattr_block(raw, block, self.volume.sb.csum_seed,
+                                                     f"inode {ino}"))
+                self._xattr_blocks.put(block, got)
+            found.extend((got[0], 0, e) for e in got[1])
+        out = []
+        for area, value_start, e in found:
+            prefix = layout.XATTR_PREFIXES.get(e.index)
+            if prefix is not None:
+                out.append((prefix + e.name, area, value_start, e))
+        return out
+
+    def _xattr_value(self, ino: int, area: bytes, value_start: int,
+                     e: layout.XattrEntry) -> bytes:
+        if not e.value_inum:
+            start = value_start + e.value_offs
+            return area[start : start + e.value_size]
+        # ea_inode: a large value is the data of an inode of its own, which must say so and
+        # hold exactly the value (as the kernel's ext4_xattr_inode_get checks)
+        vol = self.volume
+        if not vol.sb.incompat & layout.INCOMPAT_EA_INODE:
+            raise GuestFSUnreadable(why=f"an extended attribute of inode {ino} names an inode "
+                                        f"without the ea_inode feature")
+        ea = self._inode(e.value_inum)
+        if not ea.flags & layout.FL_EA_INODE or ea.kind != layout.S_IFREG or \
+                ea.size != e.value_size:
+            raise GuestFSUnreadable(why=f"the extended attribute inode {e.value_inum} of inode "
+                                        f"{ino} is damaged")
+        return vol.read_data(ea, 0, e.value_size)
+
     # --- path based API ----------------------------------------------------------------------
 
     def resolve(self, path: str | bytes) -> int:
@@ -302,6 +380,12 @@ class GuestFS:
 
     def readlink(self, path: int | str | bytes) -> str:
         return self.readlink_ino(self._ino(path))
+
+    def listxattr(self, path: int | str | bytes) -> list[bytes]:
+        return self.listxattr_ino(self._ino(path))
+
+    def getxattr(self, path: int | str | bytes, name: str | bytes) -> bytes | None:
+        return self.getxattr_ino(self._ino(path), name)
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -353,8 +437,9 @@ class GuestFS:
                 if phys is None:
                     continue  # a hole in a directory holds no entries
                 for k in range(count):
-                    raw = vol.read_blocks(phys + k, 1, where)
+                    block_where = f"{where} block {lblk + k}"
+                    raw = vol.read_dir_block(inode, lblk + k, phys + k, block_where)
                     base = (lblk + k) * vol.bs
                     for name, ino, ftype, end in layout.iter_dirents(
-                            raw, filetype, f"{where} block {lblk + k}", vol.bs):
+                            raw, filetype, block_where, vol.bs):
                         yield name, ino, ftype, base + end

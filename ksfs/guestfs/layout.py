@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ksfs.errors import GuestFSUnreadable
 
@@ -39,6 +40,7 @@ INCOMPAT_NAMES = {
     INCOMPAT_DIRDATA: "dirdata",
 }
 COMPAT_HAS_JOURNAL = 0x4
+COMPAT_DIR_INDEX = 0x20
 COMPAT_SPARSE_SUPER2 = 0x200
 RO_COMPAT_HUGE_FILE = 0x8
 RO_COMPAT_METADATA_CSUM = 0x400
@@ -109,6 +111,12 @@ class Superblock:
     cluster_size: int
     # sparse_super2: the only two groups besides 0 that keep a superblock copy (0: none)
     backup_bgs: tuple[int, int] | None = None
+    # metadata_csum: the seed of every checksum but the superblock's (s_checksum_seed with
+    # csum_seed, else crc32c of the UUID); None without metadata_csum
+    csum_seed: int | None = None
+    # whether inode checksums are verified: the kernel's ext4_inode_csum_verify skips them
+    # when the creator OS is not Linux
+    inode_csums: bool = False
 
     @property
     def has_filetype(self) -> bool:
@@ -172,6 +180,12 @@ def parse_superblock(raw: bytes, fs_bytes: int, checksum: bool = True) -> Superb
         raise GuestFSUnreadable(why=f"superblock inode count {inodes_count} does not match "
                                     f"its {groups} groups of {ipg}")
     cluster = block_size << max(0, log_cluster - log_block) if ro_compat & 0x200 else block_size
+    csum_seed = None
+    if ro_compat & RO_COMPAT_METADATA_CSUM:
+        if incompat & INCOMPAT_CSUM_SEED:
+            csum_seed = struct.unpack_from("<I", raw, 0x270)[0]
+        else:
+            csum_seed = crc32c(0xFFFFFFFF, raw[0x68:0x78])
     return Superblock(
         block_size=block_size, blocks_count=blocks, first_data_block=first_data,
         blocks_per_group=bpg, inodes_per_group=ipg, inodes_count=inodes_count,
@@ -180,6 +194,8 @@ def parse_superblock(raw: bytes, fs_bytes: int, checksum: bool = True) -> Superb
         journal_inum=journal_inum, cluster_size=cluster,
         backup_bgs=struct.unpack_from("<II", raw, 0x24C) if compat & COMPAT_SPARSE_SUPER2
         else None,
+        csum_seed=csum_seed,
+        inode_csums=csum_seed is not None and struct.unpack_from("<I", raw, 0x48)[0] == 0,
     )
 
 
@@ -203,6 +219,8 @@ class Inode:
     file_acl: int
     extra: bytes
     extra_isize: int
+    generation: int = 0
+    csum_seed: int = 0  # metadata_csum: the seed of its directory, extent and xattr checksums
 
     @property
     def kind(self) -> int:
@@ -218,6 +236,9 @@ def _time_ns(base: int, extra: int | None) -> int:
 
 
 def parse_inode(raw: bytes, ino: int, sb: Superblock) -> Inode:
+    """Decode one on-disk inode; with metadata_csum its checksum is verified first, as the
+    kernel's ``ext4_iget`` does ("iget: checksum invalid"), except for an inode of all zeros
+    (never used: e2fsprogs takes those as valid too), which reads as mode 0."""
     (mode, uid_lo, size_lo, atime, ctime, mtime, _dtime, gid_lo, links, blocks_lo, flags) = (
         struct.unpack_from("<HHIIIIIHHII", raw, 0)
     )
@@ -231,6 +252,12 @@ def parse_inode(raw: bytes, ino: int, sb: Superblock) -> Inode:
         if extra_isize & 3 or 128 + extra_isize > sb.inode_size:
             raise GuestFSUnreadable(why=f"inode {ino} has a bad extra size {extra_isize}")
         extra = raw[128:]
+    generation = struct.unpack_from("<I", raw, 0x64)[0]
+    seed = 0
+    if sb.csum_seed is not None:
+        seed = crc32c(crc32c(sb.csum_seed, struct.pack("<I", ino)), raw[0x64:0x68])
+        if sb.inode_csums and not inode_csum_ok(raw, seed, extra_isize) and any(raw):
+            raise GuestFSUnreadable(why=f"inode {ino} fails its checksum (metadata_csum)")
 
     def extra_field(off: int) -> int | None:
         if extra_isize >= off - 128 + 4:
@@ -248,8 +275,27 @@ def parse_inode(raw: bytes, ino: int, sb: Superblock) -> Inode:
         atime_ns=_time_ns(atime, extra_field(0x8C)), ctime_ns=_time_ns(ctime, extra_field(0x84)),
         mtime_ns=_time_ns(mtime, extra_field(0x88)), links=links, blocks_512=blocks,
         flags=flags, block=block, file_acl=acl_lo | (acl_hi << 32), extra=extra,
-        extra_isize=extra_isize,
+        extra_isize=extra_isize, generation=generation, csum_seed=seed,
     )
+
+
+INODE_CSUM_LO = 0x7C  # l_i_checksum_lo, in osd2
+INODE_CSUM_HI = 0x82  # i_checksum_hi, the second field of the extra part
+
+
+def inode_csum_ok(raw: bytes, seed: int, extra_isize: int) -> bool:
+    """The kernel's ext4_inode_csum_verify: crc32c over the whole inode with its checksum
+    fields zeroed, seeded by the filesystem, the inode number and its generation; only the low
+    16 bits when the inode has no room for i_checksum_hi."""
+    provided = struct.unpack_from("<H", raw, INODE_CSUM_LO)[0]
+    body = bytearray(raw)
+    body[INODE_CSUM_LO : INODE_CSUM_LO + 2] = b"\0\0"
+    has_hi = len(raw) > 128 and extra_isize >= INODE_CSUM_HI + 2 - 128
+    if has_hi:
+        provided |= struct.unpack_from("<H", raw, INODE_CSUM_HI)[0] << 16
+        body[INODE_CSUM_HI : INODE_CSUM_HI + 2] = b"\0\0"
+    calculated = crc32c(seed, bytes(body))
+    return provided == (calculated if has_hi else calculated & 0xFFFF)
 
 
 @dataclass(frozen=True)
@@ -352,3 +398,180 @@ def _is_csum_tail(raw: bytes, off: int, ino: int, rec_len: int) -> bool:
     filetype feature the name length is read as 16 bits, which the tail's 0xDE would make
     0xDE00, and a valid block would look damaged."""
     return ino == 0 and rec_len == 12 and raw[off + 6] == 0 and raw[off + 7] == DIRENT_TAIL_FT
+
+
+
+def dirblock_csum_error(raw: bytes, seed: int, index: bool, first: bool) -> str:
+    """Why one directory block fails its metadata_csum check ("" when it passes), as the
+    kernel's ``__ext4_read_dirblock`` checks it. ``seed`` is the directory inode's; ``index``
+    when the directory is an htree (then block 0, and a block whose first entry spans the
+    block, are index blocks with a dx_tail); otherwise the block must end in the 12-byte
+    dirent tail."""
+    bs = len(raw)
+    rec_len = struct.unpack_from("<H", raw, 4)[0]
+    if rec_len in (0, 65535) and bs == 65536:
+        rec_len = 65536
+    if index and (first or rec_len == bs):
+        return _dx_csum_error(raw, seed, rec_len)
+    ino, tail_len, name_len, ftype = struct.unpack_from("<IHBB", raw, bs - 12)
+    if ino != 0 or tail_len != 12 or name_len != 0 or ftype != DIRENT_TAIL_FT:
+        return "has no checksum tail (metadata_csum)"
+    if crc32c(seed, raw[: bs - 12]) != struct.unpack_from("<I", raw, bs - 4)[0]:
+        return "fails its checksum (metadata_csum)"
+    return ""
+
+
+def _dx_csum_error(raw: bytes, seed: int, rec_len: int) -> str:
+    """The kernel's ext4_dx_csum_verify: crc32c over the index header and its used entries,
+    then the dx_tail's reserved word and a zero checksum."""
+    bs = len(raw)
+    if rec_len == bs:  # an interior index node: a fake entry, then count/limit
+        count_offset = 8
+    elif rec_len == 12:  # the root: ".", ".." spanning the block, dx_root_info, count/limit
+        dotdot_len = struct.unpack_from("<H", raw, 12 + 4)[0]
+        reserved, _, info_len = struct.unpack_from("<IBB", raw, 24)
+        if dotdot_len != bs - 12 or reserved or info_len != 8:
+            return "is a damaged htree index (metadata_csum)"
+        count_offset = 32
+    else:
+        return "is a damaged htree index (metadata_csum)"
+    limit, count = struct.unpack_from("<HH", raw, count_offset)
+    tail = count_offset + 8 * limit
+    if tail + 8 > bs or count > limit:
+        return "is an htree index with no room for its checksum (metadata_csum)"
+    calculated = crc32c(seed, raw[: count_offset + 8 * count] + raw[tail : tail + 4] + bytes(4))
+    if calculated != struct.unpack_from("<I", raw, tail + 4)[0]:
+        return "fails its htree index checksum (metadata_csum)"
+    return ""
+
+
+def extent_block_csum_ok(raw: bytes, seed: int) -> bool:
+    """The kernel's ext4_extent_block_csum_verify: the 4 bytes after ``eh_max`` entries hold
+    crc32c of everything before them, seeded by the inode. (The root node is in the inode and
+    covered by its checksum.)"""
+    maximum = struct.unpack_from("<H", raw, 4)[0]
+    tail = 12 + 12 * maximum
+    if tail + 4 > len(raw):
+        return False
+    return crc32c(seed, raw[:tail]) == struct.unpack_from("<I", raw, tail)[0]
+
+
+
+# --- extended attributes --------------------------------------------------------------------
+
+XATTR_INDEX_USER = 1
+XATTR_INDEX_POSIX_ACL_ACCESS = 2
+XATTR_INDEX_POSIX_ACL_DEFAULT = 3
+XATTR_INDEX_TRUSTED = 4
+XATTR_INDEX_SECURITY = 6
+# The names the kernel's ext4 lists (its xattr handlers), by name index. The others are its
+# own (system.data of inline data, 7) or other systems' (lustre 5, richacl 8, hurd 10).
+XATTR_PREFIXES = {
+    XATTR_INDEX_USER: b"user.", XATTR_INDEX_POSIX_ACL_ACCESS: b"system.posix_acl_access",
+    XATTR_INDEX_POSIX_ACL_DEFAULT: b"system.posix_acl_default",
+    XATTR_INDEX_TRUSTED: b"trusted.", XATTR_INDEX_SECURITY: b"security.",
+}
+XATTR_BLOCK_HEADER = 32
+XATTR_SIZE_MAX = 1 << 24  # the kernel's EXT4_XATTR_SIZE_MAX
+
+
+class XattrEntry(NamedTuple):
+    index: int
+    name: bytes  # without its prefix
+    value_offs: int
+    value_inum: int  # ea_inode: the value is the data of this inode
+    value_size: int
+
+
+def parse_xattr_entries(area: bytes, first: int, value_start: int,
+                        where: str) -> list[XattrEntry]:
+    """The entries of an in-inode xattr area or an xattr block, checked as the kernel's
+    ``check_xattrs`` does: names inside the area, every value inside it and after the names.
+    ``first`` is where the entries begin, ``value_start`` what their value offsets count from."""
+    entries = []
+    off = first
+    while True:
+        if off + 4 > len(area):
+            raise GuestFSUnreadable(why=f"the extended attributes of {where} run past their end")
+        if area[off : off + 4] == b"\0\0\0\0":
+            break  # the four zero bytes that end the list
+        if off + 16 > len(area):
+            raise GuestFSUnreadable(why=f"the extended attributes of {where} run past their end")
+        name_len, index, value_offs, value_inum, value_size = struct.unpack_from(
+            "<BBHII", area, off)
+        nxt = off + ((16 + name_len + 3) & ~3)
+        if nxt >= len(area):
+            raise GuestFSUnreadable(why=f"an extended attribute name of {where} runs past "
+                                        f"its end")
+        name = area[off + 16 : off + 16 + name_len]
+        if b"\0" in name:
+            raise GuestFSUnreadable(why=f"an extended attribute name of {where} is damaged")
+        entries.append(XattrEntry(index, name, value_offs, value_inum, value_size))
+        off = nxt
+    names_end = off + 4
+    for e in entries:
+        if e.value_size > XATTR_SIZE_MAX:
+            raise GuestFSUnreadable(why=f"an extended attribute of {where} claims "
+                                        f"{e.value_size} bytes")
+        if e.value_size and not e.value_inum:
+            start = value_start + e.value_offs
+            if start < names_end or start + ((e.value_size + 3) & ~3) > len(area):
+                raise GuestFSUnreadable(why=f"the value of extended attribute "
+                                            f"{e.name!r} of {where} lies outside its area")
+    return entries
+
+
+def in_inode_xattr_entries(inode: Inode) -> tuple[bytes, list[XattrEntry]]:
+    """(area, entries) of the extended attributes kept inside the inode; entries' value
+    offsets count from the area's byte 4 (just after its magic)."""
+    area = inode.extra[inode.extra_isize :]
+    if len(area) < 8 or struct.unpack_from("<I", area, 0)[0] != XATTR_MAGIC:
+        return b"", []  # the kernel reads none either (no EXT4_STATE_XATTR)
+    return area, parse_xattr_entries(area, 4, 4, f"inode {inode.ino}")
+
+
+def parse_xattr_block(raw: bytes, block: int, fs_seed: int | None, where: str
+                      ) -> list[XattrEntry]:
+    """The entries of an external xattr block (values count from the block's start), its
+    header and, with metadata_csum, its checksum (seeded by the block number) verified."""
+    magic, _refcount, blocks = struct.unpack_from("<III", raw, 0)
+    if magic != XATTR_MAGIC or blocks != 1:
+        raise GuestFSUnreadable(why=f"the extended attribute block {block} of {where} is "
+                                    f"damaged (invalid header)")
+    if fs_seed is not None:
+        seed = crc32c(fs_seed, struct.pack("<Q", block))
+        if crc32c(seed, raw[:0x10] + bytes(4) + raw[0x14:]) != \
+                struct.unpack_from("<I", raw, 0x10)[0]:
+            raise GuestFSUnreadable(why=f"the extended attribute block {block} of {where} "
+                                        f"fails its checksum (metadata_csum)")
+    return parse_xattr_entries(raw, XATTR_BLOCK_HEADER, 0, f"{where} (block {block})")
+
+
+ACL_USER, ACL_GROUP = 0x02, 0x08
+ACL_SHORT_TAGS = (0x01, 0x04, 0x10, 0x20)  # ACL_USER_OBJ, ACL_GROUP_OBJ, ACL_MASK, ACL_OTHER
+
+
+def acl_to_xattr(raw: bytes, where: str) -> bytes:
+    """An ACL as ext4 stores it (version 1, 4-byte entries without an id) in the form
+    ``getxattr`` returns it from the kernel (``posix_acl_to_xattr``: version 2, 8-byte
+    entries, undefined id 0xFFFFFFFF where there is none)."""
+    if len(raw) < 4 or struct.unpack_from("<I", raw, 0)[0] != 1:
+        raise GuestFSUnreadable(why=f"the ACL of {where} is damaged (version)")
+    out = [struct.pack("<I", 2)]
+    off = 4
+    while off < len(raw):
+        if off + 4 > len(raw):
+            raise GuestFSUnreadable(why=f"the ACL of {where} is damaged (truncated)")
+        tag, perm = struct.unpack_from("<HH", raw, off)
+        if tag in (ACL_USER, ACL_GROUP):
+            if off + 8 > len(raw):
+                raise GuestFSUnreadable(why=f"the ACL of {where} is damaged (truncated)")
+            ident = struct.unpack_from("<I", raw, off + 4)[0]
+            off += 8
+        elif tag in ACL_SHORT_TAGS:
+            ident = 0xFFFFFFFF
+            off += 4
+        else:
+            raise GuestFSUnreadable(why=f"the ACL of {where} is damaged (tag 0x{tag:x})")
+        out.append(struct.pack("<HHI", tag, perm, ident))
+    return b"".join(out)

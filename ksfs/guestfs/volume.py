@@ -40,13 +40,16 @@ class Volume:
         self._descs = LRU(1024)
         self._maps = LRU(512)
         self._indirect = LRU(256)
+        # directory blocks (by fs block) whose metadata_csum was verified: pure-Python crc32c
+        # is slow, and a listing then a lookup read the same blocks
+        self._dir_ok = LRU(4096)
 
     def set_overlay(self, overlay: dict[int, JournalCopy], sb: Superblock) -> None:
         self.overlay = overlay
         self._overlay_keys = sorted(overlay)
         self.sb = sb
         self.bs = sb.block_size
-        for cache in (self._inodes, self._descs, self._maps, self._indirect):
+        for cache in (self._inodes, self._descs, self._maps, self._indirect, self._dir_ok):
             cache._d.clear()
 
     # --- blocks ------------------------------------------------------------------------------
@@ -139,6 +142,20 @@ class Volume:
         self._inodes.put(ino, inode)
         return inode
 
+    def read_dir_block(self, inode: Inode, lblk: int, phys: int, where: str) -> bytes:
+        """Block ``lblk`` (at ``phys``) of a directory, its metadata_csum verified as the
+        kernel's ``__ext4_read_dirblock`` does: a block of another directory or file (a
+        damaged block number) or a damaged entry fails it, whatever its entries look like."""
+        raw = self.read_blocks(phys, 1, where)
+        if self.sb.csum_seed is None or self._dir_ok.get(phys) == inode.ino:
+            return raw
+        index = bool(inode.flags & layout.FL_INDEX and self.sb.compat & layout.COMPAT_DIR_INDEX)
+        why = layout.dirblock_csum_error(raw, inode.csum_seed, index, lblk == 0)
+        if why:
+            raise GuestFSUnreadable(why=f"{where} {why}")
+        self._dir_ok.put(phys, inode.ino)
+        return raw
+
     # --- mapping logical blocks to disk blocks ----------------------------------------------
 
     def runs(self, inode: Inode, first: int, end: int) -> list[Run]:
@@ -193,6 +210,13 @@ class Volume:
                     out.append((lblk, length, phys, unwritten))
             else:
                 child = self.read_blocks(phys, 1, f"extent node of inode {inode.ino}")
+                if self.sb.csum_seed is not None and not layout.extent_block_csum_ok(
+                        child, inode.csum_seed):
+                    # as the kernel's ext4_ext_check ("extent tree corrupted"): a node that
+                    # is not this inode's (a block number damaged in its parent) maps another
+                    # file's blocks, and its own sanity checks may all pass
+                    raise GuestFSUnreadable(why=f"extent node of inode {inode.ino} in block "
+                                                f"{phys} fails its checksum (metadata_csum)")
                 self._walk_extents(inode, child, out, level + 1)
 
     def _indirect_runs(self, inode: Inode, first: int, end: int) -> list[Run]:
