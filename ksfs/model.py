@@ -7,7 +7,6 @@ manifests are 32-byte BLAKE3 digests, written as lowercase hex outside the store
 from __future__ import annotations
 
 import json
-from collections.abc import Container
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -118,17 +117,6 @@ def event_file_names(names: list[str]) -> dict[str, Any]:
             return {"files": listed, "files_not_listed": len(names) - len(listed)}
         listed.append(name)
     return {"files": listed}
-
-
-def checkpoint_name_for_seq(seq: int, taken: Container[str] = ()) -> str:
-    """The name of an unnamed checkpoint: ``c_`` and its begin event's seq, 4 digits at least;
-    if a user already gave a checkpoint that name, ``-2``, ``-3``, ... after it (an automatic
-    name must never make a save or a restore fail)."""
-    name = f"c_{seq:04d}"
-    n = 1
-    while (f"{name}-{n}" if n > 1 else name) in taken:
-        n += 1
-    return f"{name}-{n}" if n > 1 else name
 
 
 @dataclass(frozen=True)

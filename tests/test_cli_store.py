@@ -290,14 +290,12 @@ def test_cat_reads_the_files_a_checkpoint_makes_from_its_record(store: Path,
         assert res.returncode == 3, res.stderr
 
 
-def test_an_automatic_name_a_user_took_gets_a_suffix(store: Path, tmp_path: Path) -> None:
+def test_an_automatic_name_a_user_took_moves_to_the_next_free_number(store: Path,
+                                                                    tmp_path: Path) -> None:
     """An unnamed checkpoint is named after its begin event (c_NNNN); a checkpoint the user
-    already named so must not make it fail: it becomes c_NNNN-2."""
+    already named so must not make it fail: it takes the next free c_NNNN, never c_NNNN-2."""
     from ksfs.keeper import Keeper
-    from ksfs.model import checkpoint_name_for_seq
 
-    assert checkpoint_name_for_seq(7) == "c_0007"
-    assert checkpoint_name_for_seq(7, {"c_0007", "c_0007-2"}) == "c_0007-3"
     f = tmp_path / "memory"
     f.write_bytes(b"data" * 100)
     with Keeper(store, create=True) as k:
@@ -308,24 +306,12 @@ def test_an_automatic_name_a_user_took_gets_a_suffix(store: Path, tmp_path: Path
         taken = f"c_{last + 3:04d}"
         k.import_files("s", taken, [f])
         rec = k.import_files("s", None, [f])
-        assert rec.name == taken + "-2", (rec.name, taken)
+        begin = next(e for e in k.ledger.events("s", last + 3) if e.type == "checkpoint.begin")
+        assert begin.seq == last + 3 and begin.body["name"] is None
+        assert rec.name == f"c_{last + 4:04d}", (rec.name, taken)
         assert list(k.ledger.checkpoint_names("s")).count(taken) == 1
-
-
-def test_recover_matches_a_suffixed_automatic_name_to_its_begin(store: Path,
-                                                                tmp_path: Path) -> None:
-    """A published c_NNNN-2 closes its own begin event: recover (run at every daemon start)
-    finds nothing unfinished and marks nothing failed."""
-    from ksfs.keeper import Keeper
-
-    f = tmp_path / "memory"
-    f.write_bytes(b"data" * 100)
-    with Keeper(store, create=True) as k:
-        k.import_files("s", "first", [f])
-        last = list(k.ledger.events("s", 0))[-1].seq
-        k.import_files("s", f"c_{last + 3:04d}", [f])
-        rec = k.import_files("s", None, [f])
-        assert rec.name.endswith("-2")
+        # and the published event of the unnamed one names its begin, so recover (run at every
+        # daemon start) finds nothing unfinished and marks nothing failed
         assert k._unfinished("s") == []
         assert k.recover() == []
         assert not [e for e in k.ledger.events("s", 0) if e.type == "checkpoint.failed"]

@@ -79,3 +79,17 @@ def test_damaged_middle_line_is_refused(tmp_path: Path) -> None:
     img = image_with(tmp_path, lines(1, 3) + b"garbage\n" + lines(4, 5))
     with pytest.raises(GuestFSUnreadable, match="line 4 is not JSON"):
         info_of(img)
+
+
+def test_a_line_nested_too_deep_for_json_is_damaged_not_a_crash(tmp_path: Path) -> None:
+    deep = b'{"seq": 4, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+    img = image_with(tmp_path, lines(1, 3) + deep + lines(5, 6))
+    with pytest.raises(GuestFSUnreadable, match="line 4 is not JSON"):
+        info_of(img)
+
+
+def test_lines_appended_after_a_crash_s_nul_run_count(tmp_path: Path) -> None:
+    """After a crash the file can hold zeros where its last blocks were allocated; the agent
+    appends its next lines after them on the next boot."""
+    img = image_with(tmp_path, lines(1, 3) + b"\0" * 5000 + lines(4, 6))
+    assert info_of(img) == TranscriptInfo(last_seq=6, lineage="L1", count=6)

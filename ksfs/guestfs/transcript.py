@@ -2,7 +2,8 @@
 "lineage"), appended by the agent inside the machine.
 
 Only whole lines count: a last line the guest was still writing (no newline, and not a complete
-JSON object) is ignored, as are NUL bytes a crash can leave at the end. A damaged line anywhere
+JSON object) is ignored, as are NUL bytes a crash can leave at the end
+(or before a line the agent appended after it). A damaged line anywhere
 before the last is an error, never skipped. The file is streamed in pieces, never read whole.
 """
 
@@ -66,11 +67,14 @@ def read_transcript(fs: GuestFS | Reader, path: str = DEFAULT_TRANSCRIPT) -> Tra
 
 
 def _parse(line: bytes, lineno: int, path: str) -> dict | None:
+    # NUL runs are what a crash leaves where the guest's filesystem had allocated blocks whose
+    # data never reached the disk; the agent goes on appending after them on the next boot.
+    line = line.strip(b"\0")
     if not line.strip():
         return None
     try:
         entry = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # a line nested deeper than json can read is damaged
         raise GuestFSUnreadable(why=f"transcript {path} line {lineno} is not JSON") from None
     if not isinstance(entry, dict) or type(entry.get("seq")) is not int:
         raise GuestFSUnreadable(why=f"transcript {path} line {lineno} has no integer seq")

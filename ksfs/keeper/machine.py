@@ -28,6 +28,7 @@ from ksfs.errors import (
     NotRunning,
 )
 from ksfs.keeper.locks import drop_session_lock, session_lock
+from ksfs.ledger import auto_checkpoint_name
 from ksfs.model import (
     DEFAULT_TRANSCRIPT,
     CheckpointRecord,
@@ -35,7 +36,6 @@ from ksfs.model import (
     FileRecord,
     SessionRecord,
     TranscriptInfo,
-    checkpoint_name_for_seq,
     validate_name,
 )
 
@@ -544,7 +544,7 @@ class MachineVerbs:
         if name is not None and name in taken:
             raise AlreadyExists(what="checkpoint", name=f"{session}/{name}")
         begin = self.ledger.record(session, "checkpoint.begin", {"name": name, "reason": reason})
-        return begin, name or checkpoint_name_for_seq(begin.seq, taken)
+        return begin, name or auto_checkpoint_name(begin.seq, taken)
 
     def _save_stopped_disks(self, rec: SessionRecord, reason: str) -> CheckpointRecord:
         """A checkpoint of the disks of the session's machine, which is not running (shut off,

@@ -26,11 +26,11 @@ from ksfs.errors import (
     from_os_error,
 )
 from ksfs.keeper.locks import drop_session_lock, session_lock
+from ksfs.ledger import auto_checkpoint_name
 from ksfs.model import (
     CHECKPOINT_RESERVED_NAMES,
     CheckpointRecord,
     FileRecord,
-    checkpoint_name_for_seq,
     event_file_names,
     validate_name,
 )
@@ -189,7 +189,7 @@ class OfflineVerbs:
         begin = self.ledger.record(
             session, "checkpoint.begin", {"name": checkpoint, "source": "import"}
         )
-        name = checkpoint or checkpoint_name_for_seq(begin.seq, taken)
+        name = checkpoint or auto_checkpoint_name(begin.seq, taken)
         total = sum(p.stat().st_size for p in paths)
         done = 0
 

@@ -18,6 +18,7 @@ from typing import Any
 from ksfs.errors import KsfsError, NotFound
 from ksfs.keeper.locks import drop_session_lock, session_lock
 from ksfs.keeper.machine import MEMORY_FILE
+from ksfs.ledger import auto_checkpoint_name
 
 OPENERS = {"checkpoint.begin": ("checkpoint.published", "checkpoint.failed"),
            "restore.begin": ("restore.done", "restore.failed")}
@@ -27,8 +28,8 @@ class Recovery:
     def _unfinished(self, session: str) -> list[Any]:
         """Begin events of this session that never got their end event. A checkpoint's end
         names its begin's seq (published: ``seq``; failed: ``begin_seq``), since an unnamed
-        checkpoint's name is only known at its end (c_NNNN, or c_NNNN-2 when a user took that);
-        logs written before failed events carried ``begin_seq`` are matched by name."""
+        checkpoint's name is only known at its end (c_NNNN, or the next free c_NNNN when a user
+        took that); logs written before failed events carried ``begin_seq`` are matched by name."""
         open_: dict[tuple[str, Any], Any] = {}
         for ev in self.ledger.events(session):
             if ev.type == "checkpoint.begin":
@@ -106,7 +107,8 @@ class Recovery:
             return actions
         restore_to = None
         for ev in self._unfinished(rec.name):
-            name = ev.body.get("name") or f"c_{ev.seq:04d}"
+            name = ev.body.get("name") or auto_checkpoint_name(
+                ev.seq, set(self.ledger.checkpoint_names(rec.name)))
             if ev.type == "checkpoint.begin":
                 self.ledger.record(rec.name, "checkpoint.failed",
                                    {"name": name, "reason": "interrupted (recovered)",
