@@ -395,3 +395,32 @@ async def test_api_key_from_environment(store, ledger, provider, nursery, monkey
     port2 = await nursery.start(gw2.serve_session, "s2")
     await call(port2, chat_body(), headers={"authorization": "Bearer guest"})
     assert "authorization" not in provider.requests[-1].headers  # the guest's is never sent
+
+
+async def test_a_model_name_of_any_length_is_stored_and_counted(gw, ledger, provider, nursery):
+    """A 70 000-character model name made the call's event over the body limit: the paid
+    answer was neither stored nor counted, and an upstream error was not recorded at all."""
+    port = await nursery.start(gw.serve_session, "s1")
+    long_model = "m" * 70_000
+    r = await call(port, chat_body("hi", model=long_model), key="k1")
+    assert r.status_code == 200, r.text
+    again = await call(port, chat_body("hi", model=long_model), key="k1")
+    assert again.headers["x-ksfs-replay"] == "true" and provider.count() == 1
+    provider.error = 500
+    r = await call(port, chat_body("hi", model="q" * 70_000), key="k2")
+    assert r.status_code == 500
+    calls = events(ledger, "s1", "gateway.call")
+    assert [(e.body["status"], e.body["stored"]) for e in calls] == [(200, True), (500, False)]
+    assert all(len(e.body["model"]) == 200 for e in calls)
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["upstream_errors"], u["replays"]) == (1, 1, 1)
+    assert list(u["by_model"]) == ["m" * 200]
+
+
+async def test_by_model_keeps_at_most_100_names(gw, provider, nursery):
+    port = await nursery.start(gw.serve_session, "s1")
+    for i in range(103):
+        assert (await call(port, chat_body("hi", model=f"model-{i}"))).status_code == 200
+    by_model = gw.usage("s1")["by_model"]
+    assert len(by_model) == 101 and by_model["(other)"]["calls"] == 3
+    assert sum(m["calls"] for m in by_model.values()) == 103

@@ -117,7 +117,12 @@ class Totals:
         self.cost_usd = round(self.cost_usd + cost, 12)
         self.unpriced_calls += 0 if priced else 1
         self.unknown_usage_calls += 0 if usage.known else 1
-        m = self.by_model.setdefault(usage.model or "?", {
+        model = _cut(usage.model, MODEL_CHARS) or "?"
+        if model not in self.by_model and len(self.by_model) >= BY_MODEL_MAX:
+            # The record is rewritten on every call: a guest naming a new model each time
+            # must not make it grow without end.
+            model = "(other)"
+        m = self.by_model.setdefault(model, {
             "calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0,
             "priced": priced})
         m["calls"] += 1
@@ -313,7 +318,8 @@ class GatewayStore:
 
     def record_replay(self, session: str, lineage: str, key: bytes,
                       stored: StoredResponse) -> Event:
-        body = {"key": key.hex(), "model": stored.model, "status": stored.status,
+        body = {"key": key.hex(), "model": _cut(stored.model, MODEL_CHARS),
+                "status": stored.status,
                 "stream": stored.stream, "from_session": stored.session,
                 "from_lineage": stored.lineage, "from_seq": stored.seq, "cost_usd": 0.0}
         with self._write() as txn:
@@ -324,8 +330,8 @@ class GatewayStore:
     def record_refusal(self, session: str, lineage: str, key: bytes, model: str | None,
                        budget: dict[str, Any], used: dict[str, Any],
                        path: str = CHAT_PATH, reason: str = "used_up") -> Event:
-        body = {"key": key.hex(), "model": model, "budget": budget, "used": used, "path": path,
-                "reason": reason}
+        body = {"key": key.hex(), "model": _cut(model, MODEL_CHARS), "budget": budget,
+                "used": used, "path": path, "reason": reason}
         with self._write() as txn:
             event = self.ledger.append(txn, session, "budget.refused", body)
             self._bump(txn, lineage, "refused")
@@ -334,7 +340,8 @@ class GatewayStore:
     def record_upstream_error(self, session: str, lineage: str, key: bytes, model: str | None,
                               status: int, error: str, path: str = CHAT_PATH) -> Event:
         """A call that did not complete: counted, logged as ``gateway.call`` with stored=False."""
-        body = {"key": key.hex(), "model": model, "status": status, "error": error,
+        body = {"key": key.hex(), "model": _cut(model, MODEL_CHARS), "status": status,
+                "error": _cut(error, ERROR_CHARS),
                 "stored": False, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
                 "cost_usd": 0.0, "path": path}
         with self._write() as txn:
@@ -381,10 +388,24 @@ class GatewayStore:
         txn.put(lineage_bytes(lineage), totals.encode(), db=self._usage)
 
 
+# A model name or an error text is whatever the guest or the provider sent: cut so that an event
+# body stays far under the ledger's limit (a 70 000-character model name made the event, and so
+# the paid call's storing and counting, fail).
+MODEL_CHARS = 200
+ERROR_CHARS = 1000
+BY_MODEL_MAX = 100  # models counted apart in usage's by_model; the rest under "(other)"
+
+
+def _cut(text: str | None, limit: int) -> str | None:
+    return text if text is None or len(text) <= limit else text[:limit]
+
+
 def _paid_call_body(key: bytes, usage: Usage, cost: float, priced: bool, status: int,
                     path: str, **more: Any) -> dict[str, Any]:
     """The body of the ``gateway.call`` event of a call the provider answered and billed."""
-    return {"key": key.hex(), "model": usage.model, "status": status,
+    if "error" in more:
+        more["error"] = _cut(more["error"], ERROR_CHARS)
+    return {"key": key.hex(), "model": _cut(usage.model, MODEL_CHARS), "status": status,
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens, "usage_known": usage.known, "cost_usd": cost,
             "priced": priced, "path": path, **more}
