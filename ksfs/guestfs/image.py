@@ -130,6 +130,7 @@ class Partition:
     content: str
     index: int = 0  # its place in the table, the last tie-break
     why: str = ""  # why it cannot be read whatever it holds (it does not fit in the disk)
+    number: int = 0  # the kernel's number for it (vdaN; logical ones from 5); 0: whole disk
 
     @property
     def tier(self) -> tuple[int, int]:
@@ -259,7 +260,7 @@ def _mbr_partitions(reader: Reader, entries: list[tuple[int, int, int]]) -> list
     for i, (kind, start, count) in enumerate(entries):
         if kind and kind not in MBR_EXTENDED and count:
             _add(found, reader, start, count, f"MBR partition {i + 1}",
-                 "linux" if kind == MBR_LINUX else "other")
+                 "linux" if kind == MBR_LINUX else "other", i + 1)
     damaged: GuestFSUnreadable | None = None
     for kind, start, _ in entries:
         if kind in MBR_EXTENDED:
@@ -275,14 +276,14 @@ def _mbr_partitions(reader: Reader, entries: list[tuple[int, int, int]]) -> list
 def _logical(reader: Reader, ext_start: int, found: list[Partition]) -> None:
     """Walk the chain of extended boot records, adding each logical partition to ``found``."""
     ebr_lba = ext_start
-    for _ in range(128):  # a chain longer than this is a loop in a damaged table
+    for number in range(5, 5 + 128):  # a chain longer than this is a loop in a damaged table
         ebr = read_exact(reader, ebr_lba * SECTOR, SECTOR, "extended boot record")
         if ebr[510:512] != b"\x55\xaa":
             raise GuestFSUnreadable(why=f"extended boot record at sector {ebr_lba} is damaged")
         kind, start, count = _mbr_entry(ebr, 0)
         if kind and count:
-            _add(found, reader, ebr_lba + start, count, "logical partition",
-                 "linux" if kind == MBR_LINUX else "other")
+            _add(found, reader, ebr_lba + start, count, f"logical partition {number}",
+                 "linux" if kind == MBR_LINUX else "other", number)
         nkind, nstart, _ = _mbr_entry(ebr, 1)
         if nkind not in MBR_EXTENDED or nstart == 0:
             return
@@ -346,21 +347,23 @@ def _gpt_partitions(reader: Reader) -> list[Partition]:
         if last < first:
             if role != "other":
                 found.append(Partition(0, 0, what, role, "", len(found),
-                                       why=f"GPT partition {i + 1} ends before it starts"))
+                                       why=f"GPT partition {i + 1} ends before it starts",
+                                       number=i + 1))
             continue
-        _add(found, reader, first, last - first + 1, what, role)
+        _add(found, reader, first, last - first + 1, what, role, i + 1)
     return found
 
 
 def _add(found: list[Partition], reader: Reader, lba: int, sectors: int, what: str,
-         role: str) -> None:
+         role: str, number: int) -> None:
     """Probe one partition and add it to ``found``. One that does not fit in the disk is kept
     (as one that cannot be read) when its type says Linux and passed over otherwise."""
     offset, length = lba * SECTOR, sectors * SECTOR
     if lba == 0 or offset + length > reader.size:
         if role != "other":
             found.append(Partition(offset, length, what, role, "", len(found), why=(
-                f"{what} (sectors {lba}+{sectors}) does not fit in the {reader.size}-byte disk")))
+                f"{what} (sectors {lba}+{sectors}) does not fit in the {reader.size}-byte disk"),
+                number=number))
         return
     found.append(Partition(offset, length, f"{what} at byte {offset}", role,
-                           probe(reader, offset, length), len(found)))
+                           probe(reader, offset, length), len(found), number=number))
