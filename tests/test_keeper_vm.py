@@ -1030,22 +1030,48 @@ def test_a_session_rm_that_failed_is_not_finished_by_recover(env, agent: str) ->
     assert agent in {s["session"] for s in listed}
 
 
-def test_a_bare_ext_raw_disk_boots_with_root_on_it(tmp_path: Path) -> None:
+def test_the_default_command_line_names_the_root_the_disk_holds(tmp_path: Path) -> None:
     """QA (ninth session): a distro guest given as --kernel/--initrd/--disk (no guest.json)
-    got no root=, and its initramfs found no root and the kernel panicked in a loop."""
-    from ksfs.guestfs.mkimage import build_ext4
+    got no root=, and its initramfs found no root and the kernel panicked in a loop. QA
+    (sixteenth): so did one whose disk was qcow2 or partitioned, while ksfs said running."""
+    from ksfs.guestfs.mkimage import build_disk, build_ext4, build_partitioned
     from ksfs.keeper.machine import BASE_CMDLINE, default_cmdline
     from ksfs.vm.files import inspect_disk
 
-    tree = tmp_path / "tree"
-    (tree / "etc").mkdir(parents=True)
-    build_ext4(tree, tmp_path / "root.raw", 16)
+    root_tree, home_tree = tmp_path / "tree", tmp_path / "home"
+    (root_tree / "etc").mkdir(parents=True)
+    (home_tree / "user").mkdir(parents=True)
+    build_ext4(root_tree, tmp_path / "root.raw", 16)
+    build_ext4(home_tree, tmp_path / "home.raw", 24)  # larger, but no /etc in it
     (tmp_path / "blank.raw").write_bytes(bytes(4 << 20))
-    subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(tmp_path / "root.raw"),
-                    str(tmp_path / "root.qcow2")], check=True)
-    assert default_cmdline(inspect_disk(tmp_path / "root.raw")) == \
-        f"{BASE_CMDLINE} root=/dev/vda rw"
-    for other in ("blank.raw", "root.qcow2"):  # nothing says where a root is: no guess
+
+    def qcow2(name: str) -> Path:
+        out = tmp_path / (name + ".qcow2")
+        subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(tmp_path / name),
+                        str(out)], check=True)
+        return out
+
+    build_partitioned(tmp_path / "root.raw", tmp_path / "gpt.raw", table="gpt")
+    build_partitioned(tmp_path / "root.raw", tmp_path / "logical.raw", table="dos",
+                      logical=True)
+    linux = "0FC63DAF-8483-4772-8E79-3D69D8477DE4"
+    root_x86 = "4F68BCE3-E8CD-4DB1-96E7-FBCAF984B709"
+    home_gpt = "933AC7E1-2EB4-4F13-B844-0E14E2AEF915"
+    build_disk(tmp_path / "mbr.raw", [("83", tmp_path / "home.raw"),
+                                      ("83", tmp_path / "root.raw")], table="dos")
+    build_disk(tmp_path / "typed.raw", [(linux, tmp_path / "home.raw"),
+                                        (root_x86, tmp_path / "root.raw")])
+    build_disk(tmp_path / "homeonly.raw", [(home_gpt, tmp_path / "home.raw")])
+    expected = {
+        tmp_path / "root.raw": "/dev/vda", qcow2("root.raw"): "/dev/vda",
+        tmp_path / "gpt.raw": "/dev/vda2", qcow2("gpt.raw"): "/dev/vda2",
+        tmp_path / "logical.raw": "/dev/vda5",
+        tmp_path / "mbr.raw": "/dev/vda2",  # the one holding /etc, not the largest
+        tmp_path / "typed.raw": "/dev/vda2",  # the GPT root type first
+    }
+    for disk, root in expected.items():
+        assert default_cmdline(inspect_disk(disk)) == f"{BASE_CMDLINE} root={root} rw", disk
+    for other in ("blank.raw", "homeonly.raw"):  # nothing says where a root is: no guess
         assert default_cmdline(inspect_disk(tmp_path / other)) == BASE_CMDLINE
 
 
@@ -1331,3 +1357,59 @@ def test_a_cold_start_by_resume_takes_a_text_token_off_the_command_line(env, age
         assert Path(token_file).read_text() == token
     finally:
         run(store, "restore", agent, cp, env=e)  # the agent as the other tests know it
+
+
+def ksfs_looking_at_the_machine(store: Path, e: dict, point: str, out: Path,
+                                *args: str) -> subprocess.CompletedProcess:
+    """``ksfs ARGS`` that writes the domain's state (virsh domstate) to ``out`` when a keeper
+    verb reaches the crash point ``point``."""
+    code = (
+        "import subprocess, sys\n"
+        "point, out, dom = sys.argv[1], sys.argv[2], sys.argv[3]\n"
+        "import ksfs.keeper.branching as b\n"
+        "orig_point = b.crash_point\n"
+        "def hook(name):\n"
+        "    if name == point:\n"
+        "        state = subprocess.run(['virsh', 'domstate', dom], capture_output=True,\n"
+        "                               text=True).stdout.strip()\n"
+        "        open(out, 'a').write(state + '\\n')\n"
+        "    orig_point(name)\n"
+        "b.crash_point = hook\n"
+        "from ksfs.cli import main\n"
+        "sys.argv = ['ksfs', *sys.argv[4:]]\n"
+        "main()\n"
+    )
+    return subprocess.run([sys.executable, "-c", code, point, str(out), f"ksfs-{args[1]}",
+                           "--store", str(store), *args], capture_output=True, text=True,
+                          env=e, timeout=300)
+
+
+def test_a_restore_keeps_the_machine_paused_from_its_save_first_on(env, agent: str,
+                                                                   tmp_path: Path) -> None:
+    """QA (sixteenth session): the snapshot of the save-first ran the guest again, and it went
+    on writing its transcript and buying model calls while the target was staged; work the
+    save did not hold and the restore then threw away uncounted. A restore that fails with
+    the old machine still there runs it again."""
+    store, e = env["store"], env["env"]
+    dom = f"ksfs-{agent}"
+    cp = save(store, agent, e)
+    seen = tmp_path / "states"
+    res = ksfs_looking_at_the_machine(store, e, "restore.staged", seen, "restore", agent, cp)
+    assert res.returncode == 0, res.stderr
+    assert seen.read_text().split("\n")[0] == "paused"
+    assert virsh("domstate", dom).stdout.strip() == "running"
+    # the save-first holds every line the guest wrote before the restore replaced it
+    events = events_of(store, agent, e)
+    begin = [ev for ev in events if ev["type"] == "restore.begin"][-1]
+    saved = begin["body"]["saved_as"]
+    saved_last = transcript_lines(store, agent, saved, e)[-1]["seq"]
+    rec = next(ev for ev in events if ev["type"] == "reconcile" and ev["seq"] > begin["seq"])
+    assert rec["body"].get("current_transcript_seq") in (None, saved_last), rec["body"]
+    # failing after its save-first, the restore runs the old machine again
+    seen.unlink()
+    e2 = dict(e, KSFS_FAIL_AT="restore.staged")
+    res = ksfs_looking_at_the_machine(store, e2, "restore.staged", seen, "restore", agent, cp)
+    assert res.returncode != 0 and "injected fault" in res.stderr, res.stderr
+    assert seen.read_text().split("\n")[0] == "paused"
+    assert virsh("domstate", dom).stdout.strip() == "running"
+    assert events_of(store, agent, e)[-1]["type"] == "restore.failed"

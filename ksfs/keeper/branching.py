@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -28,6 +29,8 @@ from ksfs.model import (
     TranscriptInfo,
     validate_name,
 )
+
+log = logging.getLogger(__name__)
 
 
 class RestoreVerbs:
@@ -128,6 +131,13 @@ class RestoreVerbs:
         pool = ThreadPoolExecutor(1, thread_name_prefix="restore-stage")
         staging = pool.submit(contextvars.copy_context().run, stage)
         pool.shutdown(wait=False)  # the thread ends with its one job
+        # Paused before its save-first and kept so until it is replaced: a snapshot runs the
+        # guest again after it, and it went on writing its transcript and buying model calls
+        # while the target was staged, work the save did not hold and the restore then threw
+        # away uncounted (QA). A restore that fails with the old machine still there runs it.
+        paused_here = state == "running"
+        if paused_here:
+            self.vm.pause(rec.domain, session)
         try:
             saved = kept
             if state in ("running", "paused"):
@@ -143,6 +153,8 @@ class RestoreVerbs:
                 "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
         except BaseException as exc:
             _discard(staging)
+            if paused_here:
+                self._run_again(rec, checkpoint)
             if isinstance(exc, KsfsError):
                 # Said in the log (and so by reading `resume`) like a failure after the begin;
                 # nothing of the machine was touched (QA: its save-first on a full disk left
@@ -189,6 +201,8 @@ class RestoreVerbs:
                 # what failed is running it, said with the way on.
                 self._record_done_but_paused(session, checkpoint, begin, reconciled, exc)
                 raise
+            if paused_here:
+                self._run_again(rec, checkpoint)
             if isinstance(exc, KsfsError) and saved is not None \
                     and state in ("running", "paused") and self._stopped_now(rec.domain):
                 # The restore stopped the machine and could not start the checkpoint: say so,
@@ -203,6 +217,17 @@ class RestoreVerbs:
         return {"session": session, "checkpoint": checkpoint, "seq": done.seq,
                 "saved_as": saved.name if saved else None, "reconcile": rec_ev.body,
                 "booted": memory is None}
+
+    def _run_again(self, rec: SessionRecord, checkpoint: str) -> None:
+        """After a failed restore: run the machine this restore paused, when it is still the
+        old one (paused, its chain not the target's). Never raises: the failure is the news."""
+        try:
+            if self.vm.state(rec.domain) == "paused" \
+                    and self.vm.holds_checkpoint(rec.name) != f"{rec.name}/{checkpoint}":
+                self.vm.resume(rec.domain)
+        except KsfsError as exc:
+            log.warning("%s: could not run the machine again after the failed restore: %s",
+                        rec.name, exc)
 
     def _holds(self, rec: SessionRecord, checkpoint: str) -> bool:
         """Whether the machine is paused on ``checkpoint``'s chain (a running one was resumed:

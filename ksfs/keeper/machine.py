@@ -100,20 +100,67 @@ BASE_CMDLINE = "console=ttyS0 panic=-1 quiet"
 
 
 def default_cmdline(plan: Any) -> str:
-    """The kernel command line of a guest that names none: the serial console, and for a raw
-    disk that is one bare ext filesystem (a distro's root, as tools like virt-make-fs make it)
-    ``root=/dev/vda rw``, without which a distro's initramfs finds no root and the kernel
-    panics. An initramfs that is the whole guest (ours) ignores both."""
-    from ksfs.guestfs.image import FileImageReader, has_ext_magic
+    """The kernel command line of a guest that names none: the serial console and, when the
+    disk says where its root filesystem is, ``root=/dev/vda`` (one bare filesystem, as tools
+    like virt-make-fs make it) or ``root=/dev/vdaN`` (the partition ksfs would read as the
+    guest's files: a GPT root type, else a Linux one holding /etc, else the largest), and
+    ``rw``. Without it a distro's initramfs finds no root and the kernel panics in a loop
+    while the machine looks running (QA). An initramfs that is the whole guest (ours) ignores
+    both."""
+    root = root_device(plan)
+    if root is None:
+        log.warning("nothing on the disk %s says where the guest's root filesystem is: the "
+                    "kernel command line gets no root= (give one with --cmdline)", plan.source)
+        return BASE_CMDLINE
+    return f"{BASE_CMDLINE} root={root} rw"
 
-    if plan.fmt == "raw" and plan.convert is None:
-        try:
-            with FileImageReader(plan.source) as reader:
-                if has_ext_magic(reader, 0):
-                    return f"{BASE_CMDLINE} root=/dev/vda rw"
-        except (OSError, KsfsError):
-            pass
-    return BASE_CMDLINE
+
+def root_device(plan: Any) -> str | None:
+    """The guest's name for the root filesystem of disk ``plan`` (the first disk, vda), or None
+    when nothing says (no filesystem; an image qemu must convert first)."""
+    from ksfs.guestfs import GuestFS
+    from ksfs.guestfs.image import FileImageReader, find_filesystems
+
+    if plan.convert is not None or plan.fmt not in ("raw", "qcow2"):
+        return None
+    try:
+        if plan.fmt == "raw":
+            reader: Any = FileImageReader(plan.source)
+        else:
+            from ksfs.vm import ChainSource
+
+            reader = _ChainReader(ChainSource(Path(plan.source), f"reading the disk {plan.source}"))
+        with reader:
+            parts = find_filesystems(reader)
+            try:
+                offset = GuestFS.open(reader).volume.offset
+                part = next(p for p in parts if p.offset == offset)
+            except (KsfsError, StopIteration):
+                # not ext (a root of xfs or btrfs, which the kernel mounts as well)
+                part = parts[0]
+                if part.why or part.content not in ("xfs", "btrfs"):
+                    return None
+    except (OSError, KsfsError):
+        return None
+    if part.role not in ("root", "linux"):  # /home, /srv and the like are not a root
+        return None
+    return "/dev/vda" if part.number == 0 else f"/dev/vda{part.number}"
+
+
+class _ChainReader:
+    """A qcow2 image read as the guest sees its disk, in the guestfs Reader's shape."""
+
+    def __init__(self, source: Any) -> None:
+        self.source, self.size = source, source.size
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.source.pread(offset, n)
+
+    def __enter__(self) -> _ChainReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.source.close()
 
 
 DOMAIN_PREFIX = "ksfs-"
@@ -569,7 +616,7 @@ class MachineVerbs:
         """Store the frozen memory and disks, then publish the record in one transaction."""
         session = rec.name
         base = self._base_checkpoint(frozen.base_checkpoint)
-        files: list[FileRecord] = []
+        ingested: list[tuple[str, Any]] = []  # (file name, IngestedFile)
         bytes_read = 0  # from the frozen disk layers (allocated data; zero clusters cost nothing)
         base_read = 0  # stored bytes of the disks' base chunks read back to patch changes
         memory_base_read = 0  # the old versions the memory's deltas were made against
@@ -580,8 +627,7 @@ class MachineVerbs:
                                     like=prev_memory.manifest if prev_memory else None,
                                     progress=_stepper("storing the memory"))
                 memory_base_read = f.base_bytes_read
-                files.append(FileRecord(MEMORY_FILE, f.manifest, f.size, f.stored, f.chunking,
-                                        f.digest))
+                ingested.append((MEMORY_FILE, f))
             for i, disk in enumerate(frozen.disks):
                 fname = disk_file_name(i, disk.target)
                 # the base's own file of this disk (not of whichever disk was i-th then)
@@ -596,20 +642,23 @@ class MachineVerbs:
                                     changed=changed, progress=_stepper(f"storing disk {fname}"))
                 bytes_read += disk.source.bytes_read - before
                 base_read += f.base_bytes_read
-                files.append(FileRecord(fname, f.manifest, f.size, f.stored, f.chunking,
-                                        f.digest))
+                ingested.append((fname, f))
             transcript = self._frozen_transcript(rec, frozen)
             progress.report("publishing the checkpoint")
             ingest.seal()
             parent = self.ledger.latest_checkpoint(session)
-            record = CheckpointRecord(
-                session=session, name=name, seq=seq, created=time.time(), files=tuple(files),
-                parent=parent.name if parent else None, domain_xml=frozen.xml,
-                transcript_seq=_seen_seq(transcript),
-                frozen_seq=frozen_seq,
-            )
             with self.store.env.begin(write=True) as txn:
                 ingest.commit(txn)
+                # the figures once committed: a chunk an import committed first (the same new
+                # data stored at once) is its, not this checkpoint's
+                files = tuple(FileRecord(fname, f.manifest, f.size, ingest.stored(f),
+                                         f.chunking, f.digest) for fname, f in ingested)
+                record = CheckpointRecord(
+                    session=session, name=name, seq=seq, created=time.time(), files=files,
+                    parent=parent.name if parent else None, domain_xml=frozen.xml,
+                    transcript_seq=_seen_seq(transcript),
+                    frozen_seq=frozen_seq,
+                )
                 self.ledger.put_checkpoint(txn, record)
                 body = self._published_body(record)
                 body.update(paused_s=round(frozen.paused_s, 4),
