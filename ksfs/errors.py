@@ -91,6 +91,12 @@ class NoSuchFile(NotFound):
     """{what} not found: {name}"""
 
 
+class NoSuchAttribute(NotFound):
+    """{path} has no extended attribute {name!r}"""
+
+    errno = _errno.ENODATA  # what getxattr(2) answers for an absent attribute
+
+
 # --- things that are already there: exit 4, EEXIST -----------------------------------------
 
 

@@ -510,6 +510,71 @@ def test_guest_nodes_answer_with_the_guests_extended_attributes(tmp_path: Path) 
         assert tree.node(tree.lookup(ino, "link").ino).xattr_names() == []
 
 
+def test_a_guest_files_extended_attributes_read_through_the_mount(tmp_path: Path) -> None:
+    """getfattr, cp -a and tar --xattrs see a guest file's attributes through fs/; every other
+    file has none; setting or removing one is EROFS. ACLs are not listed (the kernel answers
+    their getxattr itself without FUSE's ACL flag)."""
+    from tests.test_guestfs_helpers import loop_mount
+
+    src = tmp_path / "src"
+    make_tree(src, 6)
+    img = tmp_path / "disk.raw"
+    build_ext4(src, img, 64)
+    with loop_mount(img, "rw") as lm:
+        if lm is None:
+            pytest.skip("this machine cannot set up loop devices")
+        os.setxattr(lm / "work" / "small.txt", "user.note", b"kept")
+        os.setxattr(lm / "work" / "small.txt", "trusted.root-only", b"t")
+        os.setxattr(lm / "work" / "small.txt", "system.posix_acl_access",
+                    b"\x02\0\0\0" + b"\x01\0\x06\0\xff\xff\xff\xff"
+                    + b"\x04\0\x04\0\xff\xff\xff\xff" + b"\x20\0\x04\0\xff\xff\xff\xff")
+        for i in range(4):  # past the inode's room: an xattr block
+            os.setxattr(lm / "work" / "deep", f"user.big-{i}", b"v" * 150)
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "c", [img])
+    with mounted(store) as mnt:
+        cp = mnt / "sessions" / "s" / "checkpoints" / "c"
+        small = cp / "fs" / "work" / "small.txt"
+        assert sorted(os.listxattr(small)) == ["trusted.root-only", "user.note"]
+        assert os.getxattr(small, "user.note") == b"kept"
+        assert os.getxattr(small, "trusted.root-only") == b"t"
+        with pytest.raises(OSError) as err:
+            os.getxattr(small, "user.absent")
+        assert err.value.errno == errno.ENODATA
+        deep = cp / "fs" / "work" / "deep"
+        assert os.listxattr(deep) == [f"user.big-{i}" for i in range(4)]
+        assert os.getxattr(deep, "user.big-3") == b"v" * 150
+        for plain in (cp / "disk.raw", cp / "meta.json", mnt / "sessions", cp / "fs"):
+            assert os.listxattr(plain) == [], plain
+            with pytest.raises(OSError) as err:
+                os.getxattr(plain, "user.note")
+            assert err.value.errno == errno.ENODATA
+        for change in (lambda: os.setxattr(small, "user.new", b"x"),
+                       lambda: os.removexattr(small, "user.note")):
+            with pytest.raises(OSError) as err:
+                change()
+            assert err.value.errno == errno.EROFS
+        assert os.getxattr(small, "user.note") == b"kept"
+        # the tools people use: getfattr dumps it, and cp -a carries it over
+        if shutil.which("getfattr"):  # (Debian's attr package, not always there)
+            dump = subprocess.run(["getfattr", "-d", str(small)], capture_output=True,
+                                  text=True)
+            assert 'user.note="kept"' in dump.stdout, dump
+        copy = tmp_path / "copy.txt"
+        subprocess.run(["cp", "-a", str(small), str(copy)], check=True)
+        assert os.getxattr(copy, "user.note") == b"kept"
+        # and a non-root reader is not shown trusted.*
+        shown = subprocess.run(
+            [sys.executable, "-c", "import os, sys; os.setgid(65534); os.setuid(65534); "
+             "print(sorted(os.listxattr(sys.argv[1])))", str(small)],
+            capture_output=True, text=True)
+        if shown.returncode == 0:
+            assert shown.stdout.strip() == "['user.note']", shown
+        else:  # the mount is the mounting user's own (no allow_other): others cannot look
+            assert "Permission denied" in shown.stderr, shown.stderr
+
+
 def test_metadata_failing_its_checksum_is_eio_in_fs_and_damaged_in_diff(tmp_path: Path
                                                                         ) -> None:
     """QA: an inode or directory block damaged into other sane-looking values was read as

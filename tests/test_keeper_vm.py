@@ -171,6 +171,25 @@ def test_save_prints_name_and_publishes(env, agent: str) -> None:
     assert run(store, "ledger", "verify", env=e).returncode == 0
 
 
+def test_every_save_of_a_running_machine_knows_the_event_it_froze_at(env, agent: str) -> None:
+    """QA (sixteenth session): 3 live saves in 9 had no frozen_seq (no 5 ms poll saw their
+    short pause), and reconcile fell back to the begin event's seq."""
+    store, e = env["store"], env["env"]
+    for _ in range(5):
+        name = save(store, agent, e)
+        meta = json.loads(run(store, "cat", agent, name, "meta.json", env=e).stdout)
+        begin = meta["seq"]
+        assert isinstance(meta["frozen_seq"], int) and meta["frozen_seq"] >= begin, meta
+    # --no-live: the guest is paused for the whole memory copy, so the pause is the call
+    rec = json.loads(run(store, "save", agent, "--no-live", "--json", env=e).stdout)
+    published = [ev for ev in events_of(store, agent, e)
+                 if ev["type"] == "checkpoint.published"][-1]["body"]
+    assert published["name"] == rec["name"] and rec["frozen_seq"] is not None
+    assert published["paused_s"] >= 0.8 * published["snapshot_s"] - 0.05, published
+    bad = run(store, "save", agent, "--live=maybe", check=False, env=e)
+    assert bad.returncode == 2
+
+
 def steps_drawn(terminal: str) -> list[str]:
     """The step lines a command drew on its terminal, in order (each redraw starts with a
     carriage return and an erase-line)."""

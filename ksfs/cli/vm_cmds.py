@@ -156,16 +156,20 @@ def session_rm(ctx, name, keep_checkpoints, release, as_json) -> None:
 @main.command()
 @click.argument("session_name", metavar="SESSION")
 @click.argument("name", required=False)
+@click.option("--live/--no-live", default=True,
+              help="Copy the memory while the guest runs, pausing it only at the end (the "
+                   "default); --no-live pauses it for the whole copy.")
 @_json_option
 @pass_ctx
-def save(ctx, session_name, name, as_json) -> None:
+def save(ctx, session_name, name, live, as_json) -> None:
     """Take an atomic checkpoint of SESSION (named NAME, else c_<seq>).
 
     Prints the checkpoint's name alone on its last line.
 
     Example: ksfs save agent before-upgrade
     """
-    rec = run_verb(ctx, "save", steps=f"save {session_name}", session=session_name, name=name)
+    rec = run_verb(ctx, "save", steps=f"save {session_name}", session=session_name, name=name,
+                   live=live)
     # taken: a report that cannot be written must not read as if the save failed
     click.get_current_context().meta[DONE_NOTE] = \
         f"checkpoint {session_name}/{rec['name']} was stored"

@@ -321,11 +321,27 @@ class Operations(pyfuse3.Operations):
         s.f_bavail = int(host.f_bavail * scale)
         return s
 
-    # No extended attributes anywhere. Listing them finds none (tar --xattrs, getfattr -d and
-    # cp -a list first, and took "not supported" for an error); getxattr and setxattr stay
-    # pyfuse3's ENOSYS, which the kernel remembers and answers itself from then on: ls -l asks
-    # getxattr for every entry, and a round trip each would cost more than the listing.
+    # Extended attributes: a guest file's own under fs/, none anywhere else (tar --xattrs,
+    # getfattr -d and cp -a list first, and took "not supported" for an error). A node that
+    # can have none is answered here, without a thread: ls -l may ask for every entry.
     @handler
     async def listxattr(self, inode: int, ctx: Any) -> list:
+        if not self.tree.can_have_xattrs(inode):
+            return []
+        return await self._io(self.tree.listxattr, inode, ctx.uid == 0)
+
+    @handler
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        if not self.tree.can_have_xattrs(inode):
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return await self._io(self.tree.getxattr, inode, name)
+
+    @handler
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
         self.tree.node(inode)
-        return []
+        raise pyfuse3.FUSEError(errno.EROFS)  # nothing here changes, as for every write
+
+    @handler
+    async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        self.tree.node(inode)
+        raise pyfuse3.FUSEError(errno.EROFS)

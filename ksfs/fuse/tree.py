@@ -35,6 +35,7 @@ from ksfs.errors import (
     BadInput,
     ChunkMissing,
     KsfsError,
+    NoSuchAttribute,
     NoSuchFile,
     NotFound,
     NotPermitted,
@@ -493,6 +494,27 @@ class CheckpointTree:
             while len(self._readers) > READERS_KEPT:
                 self._readers.popitem(last=False)
         return reader
+
+    # Extended attributes: a guest file's own (fs/), none anywhere else. POSIX ACLs are not
+    # listed: without FUSE's ACL flag (pyfuse3 sets none) the kernel answers their getxattr
+    # itself with EOPNOTSUPP, and a name listed but unreadable makes cp -a and tar complain.
+    def can_have_xattrs(self, ino: int) -> bool:
+        """Whether the node is a guest file (NoSuchFile for an inode the tree does not know)."""
+        return hasattr(self.node(ino), "xattr")
+
+    def listxattr(self, ino: int, privileged: bool) -> list[bytes]:
+        node = self.node(ino)
+        names = node.xattr_names() if hasattr(node, "xattr_names") else []
+        # trusted.* only for root, as the kernel's own file systems list them
+        return [n for n in names if not n.startswith(b"system.posix_acl_")
+                and (privileged or not n.startswith(b"trusted."))]
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        node = self.node(ino)
+        value = node.xattr(name) if hasattr(node, "xattr") else None
+        if value is None:
+            raise NoSuchAttribute(path=self.path(ino), name=os.fsdecode(name))
+        return value
 
     def readlink(self, ino: int) -> bytes:
         node = self.node(ino)

@@ -519,8 +519,13 @@ class MachineVerbs:
 
     # --- save -----------------------------------------------------------------------------------
 
-    def save(self, session: str, name: str | None = None) -> CheckpointRecord:
-        """An atomic checkpoint of the running machine; see docs/architecture.md."""
+    def save(self, session: str, name: str | None = None, live: bool = True
+             ) -> CheckpointRecord:
+        """An atomic checkpoint of the running machine; see docs/architecture.md. ``live``:
+        copy memory while the guest runs (short pause); False pauses it for the whole copy
+        (a guest dirtying memory faster than the copy, or one that must not run meanwhile)."""
+        if not isinstance(live, bool):
+            raise BadInput(f"live must be true or false, not {live!r}")
         validate_name(session, "session name")
         if name is not None:
             validate_name(name, "checkpoint name", new=True)
@@ -531,7 +536,7 @@ class MachineVerbs:
             # finished first, so the log says where the machine came from and the save builds
             # on its chain.
             self._finish_killed_restore(rec)
-            return self._save_locked(rec, name, reason="save")
+            return self._save_locked(rec, name, reason="save", live=live)
 
     def _hand_back_detached(self, rec: SessionRecord) -> dict[str, dict[str, str]]:
         """Before a save, restore, recover or release: a disk the user detached from an adopted
