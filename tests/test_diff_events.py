@@ -176,7 +176,8 @@ def test_mode_and_owner_changes_are_reported(world) -> None:
     if root:
         assert by["own"]["attrs"] == {"uid": [0, 1], "gid": [0, 2]}
         assert "M own  (owner 0:0 -> 1:2)\n" in out
-    assert f"files: {2 + root} changed ({1 + root} in mode or owner only)\n" in out
+    assert (f"files: {2 + root} changed ({1 + root} in mode, owner or extended attributes "
+            f"only)\n") in out
     assert out.index("M \"new\\nline\"") < out.index("M tiny")
 
 
@@ -217,3 +218,34 @@ def test_a_changed_type_is_said_with_both_types(tmp_path: Path) -> None:
         k.import_files("t", "B", [imgs[1]])
     out = cli(store, "t", "A", "B")
     assert "M was-dir  (dir -> file, - -> 0)\n" in out, out
+
+
+def test_extended_attribute_changes_are_reported(tmp_path: Path) -> None:
+    """A guest file whose extended attributes alone changed (a value, one added, one removed)
+    is an "attrs" change naming them; diff -rq's view (files) is unchanged."""
+    images = {}
+    for name, tags in (("A", {"user.tag": b"a", "user.gone": b"x"}),
+                       ("B", {"user.tag": b"b", "user.new": b"y"})):
+        src = tmp_path / f"src-{name}"
+        src.mkdir()
+        for f in ("tagged", "plain"):
+            (src / f).write_bytes(b"same bytes\n")
+        try:
+            for key, value in tags.items():
+                os.setxattr(src / "tagged", key, value)
+        except OSError as exc:
+            pytest.skip(f"the temporary directory takes no user xattrs: {exc}")
+        images[name] = tmp_path / f"img-{name}" / "disk.raw"
+        images[name].parent.mkdir()
+        build_ext4(src, images[name], 16)
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        for name, img in images.items():
+            k.import_files("s", name, [img])
+    d = as_json(store, "s", "A", "B")
+    assert d["files"] == []
+    assert [(c["path"], c["kind"], c["attrs"]) for c in d["attr_changes"]] == [
+        ("tagged", "attrs", {"xattrs": ["user.gone", "user.new", "user.tag"]})]
+    out = cli(store, "s", "A", "B")
+    assert "M tagged  (xattrs user.gone, user.new, user.tag)\n" in out
+    assert "files: 1 changed (1 in mode, owner or extended attributes only)\n" in out

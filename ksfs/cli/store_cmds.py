@@ -319,8 +319,9 @@ def gc_summary(d: dict) -> list[str]:
 def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
     """What changed from checkpoint A to checkpoint B of SESSION.
 
-    Files inside the guest (added +, removed -, changed M with sizes; a change of mode or owner
-    alone is M too, as "mode 644 -> 600" or "owner 0:0 -> 1000:1000"), the checkpoints' own
+    Files inside the guest (added +, removed -, changed M with sizes; a change of mode, owner or
+    extended attributes alone is M too, as "mode 644 -> 600", "owner 0:0 -> 1000:1000" or
+    "xattrs user.tag"), the checkpoints' own
     stored files (+ added, - removed, M changed with the chunks their manifests say changed,
     = identical), changed disk clusters out of those that hold data, the share of memory chunks
     that differ, and the events between them. The guest files come from disk.raw, or from a
@@ -374,9 +375,12 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
             if "uid" in moved:
                 (ua, ub), (ga, gb) = moved["uid"], moved["gid"]
                 what.append(f"owner {ua}:{ga} -> {ub}:{gb}")
+            if "xattrs" in moved:
+                what.append("xattrs " + ", ".join(quote_name(n) for n in moved["xattrs"]))
             click.echo(f"{mark[c['kind']]} {quote_name(c['path'])}  ({'; '.join(what)})")
         click.echo(f"files: {len(d['files']) + len(only_attrs)} changed" + (
-            f" ({len(only_attrs)} in mode or owner only)" if only_attrs else ""))
+            f" ({len(only_attrs)} in mode, owner or extended attributes only)"
+            if only_attrs else ""))
     stored = d.get("stored_files") or []
     if stored:
         counts = {k: sum(1 for f in stored if f["kind"] == k)

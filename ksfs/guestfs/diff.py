@@ -4,7 +4,8 @@ A path only on one side is one change (a directory is not descended into); a pat
 is changed when its type differs, when a regular file's bytes differ, when a symlink's target
 differs, or when a device's numbers differ. Modes, owners and times alone are not changes, as for
 ``diff -r``, unless ``attrs=True`` is asked for: then a path on both sides with the same type whose
-permission bits (``S_IMODE``) or owner (uid, gid) differ is a change of kind ``"attrs"``, and a
+permission bits (``S_IMODE``), owner (uid, gid) or extended attributes differ is a change of kind
+``"attrs"``, and a
 ``"changed"`` path says in ``attrs`` which of those moved too. Times are never compared (every
 write moves them). Content is compared cheaply where it can be proven equal without reading: both
 ranges are holes, or both lie at the same place of two store files whose chunk ids there are the
@@ -39,15 +40,16 @@ class Change:
     """One difference. ``path`` is relative to the root ("work/a.txt"); sizes are None for
     directories and for the side a path is missing from."""
 
-    kind: str  # "added" | "removed" | "changed" | "attrs" (mode/owner only, with attrs=True)
+    kind: str  # "added" | "removed" | "changed" | "attrs" (mode/owner/xattrs only, attrs=True)
     path: str
     type_a: str | None
     type_b: str | None
     size_a: int | None
     size_b: int | None
     # With attrs=True: what moved besides content, {"mode"|"uid"|"gid": [a, b]}: "mode" (the
-    # S_IMODE permission bits, as ints) when it differs, "uid" and "gid" when the owner does.
-    attrs: dict[str, list[int]] = field(default_factory=dict)
+    # S_IMODE permission bits, as ints) when it differs, "uid" and "gid" when the owner does;
+    # "xattrs": the names of the extended attributes added, removed or changed.
+    attrs: dict[str, list] = field(default_factory=dict)
 
     @property
     def type(self) -> str:
@@ -88,6 +90,29 @@ def attr_changes(sa: GuestStat, sb: GuestStat) -> dict[str, list[int]]:
         out["mode"] = [st.S_IMODE(sa.mode), st.S_IMODE(sb.mode)]
     if (sa.uid, sa.gid) != (sb.uid, sb.gid):
         out["uid"], out["gid"] = [sa.uid, sb.uid], [sa.gid, sb.gid]
+    return out
+
+
+def xattr_changes(fs_a: GuestFS, ino_a: int, fs_b: GuestFS, ino_b: int) -> list[str]:
+    """The names of the extended attributes added, removed or set to another value between
+    two inodes, sorted (POSIX ACLs compared in getxattr's form). A side whose attributes cannot
+    be read is said as the one name "(unreadable)"."""
+    try:
+        names_a, names_b = fs_a.listxattr_ino(ino_a), fs_b.listxattr_ino(ino_b)
+        moved = [n for n in set(names_a) | set(names_b)
+                 if fs_a.getxattr_ino(ino_a, n) != fs_b.getxattr_ino(ino_b, n)]
+    except GuestFSUnreadable as exc:
+        log.warning("comparing the extended attributes of inodes %d and %d: %s",
+                    ino_a, ino_b, exc)
+        return ["(unreadable)"]
+    return sorted(n.decode("utf-8", "surrogateescape") for n in moved)
+
+
+def _moved(fs_a: GuestFS, sa: GuestStat, fs_b: GuestFS, sb: GuestStat) -> dict[str, list]:
+    out: dict[str, list] = dict(attr_changes(sa, sb))
+    xattrs = xattr_changes(fs_a, sa.ino, fs_b, sb.ino)
+    if xattrs:
+        out["xattrs"] = xattrs
     return out
 
 
@@ -161,12 +186,12 @@ def _compare_entry(fs_a: GuestFS, fs_b: GuestFS, pair: _DirPair, name: str,
     elif kind_of(sa) != kind_of(sb):
         out.append(Change("changed", path, kind_of(sa), kind_of(sb), _size(sa), _size(sb)))
     elif sa.is_dir:
-        moved = attr_changes(sa, sb) if attrs else {}
+        moved = _moved(fs_a, sa, fs_b, sb) if attrs else {}
         if moved:  # the directory itself, before what changed inside it
             out.append(Change("attrs", path, "dir", "dir", None, None, moved))
         return _open_subdir(fs_a, sa, fs_b, sb, pair, path, out)
     else:
-        moved = attr_changes(sa, sb) if attrs else {}
+        moved = _moved(fs_a, sa, fs_b, sb) if attrs else {}
         if not _same(fs_a, sa, fs_b, sb):
             out.append(Change("changed", path, kind_of(sa), kind_of(sb), sa.size, sb.size,
                               moved))

@@ -1,9 +1,9 @@
 """``diff``: what changed between two checkpoints, at every level ksfs sees.
 
 Files inside the guest (added, removed, changed, with sizes, as ``diff -rq`` sees them; a
-changed file also says in ``attrs`` whether its mode or owner moved), the paths whose mode or
-owner alone changed (``attr_changes``, which ``diff -r`` does not report), the number of
-changed 64 KiB disk clusters (compared offset by offset in the fixed-chunk manifests, no data
+changed file also says in ``attrs`` whether its mode, owner or xattrs moved), the paths whose
+mode, owner or extended attributes alone changed (``attr_changes``, which ``diff -r`` does not
+report), the number of changed 64 KiB disk clusters (compared offset by offset in the fixed-chunk manifests, no data
 read), the checkpoints' own stored files (added, removed, changed, identical, from their
 manifests), the share of memory chunks of B not in A, and the host events between them. A
 checkpoint is named within the session, or as ``OTHER/CHECKPOINT`` for one of another session
@@ -57,7 +57,7 @@ class Diffing:
             "disk": self._disk_clusters(da, db),
             "memory": self._memory_share(ra, rb),
             "files": None,  # exactly what diff -rq --no-dereference of the two fs/ says
-            "attr_changes": None,  # same type and content, mode or owner moved
+            "attr_changes": None,  # same type and content, mode, owner or xattrs moved
             "files_error": None,
             # the disk image each side's guest files come from, and why not when there is none
             "guest_disks": {"a": da and da.name, "b": db and db.name},
