@@ -3,11 +3,11 @@
 Files inside the guest (added, removed, changed, with sizes, as ``diff -rq`` sees them; a
 changed file also says in ``attrs`` whether its mode, owner or xattrs moved), the paths whose
 mode, owner or extended attributes alone changed (``attr_changes``, which ``diff -r`` does not
-report), the number of changed 64 KiB disk clusters (compared offset by offset in the fixed-chunk manifests, no data
-read), the checkpoints' own stored files (added, removed, changed, identical, from their
-manifests), the share of memory chunks of B not in A, and the host events between them. A
-checkpoint is named within the session, or as ``OTHER/CHECKPOINT`` for one of another session
-(a fork and its parent).
+report), the number of changed 64 KiB disk clusters (compared offset by offset in the fixed-
+chunk manifests, no data read), the checkpoints' own stored files (added, removed, changed,
+identical, from their manifests), the share of memory chunks of B not in A, and the host events
+between them. A checkpoint is named within the session, or as ``OTHER/CHECKPOINT`` for one of
+another session (a fork and its parent).
 
 Events between A and B: a checkpoint's place in its lineage's log is its ``checkpoint.published``
 event (the event that ends it). The events between two places of one log are those after the
