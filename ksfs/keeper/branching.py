@@ -135,9 +135,7 @@ class RestoreVerbs:
         # guest again after it, and it went on writing its transcript and buying model calls
         # while the target was staged, work the save did not hold and the restore then threw
         # away uncounted (QA). A restore that fails with the old machine still there runs it.
-        paused_here = state == "running"
-        if paused_here:
-            self.vm.pause(rec.domain, session)
+        paused_here = self.vm.pause(rec.domain, session) if state == "running" else None
         try:
             saved = kept
             if state in ("running", "paused"):
@@ -153,8 +151,8 @@ class RestoreVerbs:
                 "checkpoint": checkpoint, "saved_as": saved.name if saved else None})
         except BaseException as exc:
             _discard(staging)
-            if paused_here:
-                self._run_again(rec, checkpoint)
+            if paused_here is not None:
+                self._run_again(rec, paused_here)
             if isinstance(exc, KsfsError):
                 # Said in the log (and so by reading `resume`) like a failure after the begin;
                 # nothing of the machine was touched (QA: its save-first on a full disk left
@@ -201,8 +199,8 @@ class RestoreVerbs:
                 # what failed is running it, said with the way on.
                 self._record_done_but_paused(session, checkpoint, begin, reconciled, exc)
                 raise
-            if paused_here:
-                self._run_again(rec, checkpoint)
+            if paused_here is not None:
+                self._run_again(rec, paused_here)
             if isinstance(exc, KsfsError) and saved is not None \
                     and state in ("running", "paused") and self._stopped_now(rec.domain):
                 # The restore stopped the machine and could not start the checkpoint: say so,
@@ -218,13 +216,12 @@ class RestoreVerbs:
                 "saved_as": saved.name if saved else None, "reconcile": rec_ev.body,
                 "booted": memory is None}
 
-    def _run_again(self, rec: SessionRecord, checkpoint: str) -> None:
-        """After a failed restore: run the machine this restore paused, when it is still the
-        old one (paused, its chain not the target's). Never raises: the failure is the news."""
+    def _run_again(self, rec: SessionRecord, instance: int) -> None:
+        """After a failed restore: run the machine this restore paused when it is still the
+        same QEMU instance (not one the restore started). Never raises: the failure is the
+        news."""
         try:
-            if self.vm.state(rec.domain) == "paused" \
-                    and self.vm.holds_checkpoint(rec.name) != f"{rec.name}/{checkpoint}":
-                self.vm.resume(rec.domain)
+            self.vm.resume_instance(rec.domain, instance)
         except KsfsError as exc:
             log.warning("%s: could not run the machine again after the failed restore: %s",
                         rec.name, exc)

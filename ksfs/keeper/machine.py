@@ -674,6 +674,8 @@ class MachineVerbs:
                     body["pause_forced"] = True  # the guest dirtied memory faster than the copy
                 if frozen.memory_path is None:
                     body["disks_only"] = True  # a stopped machine's disks: nothing to run from
+                elif not frozen.live:
+                    body["live"] = False  # paused for the whole memory copy (save --no-live)
                 self.ledger.append(txn, session, "checkpoint.published", body)
         crash_point("record.commit")
         self.checkpoint_changed(session, name)

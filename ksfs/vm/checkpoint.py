@@ -216,7 +216,7 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
         memory.unlink(missing_ok=True)
         raise
     return Frozen(session, domain, f"snap-{n}", memory, xml, frozen_disks, base,
-                  meter.paused_s, meter.t1 - meter.t0, meter.forced)
+                  meter.paused_s, meter.t1 - meter.t0, meter.forced, live=live)
 
 
 def stopped(ctl: DomainController, session: str, domain: str) -> Frozen:

@@ -332,13 +332,26 @@ class DomainController:
 
     # --- running, pausing, removing ----------------------------------------------------------
 
-    def pause(self, domain: str, session: str | None = None) -> None:
+    def pause(self, domain: str, session: str | None = None) -> int:
+        """Pause a running domain; returns its QEMU instance's id (see resume_instance)."""
         dom = self.lookup(domain)
         if not dom.isActive():
             raise NotRunning(session=session or domain)
         if dom.state()[0] != libvirt.VIR_DOMAIN_PAUSED:
             with step(domain, "pausing"):
                 dom.suspend()
+        return dom.ID()
+
+    def resume_instance(self, domain: str, instance: int) -> bool:
+        """Run the domain again if it is still the paused QEMU instance ``instance`` (a domain
+        destroyed and started again, or restored, has a new id). Whether it was run."""
+        dom = self.lookup(domain)
+        with step(domain, "running the machine again"):
+            if not dom.isActive() or dom.ID() != instance \
+                    or dom.state()[0] != libvirt.VIR_DOMAIN_PAUSED:
+                return False
+            dom.resume()
+        return True
 
     def resume(self, domain: str, fw_cfg: dict[str, str | Path] | None = None) -> None:
         """Run a paused domain; start a shut-off one, with its definition's ksfs fw_cfg entries

@@ -142,6 +142,7 @@ class Frozen:
     paused_s: float = 0.0  # how long the guest was paused inside the snapshot call
     snapshot_s: float = 0.0  # wall time of the snapshot call
     pause_forced: bool = False  # a live copy ran past LIVE_COPY_LIMIT and the guest was paused
+    live: bool = True  # the memory was copied while the guest ran (False: paused throughout)
     finished: bool = False
 
     def disk(self, target: str) -> FrozenDisk:
