@@ -718,15 +718,9 @@ def test_a_restore_whose_resume_fails_is_done_and_says_the_machine_is_paused(
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
 
 
-def test_a_restore_takes_a_text_token_out_of_the_persistent_definition(env, agent: str,
-                                                                        tmp_path: Path
-                                                                        ) -> None:
-    """Review (fifteenth session): a session made before the guest token went by file kept it
-    as text in libvirt's definition after any restore, so a cold boot put it back on QEMU's
-    command line."""
-    store, e = env["store"], env["env"]
-    dom = f"ksfs-{agent}"
-    cp = save(store, agent, e)
+def define_with_a_text_token(dom: str, tmp_path: Path) -> tuple[str, str]:
+    """Define ``dom`` again as a session made before the guest token went by file had it: the
+    token as text in its fw_cfg entry. Returns the token's file and the token."""
     xml = virsh("dumpxml", "--inactive", dom, check=True).stdout
     token_file = re.search(r"<entry name=.opt/ksfs/token. file=.([^'\"]+).", xml).group(1)
     token = Path(token_file).read_text()
@@ -736,6 +730,19 @@ def test_a_restore_takes_a_text_token_out_of_the_persistent_definition(env, agen
     defined = tmp_path / "old-style.xml"
     defined.write_text(old)
     virsh("define", str(defined), check=True)
+    return token_file, token
+
+
+def test_a_restore_takes_a_text_token_out_of_the_persistent_definition(env, agent: str,
+                                                                        tmp_path: Path
+                                                                        ) -> None:
+    """Review (fifteenth session): a session made before the guest token went by file kept it
+    as text in libvirt's definition after any restore, so a cold boot put it back on QEMU's
+    command line."""
+    store, e = env["store"], env["env"]
+    dom = f"ksfs-{agent}"
+    cp = save(store, agent, e)
+    token_file, token = define_with_a_text_token(dom, tmp_path)
     assert token in virsh("dumpxml", "--inactive", dom, check=True).stdout
     run(store, "restore", agent, cp, env=e)
     after = virsh("dumpxml", "--inactive", dom, check=True).stdout
@@ -1355,14 +1362,7 @@ def test_a_cold_start_by_resume_takes_a_text_token_off_the_command_line(env, age
     store, e = env["store"], env["env"]
     dom = f"ksfs-{agent}"
     cp = save(store, agent, e)
-    xml = virsh("dumpxml", "--inactive", dom, check=True).stdout
-    token_file = re.search(r"<entry name=.opt/ksfs/token. file=.([^'\"]+).", xml).group(1)
-    token = Path(token_file).read_text()
-    old = re.sub(r"<entry name=.opt/ksfs/token. file=[^>]*/>",
-                 f"<entry name='opt/ksfs/token'>{token}</entry>", xml)
-    defined = tmp_path / "old-style.xml"
-    defined.write_text(old)
-    virsh("define", str(defined), check=True)
+    token_file, token = define_with_a_text_token(dom, tmp_path)
     virsh("destroy", dom, check=True)
     Path(token_file).unlink()  # and a token file that went missing is written again
     try:
