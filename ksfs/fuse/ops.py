@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from ksfs.errors import KsfsError, NotFound, from_foreign
+from ksfs.errors import KsfsError, NoSuchAttribute, NotFound, from_foreign
 from ksfs.fuse.nodes import Attr
 from ksfs.fuse.tree import CheckpointTree, Entry
 
@@ -38,6 +38,9 @@ META_THREADS = 4
 # 4 KiB page), so little is read ahead and each step leaves the threads to other requests.
 LAZY_BATCH = 32
 LAZY_BATCH_MAX = 1024
+# What ls -l asks of every entry: its SELinux label, and (passed on by the kernel to a FUSE file
+# system in the initial user namespace) whether it has a POSIX ACL.
+ASKED_BY_LS = (b"security.selinux", b"system.posix_acl_access", b"system.posix_acl_default")
 VERB_THREADS = 4
 
 
@@ -321,9 +324,14 @@ class Operations(pyfuse3.Operations):
         s.f_bavail = int(host.f_bavail * scale)
         return s
 
-    # Extended attributes: a guest file's own under fs/, none anywhere else (tar --xattrs,
-    # getfattr -d and cp -a list first, and took "not supported" for an error). A node that
-    # can have none is answered here, without a thread: ls -l may ask for every entry.
+    # Extended attributes: a guest file's own under fs/, none anywhere else. Listing finds
+    # none there (tar --xattrs, getfattr -d and cp -a list first, and took "not supported" for
+    # an error); getxattr says "not supported", answered here without a thread. ls -l asks
+    # every entry's SELinux label and POSIX ACL, and on EOPNOTSUPP stops asking for the whole
+    # mount (coreutils remembers it per device), where ENODATA cost two round trips per entry
+    # (1,000 checkpoints: 170 ms against 22; 5,000 guest files: 1.5 s against 0.35). So a
+    # guest file without one of those says the same of that name (getfacl then says "not
+    # supported", as on a file system without ACLs); its other absent names are ENODATA.
     @handler
     async def listxattr(self, inode: int, ctx: Any) -> list:
         if not self.tree.can_have_xattrs(inode):
@@ -333,8 +341,13 @@ class Operations(pyfuse3.Operations):
     @handler
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         if not self.tree.can_have_xattrs(inode):
-            raise pyfuse3.FUSEError(errno.ENODATA)
-        return await self._io(self.tree.getxattr, inode, name)
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+        try:
+            return await self._io(self.tree.getxattr, inode, name)
+        except NoSuchAttribute:
+            if name in ASKED_BY_LS:  # see above
+                raise pyfuse3.FUSEError(errno.EOPNOTSUPP) from None
+            raise
 
     @handler
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:

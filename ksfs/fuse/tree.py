@@ -495,9 +495,7 @@ class CheckpointTree:
                 self._readers.popitem(last=False)
         return reader
 
-    # Extended attributes: a guest file's own (fs/), none anywhere else. POSIX ACLs are not
-    # listed: without FUSE's ACL flag (pyfuse3 sets none) the kernel answers their getxattr
-    # itself with EOPNOTSUPP, and a name listed but unreadable makes cp -a and tar complain.
+    # Extended attributes: a guest file's own (fs/), none anywhere else.
     def can_have_xattrs(self, ino: int) -> bool:
         """Whether the node is a guest file (NoSuchFile for an inode the tree does not know)."""
         return hasattr(self.node(ino), "xattr")
@@ -506,8 +504,7 @@ class CheckpointTree:
         node = self.node(ino)
         names = node.xattr_names() if hasattr(node, "xattr_names") else []
         # trusted.* only for root, as the kernel's own file systems list them
-        return [n for n in names if not n.startswith(b"system.posix_acl_")
-                and (privileged or not n.startswith(b"trusted."))]
+        return [n for n in names if privileged or not n.startswith(b"trusted.")]
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
         node = self.node(ino)
