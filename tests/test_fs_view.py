@@ -501,6 +501,10 @@ def test_a_guest_files_extended_attributes_read_through_the_mount(tmp_path: Path
         os.setxattr(lm / "work" / "small.txt", "system.posix_acl_access", acl)
         for i in range(4):  # past the inode's room: an xattr block
             os.setxattr(lm / "work" / "deep", f"user.big-{i}", b"v" * 150)
+        # a directory with a default ACL only (its access ACL is absent, not unsupported)
+        os.setxattr(lm / "work" / "deep" / "er", "system.posix_acl_default",
+                    b"\x02\0\0\0" + b"\x01\0\x07\0\xff\xff\xff\xff"
+                    + b"\x04\0\x05\0\xff\xff\xff\xff" + b"\x20\0\x05\0\xff\xff\xff\xff")
     store = tmp_path / "store"
     with Keeper(store, create=True) as k:
         k.import_files("s", "c", [img])
@@ -524,6 +528,11 @@ def test_a_guest_files_extended_attributes_read_through_the_mount(tmp_path: Path
             with pytest.raises(OSError) as err:
                 os.getxattr(path, asked)
             assert err.value.errno == errno.EOPNOTSUPP, asked
+        er = cp / "fs" / "work" / "deep" / "er"
+        assert os.listxattr(er) == ["system.posix_acl_default"]
+        with pytest.raises(OSError) as err:
+            os.getxattr(er, "system.posix_acl_access")
+        assert err.value.errno == errno.ENODATA  # (QA: cp -a then dropped the default ACL)
         if shutil.which("strace"):
             listing = subprocess.run(["strace", "-f", "-e", "trace=getxattr,lgetxattr", "ls",
                                       "-l", str(cp / "fs" / "work" / "many")],

@@ -870,7 +870,9 @@ def test_console_counter_continues_after_restore(env, agent: str) -> None:
     time.sleep(4)
     printed = [int(m) for m in re.findall(rb"ksfs-counter (\d+)", log.read_bytes()[mark:])]
     assert printed, "the guest printed no counter after the restore"
-    assert at_cp < printed[0] <= at_cp + 3
+    # (at_cp itself when the checkpoint fell between the line's fsync and its console print:
+    # the guest prints it on resuming)
+    assert at_cp <= printed[0] <= at_cp + 3
 
 
 def test_recover_after_crash_and_a_dead_machine(env, agent: str) -> None:
@@ -1088,6 +1090,8 @@ def test_the_default_command_line_names_the_root_the_disk_holds(tmp_path: Path) 
     build_disk(tmp_path / "typed.raw", [(linux, tmp_path / "home.raw"),
                                         (root_x86, tmp_path / "root.raw")])
     build_disk(tmp_path / "homeonly.raw", [(home_gpt, tmp_path / "home.raw")])
+    # /boot on ext beside an LVM root: the one ext partition is no root (review)
+    build_disk(tmp_path / "lvm.raw", [("83", tmp_path / "home.raw"), ("8e", 8)], table="dos")
     expected = {
         tmp_path / "root.raw": "/dev/vda", qcow2("root.raw"): "/dev/vda",
         tmp_path / "gpt.raw": "/dev/vda2", qcow2("gpt.raw"): "/dev/vda2",
@@ -1097,7 +1101,7 @@ def test_the_default_command_line_names_the_root_the_disk_holds(tmp_path: Path) 
     }
     for disk, root in expected.items():
         assert default_cmdline(inspect_disk(disk)) == f"{BASE_CMDLINE} root={root} rw", disk
-    for other in ("blank.raw", "homeonly.raw"):  # nothing says where a root is: no guess
+    for other in ("blank.raw", "homeonly.raw", "lvm.raw"):  # nothing says where a root is
         assert default_cmdline(inspect_disk(tmp_path / other)) == BASE_CMDLINE
 
 

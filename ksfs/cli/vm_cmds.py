@@ -51,7 +51,7 @@ TRANSCRIPT_HELP = ("Where the guest writes its transcript, a path in its filesys
 @click.option("--cmdline", metavar="TEXT",
               help="Kernel command line (default: a guest.json's \"cmdline\", else "
                    "\"console=ttyS0 panic=-1 quiet\" plus \"root=/dev/vda rw\" when the disk is "
-                   "one filesystem, or \"root=/dev/vdaN rw\" for the partition holding the "
+                   "one ext filesystem, or \"root=/dev/vdaN rw\" for the partition holding the "
                    "root).")
 @click.option("--transcript", metavar="PATH", help=TRANSCRIPT_HELP + " (default: a guest.json's "
               "\"transcript\", else /agent/transcript.jsonl).")

@@ -135,8 +135,10 @@ class RestoreVerbs:
         # guest again after it, and it went on writing its transcript and buying model calls
         # while the target was staged, work the save did not hold and the restore then threw
         # away uncounted (QA). A restore that fails with the old machine still there runs it.
-        paused_here = self.vm.pause(rec.domain, session) if state == "running" else None
+        paused_here = None
         try:
+            if state == "running":  # (inside: a failure here discards the staging too)
+                paused_here = self.vm.pause(rec.domain, session)
             saved = kept
             if state in ("running", "paused"):
                 # Not live: the machine is replaced right after, so a shorter whole save beats

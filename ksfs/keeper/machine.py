@@ -133,8 +133,10 @@ def root_device(plan: Any) -> str | None:
         with reader:
             parts = find_filesystems(reader)
             try:
-                offset = GuestFS.open(reader).volume.offset
-                part = next(p for p in parts if p.offset == offset)
+                fs = GuestFS.open(reader)
+                part = next(p for p in parts if p.offset == fs.volume.offset)
+                if part.role != "root" and not fs.holds(b"etc", directory=True):
+                    return None  # a lone /boot beside an LVM root is no root (review)
             except (KsfsError, StopIteration):
                 # not ext (a root of xfs or btrfs, which the kernel mounts as well)
                 part = parts[0]
