@@ -421,6 +421,8 @@ async def test_by_model_keeps_at_most_100_names(gw, provider, nursery):
     port = await nursery.start(gw.serve_session, "s1")
     for i in range(103):
         assert (await call(port, chat_body("hi", model=f"model-{i}"))).status_code == 200
+    assert (await call(port, chat_body("hi", model="test-model"))).status_code == 200
     by_model = gw.usage("s1")["by_model"]
-    assert len(by_model) == 101 and by_model["(other)"]["calls"] == 3
-    assert sum(m["calls"] for m in by_model.values()) == 103
+    assert len(by_model) == 101 and by_model["(other)"]["calls"] == 4
+    assert by_model["(other)"]["priced"] is False  # one priced among unpriced ones
+    assert sum(m["calls"] for m in by_model.values()) == 104

@@ -93,3 +93,11 @@ def test_lines_appended_after_a_crash_s_nul_run_count(tmp_path: Path) -> None:
     appends its next lines after them on the next boot."""
     img = image_with(tmp_path, lines(1, 3) + b"\0" * 5000 + lines(4, 6))
     assert info_of(img) == TranscriptInfo(last_seq=6, lineage="L1", count=6)
+
+
+def test_a_line_torn_by_a_crash_then_appended_to_counts_the_new_line(tmp_path: Path) -> None:
+    """Review: the torn line's rest is zeros and the next boot appends after them on the same
+    line; the whole transcript was refused as damaged."""
+    torn = b'{"seq": 4, "lineage": "L1", "op": "st' + b"\0" * 4000
+    img = image_with(tmp_path, lines(1, 3) + torn + lines(5, 6))
+    assert info_of(img) == TranscriptInfo(last_seq=6, lineage="L1", count=5)

@@ -126,6 +126,7 @@ class Totals:
             "calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0,
             "priced": priced})
         m["calls"] += 1
+        m["priced"] = m["priced"] and priced  # ("(other)" holds several models)
         m["prompt_tokens"] += usage.prompt_tokens
         m["completion_tokens"] += usage.completion_tokens
         m["cost_usd"] = round(m["cost_usd"] + cost, 12)

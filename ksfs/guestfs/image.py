@@ -276,7 +276,8 @@ def _mbr_partitions(reader: Reader, entries: list[tuple[int, int, int]]) -> list
 def _logical(reader: Reader, ext_start: int, found: list[Partition]) -> None:
     """Walk the chain of extended boot records, adding each logical partition to ``found``."""
     ebr_lba = ext_start
-    for number in range(5, 5 + 128):  # a chain longer than this is a loop in a damaged table
+    number = 5  # as Linux numbers them: only boot records with a data entry count
+    for _ in range(128):  # a chain longer than this is a loop in a damaged table
         ebr = read_exact(reader, ebr_lba * SECTOR, SECTOR, "extended boot record")
         if ebr[510:512] != b"\x55\xaa":
             raise GuestFSUnreadable(why=f"extended boot record at sector {ebr_lba} is damaged")
@@ -284,6 +285,7 @@ def _logical(reader: Reader, ext_start: int, found: list[Partition]) -> None:
         if kind and count:
             _add(found, reader, ebr_lba + start, count, f"logical partition {number}",
                  "linux" if kind == MBR_LINUX else "other", number)
+            number += 1
         nkind, nstart, _ = _mbr_entry(ebr, 1)
         if nkind not in MBR_EXTENDED or nstart == 0:
             return

@@ -70,6 +70,8 @@ def _parse(line: bytes, lineno: int, path: str) -> dict | None:
     # NUL runs are what a crash leaves where the guest's filesystem had allocated blocks whose
     # data never reached the disk; the agent goes on appending after them on the next boot.
     line = line.strip(b"\0")
+    if b"\0" in line:  # a line torn by the crash, its rest zeros, then the next boot's line
+        line = line.rsplit(b"\0", 1)[1]
     if not line.strip():
         return None
     try:
