@@ -1436,3 +1436,24 @@ def test_a_restore_keeps_the_machine_paused_from_its_save_first_on(env, agent: s
     assert seen.read_text().split("\n")[0] == "paused"
     assert virsh("domstate", dom).stdout.strip() == "running"
     assert events_of(store, agent, e)[-1]["type"] == "restore.failed"
+
+
+def test_a_restore_failing_as_its_machine_starts_leaves_none_on_deleted_files(env, agent: str
+                                                                              ) -> None:
+    """QA (seventeenth session): Ctrl-C landing as libvirt's restore returned left the new
+    machine running on the staged files the failure then removed; recover resumed it there
+    and every later save failed. Now it is stopped, and recover brings the machine back."""
+    store, e = env["store"], env["env"]
+    dom = f"ksfs-{agent}"
+    cp = save(store, agent, e)
+    res = run(store, "restore", agent, cp, check=False,
+              env=dict(e, KSFS_FAIL_AT="vm.restore.started"))
+    assert res.returncode != 0 and "injected fault" in res.stderr, res.stderr
+    assert virsh("domstate", dom).stdout.strip() == "shut off"
+    run(store, "recover", env=e)
+    assert virsh("domstate", dom).stdout.strip() == "running"
+    pid = Path(f"/run/libvirt/qemu/{dom}.pid").read_text().strip()
+    fds = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()
+           if os.path.islink(f)]
+    assert not [f for f in fds if f.endswith("(deleted)") and "/vm/" in f], fds
+    save(store, agent, e)  # and the next save works
