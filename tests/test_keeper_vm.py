@@ -186,6 +186,7 @@ def test_every_save_of_a_running_machine_knows_the_event_it_froze_at(env, agent:
                  if ev["type"] == "checkpoint.published"][-1]["body"]
     assert published["name"] == rec["name"] and rec["frozen_seq"] is not None
     assert published["live"] is False, published
+    assert published["paused_s"] == published["snapshot_s"], published  # paused throughout
     bad = run(store, "save", agent, "--live=maybe", check=False, env=e)
     assert bad.returncode == 2
 
