@@ -773,8 +773,9 @@ def test_restore_killed_after_the_machine_came_back_is_finished_by_recover(env, 
     assert events[i + 2]["body"]["checkpoint"] == cp
 
 
+@pytest.mark.parametrize("point", ["vm.restore.started", "vm.restore.define"])
 def test_restore_killed_after_libvirt_took_its_files_is_finished_by_recover(
-        env, agent: str) -> None:
+        env, agent: str, point: str) -> None:
     """QA (ninth session): kill -9 after libvirt restored the machine but before the
     controller recorded its new disks: recover marked the restore failed while the machine ran
     the restored state. Now it finishes it: the new chain recorded, the persistent definition
@@ -782,7 +783,7 @@ def test_restore_killed_after_libvirt_took_its_files_is_finished_by_recover(
     store, e = env["store"], env["env"]
     cp = save(store, agent, e)
     res = run(store, "restore", agent, cp, check=False,
-              env=dict(e, KSFS_CRASH_AT="vm.restore.define"))
+              env=dict(e, KSFS_CRASH_AT=point))
     assert res.returncode == -signal.SIGKILL
     report = json.loads(run(store, "recover", "--json", env=e).stdout)
     mine = [r for r in report if r["session"] == agent]
