@@ -502,7 +502,7 @@ class CheckpointTree:
 
     def listxattr(self, ino: int, privileged: bool) -> list[bytes]:
         node = self.node(ino)
-        names = node.xattr_names() if hasattr(node, "xattr_names") else []
+        names = node.xattr_names() if hasattr(node, "xattr") else []
         # trusted.* only for root, as the kernel's own file systems list them
         return [n for n in names if privileged or not n.startswith(b"trusted.")]
 

@@ -98,9 +98,8 @@ def xattr_changes(fs_a: GuestFS, ino_a: int, fs_b: GuestFS, ino_b: int) -> list[
     two inodes, sorted (POSIX ACLs compared in getxattr's form). A side whose attributes cannot
     be read is said as the one name "(unreadable)"."""
     try:
-        names_a, names_b = fs_a.listxattr_ino(ino_a), fs_b.listxattr_ino(ino_b)
-        moved = [n for n in set(names_a) | set(names_b)
-                 if fs_a.getxattr_ino(ino_a, n) != fs_b.getxattr_ino(ino_b, n)]
+        xa, xb = fs_a.xattrs_ino(ino_a), fs_b.xattrs_ino(ino_b)
+        moved = [n for n in xa.keys() | xb.keys() if xa.get(n) != xb.get(n)]
     except GuestFSUnreadable as exc:
         log.warning("comparing the extended attributes of inodes %d and %d: %s",
                     ino_a, ino_b, exc)

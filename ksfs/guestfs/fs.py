@@ -304,12 +304,22 @@ class GuestFS:
         key = _encode(name)
         for full, area, value_start, entry in self._xattr_entries(ino):
             if full == key:
-                value = self._xattr_value(ino, area, value_start, entry)
-                if entry.index in (layout.XATTR_INDEX_POSIX_ACL_ACCESS,
-                                   layout.XATTR_INDEX_POSIX_ACL_DEFAULT):
-                    return layout.acl_to_xattr(value, f"inode {ino}")
-                return value
+                return self._xattr_as_got(ino, area, value_start, entry)
         return None
+
+    def xattrs_ino(self, ino: int) -> dict[bytes, bytes]:
+        """Every attribute ``listxattr_ino`` lists with its value as ``getxattr_ino`` gives it,
+        from one pass over the entries (what comparing two inodes wants)."""
+        return {full: self._xattr_as_got(ino, area, value_start, entry)
+                for full, area, value_start, entry in self._xattr_entries(ino)}
+
+    def _xattr_as_got(self, ino: int, area: bytes, value_start: int,
+                      entry: layout.XattrEntry) -> bytes:
+        value = self._xattr_value(ino, area, value_start, entry)
+        if entry.index in (layout.XATTR_INDEX_POSIX_ACL_ACCESS,
+                           layout.XATTR_INDEX_POSIX_ACL_DEFAULT):
+            return layout.acl_to_xattr(value, f"inode {ino}")
+        return value
 
     def _xattr_entries(self, ino: int) -> list[tuple[bytes, bytes, int, layout.XattrEntry]]:
         """(full name, area, where its values count from, entry) of each listed attribute."""

@@ -124,13 +124,15 @@ def root_device(plan: Any) -> str | None:
     if plan.convert is not None or plan.fmt not in ("raw", "qcow2"):
         return None
     try:
+        opened: Any
         if plan.fmt == "raw":
-            reader: Any = FileImageReader(plan.source)
+            opened = reader = FileImageReader(plan.source)
         else:
             from ksfs.vm import ChainSource
 
-            reader = _ChainReader(ChainSource(Path(plan.source), f"reading the disk {plan.source}"))
-        with reader:
+            opened = ChainSource(Path(plan.source), f"reading the disk {plan.source}")
+            reader = _SourceReader(opened)
+        with contextlib.closing(opened):
             parts = find_filesystems(reader)
             try:
                 fs = GuestFS.open(reader)
@@ -147,22 +149,6 @@ def root_device(plan: Any) -> str | None:
     if part.role not in ("root", "linux"):  # /home, /srv and the like are not a root
         return None
     return "/dev/vda" if part.number == 0 else f"/dev/vda{part.number}"
-
-
-class _ChainReader:
-    """A qcow2 image read as the guest sees its disk, in the guestfs Reader's shape."""
-
-    def __init__(self, source: Any) -> None:
-        self.source, self.size = source, source.size
-
-    def read(self, offset: int, n: int) -> bytes:
-        return self.source.pread(offset, n)
-
-    def __enter__(self) -> _ChainReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.source.close()
 
 
 DOMAIN_PREFIX = "ksfs-"

@@ -161,7 +161,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         raise
     n, mem, bases, overlays = staged.n, staged.memory, staged.bases, staged.overlays
     timings = {"materialize": staged.seconds}
-    started = old_stopped = False
+    old_stopped = False
     uuid = None  # the UUID the machine will have: only a domain of it is undone on failure
     try:
         new_xml = _start_xml(mem, xml, domain)
@@ -222,7 +222,6 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         t2 = time.monotonic()
         _start_paused(ctl, domain, mem, new_xml, dxml=new_xml)
         crash_point("vm.restore.started")  # (where a Ctrl-C lands after libvirt's restore)
-        started = True
         crash_point("vm.restore.define")
         t3 = time.monotonic()
         if not persistent:
@@ -233,7 +232,7 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
         _redefine(ctl, domain, overlays, own, ctl.session_dir(session), fw_cfg)
         timings.update(destroy=t2 - t1, restore=t3 - t2, redefine=time.monotonic() - t3)
     except BaseException:
-        if started or old_stopped or dom is None:
+        if old_stopped or dom is None:
             # A machine started on the files removed below would run on deleted files that no
             # save can read: stop it (the old one was stopped already; its definition and
             # chain are untouched, so recover brings it back). One made again goes entirely;
