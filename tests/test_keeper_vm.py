@@ -719,6 +719,32 @@ def test_a_restore_whose_resume_fails_is_done_and_says_the_machine_is_paused(
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
 
 
+def test_a_restore_interrupted_as_it_reconciles_is_done_and_left_paused(env, agent: str
+                                                                         ) -> None:
+    """QA (seventeenth session): Ctrl-C while the target's transcript was read left the machine
+    paused on the target, logged restore.failed with no reconcile; recover then ran it, a
+    rollback the log never said. Now the restore reconciles, is done, and says it is paused."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    res = run(store, "restore", agent, cp, check=False,
+              env=dict(e, KSFS_INTERRUPT_AT="restore.reconcile"))
+    try:
+        assert res.returncode not in (0, -signal.SIGKILL), res
+        assert f"interrupted: the machine is restored to {cp} but left paused: " \
+               f"`ksfs resume {agent}`" in res.stderr, res.stderr
+        assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "paused"
+        events = events_of(store, agent, e)
+        kinds = [ev["type"] for ev in events]
+        i = len(kinds) - 1 - kinds[::-1].index("restore.begin")
+        assert kinds[i:] == ["restore.begin", "reconcile", "restore.done"], kinds[i:]
+        done = events[-1]["body"]
+        assert done["checkpoint"] == cp and done["resumed"] is False, done
+        assert done["reason"] == "interrupted" and done["reconcile_seq"] == events[-2]["seq"]
+    finally:
+        run(store, "resume", agent, env=e)
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+
+
 def define_with_a_text_token(dom: str, tmp_path: Path) -> tuple[str, str]:
     """Define ``dom`` again as a session made before the guest token went by file had it: the
     token as text in its fw_cfg entry. Returns the token's file and the token."""

@@ -13,6 +13,7 @@ says what was done. The daemon runs this at start.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ksfs.errors import KsfsError, NotFound
@@ -253,19 +254,11 @@ class Recovery:
             record = self.ledger.checkpoint(rec.name, target)
         except (KsfsError, NotFound):
             return False
-        later = [ev for ev in self.ledger.events(rec.name, since=begin.seq + 1)
-                 if ev.type == "reconcile"]
-        if later:
-            rec_ev = later[0]
-        else:
-            saved = begin.body.get("saved_as")
-            current = None
-            if saved:
-                try:
-                    current = self.ledger.checkpoint(rec.name, saved).transcript_seq
-                except NotFound:
-                    pass
-            rec_ev = self._reconcile_to(rec.name, record, current)
+        saved = None
+        if begin.body.get("saved_as"):
+            with contextlib.suppress(NotFound):
+                saved = self.ledger.checkpoint(rec.name, begin.body["saved_as"])
+        rec_ev = self._reconciled_after(rec.name, begin, record, saved)
         if self.vm.state(rec.domain) == "paused" and not self._paused_by_user(rec.name):
             self.vm.resume(rec.domain)
         self.ledger.record(rec.name, "restore.done", {
