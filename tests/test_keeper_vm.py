@@ -1092,7 +1092,7 @@ def test_the_default_command_line_names_the_root_the_disk_holds(tmp_path: Path) 
     (sixteenth): so did one whose disk was qcow2 or partitioned, while ksfs said running."""
     from ksfs.guestfs.mkimage import build_disk, build_ext4, build_partitioned
     from ksfs.keeper.machine import BASE_CMDLINE, default_cmdline
-    from ksfs.vm.files import inspect_disk
+    from ksfs.vm.files import DiskPlan, inspect_disk, make_disk
 
     root_tree, home_tree = tmp_path / "tree", tmp_path / "home"
     (root_tree / "etc").mkdir(parents=True)
@@ -1131,6 +1131,21 @@ def test_the_default_command_line_names_the_root_the_disk_holds(tmp_path: Path) 
         assert default_cmdline(inspect_disk(disk)) == f"{BASE_CMDLINE} root={root} rw", disk
     for other in ("blank.raw", "homeonly.raw", "lvm.raw"):  # nothing says where a root is
         assert default_cmdline(inspect_disk(tmp_path / other)) == BASE_CMDLINE
+    # QA (seventeenth session): a qcow2 that is converted (compressed clusters, a backing
+    # file) got no root=; it is asked of the converted copy, as `session new` does.
+    compressed = tmp_path / "compressed.qcow2"
+    subprocess.run(["qemu-img", "convert", "-c", "-O", "qcow2", str(tmp_path / "gpt.raw"),
+                    str(compressed)], check=True)
+    overlay = tmp_path / "overlay.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
+                    str(qcow2("logical.raw")), str(overlay)], check=True)
+    for disk, root in ((compressed, "/dev/vda2"), (overlay, "/dev/vda5")):
+        plan = inspect_disk(disk)
+        assert plan.convert is not None, plan
+        copy = tmp_path / f"copy-of-{disk.name}"
+        make_disk(plan, copy, "test")
+        made = DiskPlan(copy, plan.fmt, None)
+        assert default_cmdline(made) == f"{BASE_CMDLINE} root={root} rw", disk
 
 
 def test_session_new_takes_a_kernel_command_line(env, guest: Path) -> None:
@@ -1145,6 +1160,32 @@ def test_session_new_takes_a_kernel_command_line(env, guest: Path) -> None:
         "console=ttyS0 panic=-1 quiet ksfs.qa=cmdline", env=e)
     xml = virsh("dumpxml", f"ksfs-{name}").stdout
     assert "ksfs.qa=cmdline" in xml and "ksfs.lineage=" in xml
+    run(store, "session", "rm", name, env=e)
+
+
+def test_session_new_finds_the_root_of_a_disk_it_converts(env, guest: Path,
+                                                           tmp_path: Path) -> None:
+    """QA (seventeenth session): a compressed qcow2 disk got no root= (it was not read before
+    its conversion); the default command line is now asked of the session's converted copy."""
+    from ksfs.guestfs.mkimage import build_ext4
+
+    store, e = env["store"], env["env"]
+    spec = json.loads((guest / "guest.json").read_text())
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "agent").mkdir()
+    (tree / "agent" / "transcript.jsonl").write_text("")
+    build_ext4(tree, tmp_path / "root.raw", 16)
+    disk = tmp_path / "root.qcow2"
+    subprocess.run(["qemu-img", "convert", "-c", "-O", "qcow2", str(tmp_path / "root.raw"),
+                    str(disk)], check=True)
+    name = f"converted-{env['tag']}"
+    env["made"].append(name)
+    res = run(store, "session", "new", name, "--kernel", spec["kernel"], "--initrd",
+              spec["initrd"], "--disk", str(disk), env=e)
+    assert "root=" not in res.stderr, res.stderr  # no warning
+    xml = virsh("dumpxml", f"ksfs-{name}").stdout
+    assert re.search(r"<cmdline>[^<]* root=/dev/vda rw", xml), xml
     run(store, "session", "rm", name, env=e)
 
 

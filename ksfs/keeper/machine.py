@@ -8,6 +8,7 @@ records a ``*.failed`` event with the reason while the guest keeps running.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -99,25 +100,27 @@ def transcript_in_guest(path: str, what: str = "--transcript") -> str:
 BASE_CMDLINE = "console=ttyS0 panic=-1 quiet"
 
 
-def default_cmdline(plan: Any) -> str:
+def default_cmdline(plan: Any, named: Path | str | None = None) -> str:
     """The kernel command line of a guest that names none: the serial console and, when the
     disk says where its root filesystem is, ``root=/dev/vda`` (one bare filesystem, as tools
     like virt-make-fs make it) or ``root=/dev/vdaN`` (the partition ksfs would read as the
     guest's files: a GPT root type, else a Linux one holding /etc, else the largest), and
     ``rw``. Without it a distro's initramfs finds no root and the kernel panics in a loop
     while the machine looks running (QA). An initramfs that is the whole guest (ours) ignores
-    both."""
+    both. ``named``: the disk as the user gave it, when ``plan`` is the session's copy."""
     root = root_device(plan)
     if root is None:
         log.warning("nothing on the disk %s says where the guest's root filesystem is: the "
-                    "kernel command line gets no root= (give one with --cmdline)", plan.source)
+                    "kernel command line gets no root= (give one with --cmdline)",
+                    named or plan.source)
         return BASE_CMDLINE
     return f"{BASE_CMDLINE} root={root} rw"
 
 
 def root_device(plan: Any) -> str | None:
     """The guest's name for the root filesystem of disk ``plan`` (the first disk, vda), or None
-    when nothing says (no filesystem; an image qemu must convert first)."""
+    when nothing says (no filesystem; an image qemu must convert first: ``session new`` asks
+    of the converted copy)."""
     from ksfs.guestfs import GuestFS
     from ksfs.guestfs.image import FileImageReader, find_filesystems
 
@@ -257,8 +260,12 @@ class MachineVerbs:
                         json.dumps(spec["disk_format"]), spec["disk"], plan.fmt, plan.fmt)
         if cmdline is not None and (not cmdline.strip() or "\n" in cmdline or "\0" in cmdline):
             raise BadInput("--cmdline must be one non-empty line")
-        if cmdline is None:
-            cmdline = spec["cmdline"] if "cmdline" in spec else default_cmdline(plan)
+        if cmdline is None and "cmdline" in spec:
+            cmdline = spec["cmdline"]
+        # Else asked of the session's copy once it is made: a qcow2 with compressed clusters
+        # or a backing file is read only after its conversion (QA: it got no root=).
+        cmdline_for = cmdline if cmdline is not None else \
+            functools.partial(default_cmdline, named=spec["disk"])
         with session_lock(self.store_path, name), self.activity.doing(name, "session new"):
             if self.vm.exists(domain):
                 raise AlreadyExists(what="libvirt domain", name=domain)
@@ -277,7 +284,7 @@ class MachineVerbs:
                 self.vm.create(
                     name, domain, spec["kernel"], spec["initrd"], plan,
                     memory_mib=memory, vcpus=vcpus,
-                    cmdline=cmdline,
+                    cmdline=cmdline_for,
                     extra_cmdline=f"ksfs.lineage={rec.lineage}", fw_cfg=self.guest_facts(rec),
                 )
             return rec

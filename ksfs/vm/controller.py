@@ -154,13 +154,15 @@ class DomainController:
 
     def create(self, session: str, domain_name: str, kernel: Path | str, initrd: Path | str,
                disk: Path | str | files.DiskPlan, memory_mib: int = 256, vcpus: int = 1,
-               cmdline: str = "console=ttyS0 panic=-1 quiet", extra_cmdline: str = "",
+               cmdline: str | Callable[[files.DiskPlan], str] = "console=ttyS0 panic=-1 quiet",
+               extra_cmdline: str = "",
                fw_cfg: dict[str, str | Path] | None = None) -> str:
         """Copy ``disk`` into the session's directory, define and start a direct-boot domain.
         ``disk`` may be the plan ``files.inspect_disk`` made of it already.
 
-        The kernel command line gets ``ksfs.lineage=<session>`` unless it names a lineage.
-        Returns the domain name.
+        The kernel command line gets ``ksfs.lineage=<session>`` unless it names a lineage;
+        ``cmdline`` may be a function of the session's copy of the disk (its plan), asked once
+        the copy is made. Returns the domain name.
         """
         if self.exists(domain_name):
             raise AlreadyExists(what="domain", name=domain_name)
@@ -176,6 +178,8 @@ class DomainController:
         for tag, src in boot.items():
             boot[tag] = d / files.BOOT_NAMES[tag]
             files.copy_boot_file(src.resolve(), boot[tag], self.workdir)
+        if callable(cmdline):
+            cmdline = cmdline(files.DiskPlan(copy, fmt, None))
         full = " ".join(x for x in (cmdline, extra_cmdline) if x)
         if "ksfs.lineage=" not in full:
             full = domxml.set_cmdline_arg(full, "ksfs.lineage", session)
