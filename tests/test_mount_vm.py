@@ -193,7 +193,7 @@ def test_session_new_through_the_daemon_takes_the_callers_paths_and_guest(
                                  guest.name], cwd=guest.parent, env=env, capture_output=True,
                          text=True)
     assert res.returncode == 0, res.stderr
-    own = f"env-{tag}"
+    own, warned = f"env-{tag}", f"warned-{tag}"
     made = json.loads(ksfs(store, dict(env, KSFS_GUEST=str(mine)), "session", "new", own,
                            "--json").stdout)
     assert made["session"] == made["name"] == own  # (QA: only "name", where others say session)
@@ -201,8 +201,15 @@ def test_session_new_through_the_daemon_takes_the_callers_paths_and_guest(
         xml = subprocess.run(["virsh", "-q", "dumpxml", f"ksfs-{own}"], capture_output=True,
                              text=True, check=True).stdout
         assert "<memory unit='KiB'>327680</memory>" in xml, xml[:400]
+        # QA (seventeenth session): a warning the verb gave went to daemon.log alone
+        res = ksfs(store, env, "session", "new", warned, "--kernel", spec["kernel"],
+                   "--initrd", spec["initrd"], "--disk", spec["disk"], "--json")
+        assert json.loads(res.stdout)["session"] == warned
+        assert res.stderr == (f"ksfs: warning: nothing on the disk {spec['disk']} says where "
+                              "the guest's root filesystem is: the kernel command line gets no "
+                              "root= (give one with --cmdline)\n"), res.stderr
     finally:
-        for s in (rel, own):
+        for s in (rel, own, warned):
             ksfs(store, env, "session", "rm", s, check=False)
 
 

@@ -8,6 +8,7 @@ exit code.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from ksfs.daemon.protocol import SOCKET_NAME, RemoteError, check_verb, encode, u
 from ksfs.errors import DaemonError
 
 NO_DAEMON = object()
+log = logging.getLogger("ksfs.daemon")
 
 
 def socket_path(store_path: str | Path) -> Path:
@@ -51,6 +53,8 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
         raise DaemonError(f"the daemon did not answer {verb!r} within {timeout:.0f}s") from None
     finally:
         sock.close()
+    for said in reply.get("warnings") or ():  # logged here as the verb logged them there
+        log.warning("%s", said)
     if not reply.get("ok"):
         raise RemoteError(reply)
     return reply.get("result")

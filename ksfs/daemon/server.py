@@ -3,10 +3,13 @@
 Each request runs its keeper method in a worker thread, so a long save on one session does not
 hold up a verb on another; the keeper's own locks serialise verbs on one session. A request that
 asks for progress gets ``{"progress": {"step", "done", "total"}}`` lines before its reply.
+Warnings a verb logs (a disk that names no root, a leftover removed) go to the daemon's log and
+with its reply, as ``"warnings"``, so the command line that asked says them too.
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import json
 import logging
@@ -23,6 +26,27 @@ from ksfs.errors import BadInput, KsfsError, from_foreign
 
 log = logging.getLogger("ksfs.daemon")
 
+# The warnings of the verb this thread (or one it started with its context) runs.
+_verb_warnings: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "verb_warnings", default=None)
+
+
+class _WarningsToCaller(logging.Handler):
+    """Keeps each warning logged inside a verb for the verb's reply."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        said = _verb_warnings.get()
+        if said is not None and len(said) < MAX_WARNINGS:
+            said.append(record.getMessage())
+
+
+# A verb that warns in a loop says the first ones; the rest are in the daemon's log.
+MAX_WARNINGS = 20
+_to_caller = _WarningsToCaller()
+
 
 async def serve_control(keeper: Any, path: Path, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Listen on ``path`` until cancelled; the socket file is removed on the way out."""
@@ -33,6 +57,8 @@ async def serve_control(keeper: Any, path: Path, task_status=trio.TASK_STATUS_IG
     with unix_address(path) as address:
         await sock.bind(address)
     os.chmod(path, 0o600)  # only the mounting user drives the daemon
+    if _to_caller not in logging.getLogger().handlers:
+        logging.getLogger().addHandler(_to_caller)
     sock.listen(16)
     listener = trio.SocketListener(sock)
     task_status.started()
@@ -125,8 +151,16 @@ def _wants_progress(raw: bytes) -> bool:
 
 
 def _dispatch(keeper: Any, raw: bytes, sink: progress.Sink | None = None) -> dict[str, Any]:
-    with progress.reporting(sink):
-        return _dispatch_verb(keeper, raw)
+    said: list[str] = []
+    token = _verb_warnings.set(said)
+    try:
+        with progress.reporting(sink):
+            reply = _dispatch_verb(keeper, raw)
+    finally:
+        _verb_warnings.reset(token)
+    if said:
+        reply["warnings"] = said
+    return reply
 
 
 def _dispatch_verb(keeper: Any, raw: bytes) -> dict[str, Any]:
