@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,46 @@ def test_ctrl_c_in_a_reading_command_exits_130(store: Path) -> None:
     res = interrupted(store, ("ksfs.keeper", "Keeper", "stats"), "stats")
     assert res.returncode == 130, res.stderr
     assert res.stderr.decode() == "ksfs: error: aborted\n"
+
+
+def test_a_command_stopped_while_the_daemon_runs_its_verb_says_the_daemon_finishes_it(
+        tmp_path: Path) -> None:
+    """QA (seventeenth session): SIGTERM of a command whose verb the mount daemon ran said
+    "terminated" alone, while the daemon went on and finished it (a whole restore)."""
+    from ksfs.keeper.locks import session_lock
+    from tests.cli_helpers import daemon_mount
+    from tests.cli_helpers import ksfs as ksfs_with
+
+    env = dict(os.environ, KSFS_GUEST="")
+    src = tmp_path / "f.img"
+    src.write_bytes(b"kept\n")
+    with daemon_mount(tmp_path, env) as (store, mnt):
+        ksfs_with(store, env, "import", "s", "c", str(src))
+        with session_lock(store, "s"):  # the daemon's rm waits for it
+            proc = subprocess.Popen(KSFS + ["--store", str(store), "rm", "s", "c"], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            try:
+                deadline = time.monotonic() + 60
+                while not any(os.readlink(f).startswith("socket:")
+                              for f in Path(f"/proc/{proc.pid}/fd").iterdir()):
+                    assert proc.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.02)
+                time.sleep(0.5)  # connected and its request sent
+                proc.send_signal(signal.SIGTERM)
+                _, err = proc.communicate(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert err.decode() == ("ksfs: warning: the mount daemon finishes the rm it had begun; "
+                                "this command only stops waiting for it\n"
+                                "ksfs: error: terminated\n")
+        # and it did: the checkpoint goes once the lock is free
+        deadline = time.monotonic() + 60
+        while (mnt / "sessions" / "s" / "checkpoints" / "c").exists():
+            assert time.monotonic() < deadline, "the daemon did not finish the rm"
+            time.sleep(0.1)
 
 
 # --- 6. usage errors name the sub-command's help -----------------------------------------------

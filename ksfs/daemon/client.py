@@ -14,7 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ksfs.daemon.protocol import SOCKET_NAME, RemoteError, check_verb, encode, unix_address
+from ksfs.daemon.protocol import (
+    READING_VERBS,
+    SOCKET_NAME,
+    RemoteError,
+    check_verb,
+    encode,
+    unix_address,
+)
 from ksfs.errors import DaemonError
 
 NO_DAEMON = object()
@@ -48,7 +55,15 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
         if progress is not None:
             request["progress"] = True
         sock.sendall(encode(request))
-        reply = _read_reply(sock, progress)
+        try:
+            reply = _read_reply(sock, progress)
+        except KeyboardInterrupt:
+            # QA: Ctrl-C or SIGTERM here said "terminated" while the daemon, which has no
+            # way to be called back, went on and finished the verb (a whole restore).
+            if verb not in READING_VERBS:
+                log.warning("the mount daemon finishes the %s it had begun; this command only "
+                            "stops waiting for it", verb.replace("_", " "))
+            raise
     except TimeoutError:
         raise DaemonError(f"the daemon did not answer {verb!r} within {timeout:.0f}s") from None
     finally:

@@ -56,6 +56,9 @@ VERBS = {
     "checkpoint_changed": "checkpoint_changed",
 }
 
+# Verbs that change nothing: a caller that stops waiting for one leaves nothing going on.
+READING_VERBS = frozenset({"ping", "session_list"})
+
 
 def to_jsonable(value: Any) -> Any:
     if hasattr(value, "to_dict"):
