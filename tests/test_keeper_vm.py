@@ -745,6 +745,30 @@ def test_a_restore_interrupted_as_it_reconciles_is_done_and_left_paused(env, age
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
 
 
+def test_a_restore_whose_kernel_is_gone_is_refused_before_its_save_first(env, agent: str
+                                                                        ) -> None:
+    """QA (seventeenth session): a restore whose kernel file was gone failed only after its
+    save-first (a checkpoint made for nothing, the machine paused for it)."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    kernel = Path(store) / "vm" / agent / "kernel"
+    assert kernel.is_file()
+    before = run(store, "checkpoints", agent, "--json", env=e).stdout
+    kernel.rename(kernel.with_name("kernel.moved"))
+    try:
+        refused = run(store, "restore", agent, cp, check=False, env=e)
+        assert refused.returncode == 3, refused.stderr
+        assert refused.stderr == (
+            f"ksfs: error: checkpoint {agent}/{cp} needs its kernel {kernel}, which does not "
+            f"exist, nor does the session's copy of it; put it back there and try again "
+            f"(nothing was changed)\n"), refused.stderr
+        assert run(store, "checkpoints", agent, "--json", env=e).stdout == before
+        assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    finally:
+        kernel.with_name("kernel.moved").rename(kernel)
+    run(store, "restore", agent, cp, env=e)
+
+
 def define_with_a_text_token(dom: str, tmp_path: Path) -> tuple[str, str]:
     """Define ``dom`` again as a session made before the guest token went by file had it: the
     token as text in its fw_cfg entry. Returns the token's file and the token."""

@@ -114,7 +114,7 @@ class RestoreVerbs:
         self._finish_killed_restore(rec)
         memory, disks = self._checkpoint_readers(target, xml_disks)
         self.vm.check_start_files(target.domain_xml, f"checkpoint {session}/{checkpoint}",
-                                  memory is not None)
+                                  memory is not None, session)
         state = self.vm.state(rec.domain)
         if keep_stopped and state not in ("running", "paused", "absent"):
             # QA (twelfth session): a shut-off machine's unsaved writes were lost here. Saved

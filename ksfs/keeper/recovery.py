@@ -200,7 +200,7 @@ class Recovery:
             if record.domain_xml:
                 self.vm.check_start_files(record.domain_xml,
                                           f"checkpoint {rec.name}/{target}",
-                                          record.file(MEMORY_FILE) is not None)
+                                          record.file(MEMORY_FILE) is not None, rec.name)
         kept = None
         if target and state != "absent":
             # What the machine wrote since that checkpoint is on its disks: kept first, or

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import libvirt
 
-from ksfs.errors import AlreadyExists, KsfsError, NotRunning, VMError
+from ksfs.errors import AlreadyExists, KsfsError, NotFound, NotRunning, VMError
 from ksfs.model import validate_name
 from ksfs.vm import domxml, files
 from ksfs.vm.probe import domain_type
@@ -292,12 +292,20 @@ class DomainController:
         settle_commits(self, session, domain)  # a killed save's commit ends first
         return hand_back(self, session, domain, on_done)
 
-    def check_start_files(self, xml: str, label: str, from_memory: bool) -> None:
+    def check_start_files(self, xml: str, label: str, from_memory: bool,
+                          session: str | None = None) -> None:
         """NotFound when a checkpoint (``label``: "checkpoint S/C") with definition ``xml``
-        names a host file that is gone (a cdrom image, a read-only disk, the firmware): asked
-        before anything is saved or stopped for its restore or fork."""
+        names a host file that is gone (a cdrom image, a read-only disk, the firmware; with
+        ``session``, the machine it restores, a kernel or initrd of which that session has
+        no copy either): asked before anything is saved or stopped for its restore or fork."""
         files.check_start_files(xml, {d.target for d in domxml.disks(xml)}, from_memory,
                                 label)
+        gone = files.gone_boot_file(xml, self.session_dir(session)) if session else None
+        if gone is not None:
+            # QA (seventeenth session): found only by the restore itself, after its save-first
+            raise NotFound(f"{label} needs its {gone[0]} {gone[1]}, which does not exist, nor "
+                           f"does the session's copy of it; put it back there and try again "
+                           f"(nothing was changed)")
 
     def restore_pending(self, session: str) -> bool:
         """A restore's files were handed to libvirt and not yet recorded (see settle)."""

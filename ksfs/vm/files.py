@@ -182,6 +182,15 @@ def own_boot_files(xml: str, session_dir: Path, workdir: Path, domain: str,
     return domxml.set_boot_files(xml, new) if new else xml
 
 
+def gone_boot_file(xml: str, session_dir: Path) -> tuple[str, str] | None:
+    """(tag, path) of a kernel or initrd ``xml`` names that is gone, with no copy of the
+    session's to stand in for it (which ``own_boot_files`` would take), else None."""
+    for tag, path in domxml.boot_files(xml).items():
+        if not Path(path).is_file() and not (session_dir / BOOT_NAMES[tag]).is_file():
+            return tag, path
+    return None
+
+
 def own_nvram(xml: str, session_dir: Path, domain: str) -> str:
     """``xml`` with a UEFI variable store of the session's own (``nvram.fd`` in its directory),
     a copy of the one ``xml`` names. A fork runs beside its parent: on one file both QEMUs
