@@ -245,7 +245,11 @@ def test_extended_attribute_changes_are_reported(tmp_path: Path) -> None:
     d = as_json(store, "s", "A", "B")
     assert d["files"] == []
     assert [(c["path"], c["kind"], c["attrs"]) for c in d["attr_changes"]] == [
-        ("tagged", "attrs", {"xattrs": ["user.gone", "user.new", "user.tag"]})]
+        ("tagged", "attrs", {"xattrs": {"added": ["user.new"], "removed": ["user.gone"],
+                                        "changed": ["user.tag"]}})]
     out = cli(store, "s", "A", "B")
-    assert "M tagged  (xattrs user.gone, user.new, user.tag)\n" in out
+    # QA (seventeenth session): the names alone did not say which way each moved
+    assert "M tagged  (xattrs +user.new -user.gone ~user.tag)\n" in out, out
+    back = as_json(store, "s", "B", "A")["attr_changes"][0]["attrs"]["xattrs"]
+    assert back == {"added": ["user.gone"], "removed": ["user.new"], "changed": ["user.tag"]}
     assert "files: 1 changed (1 in mode, owner or extended attributes only)\n" in out

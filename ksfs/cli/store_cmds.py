@@ -310,6 +310,14 @@ def gc_summary(d: dict) -> list[str]:
     return lines
 
 
+def _xattrs_moved(moved: dict) -> str:
+    """``xattrs +user.new -user.old ~user.tag``: added, removed, set to another value."""
+    if moved.get("unreadable"):
+        return "xattrs unreadable"
+    return "xattrs " + " ".join(mark + quote_name(n) for key, mark in (
+        ("added", "+"), ("removed", "-"), ("changed", "~")) for n in moved.get(key, ()))
+
+
 @main.command()
 @click.argument("session")
 @click.argument("a")
@@ -321,7 +329,7 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
 
     Files inside the guest (added +, removed -, changed M with sizes; a change of mode, owner or
     extended attributes alone is M too, as "mode 644 -> 600", "owner 0:0 -> 1000:1000" or
-    "xattrs user.tag"), the checkpoints' own
+    "xattrs +user.new -user.old ~user.tag": added, removed, value changed), the checkpoints' own
     stored files (+ added, - removed, M changed with the chunks their manifests say changed,
     = identical), changed disk clusters out of those that hold data, the share of memory chunks
     that differ, and the events between them. The guest files come from disk.raw, or from a
@@ -376,7 +384,7 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
                 (ua, ub), (ga, gb) = moved["uid"], moved["gid"]
                 what.append(f"owner {ua}:{ga} -> {ub}:{gb}")
             if "xattrs" in moved:
-                what.append("xattrs " + ", ".join(quote_name(n) for n in moved["xattrs"]))
+                what.append(_xattrs_moved(moved["xattrs"]))
             click.echo(f"{mark[c['kind']]} {quote_name(c['path'])}  ({'; '.join(what)})")
         click.echo(f"files: {len(d['files']) + len(only_attrs)} changed" + (
             f" ({len(only_attrs)} in mode, owner or extended attributes only)"

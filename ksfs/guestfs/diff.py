@@ -93,22 +93,27 @@ def attr_changes(sa: GuestStat, sb: GuestStat) -> dict[str, list[int]]:
     return out
 
 
-def xattr_changes(fs_a: GuestFS, ino_a: int, fs_b: GuestFS, ino_b: int) -> list[str]:
-    """The names of the extended attributes added, removed or set to another value between
-    two inodes, sorted (POSIX ACLs compared in getxattr's form). A side whose attributes cannot
-    be read is said as the one name "(unreadable)"."""
+def xattr_changes(fs_a: GuestFS, ino_a: int, fs_b: GuestFS, ino_b: int) -> dict[str, Any]:
+    """The extended attributes that moved between two inodes, as {"added", "removed",
+    "changed": sorted names} with only the non-empty lists (POSIX ACLs compared in getxattr's
+    form); {} when none did, {"unreadable": True} when a side's cannot be read."""
     try:
         xa, xb = fs_a.xattrs_ino(ino_a), fs_b.xattrs_ino(ino_b)
-        moved = [n for n in xa.keys() | xb.keys() if xa.get(n) != xb.get(n)]
     except GuestFSUnreadable as exc:
         log.warning("comparing the extended attributes of inodes %d and %d: %s",
                     ino_a, ino_b, exc)
-        return ["(unreadable)"]
-    return sorted(n.decode("utf-8", "surrogateescape") for n in moved)
+        return {"unreadable": True}
+
+    def names(found: Any) -> list[str]:
+        return sorted(n.decode("utf-8", "surrogateescape") for n in found)
+
+    moved = {"added": names(xb.keys() - xa.keys()), "removed": names(xa.keys() - xb.keys()),
+             "changed": names(n for n in xa.keys() & xb.keys() if xa[n] != xb[n])}
+    return {k: v for k, v in moved.items() if v}
 
 
-def _moved(fs_a: GuestFS, sa: GuestStat, fs_b: GuestFS, sb: GuestStat) -> dict[str, list]:
-    out: dict[str, list] = dict(attr_changes(sa, sb))
+def _moved(fs_a: GuestFS, sa: GuestStat, fs_b: GuestFS, sb: GuestStat) -> dict[str, Any]:
+    out: dict[str, Any] = dict(attr_changes(sa, sb))
     xattrs = xattr_changes(fs_a, sa.ino, fs_b, sb.ino)
     if xattrs:
         out["xattrs"] = xattrs
