@@ -43,12 +43,12 @@ def skip_without_fuse() -> None:
 
 
 def start_mount(store: Path, mnt: Path, env: dict[str, str] | None = None,
-                log: Path | None = None) -> subprocess.Popen:
+                log: Path | None = None, args: tuple[str, ...] = ()) -> subprocess.Popen:
     full_env = dict(os.environ, **(env or {}))
     out = open(log, "wb") if log else subprocess.DEVNULL
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "ksfs.fuse.mount", str(store), str(mnt)],
+            [sys.executable, "-m", "ksfs.fuse.mount", str(store), str(mnt), *args],
             cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT,
         )
     finally:
@@ -91,14 +91,22 @@ def umount(proc: subprocess.Popen, mnt: Path, timeout: float = 30.0,
 
 
 @contextlib.contextmanager
-def mounted(store_path: Path, env: dict[str, str] | None = None) -> Iterator[Path]:
-    """Mount ``store_path`` on a fresh temporary directory for the body of the block."""
+def mounted(store_path: Path, env: dict[str, str] | None = None,
+            args: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Mount ``store_path`` on a fresh temporary directory for the body of the block (with
+    ``--allow-other`` in ``args``, one other users can reach)."""
     skip_without_fuse()
     tmp = Path(tempfile.mkdtemp(prefix="ksfs-mnt-"))
+    if "--allow-other" in args:
+        tmp.chmod(0o755)
     mnt = tmp / "mnt"
     mnt.mkdir()
     log = tmp / "server.log"
-    proc = start_mount(store_path, mnt, env, log)
+    try:
+        proc = start_mount(store_path, mnt, env, log, args)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         wait_for_mount(proc, mnt, log=log)
         yield mnt
