@@ -417,6 +417,19 @@ async def test_a_model_name_of_any_length_is_stored_and_counted(gw, ledger, prov
     assert list(u["by_model"]) == ["m" * 200]
 
 
+async def test_a_long_request_path_is_cut_in_its_event(gw, ledger, provider, nursery):
+    """Review (seventeenth session): the path, as the guest sent it, went into the call's event
+    whole, beside the model name and the error that were cut."""
+    port = await nursery.start(gw.serve_session, "s1")
+    path = "/v1/chat/completions/" + "x" * 5000
+    async with client(port) as c:
+        r = await c.post(path, content=json.dumps(chat_body("hi")),
+                         headers={"content-type": "application/json"})
+    (ev,) = events(ledger, "s1", "gateway.call")
+    assert ev.body["status"] == r.status_code, (r.status_code, ev.body)
+    assert ev.body["path"] == path[:1000]
+
+
 async def test_by_model_keeps_at_most_100_names(gw, provider, nursery):
     port = await nursery.start(gw.serve_session, "s1")
     for i in range(103):

@@ -332,7 +332,7 @@ class GatewayStore:
                        budget: dict[str, Any], used: dict[str, Any],
                        path: str = CHAT_PATH, reason: str = "used_up") -> Event:
         body = {"key": key.hex(), "model": _cut(model, MODEL_CHARS), "budget": budget,
-                "used": used, "path": path, "reason": reason}
+                "used": used, "path": _cut(path, PATH_CHARS), "reason": reason}
         with self._write() as txn:
             event = self.ledger.append(txn, session, "budget.refused", body)
             self._bump(txn, lineage, "refused")
@@ -344,7 +344,7 @@ class GatewayStore:
         body = {"key": key.hex(), "model": _cut(model, MODEL_CHARS), "status": status,
                 "error": _cut(error, ERROR_CHARS),
                 "stored": False, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-                "cost_usd": 0.0, "path": path}
+                "cost_usd": 0.0, "path": _cut(path, PATH_CHARS)}
         with self._write() as txn:
             event = self.ledger.append(txn, session, "gateway.call", body)
             self._bump(txn, lineage, "upstream_errors")
@@ -389,10 +389,11 @@ class GatewayStore:
         txn.put(lineage_bytes(lineage), totals.encode(), db=self._usage)
 
 
-# A model name or an error text is whatever the guest or the provider sent: cut so that an event
-# body stays far under the ledger's limit (a 70 000-character model name made the event, and so
-# the paid call's storing and counting, fail).
+# A model name, a request path or an error text is whatever the guest or the provider sent: cut
+# so that an event body stays far under the ledger's limit (a 70 000-character model name made
+# the event, and so the paid call's storing and counting, fail).
 MODEL_CHARS = 200
+PATH_CHARS = 1000
 ERROR_CHARS = 1000
 BY_MODEL_MAX = 100  # models counted apart in usage's by_model; the rest under "(other)"
 
@@ -409,7 +410,7 @@ def _paid_call_body(key: bytes, usage: Usage, cost: float, priced: bool, status:
     return {"key": key.hex(), "model": _cut(usage.model, MODEL_CHARS), "status": status,
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens, "usage_known": usage.known, "cost_usd": cost,
-            "priced": priced, "path": path, **more}
+            "priced": priced, "path": _cut(path, PATH_CHARS), **more}
 
 
 class _Txn:
