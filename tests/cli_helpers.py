@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import pty
@@ -63,8 +64,12 @@ def ksfs_on_terminal(store: Path, env: dict | None, *args: str,
 
 
 def virsh(*args: str, check: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run(["virsh", "-q", "-c", "qemu:///system", *args], capture_output=True,
-                          text=True, check=check)
+    res = subprocess.run(["virsh", "-q", "-c", "qemu:///system", *args], capture_output=True,
+                         text=True, check=check)
+    if args and args[0] == "undefine":  # a test's own domain: libvirt's log of it goes too
+        for f in Path("/var/log/libvirt/qemu").glob(glob.escape(args[-1]) + ".log*"):
+            f.unlink(missing_ok=True)
+    return res
 
 
 def guest_dir() -> Path:

@@ -19,15 +19,11 @@ from pathlib import Path
 import pytest
 
 from ksfs.keeper import Keeper
+from tests.cli_helpers import virsh
 from tests.mount_helpers import mounted
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.vm
-
-
-def virsh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["virsh", "-q", "-c", "qemu:///system", *args], capture_output=True,
-                          text=True)
 
 
 @pytest.fixture(scope="module")

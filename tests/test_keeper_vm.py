@@ -1184,7 +1184,10 @@ def test_session_new_takes_a_kernel_command_line(env, guest: Path) -> None:
         "console=ttyS0 panic=-1 quiet ksfs.qa=cmdline", env=e)
     xml = virsh("dumpxml", f"ksfs-{name}").stdout
     assert "ksfs.qa=cmdline" in xml and "ksfs.lineage=" in xml
+    qemu_log = Path(f"/var/log/libvirt/qemu/ksfs-{name}.log")
+    assert qemu_log.exists()
     run(store, "session", "rm", name, env=e)
+    assert not qemu_log.exists()  # (review: libvirt keeps one per machine ever made)
 
 
 def test_session_new_finds_the_root_of_a_disk_it_converts(env, guest: Path,

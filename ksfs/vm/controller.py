@@ -10,7 +10,9 @@ touches domains it was not asked about. Must never import the store, the ledger,
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -465,6 +467,7 @@ class DomainController:
             if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
                 return False
             raise VMError(f"looking up {domain} failed: {exc.get_error_message()}") from exc
+        state = None
         if session is not None:
             state = load_state(self._state_path(session))
             recorded = state.uuid if state is not None else None
@@ -494,7 +497,28 @@ class DomainController:
                                   | libvirt.VIR_DOMAIN_UNDEFINE_KEEP_NVRAM
                                   | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
                                   | libvirt.VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA)
+        if state is not None and not state.adopted and not made:
+            self._remove_qemu_logs(domain)  # (a failed start keeps its log: it says why)
         return True
+
+    def _remove_qemu_logs(self, domain: str) -> None:
+        """Delete libvirt's log of a domain ksfs made (QEMU's command line and messages,
+        ``DOMAIN.log`` and its rotations), which libvirt keeps after the domain is gone: one
+        per session ever made, never read again (review). An adopted domain's is left: the
+        user's machine may come back under that name."""
+        if self.uri.startswith("qemu:///system"):
+            logs = Path("/var/log/libvirt/qemu")
+        elif self.uri.startswith("qemu:///session"):
+            logs = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
+                / "libvirt" / "qemu" / "log"
+        else:
+            return  # another host's files
+        for f in logs.glob(glob.escape(domain) + ".log*"):
+            if f.name == f"{domain}.log" or f.name[len(domain) + 4:].lstrip(".").isdigit():
+                try:
+                    f.unlink()
+                except OSError as exc:
+                    log.warning("cannot remove libvirt's log %s: %s", f, exc.strerror or exc)
 
     def drop_leftovers(self, session: str, domain: str | None = None) -> int:
         """Delete what a killed verb of the session left that nothing will read: memory images
