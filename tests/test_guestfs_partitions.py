@@ -3,6 +3,7 @@ partition of another type, and reads exactly as the same filesystem on its own."
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -123,3 +124,48 @@ def test_a_damaged_primary_gpt_is_read_from_its_backup(plain: tuple[Path, Path],
         assert found[0] == offset and found[2].startswith("GPT partition 2")
         assert compare_with_dir(GuestFS.open(reader), src, exact=False,
                                 skip=("lost+found",)) > 3000
+
+
+def _entry(kind: int, start: int, count: int) -> bytes:
+    return bytes([0, 0, 0, 0, kind, 0, 0, 0]) + start.to_bytes(4, "little") \
+        + count.to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("first_ebr,number", [
+    ("link only", 5),  # a boot record with no data entry takes no number (as Linux counts)
+    ("swap", 6),  # one with a data entry of another type does
+])
+def test_logical_partitions_are_numbered_as_linux_numbers_them(
+        plain: tuple[Path, Path], tmp_path: Path, first_ebr: str, number: int) -> None:
+    """Review (seventeenth session): the numbering of logical partitions (vdaN for root=) had
+    no test of a boot record without a data entry. A chain of two extended boot records, the
+    filesystem in the second."""
+    from ksfs.guestfs.image import find_filesystems
+
+    _, img = plain
+    fs_bytes = img.read_bytes()
+    fs_sectors = (len(fs_bytes) + 511) // 512
+    ext, second = 2048, 4096  # the extended partition's start; the second record's offset
+    data_at = ext + second + 2048
+    ext_sectors = second + 2048 + fs_sectors
+    disk = bytearray((data_at + fs_sectors + 2048) * 512)
+    mbr = _entry(0x05, ext, ext_sectors)
+    disk[446:462], disk[510:512] = mbr, b"\x55\xaa"
+    first = ext * 512
+    if first_ebr == "swap":
+        disk[first + 446:first + 462] = _entry(0x82, 2048, 1024)
+    disk[first + 462:first + 478] = _entry(0x05, second, 2048 + fs_sectors)
+    disk[first + 510:first + 512] = b"\x55\xaa"
+    at = (ext + second) * 512
+    disk[at + 446:at + 462] = _entry(0x83, 2048, fs_sectors)
+    disk[at + 510:at + 512] = b"\x55\xaa"
+    disk[data_at * 512:data_at * 512 + len(fs_bytes)] = fs_bytes
+    path = tmp_path / "chain.img"
+    path.write_bytes(bytes(disk))
+    listed = subprocess.run(["sfdisk", "-d", str(path)], capture_output=True, text=True,
+                            check=True).stdout
+    # util-linux (libfdisk) agrees: the same number at the same start
+    assert re.search(rf"{re.escape(str(path))}{number} : start=\s*{data_at},", listed), listed
+    with FileImageReader(path) as reader:
+        linux = [p for p in find_filesystems(reader) if p.role == "linux"]
+    assert [(p.number, p.offset) for p in linux] == [(number, data_at * 512)], linux
