@@ -168,8 +168,10 @@ def save(ctx, session_name, name, live, as_json) -> None:
 
     Example: ksfs save agent before-upgrade
     """
+    # live=True (the default) is not sent: a daemon started before --no-live existed still
+    # takes the plain save (review)
     rec = run_verb(ctx, "save", steps=f"save {session_name}", session=session_name, name=name,
-                   live=live)
+                   **({} if live else {"live": False}))
     # taken: a report that cannot be written must not read as if the save failed
     click.get_current_context().meta[DONE_NOTE] = \
         f"checkpoint {session_name}/{rec['name']} was stored"
