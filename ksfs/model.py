@@ -169,7 +169,9 @@ class CheckpointRecord:
     seq: int
     created: float
     files: tuple[FileRecord, ...]
-    parent: str | None = None  # the session's previous checkpoint this one was built on
+    # The checkpoint this one's machine went on from: the session's last one saved or restored
+    # to, or a fork's first's SESSION/CHECKPOINT; an import's: the newest before it.
+    parent: str | None = None
     domain_xml: str | None = None
     # last transcript seq seen in the guest disk (-1: the transcript had no line), if read
     transcript_seq: int | None = None

@@ -769,6 +769,26 @@ def test_a_restore_whose_kernel_is_gone_is_refused_before_its_save_first(env, ag
     run(store, "restore", agent, cp, env=e)
 
 
+def test_a_checkpoints_parent_is_where_its_machine_went_on_from(env, agent: str) -> None:
+    """Review (seventeenth session): after `restore S A`, the next checkpoint's parent named
+    the restore's save-first, a state the machine had left; a fork's first had none."""
+    store, e = env["store"], env["env"]
+    a = save(store, agent, e)
+    left = json.loads(run(store, "restore", agent, a, "--json", env=e).stdout)["saved_as"]
+    after = json.loads(run(store, "save", agent, "--json", env=e).stdout)
+    assert left != a and after["parent"] == a, after
+    again = json.loads(run(store, "save", agent, "--json", env=e).stdout)
+    assert again["parent"] == after["name"]
+    new = f"{agent}-kid"
+    env["made"].append(new)
+    run(store, "fork", agent, a, new, env=e)
+    try:
+        first = json.loads(run(store, "save", new, "--json", env=e).stdout)
+        assert first["parent"] == f"{agent}/{a}", first
+    finally:
+        run(store, "session", "rm", new, env=e)
+
+
 def define_with_a_text_token(dom: str, tmp_path: Path) -> tuple[str, str]:
     """Define ``dom`` again as a session made before the guest token went by file had it: the
     token as text in its fw_cfg entry. Returns the token's file and the token."""

@@ -646,7 +646,7 @@ class MachineVerbs:
             transcript = self._frozen_transcript(rec, frozen)
             progress.report("publishing the checkpoint")
             ingest.seal()
-            parent = self.ledger.latest_checkpoint(session)
+            parent = self._built_on(rec)
             with self.store.env.begin(write=True) as txn:
                 ingest.commit(txn)
                 # the figures once committed: a chunk an import committed first (the same new
@@ -655,7 +655,7 @@ class MachineVerbs:
                                          f.chunking, f.digest) for fname, f in ingested)
                 record = CheckpointRecord(
                     session=session, name=name, seq=seq, created=time.time(), files=files,
-                    parent=parent.name if parent else None, domain_xml=frozen.xml,
+                    parent=parent, domain_xml=frozen.xml,
                     transcript_seq=_seen_seq(transcript),
                     frozen_seq=frozen_seq,
                 )
@@ -675,6 +675,22 @@ class MachineVerbs:
         crash_point("record.commit")
         self.checkpoint_changed(session, name)
         return record
+
+    def _built_on(self, rec: SessionRecord) -> str | None:
+        """The checkpoint the machine being saved went on from: the last one the session
+        published or restored to (so, after a restore, its target, not the restore's own
+        save-first: review), deleted since or not; before any, a fork's ``SESSION/CHECKPOINT``
+        it was forked from."""
+        latest = self.ledger.latest_checkpoint(rec.name)
+        last = latest.name if latest else None
+        for ev in self.ledger.events(rec.name, latest.seq + 1 if latest else 0):
+            if ev.type == "checkpoint.published" and ev.body.get("name"):
+                last = ev.body["name"]
+            elif ev.type == "restore.done" and ev.body.get("checkpoint"):
+                last = ev.body["checkpoint"]
+        if last is None and rec.parent is not None:
+            return f"{rec.parent.session}/{rec.parent.checkpoint}"
+        return last
 
     def _base_checkpoint(self, label: str | None) -> CheckpointRecord | None:
         """The checkpoint a frozen disk's changed ranges are relative to, when still stored."""
