@@ -366,6 +366,26 @@ def test_a_fork_that_fails_is_rolled_back_and_says_so_in_the_parent(env, agent: 
     run(store, "session", "rm", new, env=e)
 
 
+def test_a_fork_interrupted_as_its_machine_starts_leaves_no_machine(env, agent: str) -> None:
+    """QA (eighteenth session): Ctrl-C just as libvirt's restore returned left the fork's
+    machine paused on deleted files, with no session, refused by recover and `session rm`,
+    and its name taken for the next fork."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    new = f"fi-{env['tag']}"
+    env["made"].append(new)
+    res = run(store, "fork", agent, cp, new, check=False,
+              env=dict(e, KSFS_INTERRUPT_AT="vm.fork.started"))
+    assert res.returncode == 130, res.stderr
+    assert "not the machine ksfs made" not in res.stderr, res.stderr
+    assert virsh("domstate", f"ksfs-{new}").returncode != 0
+    assert not (store / "vm" / new).exists()
+    assert events_of(store, agent, e)[-1]["type"] == "fork.failed"
+    run(store, "fork", agent, cp, new, env=e)  # the name is free
+    assert virsh("domstate", f"ksfs-{new}").stdout.strip() == "running"
+    run(store, "session", "rm", new, env=e)
+
+
 def test_checkpoints_kept_by_session_rm_still_fork(env, agent: str) -> None:
     store, e = env["store"], env["env"]
     gone, child = f"kept-{env['tag']}", f"kc-{env['tag']}"
