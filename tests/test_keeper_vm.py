@@ -1574,6 +1574,32 @@ def test_a_restore_keeps_the_machine_paused_from_its_save_first_on(env, agent: s
     assert events_of(store, agent, e)[-1]["type"] == "restore.failed"
 
 
+def test_a_restore_interrupted_once_the_machine_stopped_says_how_to_get_back(env, agent: str
+                                                                           ) -> None:
+    """QA (eighteenth session): Ctrl-C after the restore stopped the machine said "aborted"
+    alone, the machine left shut off; `resume` then booted it from its disks, said as an
+    unpause, while the restore's save-first held the state it was in."""
+    store, e = env["store"], env["env"]
+    dom = f"ksfs-{agent}"
+    cp = save(store, agent, e)
+    res = run(store, "restore", agent, cp, check=False,
+              env=dict(e, KSFS_INTERRUPT_AT="vm.restore.started"))
+    assert res.returncode == 130, res.stderr
+    saved = [ev for ev in events_of(store, agent, e)
+             if ev["type"] == "restore.begin"][-1]["body"]["saved_as"]
+    assert (f"ksfs: warning: interrupted: the machine was stopped for this restore and is "
+            f"left shut off: `ksfs restore {agent} {saved}` brings back the state it was in"
+            ) in res.stderr, res.stderr
+    assert virsh("domstate", dom).stdout.strip() == "shut off"
+    out = run(store, "resume", agent, env=e).stdout
+    assert out.startswith(f"{agent} running (booted from its disks"), out
+    last = events_of(store, agent, e)[-1]
+    assert last["type"] == "resume" and last["body"]["booted"] is True, last
+    run(store, "restore", agent, saved, env=e)
+    assert virsh("domstate", dom).stdout.strip() == "running"
+    assert json.loads(run(store, "resume", agent, "--json", env=e).stdout)["booted"] is False
+
+
 def test_a_restore_failing_as_its_machine_starts_leaves_none_on_deleted_files(env, agent: str
                                                                               ) -> None:
     """QA (seventeenth session): Ctrl-C landing as libvirt's restore returned left the new

@@ -251,7 +251,13 @@ def resume(ctx, session_name, as_json) -> None:
     Example: ksfs resume agent
     """
     res = run_verb(ctx, "resume", session=session_name)
-    emit_json(res) if as_json else click.echo(f"{session_name} running")
+    if as_json:
+        emit_json(res)
+    elif res.get("booted"):
+        click.echo(f"{session_name} running (booted from its disks: what its memory held is "
+                   f"gone; `ksfs restore {session_name} CHECKPOINT` goes back to a saved state)")
+    else:
+        click.echo(f"{session_name} running")
 
 
 @main.command()

@@ -220,14 +220,17 @@ class RestoreVerbs:
                 raise
             if paused_here is not None:
                 self._run_again(rec, paused_here)
-            if isinstance(exc, KsfsError) and saved is not None \
-                    and state in ("running", "paused") and self._stopped_now(rec.domain):
+            if saved is not None and state in ("running", "paused") \
+                    and self._stopped_now(rec.domain):
                 # The restore stopped the machine and could not start the checkpoint: say so,
                 # and how to get back (recover would bring back the same checkpoint).
-                exc.message = (f"{exc.message}; the machine was stopped for this restore and is "
-                               f"left shut off: `ksfs restore {session} {saved.name}` brings "
-                               f"back the state it was in")
-                exc.args = (exc.message,)
+                said = (f"the machine was stopped for this restore and is left shut off: "
+                        f"`ksfs restore {session} {saved.name}` brings back the state it was in")
+                if isinstance(exc, KsfsError):
+                    exc.message = f"{exc.message}; {said}"
+                    exc.args = (exc.message,)
+                else:  # Ctrl-C, SIGTERM (QA, eighteenth session: "aborted" alone)
+                    log.warning("%s: %s", _reason(exc), said)
             self.ledger.record(session, "restore.failed",
                                {"checkpoint": checkpoint, "reason": _reason(exc)})
             raise

@@ -502,15 +502,23 @@ class MachineVerbs:
         with session_lock(self.store_path, session):
             state = self.vm.state(rec.domain)
             if state == "running" and not self._paused_by_user(session):
-                return {"session": session, "state": "running", "seq": None}  # nothing to do
+                return {"session": session, "state": "running", "seq": None,  # nothing to do
+                        "booted": False}
             if state == "absent":
                 # (QA: libvirt's own lookup error was all the user got)
                 raise NotRunning(f"the machine of session {session!r} is gone: its domain "
                                  f"{rec.domain} is not defined in libvirt; `ksfs restore "
                                  f"{session} CHECKPOINT` (or `ksfs recover`) makes it again")
             self.vm.resume(rec.domain, fw_cfg=self.guest_facts(rec))  # (if it starts)
-            ev = self.ledger.record(session, "resume", {"domain": rec.domain})
-        return {"session": session, "state": "running", "seq": ev.seq}
+            body: dict[str, Any] = {"domain": rec.domain}
+            if state not in ("paused", "running"):
+                # Started from its disks, memory fresh: said, not taken for an unpause (QA,
+                # eighteenth session: after a restore left it shut off, `resume` looked as if
+                # it brought back the state the restore's save-first holds).
+                body["booted"] = True
+            ev = self.ledger.record(session, "resume", body)
+        return {"session": session, "state": "running", "seq": ev.seq,
+                "booted": body.get("booted", False)}
 
     # --- save -----------------------------------------------------------------------------------
 
