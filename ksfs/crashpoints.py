@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 from ksfs.errors import KsfsError
 
@@ -29,6 +30,11 @@ def crash_point(name: str) -> None:
     if _reached(name, "KSFS_FAIL_AT"):
         raise InjectedFault(point=name)
     if _reached(name, "KSFS_INTERRUPT_AT"):
+        if threading.current_thread() is not threading.main_thread():
+            raise KeyboardInterrupt  # (a real one lands in the main thread; the nearest)
+        # As at a terminal: a process a shell started in the background (CI's runner) has
+        # SIGINT ignored, and Python keeps an ignored SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.kill(os.getpid(), signal.SIGINT)
 
 

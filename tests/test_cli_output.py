@@ -235,6 +235,17 @@ def test_sigterm_during_import_exits_143_and_records_the_failure(store: Path, tm
     assert report["ok"] and report["unfinished_packs"] == 0, report
 
 
+def test_ctrl_c_once_the_work_is_done_says_it_is(store: Path, tmp_path: Path) -> None:
+    """QA (eighteenth session): a verb whose work was done (its output written) and whose
+    closing was cut short by Ctrl-C said "aborted" alone."""
+    res = interrupted(store, ("ksfs.cli", "Context", "close"),
+                      "import", "s", "c2", str(tmp_path / "memory"))
+    assert res.returncode == 130, res.stderr
+    assert res.stderr.decode() == "ksfs: error: aborted (checkpoint s/c2 was stored)\n"
+    names = [c["name"] for c in json.loads(ksfs(store, "checkpoints", "s", "--json").stdout)]
+    assert names == ["c1", "c2"]
+
+
 def test_ctrl_c_in_a_reading_command_exits_130(store: Path) -> None:
     res = interrupted(store, ("ksfs.keeper", "Keeper", "stats"), "stats")
     assert res.returncode == 130, res.stderr

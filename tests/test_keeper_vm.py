@@ -809,6 +809,24 @@ def test_a_checkpoints_parent_is_where_its_machine_went_on_from(env, agent: str)
         run(store, "session", "rm", new, env=e)
 
 
+def test_a_save_interrupted_once_published_says_its_checkpoint_is_there(env, agent: str
+                                                                        ) -> None:
+    """QA (eighteenth session): Ctrl-C after the checkpoint was published (while its layer
+    was folded) said "aborted" alone, as if no checkpoint had been taken."""
+    store, e = env["store"], env["env"]
+    name = f"cut-{env['tag']}"
+    res = run(store, "save", agent, name, check=False,
+              env=dict(e, KSFS_INTERRUPT_AT="vm.flatten"))
+    assert res.returncode == 130, res.stderr
+    assert res.stderr == (f"ksfs: warning: interrupted: checkpoint {agent}/{name} was published; "
+                          f"only the folding of its layer was cut short (the next save or "
+                          f"`ksfs recover` finishes it)\nksfs: error: aborted\n"), res.stderr
+    assert name in run(store, "checkpoints", agent, env=e).stdout
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    after = json.loads(run(store, "save", agent, "--json", env=e).stdout)
+    assert after["parent"] == name
+
+
 def define_with_a_text_token(dom: str, tmp_path: Path) -> tuple[str, str]:
     """Define ``dom`` again as a session made before the guest token went by file had it: the
     token as text in its fw_cfg entry. Returns the token's file and the token."""

@@ -267,10 +267,11 @@ class KsfsGroup(click.Group):
         except click.ClickException as exc:
             click.echo(f"ksfs: error: {one_line(exc.format_message())}", err=True)
             sys.exit(exc.exit_code)
-        except click.Abort:
+        except click.Abort as exc:
             if sys.stderr is not None and sys.stderr.isatty():
                 click.echo(err=True)  # ends the terminal's "^C" line; piped, one line only
-            click.echo("ksfs: error: aborted", err=True)
+            done = str(exc)  # what the verb finished before the interruption, if it did
+            click.echo("ksfs: error: aborted" + (f" ({done})" if done else ""), err=True)
             sys.exit(130)  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
         sys.exit(rv if isinstance(rv, int) else 0)
 
@@ -281,11 +282,12 @@ class KsfsGroup(click.Group):
             click.echo(f"ksfs: error: {one_line(str(exc))}", err=True)
             sys.exit(exc.exit_code)
         except Terminated as exc:
-            click.echo("ksfs: error: terminated", err=True)
-            sys.exit(128 + exc.signum)  # as a shell reports it: 143 SIGTERM, 129 SIGHUP
+            _say_terminated(ctx, exc)
         except KeyboardInterrupt:
-            # raised as Abort here so click does not first print a blank line of its own
-            raise click.Abort() from None
+            # raised as Abort here so click does not first print a blank line of its own;
+            # QA (eighteenth session): a save interrupted once its checkpoint was published
+            # said "aborted" alone
+            raise click.Abort(ctx.meta.get(DONE_NOTE) or "") from None
         except OSError as exc:
             if _writes_stdout(exc):
                 _output_failed(ctx, exc)
@@ -296,7 +298,18 @@ class KsfsGroup(click.Group):
         finally:
             obj = ctx.find_object(Context)
             if obj is not None:
-                obj.close()
+                try:
+                    obj.close()
+                except Terminated as exc:
+                    _say_terminated(ctx, exc)
+                except KeyboardInterrupt:  # the verb done, its closing cut short
+                    raise click.Abort(ctx.meta.get(DONE_NOTE) or "") from None
+
+
+def _say_terminated(ctx: click.Context, exc: Terminated) -> NoReturn:
+    done = ctx.meta.get(DONE_NOTE)
+    click.echo("ksfs: error: terminated" + (f" ({done})" if done else ""), err=True)
+    sys.exit(128 + exc.signum)  # as a shell reports it: 143 SIGTERM, 129 SIGHUP
 
 
 def _terminate_like_interrupt() -> None:

@@ -29,6 +29,7 @@ from ksfs.errors import (
     NotRunning,
 )
 from ksfs.keeper.locks import drop_session_lock, session_lock
+from ksfs.keeper.offline import _reason
 from ksfs.ledger import auto_checkpoint_name
 from ksfs.model import (
     DEFAULT_TRANSCRIPT,
@@ -580,6 +581,11 @@ class MachineVerbs:
             raise
         try:
             self.vm.finish(frozen, checkpoint=f"{session}/{name}")
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM: not without the news it is there
+            log.warning("%s: checkpoint %s/%s was published; only the folding of its layer was "
+                        "cut short (the next save or `ksfs recover` finishes it)",
+                        _reason(exc), session, name)
+            raise
         except KsfsError as exc:
             # The checkpoint is published; only the chain stays one layer longer, and the next
             # save reads that layer as changed since the previous finished checkpoint.
