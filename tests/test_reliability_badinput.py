@@ -237,3 +237,27 @@ def test_mount_control_files(store: Path) -> None:
     assert snapshot(store) == before, "bad input changed the store"
     assert set(seen) >= {"mkdir-session", "mkdir-checkpoint", "rmdir", "resume-text"}
     assert errno.EIO not in set().union(*seen.values())
+
+
+@pytest.mark.parametrize("args,code", [
+    (["session", "new", "a/b", "--guest", "/nonexistent"], 2),
+    (["session", "new", "x", "--guest", "/nonexistent"], 3),
+])
+def test_a_refused_verb_makes_no_store(tmp_path: Path, args: list[str], code: int) -> None:
+    """QA (eighteenth session): `session new` refused at a mistyped --store still made a
+    whole store there (which later commands then took for one); the directory given empty
+    stays empty."""
+    for where, existed in ((tmp_path / "typo" / "deeper", False), (tmp_path / "empty", True)):
+        if existed:
+            where.mkdir()
+        res = subprocess.run(KSFS + ["--store", str(where), *args], capture_output=True,
+                             text=True)
+        assert res.returncode == code, res.stderr
+        assert len(res.stderr.splitlines()) == 1, res.stderr
+        if existed:
+            assert list(where.iterdir()) == []
+        else:
+            assert not (tmp_path / "typo").exists()
+        listed = subprocess.run(KSFS + ["--store", str(where), "session", "list"],
+                                capture_output=True, text=True)
+        assert listed.returncode == 5, listed  # no store there

@@ -89,12 +89,50 @@ def run_verb(ctx: Context, verb: str, steps: str | None = None, **args: Any) -> 
         result = call_daemon(ctx.store_path, verb, progress=line, **args)
         if result is not NO_DAEMON:
             return result
-        keeper = ctx.open_keeper(create=verb in ("session_new", "session_adopt", "import"))
-        with progress.reporting(line):
-            return to_jsonable(getattr(keeper, VERBS[verb])(**args))
+        create = verb in ("session_new", "session_adopt", "import")
+        with _unmade_on_failure(ctx) if create else contextlib.nullcontext():
+            keeper = ctx.open_keeper(create=create)
+            with progress.reporting(line):
+                return to_jsonable(getattr(keeper, VERBS[verb])(**args))
     finally:
         if line is not None:
             line.close()
+
+
+@contextlib.contextmanager
+def _unmade_on_failure(ctx: Context) -> Iterator[None]:
+    """A store the block creates is removed again when the block fails: the verb changed
+    nothing, so it made no store either (QA: a `session new` refused at a mistyped --store left
+    a whole store there, which later commands then took for the user's)."""
+    import shutil
+
+    from ksfs.cas.store import MARKER
+
+    path = Path(ctx.store_path).absolute()
+    if (path / MARKER).exists():
+        yield
+        return
+    top = None  # the first directory of the path that is not there yet
+    at = path
+    while not os.path.lexists(at) and at != at.parent:
+        top, at = at, at.parent
+    before = set(os.listdir(path)) if top is None and path.is_dir() else None
+    try:
+        yield
+    except BaseException:
+        if not (path / MARKER).exists():
+            raise  # none was made
+        ctx.close()
+        if top is not None:
+            shutil.rmtree(top, ignore_errors=True)
+        elif before is not None:  # an empty directory given as the store: emptied again
+            for name in set(os.listdir(path)) - before:
+                made = path / name
+                if made.is_dir() and not made.is_symlink():
+                    shutil.rmtree(made, ignore_errors=True)
+                else:
+                    made.unlink(missing_ok=True)
+        raise
 
 
 @contextlib.contextmanager
