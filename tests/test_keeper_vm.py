@@ -827,6 +827,25 @@ def test_a_save_interrupted_once_published_says_its_checkpoint_is_there(env, age
     assert after["parent"] == name
 
 
+def test_a_save_of_a_machine_not_running_is_refused_before_it_writes(env, agent: str
+                                                                     ) -> None:
+    """QA (eighteenth session): each refused save of a shut-off machine added a
+    checkpoint.begin and a checkpoint.failed to its log."""
+    store, e = env["store"], env["env"]
+    before = events_of(store, agent, e)
+    assert virsh("destroy", f"ksfs-{agent}").returncode == 0
+    try:
+        for _ in range(2):
+            res = run(store, "save", agent, "x", check=False, env=e)
+            assert res.returncode == 10, res.stderr
+            assert res.stderr.startswith(f"ksfs: error: the machine of session {agent!r} is "
+                                         f"not running"), res.stderr
+        assert events_of(store, agent, e) == before
+    finally:
+        run(store, "resume", agent, env=e)
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+
+
 def define_with_a_text_token(dom: str, tmp_path: Path) -> tuple[str, str]:
     """Define ``dom`` again as a session made before the guest token went by file had it: the
     token as text in its fw_cfg entry. Returns the token's file and the token."""

@@ -155,6 +155,12 @@ def root_device(plan: Any) -> str | None:
     return "/dev/vda" if part.number == 0 else f"/dev/vda{part.number}"
 
 
+def _gone(rec: SessionRecord) -> NotRunning:
+    return NotRunning(f"the machine of session {rec.name!r} is gone: its domain {rec.domain} "
+                      f"is not defined in libvirt; `ksfs restore {rec.name} CHECKPOINT` (or "
+                      f"`ksfs recover`) makes it again")
+
+
 DOMAIN_PREFIX = "ksfs-"
 # libvirt keeps a persistent domain in /etc/libvirt/qemu/NAME.xml, written through NAME.xml.new:
 # with the prefix, a session name longer than this makes a file name over 255 bytes.
@@ -506,10 +512,7 @@ class MachineVerbs:
                 return {"session": session, "state": "running", "seq": None,  # nothing to do
                         "booted": False}
             if state == "absent":
-                # (QA: libvirt's own lookup error was all the user got)
-                raise NotRunning(f"the machine of session {session!r} is gone: its domain "
-                                 f"{rec.domain} is not defined in libvirt; `ksfs restore "
-                                 f"{session} CHECKPOINT` (or `ksfs recover`) makes it again")
+                raise _gone(rec)  # (QA: libvirt's own lookup error was all the user got)
             self.vm.resume(rec.domain, fw_cfg=self.guest_facts(rec))  # (if it starts)
             body: dict[str, Any] = {"domain": rec.domain}
             if state not in ("paused", "running"):
@@ -540,6 +543,10 @@ class MachineVerbs:
             # finished first, so the log says where the machine came from and the save builds
             # on its chain.
             self._finish_killed_restore(rec)
+            state = self.vm.state(rec.domain)
+            if state not in ("running", "paused"):
+                # refused before its checkpoint.begin: a refusal writes nothing (QA)
+                raise _gone(rec) if state == "absent" else NotRunning(session=session)
             return self._save_locked(rec, name, reason="save", live=live)
 
     def _hand_back_detached(self, rec: SessionRecord) -> dict[str, dict[str, str]]:
