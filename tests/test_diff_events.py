@@ -128,7 +128,12 @@ def test_fork_against_its_parents_checkpoint(world) -> None:
                                        "checkpoint.published"]
     assert evs(as_json(store, "f", "fa", "s/A")) == want
     out = cli(store, "f", "s/A", "fa")
-    assert "events between: 4\n" in out and "lineage.forked" in out
+    assert "events between: 4\n" in out and f"  {0:>6} lineage.forked\n" in out
+    # asked from the parent's side, the lines are the fork's: named so (QA, eighteenth
+    # session: they read as s's own seq 0..3)
+    out = cli(store, "s", "A", "f/fa")
+    assert f"  along: f seq 0..{published(f, 'fa')}\n" in out, out
+    assert f"  f {0:>6} lineage.forked\n" in out, out
 
 
 def test_across_the_fork_tree(world) -> None:

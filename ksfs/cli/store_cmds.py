@@ -426,11 +426,14 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
         click.echo("events between: none (the two sessions share no lineage)")
         return
     click.echo(f"events between: {len(d['events'])}")
-    if len(path) > 1:
+    # Across a fork, each line names its session, also when all come from one log that is not
+    # SESSION's (QA: a fork's own events read as if they were A's)
+    named = len(path) > 1 or any(p["session"] != session for p in path)
+    if named:
         click.echo("  along: " + ", ".join(
             f"{p['session']} seq {p['from_seq']}..{p['to_seq']}" for p in path))
     for e in d["events"]:
-        where = f"{e['session']} " if len(path) > 1 else ""
+        where = f"{e['session']} " if named else ""
         click.echo(f"  {where}{e['seq']:>6} {e['type']}")
 
 
