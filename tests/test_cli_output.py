@@ -246,6 +246,15 @@ def test_ctrl_c_once_the_work_is_done_says_it_is(store: Path, tmp_path: Path) ->
     assert names == ["c1", "c2"]
 
 
+def test_session_list_keeps_its_columns_for_long_names(store: Path, tmp_path: Path) -> None:
+    """QA (eighteenth session): a 65-character name pushed its row's columns out of line."""
+    long = "l" * 65
+    ksfs(store, "import", long, "c1", str(tmp_path / "memory"))
+    rows = ksfs(store, "session", "list").stdout.decode().splitlines()
+    assert len(rows) == 2 and {r.index(" offline ") for r in rows} == {65}, rows
+    assert {r.index(" seq=") for r in rows} == {65 + 1 + 9 + 1 + 24}, rows
+
+
 def test_ctrl_c_in_a_reading_command_exits_130(store: Path) -> None:
     res = interrupted(store, ("ksfs.keeper", "Keeper", "stats"), "stats")
     assert res.returncode == 130, res.stderr

@@ -261,3 +261,13 @@ def test_a_refused_verb_makes_no_store(tmp_path: Path, args: list[str], code: in
         listed = subprocess.run(KSFS + ["--store", str(where), "session", "list"],
                                 capture_output=True, text=True)
         assert listed.returncode == 5, listed  # no store there
+
+
+def test_a_restore_to_another_sessions_checkpoint_points_at_fork(store: Path) -> None:
+    """QA (eighteenth session): "cannot contain '/'" alone, where diff takes OTHER/CP."""
+    res = subprocess.run(KSFS + ["--store", str(store), "restore", "alpha", "beta/c1"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == ("ksfs: error: a restore brings alpha back to one of its own "
+                          "checkpoints, not 'beta/c1': `ksfs fork beta c1 NEW` runs that one "
+                          "as a session of its own\n"), res.stderr

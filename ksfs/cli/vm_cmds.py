@@ -110,8 +110,11 @@ def session_list(ctx, show_all, as_json) -> None:
     if as_json:
         emit_json(rows)
         return
+    # columns as wide as their longest entry (QA: a long name pushed its row out of line)
+    name_w = max([20, *(len(r["session"]) for r in rows)])
+    dom_w = max([24, *(len(r["domain"] or "-") for r in rows)])
     for r in rows:
-        click.echo(f"{r['session']:20} {r['state']:9} {r['domain'] or '-':24} "
+        click.echo(f"{r['session']:{name_w}} {r['state']:9} {r['domain'] or '-':{dom_w}} "
                    f"seq={r['seq']} " + (f"last={r['last_checkpoint']}" if r['last_checkpoint']
                                           else "no checkpoint"))
 
@@ -164,6 +167,7 @@ def session_rm(ctx, name, keep_checkpoints, release, as_json) -> None:
 def save(ctx, session_name, name, live, as_json) -> None:
     """Take an atomic checkpoint of SESSION (named NAME, else c_<seq>).
 
+    An unnamed checkpoint whose c_<seq> a user already took gets the next free c_ number.
     Prints the checkpoint's name alone on its last line.
 
     Example: ksfs save agent before-upgrade

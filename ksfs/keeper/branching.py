@@ -17,7 +17,7 @@ from typing import Any
 
 from ksfs import progress
 from ksfs.crashpoints import crash_point
-from ksfs.errors import AlreadyExists, KsfsError, NotFound, NotPermitted
+from ksfs.errors import AlreadyExists, BadInput, KsfsError, NotFound, NotPermitted
 from ksfs.keeper.locks import session_lock
 from ksfs.keeper.machine import MEMORY_FILE, domain_name_for, stored_disks
 from ksfs.keeper.offline import _reason
@@ -94,6 +94,13 @@ class RestoreVerbs:
     def restore(self, session: str, checkpoint: str) -> dict[str, Any]:
         """Save the current state, then bring the machine back to ``checkpoint`` and run it."""
         validate_name(session, "session name")
+        other, slash, name = checkpoint.partition("/") if isinstance(checkpoint, str) \
+            else ("", "", "")
+        if slash and other and name and "/" not in name:
+            # (QA: "cannot contain '/'" alone, where diff takes OTHER/CHECKPOINT)
+            raise BadInput(f"a restore brings {session} back to one of its own checkpoints, "
+                           f"not {checkpoint!r}: `ksfs fork {other} {name} NEW` runs that one "
+                           f"as a session of its own")
         validate_name(checkpoint, "checkpoint name")
         rec = self._machine(session)
         with session_lock(self.store_path, session), \
