@@ -1187,6 +1187,26 @@ def test_a_session_rm_that_failed_is_not_finished_by_recover(env, agent: str) ->
     assert agent in {s["session"] for s in listed}
 
 
+def test_a_session_rm_interrupted_once_the_machine_went_says_how_to_finish(env, agent: str
+                                                                           ) -> None:
+    """QA (eighteenth session): Ctrl-C once the machine was destroyed said "aborted" alone,
+    the session still listed."""
+    store, e = env["store"], env["env"]
+    new = f"rmi-{env['tag']}"
+    env["made"].append(new)
+    run(store, "fork", agent, save(store, agent, e), new, env=e)
+    res = run(store, "session", "rm", new, check=False,
+              env=dict(e, KSFS_INTERRUPT_AT="session.remove"))
+    assert res.returncode == 130, res.stderr
+    assert (f"ksfs: warning: interrupted: the machine of session {new} is destroyed, but the "
+            f"session is still listed: `ksfs session rm {new}` again finishes it"
+            ) in res.stderr, res.stderr
+    assert new in run(store, "session", "list", env=e).stdout
+    assert events_of(store, new, e)[-1]["body"]["reason"] == "interrupted"
+    run(store, "session", "rm", new, env=e)
+    assert new not in run(store, "session", "list", env=e).stdout
+
+
 def test_the_default_command_line_names_the_root_the_disk_holds(tmp_path: Path) -> None:
     """QA (ninth session): a distro guest given as --kernel/--initrd/--disk (no guest.json)
     got no root=, and its initramfs found no root and the kernel panicked in a loop. QA

@@ -446,7 +446,14 @@ class MachineVerbs:
                 if (intent or begun is not None) and not handed_back:
                     with contextlib.suppress(KsfsError):
                         self.ledger.record(name, "session.remove_failed",
-                                           {"reason": str(exc) or type(exc).__name__})
+                                           {"reason": _reason(exc)})
+                if steps.get("machine_gone") and not isinstance(exc, KsfsError):
+                    # Ctrl-C, SIGTERM: "aborted" alone left a listed session whose machine
+                    # was gone (QA, eighteenth session)
+                    log.warning("%s: the machine of session %s is %s, but the session is "
+                                "still listed: `ksfs session rm %s` again finishes it",
+                                _reason(exc), name,
+                                "handed back" if plan is not None else "destroyed", name)
                 raise
             if not keep_checkpoints:  # last, still holding it: the name is free now
                 drop_session_lock(self.store_path, name)
