@@ -343,3 +343,27 @@ def test_every_command_and_group_has_an_example() -> None:
 
     missing = [" ".join(p) for p, cmd in walk(main, ["ksfs"]) if "Example:" not in cmd.help]
     assert missing == []
+
+
+def test_ctrl_c_while_the_command_line_loads_is_one_line(tmp_path: Path) -> None:
+    """QA (eighteenth session): Ctrl-C in the first tens of milliseconds (while click and the
+    command's modules were imported) printed a traceback."""
+    code = """
+import builtins, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+real = builtins.__import__
+def importing(name, *a, **k):
+    if name == "click":
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(name, *a, **k)
+builtins.__import__ = importing
+from ksfs._entry import main
+sys.argv = ["ksfs", "--store", sys.argv[1], "stats"]
+main()
+"""
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stderr) == (130, "ksfs: error: aborted\n"), res
+    script = (Path(sys.executable).parent / "ksfs")
+    if script.exists():  # the installed command goes through it
+        assert "ksfs._entry" in script.read_text(), script.read_text()

@@ -20,7 +20,7 @@ PKG = Path(__file__).resolve().parent.parent / "ksfs"
 LAYER = {
     "errors": 1, "model": 1.1, "crashpoints": 1.1, "heap": 1, "progress": 1, "lru": 1,
     "cas": 2, "guestfs": 2.5, "ledger": 3, "vm": 4, "gateway": 5, "keeper": 6,
-    "fuse": 7, "daemon": 7.5, "cli": 8,
+    "fuse": 7, "daemon": 7.5, "cli": 8, "_entry": 9,  # the command's entry point, over cli
 }
 FRAMEWORKS = ("trio", "pyfuse3", "libvirt", "click")
 NEVER = {
@@ -33,6 +33,7 @@ NEVER = {
     "fuse": ("click", "libvirt"),
     "daemon": ("click", "libvirt"),
     "cli": ("libvirt", "pyfuse3"),
+    "_entry": FRAMEWORKS,
 }
 ONLY = {"libvirt": "vm", "click": "cli"}
 # Parts of ksfs a part must not import although they sit above it: the VM controller never sees
