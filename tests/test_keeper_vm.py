@@ -83,6 +83,17 @@ def save(store: Path, session: str, e: dict, name: str | None = None) -> str:
     return res.stdout.strip().splitlines()[-1]
 
 
+def fork_with(env: dict, agent: str, prefix: str, **variables: str
+              ) -> tuple[str, str, subprocess.CompletedProcess]:
+    """Save ``agent`` and fork that checkpoint as PREFIX-TAG with ``variables`` added to the
+    environment (a crash or fault point); (checkpoint, new session, the fork's result)."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    new = f"{prefix}-{env['tag']}"
+    env["made"].append(new)
+    return cp, new, run(store, "fork", agent, cp, new, check=False, env=dict(e, **variables))
+
+
 def wait_transcript(store: Path, session: str, e: dict, at_least: int) -> str:
     """Save until the guest's transcript holds ``at_least`` lines; returns that checkpoint."""
     deadline = time.monotonic() + 120
@@ -371,11 +382,7 @@ def test_a_fork_interrupted_as_its_machine_starts_leaves_no_machine(env, agent: 
     machine paused on deleted files, with no session, refused by recover and `session rm`,
     and its name taken for the next fork."""
     store, e = env["store"], env["env"]
-    cp = save(store, agent, e)
-    new = f"fi-{env['tag']}"
-    env["made"].append(new)
-    res = run(store, "fork", agent, cp, new, check=False,
-              env=dict(e, KSFS_INTERRUPT_AT="vm.fork.started"))
+    cp, new, res = fork_with(env, agent, "fi", KSFS_INTERRUPT_AT="vm.fork.started")
     assert res.returncode == 130, res.stderr
     assert "not the machine ksfs made" not in res.stderr, res.stderr
     assert virsh("domstate", f"ksfs-{new}").returncode != 0
@@ -697,11 +704,7 @@ def test_fork_killed_before_its_define_is_defined_by_recover(env, agent: str) ->
     """kill -9 between the fork's restore and its define leaves a transient domain, which a
     libvirtd restart would lose: recover defines it, and the fork runs on as a session."""
     store, e = env["store"], env["env"]
-    cp = save(store, agent, e)
-    new = f"transient-{env['tag']}"
-    env["made"].append(new)
-    res = run(store, "fork", agent, cp, new, check=False,
-              env=dict(e, KSFS_CRASH_AT="vm.fork.define"))
+    cp, new, res = fork_with(env, agent, "transient", KSFS_CRASH_AT="vm.fork.define")
     assert res.returncode == -signal.SIGKILL
     assert "Persistent:     no" in virsh("dominfo", f"ksfs-{new}").stdout
     report = json.loads(run(store, "recover", "--json", env=e).stdout)
