@@ -261,6 +261,17 @@ def test_ctrl_c_in_a_reading_command_exits_130(store: Path) -> None:
     assert res.stderr.decode() == "ksfs: error: aborted\n"
 
 
+def fd_links(pid: int) -> list[str]:
+    """What process ``pid``'s open files are (those still open as they are read)."""
+    out = []
+    for f in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            out.append(os.readlink(f))
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    return out
+
+
 def test_a_command_stopped_while_the_daemon_runs_its_verb_says_the_daemon_finishes_it(
         tmp_path: Path) -> None:
     """QA (seventeenth session): SIGTERM of a command whose verb the mount daemon ran said
@@ -279,8 +290,7 @@ def test_a_command_stopped_while_the_daemon_runs_its_verb_says_the_daemon_finish
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             try:
                 deadline = time.monotonic() + 60
-                while not any(os.readlink(f).startswith("socket:")
-                              for f in Path(f"/proc/{proc.pid}/fd").iterdir()):
+                while not any(link.startswith("socket:") for link in fd_links(proc.pid)):
                     assert proc.poll() is None and time.monotonic() < deadline
                     time.sleep(0.02)
                 time.sleep(0.5)  # connected and its request sent
