@@ -53,6 +53,7 @@ class FakeProvider:
         # the request asks with stream_options.include_usage; False: never.
         self.stream_usage = stream_usage
         self.json_usage = True  # False: JSON chat answers carry no usage (some servers' way)
+        self.usage_as = None  # a dict: the usage chat answers carry instead ({}, nulls)
         self.chunk_delay = chunk_delay
         # "no_done": no [DONE]; "error_event": fails mid-way; "drop": the connection is closed
         # after three events, the chunked body never ended (a provider or a proxy that dies)
@@ -124,7 +125,7 @@ class FakeProvider:
         old, self._stop = self._stop, threading.Event()
         old.set()
         self.delay, self.error, self.stream_usage, self.chunk_delay = 0.0, None, True, 0.0
-        self.json_usage = True
+        self.json_usage, self.usage_as = True, None
         self.stream_end, self.gzip, self.reject_stream_options = None, False, False
         self.stream_as_json = False
         self.answer_model, self.words, self.ok_but = None, list(COMPLETION_WORDS), None
@@ -258,6 +259,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         words = sum(len(str(m.get("content", "")).split()) for m in req.get("messages", []))
         usage = {"prompt_tokens": words, "completion_tokens": len(fake.words),
                  "total_tokens": words + len(fake.words)}
+        if fake.usage_as is not None:
+            usage = dict(fake.usage_as)
         cid = f"chatcmpl-{serial}-{time.monotonic_ns()}"  # differs on every real call
         if req.get("stream") and not fake.stream_as_json:
             asked = (req.get("stream_options") or {}).get("include_usage") is True

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -131,7 +132,43 @@ async def test_edges_a_legitimate_provider_may_take(store, ledger, provider, nur
     assert r.json()["choices"][0]["index"] == 0  # the word survives: no secret to mask
     provider.answer_model = "gpt-4o"  # not the model asked for, nor a vendor's name for it
     await call(port, chat_body("another model answers"))
-    assert gw.usage("s1")["by_model"]["gpt-4o"]["priced"] is False
+    # with no price of its own, at the price of the model asked for (QA, eighteenth session:
+    # counted as nothing, it spent past any USD budget)
+    assert gw.usage("s1")["by_model"]["gpt-4o"] == {
+        "calls": 1, "prompt_tokens": 3, "completion_tokens": 7, "cost_usd": 10.0, "priced": True}
+
+
+async def test_an_answer_under_a_model_with_no_price_counts_against_a_usd_budget(
+        store, ledger, provider, nursery):
+    """QA (eighteenth session): a provider answering under an alias with no price (a
+    deployment's name) was counted at $0, and a USD budget never stopped a call."""
+    table = parse_prices('[models."gpt-4o-mini"]\ninput = 1000000\noutput = 1000000\n')
+    provider.answer_model = "gpt-4o-mini-tuned-x"
+    gw = Gateway(store, ledger, provider.url, table, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    gw.set_budget("s1", usd=12)
+    for text in ("two words", "two more", "a third", "a fourth"):
+        await call(port, chat_body(text))
+    assert provider.count() == 2  # 9 + 9 USD: the third is refused
+    assert gw.usage("s1")["cost_usd"] == 18.0
+
+
+@pytest.mark.parametrize("usage", [{}, {"prompt_tokens": None, "completion_tokens": None}])
+async def test_a_usage_with_no_figures_is_counted_at_an_estimate(store, ledger, provider,
+                                                                 nursery, usage):
+    """QA (eighteenth session): "usage": {} (or nulls) counted as 0 tokens known, so a token
+    budget never stopped a call."""
+    provider.usage_as = usage
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    gw.set_budget("s1", tokens=5)
+    for text in ("first call", "second call", "third call"):
+        await call(port, chat_body(text))
+    for stream in (True, False):
+        await call(port, chat_body("a streamed one", stream=stream))
+    assert provider.count() == 1  # the first, estimated at more than 5 tokens, spent it
+    first = events(ledger, "s1", "gateway.call")[0].body
+    assert first["usage_known"] is False and first["total_tokens"] > 5, first
 
 
 def test_an_error_field_that_says_no_error_is_an_answer() -> None:

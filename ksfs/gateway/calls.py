@@ -234,6 +234,9 @@ def usage_from(obj: Any, model: str | None) -> Usage | None:
         v = u.get(name)
         return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
+    if not any(num(n) for n in ("prompt_tokens", "input_tokens", "completion_tokens",
+                                "output_tokens", "total_tokens")):
+        return None  # {} or nulls: no figure, so the answer is counted at an estimate
     prompt = num("prompt_tokens") or num("input_tokens")
     completion = num("completion_tokens") or num("output_tokens")
     total = num("total_tokens") or prompt + completion

@@ -506,7 +506,9 @@ class Gateway:
         ctype = header(got.headers, "content-type") or ""
         sse = _is_sse(ctype, order)
         usage = (usage_of_sse if sse else usage_of_json)(got.body, order.model)
-        if not usage.known:
+        if not usage.known or usage.total_tokens == 0:
+            # (a usage of no tokens at all is no figure: QA, eighteenth session, a provider's
+            # "usage": {} let every call past a token budget)
             usage = _estimated(usage, got.body, sse, ctype, order)
         cost, priced = self._cost(usage, order.model)
         # What the gate may learn a call's size from: figures the provider reported, or the
@@ -529,13 +531,15 @@ class Gateway:
         return learned
 
     def _cost(self, usage: Any, request_model: str | None) -> tuple[float, bool]:
-        """(USD, priced) of a call's usage. A router answers with the vendor's prefix on the
-        model's name ("openai/gpt-4o-mini" for "gpt-4o-mini"): then the price of the model asked
-        for, which the budget's check before the purchase used, rather than none. Another
-        model answering stays unpriced (and is shown so)."""
+        """(USD, priced) of a call's usage: at the price of the model the answer names, and
+        when that has none, at the price of the model asked for, which the budget's check
+        before the purchase used. A router names the vendor's model ("openai/gpt-4o-mini" for
+        "gpt-4o-mini"), a proxy an alias or a deployment: counted as nothing, such answers
+        spent past any USD budget (QA, eighteenth session). A model with a price of its own
+        is counted at it, whatever was asked for (review, eleventh session)."""
         cost, priced = self.prices.cost(usage.model, usage.prompt_tokens,
                                         usage.completion_tokens)
-        if not priced and request_model and (usage.model or "").endswith("/" + request_model):
+        if not priced and request_model:
             cost, priced = self.prices.cost(request_model, usage.prompt_tokens,
                                             usage.completion_tokens)
         return cost, priced
