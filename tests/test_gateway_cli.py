@@ -142,6 +142,11 @@ def test_cli_errors_and_help(tmp_path, provider):
     missing = ksfs(store, "gateway", "serve", "--upstream", provider.url, "--session", "nope",
                    check=False)
     assert missing.returncode == 3 and "nope" in missing.stderr
+    # at a mistyped --store: refused, and no store made there (QA, eighteenth session)
+    typo = tmp_path / "typo"
+    res = ksfs(typo, "gateway", "serve", "--upstream", provider.url, "--session", "nope",
+               check=False)
+    assert res.returncode == 5 and not typo.exists(), res.stderr
     unsaid = ksfs(store, "gateway", "serve", check=False)  # (QA: "--upstream: " and nothing)
     assert unsaid.returncode == 2 and "Missing option '--upstream'" in unsaid.stderr
     bad_url = ksfs(store, "gateway", "serve", "--upstream", "ftp://x", check=False)
@@ -154,7 +159,7 @@ def test_cli_errors_and_help(tmp_path, provider):
     assert no_token.returncode == 2 and "empty" in no_token.stderr
     # a USD budget as the user wrote it (QA: 1e400 was "not inf"); "abc", -1 and nan refused
     for bad, said in (("1e400", "not 1e400"), ("abc", "'abc'"), ("-1", "not -1"),
-                      ("nan", "not nan")):
+                      ("nan", "not nan"), ("1e-400", "1e-400 is too small")):
         res = ksfs(store, "budget", "default", "--usd", bad, check=False)
         assert res.returncode == 2 and said in res.stderr, (bad, res.stderr)
     # -0 is the budget 0 (QA: it was recorded as -0.0)

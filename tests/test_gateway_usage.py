@@ -327,6 +327,9 @@ async def test_upstream_timeout_and_unreachable(store, ledger, provider, nursery
         provider.error = "close"
         r = await call(port, chat_body("slow"))
         assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unreachable"
+        # it had the request: not "could not be reached" (QA, eighteenth session)
+        assert r.json()["error"]["message"].startswith(
+            "the model provider closed the connection without answering"), r.json()
         inner.cancel_scope.cancel()
     provider.reset()
     patient = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=30)
@@ -341,6 +344,7 @@ async def test_upstream_timeout_and_unreachable(store, ledger, provider, nursery
     port2 = await nursery.start(gw2.serve_session, "s2")
     r = await call(port2, chat_body("nobody home"))
     assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unreachable"
+    assert r.json()["error"]["message"].startswith("the model provider could not be reached")
     async with client(port2) as c:
         assert (await c.get("/v1/models")).status_code == 502
 

@@ -83,7 +83,9 @@ def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | 
         except ValueError:
             raise BadInput(f"--host {host!r} is not an IP address (or localhost)") from None
     _try_bind(host, port)
-    keeper = ctx.open_keeper(create=True)
+    # Only the default session is made (with its store) when missing: another name at a
+    # mistyped --store is refused with nothing made (QA, eighteenth session)
+    keeper = ctx.open_keeper(create=session == DEFAULT_SESSION)
     store, ledger = keeper.store, keeper.ledger
     try:
         ledger.session(session)

@@ -365,6 +365,10 @@ class GatewayStore:
             if not usd >= 0 or usd == float("inf"):
                 # (as given: 1e400 is "inf" once a float, which the user never wrote)
                 raise BadInput(f"a USD budget must be a finite number >= 0, not {given!s}")
+            if usd == 0 and isinstance(given, str) and any(c in "123456789" for c in
+                                                            given.lower().split("e")[0]):
+                # (QA, eighteenth session: 1e-400 became a budget of 0, refusing every call)
+                raise BadInput(f"a USD budget of {given} is too small to count: it would be 0")
             usd += 0.0  # -0.0 is 0 (QA: "usd": -0.0 was recorded as given)
         self.ledger.session(session)  # a bad or unknown name: refused before any write
         with self._write() as txn:

@@ -188,8 +188,7 @@ class Upstream:
             log.warning("upstream %s failed: %s", self.base_url, type(exc).__name__)
             reply = error_reply(502, "upstream_unreachable", (
                 f"the model provider's answer broke off before its end ({type(exc).__name__})"
-                if begun else
-                f"the model provider could not be reached ({type(exc).__name__})"))
+                if begun else _not_answered(exc)))
         if not begun:
             return reply
         return CutShort(reply.status, reply.headers, reply.body,
@@ -207,8 +206,7 @@ class Upstream:
                 504, "upstream_timeout", "the model provider did not answer in time"))
         except httpx.HTTPError as exc:
             return await send_reply(send, error_reply(
-                502, "upstream_unreachable",
-                f"the model provider could not be reached ({type(exc).__name__})"))
+                502, "upstream_unreachable", _not_answered(exc)))
         try:
             if resp.status_code >= 400:
                 # An error is small: read it whole and decoded, so a key the provider echoes
@@ -250,3 +248,13 @@ async def send_reply(send, reply: Reply, extra: Headers = ()) -> None:
     await send({"type": "http.response.start", "status": reply.status,
                 "headers": _encode(headers)})
     await send({"type": "http.response.body", "body": reply.body, "more_body": False})
+
+
+def _not_answered(exc: Exception) -> str:
+    """Why no answer came: the provider unreachable, or reached and gone without answering
+    (QA, eighteenth session: a provider that read the request and closed was "could not be
+    reached", though it had the request)."""
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return (f"the model provider closed the connection without answering "
+                f"({type(exc).__name__})")
+    return f"the model provider could not be reached ({type(exc).__name__})"
