@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -156,6 +158,10 @@ class GatewayStore:
         # served, a store on a read-only file system) must change nothing. None until then.
         self._resp = self._usage = self._budgets = None
         self._open_dbs(create=False)
+        # (lineage, key, reason) -> (when its last budget.refused was written, refusals of it
+        # counted since without an event of their own): see record_refusal
+        self._refused: dict[tuple[str, bytes, str], tuple[float, int]] = {}
+        self._refused_lock = threading.Lock()
 
     def _open_dbs(self, create: bool) -> None:
         if create and self.env.flags().get("readonly"):
@@ -330,13 +336,27 @@ class GatewayStore:
 
     def record_refusal(self, session: str, lineage: str, key: bytes, model: str | None,
                        budget: dict[str, Any], used: dict[str, Any],
-                       path: str = CHAT_PATH, reason: str = "used_up") -> Event:
-        body = {"key": key.hex(), "model": _cut(model, MODEL_CHARS), "budget": budget,
-                "used": used, "path": _cut(path, PATH_CHARS), "reason": reason}
+                       path: str = CHAT_PATH, reason: str = "used_up") -> Event | None:
+        """Count a refused call, with a ``budget.refused`` event; the same call refused again
+        within REFUSAL_QUIET_S of its last event is counted without one, and the next event
+        of it says how many were (``"repeats"``). QA (eighteenth session): a guest retrying
+        its call every 0.4 s wrote an event each time, about 200,000 a day."""
+        now, slot = time.monotonic(), (lineage, key, reason)
+        with self._refused_lock:
+            last, folded = self._refused.get(slot, (None, 0))
+            quiet = last is not None and now - last < REFUSAL_QUIET_S
+            if len(self._refused) >= REFUSALS_KEPT and slot not in self._refused:
+                self._refused.clear()  # many calls refused once each: start afresh
+            self._refused[slot] = (last, folded + 1) if quiet else (now, 0)
         with self._write() as txn:
-            event = self.ledger.append(txn, session, "budget.refused", body)
             self._bump(txn, lineage, "refused")
-            return event
+            if quiet:
+                return None
+            body = {"key": key.hex(), "model": _cut(model, MODEL_CHARS), "budget": budget,
+                    "used": used, "path": _cut(path, PATH_CHARS), "reason": reason}
+            if folded:
+                body["repeats"] = folded  # refusals of this call since its last event
+            return self.ledger.append(txn, session, "budget.refused", body)
 
     def record_upstream_error(self, session: str, lineage: str, key: bytes, model: str | None,
                               status: int, error: str, path: str = CHAT_PATH) -> Event:
@@ -396,6 +416,10 @@ class GatewayStore:
 # A model name, a request path or an error text is whatever the guest or the provider sent: cut
 # so that an event body stays far under the ledger's limit (a 70 000-character model name made
 # the event, and so the paid call's storing and counting, fail).
+# The same call refused again within this many seconds of its last budget.refused event is
+# counted without an event of its own; REFUSALS_KEPT bounds the calls remembered for it.
+REFUSAL_QUIET_S = 60.0
+REFUSALS_KEPT = 10_000
 MODEL_CHARS = 200
 PATH_CHARS = 1000
 ERROR_CHARS = 1000
