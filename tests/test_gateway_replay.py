@@ -165,6 +165,10 @@ async def test_fork_sees_parent_calls_up_to_branch_only(gw, ledger, provider, nu
         asked += 1
         (replay, _) = events(ledger, child, "gateway.replay")
         assert replay.body["from_session"] == "s1"
+        # the purchase is found by its own key too (QA, eighteenth session)
+        paid = next(e for e in events(ledger, "s1", "gateway.call")
+                    if e.seq == replay.body["from_seq"])
+        assert replay.body["from_key"] == paid.body["key"] != replay.body["key"]
     # The fork's own purchase is its own: the parent still gets its own stored answer.
     again = await call(port, chat_body("after the checkpoint"))
     assert again.content == after.content and provider.count() == asked

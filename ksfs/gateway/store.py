@@ -329,6 +329,10 @@ class GatewayStore:
                 "status": stored.status,
                 "stream": stored.stream, "from_session": stored.session,
                 "from_lineage": stored.lineage, "from_seq": stored.seq, "cost_usd": 0.0}
+        if stored.key != key.hex():
+            # a fork's key is its own lineage's; the purchase's event names the ancestor's
+            # (QA, eighteenth session: only from_seq linked them)
+            body["from_key"] = stored.key
         with self._write() as txn:
             event = self.ledger.append(txn, session, "gateway.replay", body)
             self._bump(txn, lineage, "replays")
