@@ -231,13 +231,9 @@ class RestoreVerbs:
                     and self._stopped_now(rec.domain):
                 # The restore stopped the machine and could not start the checkpoint: say so,
                 # and how to get back (recover would bring back the same checkpoint).
-                said = (f"the machine was stopped for this restore and is left shut off: "
-                        f"`ksfs restore {session} {saved.name}` brings back the state it was in")
-                if isinstance(exc, KsfsError):
-                    exc.message = f"{exc.message}; {said}"
-                    exc.args = (exc.message,)
-                else:  # Ctrl-C, SIGTERM (QA, eighteenth session: "aborted" alone)
-                    log.warning("%s: %s", _reason(exc), said)
+                _tell(exc, f"the machine was stopped for this restore and is left shut off: "
+                           f"`ksfs restore {session} {saved.name}` brings back the state it "
+                           f"was in")
             self.ledger.record(session, "restore.failed",
                                {"checkpoint": checkpoint, "reason": _reason(exc)})
             raise
@@ -270,13 +266,8 @@ class RestoreVerbs:
             self.ledger.record(session, "restore.done", {
                 "checkpoint": checkpoint, "begin_seq": begin.seq,
                 "reconcile_seq": reconciled.seq, "resumed": False, "reason": _reason(exc)})
-        said = (f"the machine is restored to {checkpoint} but left paused: "
-                f"`ksfs resume {session}` runs it")
-        if isinstance(exc, KsfsError):
-            exc.message = f"{exc.message}; {said}"
-            exc.args = (exc.message,)
-        else:  # Ctrl-C or SIGTERM: no message of its own to carry it
-            log.warning("%s: %s", _reason(exc), said)
+        _tell(exc, f"the machine is restored to {checkpoint} but left paused: "
+                   f"`ksfs resume {session}` runs it")
 
     def _stopped_now(self, domain: str) -> bool:
         try:
@@ -335,6 +326,17 @@ class RestoreVerbs:
                     pass  # a parent removed with its checkpoints kept: its log is closed
                 raise
         return rec
+
+
+def _tell(exc: BaseException, said: str) -> None:
+    """Add what the user must know to a failure's message; a Ctrl-C or SIGTERM has none of
+    its own to carry it (QA, eighteenth session: "aborted" alone), so it is logged (the
+    command line writes it as a warning)."""
+    if isinstance(exc, KsfsError):
+        exc.message = f"{exc.message}; {said}"
+        exc.args = (exc.message,)
+    else:
+        log.warning("%s: %s", _reason(exc), said)
 
 
 def _discard(staging: Future) -> None:
