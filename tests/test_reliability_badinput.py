@@ -271,3 +271,26 @@ def test_a_restore_to_another_sessions_checkpoint_points_at_fork(store: Path) ->
     assert res.stderr == ("ksfs: error: a restore brings alpha back to one of its own "
                           "checkpoints, not 'beta/c1': `ksfs fork beta c1 NEW` runs that one "
                           "as a session of its own\n"), res.stderr
+
+
+def test_a_store_in_use_is_never_taken_for_one_made_for_nothing(tmp_path: Path) -> None:
+    """Review: two first commands on one new store; the one refused must not remove the store
+    the other is making something in."""
+    from ksfs.cli import Context, _unused
+
+    path = tmp_path / "new"
+    ctx = Context(str(path))
+    try:
+        ctx.open_keeper(create=True)
+        assert _unused(ctx)  # made, empty, no one in a verb on it
+        held = ctx.keeper.store.lock(exclusive=False)  # another command's verb
+        try:
+            assert not _unused(ctx)
+        finally:
+            os.close(held)
+        src = tmp_path / "f.img"
+        src.write_bytes(b"x" * 5000)
+        ctx.keeper.import_files("s", "c", [src])
+        assert not _unused(ctx)  # it holds something now
+    finally:
+        ctx.close()

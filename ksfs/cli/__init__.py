@@ -92,11 +92,37 @@ def run_verb(ctx: Context, verb: str, steps: str | None = None, **args: Any) -> 
         create = verb in ("session_new", "session_adopt", "import")
         with _unmade_on_failure(ctx) if create else contextlib.nullcontext():
             keeper = ctx.open_keeper(create=create)
-            with progress.reporting(line):
-                return to_jsonable(getattr(keeper, VERBS[verb])(**args))
+            # held shared while the verb runs: a store another such verb is making something
+            # in is never taken for one made for nothing (_unmade_on_failure)
+            held = keeper.store.lock(exclusive=False) if create else None
+            try:
+                with progress.reporting(line):
+                    return to_jsonable(getattr(keeper, VERBS[verb])(**args))
+            finally:
+                if held is not None:
+                    os.close(held)
     finally:
         if line is not None:
             line.close()
+
+
+def _unused(ctx: Context) -> bool:
+    """Whether the store just made holds nothing and no other command is in a verb on it (two
+    first commands on one new store: the one refused must not remove the other's)."""
+    from ksfs.errors import Busy
+
+    try:
+        keeper = ctx.open_keeper()
+        fd = keeper.store.lock(exclusive=True, timeout=0)
+    except (KsfsError, Busy):
+        return False
+    try:
+        return not keeper.ledger.sessions(include_removed=True) \
+            and keeper.store.stats()["chunks"] == 0
+    except KsfsError:
+        return False
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -120,8 +146,8 @@ def _unmade_on_failure(ctx: Context) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        if not (path / MARKER).exists():
-            raise  # none was made
+        if not (path / MARKER).exists() or not _unused(ctx):
+            raise  # none was made, or another command is using it
         ctx.close()
         if top is not None:
             shutil.rmtree(top, ignore_errors=True)
