@@ -42,6 +42,7 @@ def run_trials(*args: str) -> dict:
 # Points on paths the script's trials do not walk (its machines are ksfs's own, and only an
 # adopted one is released): killed at by the test named, which must say so.
 KILLED_ELSEWHERE = {"vm.release.job": "tests/test_vm_release.py",
+                    "vm.release.disk": "tests/test_vm_release.py",
                     # (adopted domains with a disk detached: crash-trials' are ksfs's own)
                     "vm.detached.commit": "tests/test_vm_devices.py",
                     "vm.detached.copy": "tests/test_vm_devices.py"}

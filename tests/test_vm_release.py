@@ -187,3 +187,57 @@ def test_a_released_copy_adopted_again_gets_the_next_number(tmp_path: Path) -> N
     (tmp_path / "disk.released-2.qcow2").touch()
     assert released_name(tmp_path / "disk.released-2.qcow2") == \
         tmp_path / "disk.released-3.qcow2"
+
+
+def test_a_release_cut_short_after_one_disk_is_finished_not_undone(
+        env, guest: Path, tmp_path: Path) -> None:
+    """QA (eighteenth session): Ctrl-C once one disk of two was handed back recorded the
+    removal failed and kept that disk as the session's: the next save copied it out again as
+    a detached disk (a stale second copy), and its file stayed 0600. Now the handed-back disk
+    is the user's at once, and the removal stays open: `session rm` or recover finishes it."""
+    store, e = env["store"], env["env"]
+    spec = json.loads((guest / "guest.json").read_text())
+    own, data = tmp_path / "own.raw", tmp_path / "data.raw"
+    subprocess.run(["cp", "--sparse=always", spec["disk"], str(own)], check=True)
+    with open(data, "wb") as f:
+        f.truncate(8 << 20)
+    tmp_path.chmod(0o755)
+    own.chmod(0o644)
+    dom = name = f"reltwo-{env['tag']}"
+    xml = plain_domain_xml(dom, spec, [(own, "raw", "vda"), (data, "raw", "vdb")])
+    released = {"vda": str(tmp_path / "own.released.raw"),
+                "vdb": str(tmp_path / "data.released.raw")}
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"unused-{env['tag']}"):
+        cp = wait_transcript(store, name, e, 1)
+        run(store, "restore", name, cp, env=e)  # both disks now run on files ksfs wrote
+        cut = run(store, "session", "rm", name, "--release", check=False,
+                  env=dict(e, KSFS_INTERRUPT_AT="vm.release.disk"))
+        assert cut.returncode == 130, cut.stderr
+        assert (f"the machine of session {name} is partly handed back (disks vda), but the "
+                f"session is still listed: `ksfs session rm {name}` again finishes it"
+                ) in cut.stderr, cut.stderr
+        now = sources(dom)
+        assert now["vda"] == released["vda"] and str(store / "vm" / name) in now["vdb"]
+        assert sources(dom, inactive=True)["vda"] == released["vda"]
+        assert oct(Path(released["vda"]).stat().st_mode & 0o777) == "0o644"
+        kinds = [ev["type"] for ev in kvm.events_of(store, name, e)]
+        assert kinds[-1] == "session.removing", kinds[-3:]  # open, not remove_failed
+        saved = run(store, "save", name, env=e)  # vda is no detached disk of the session's
+        assert "detached" not in saved.stderr, saved.stderr
+        assert not list(tmp_path.glob("own.released-*"))
+        run(store, "session", "rm", name, env=e)  # finishes the release it finds begun
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        assert sources(dom) == sources(dom, inactive=True) == released
+        assert name not in run(store, "session", "list", "--all", env=e).stdout
+        # killed at the same place instead: recover finishes it
+        run(store, "session", "adopt", name, dom, env=e)
+        cp = wait_transcript(store, name, e, 1)
+        run(store, "restore", name, cp, env=e)
+        killed = run(store, "session", "rm", name, "--release", check=False,
+                     env=dict(e, KSFS_CRASH_AT="vm.release.disk"))
+        assert killed.returncode == -signal.SIGKILL
+        run(store, "recover", env=e)
+        again = {t: p.replace(".released.", ".released-2.") for t, p in released.items()}
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        assert sources(dom) == sources(dom, inactive=True) == again
+        assert name not in run(store, "session", "list", "--all", env=e).stdout

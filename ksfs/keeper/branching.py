@@ -20,7 +20,7 @@ from ksfs.crashpoints import crash_point
 from ksfs.errors import AlreadyExists, BadInput, KsfsError, NotFound, NotPermitted
 from ksfs.keeper.locks import session_lock
 from ksfs.keeper.machine import MEMORY_FILE, domain_name_for, stored_disks
-from ksfs.keeper.offline import _reason
+from ksfs.keeper.offline import _reason, _tell
 from ksfs.model import (
     CheckpointRecord,
     Event,
@@ -326,17 +326,6 @@ class RestoreVerbs:
                     pass  # a parent removed with its checkpoints kept: its log is closed
                 raise
         return rec
-
-
-def _tell(exc: BaseException, said: str) -> None:
-    """Add what the user must know to a failure's message; a Ctrl-C or SIGTERM has none of
-    its own to carry it (QA, eighteenth session: "aborted" alone), so it is logged (the
-    command line writes it as a warning)."""
-    if isinstance(exc, KsfsError):
-        exc.message = f"{exc.message}; {said}"
-        exc.args = (exc.message,)
-    else:
-        log.warning("%s: %s", _reason(exc), said)
 
 
 def _discard(staging: Future) -> None:

@@ -29,7 +29,7 @@ from ksfs.errors import (
     NotRunning,
 )
 from ksfs.keeper.locks import drop_session_lock, session_lock
-from ksfs.keeper.offline import _reason
+from ksfs.keeper.offline import _reason, _tell
 from ksfs.ledger import auto_checkpoint_name
 from ksfs.model import (
     DEFAULT_TRANSCRIPT,
@@ -296,6 +296,12 @@ class MachineVerbs:
                 )
             return rec
 
+    def _handed_back(self, name: str, plan: dict[str, Any]) -> list[str]:
+        try:
+            return self.vm.handed_back(name, plan)
+        except KsfsError:
+            return []
+
     def _refuse_taken_session(self, name: str) -> None:
         """AlreadyExists naming the session (not its libvirt domain) when the name is taken,
         also by a removed session whose checkpoints were kept."""
@@ -442,18 +448,24 @@ class MachineVerbs:
                 # way is brought back by recover from its last checkpoint). Except once a
                 # release handed the machine back: its disks are the user's files now, so
                 # the removal stays open and recover (or the next session rm) finishes it.
-                handed_back = plan is not None and steps.get("machine_gone")
+                # A disk handed back is the user's file now: the release cannot be undone, so
+                # the removal stays open and recover (or the next session rm) finishes it (QA,
+                # eighteenth session: one disk handed back, the rest not, was "remove_failed",
+                # the session the user's again, and its next save copied that disk out again)
+                partly = self._handed_back(name, plan) if plan is not None else []
+                handed_back = plan is not None and (steps.get("machine_gone") or partly)
                 if (intent or begun is not None) and not handed_back:
                     with contextlib.suppress(KsfsError):
                         self.ledger.record(name, "session.remove_failed",
                                            {"reason": _reason(exc)})
-                if steps.get("machine_gone") and not isinstance(exc, KsfsError):
-                    # Ctrl-C, SIGTERM: "aborted" alone left a listed session whose machine
-                    # was gone (QA, eighteenth session)
-                    log.warning("%s: the machine of session %s is %s, but the session is "
-                                "still listed: `ksfs session rm %s` again finishes it",
-                                _reason(exc), name,
-                                "handed back" if plan is not None else "destroyed", name)
+                if partly or (steps.get("machine_gone") and not isinstance(exc, KsfsError)):
+                    # QA (eighteenth session): "aborted" alone left a listed session whose
+                    # machine was gone, or partly handed back
+                    what = "destroyed" if plan is None else "handed back" \
+                        if steps.get("machine_gone") else \
+                        f"partly handed back (disks {', '.join(partly)})"
+                    _tell(exc, f"the machine of session {name} is {what}, but the session is "
+                               f"still listed: `ksfs session rm {name}` again finishes it")
                 raise
             if not keep_checkpoints:  # last, still holding it: the name is free now
                 drop_session_lock(self.store_path, name)

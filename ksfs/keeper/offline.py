@@ -368,6 +368,17 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def _tell(exc: BaseException, said: str) -> None:
+    """Add what the user must know to a failure's message; a Ctrl-C or SIGTERM has none of
+    its own to carry it (QA, eighteenth session: "aborted" alone), so it is logged (the
+    command line writes it as a warning)."""
+    if isinstance(exc, KsfsError):
+        exc.message = f"{exc.message}; {said}"
+        exc.args = (exc.message,)
+    else:
+        log.warning("%s: %s", _reason(exc), said)
+
+
 class BytesReader:
     """A file made from a record, read like a stored one (the ``FileReader`` surface)."""
 

@@ -452,6 +452,12 @@ class DomainController:
 
         return release(self, session, domain, disks)
 
+    def handed_back(self, session: str, disks: dict[str, dict[str, Any]]) -> list[str]:
+        """The disks of a release plan already handed back (a release cut short part way)."""
+        from ksfs.vm.release import handed_back
+
+        return handed_back(self, session, disks)
+
     def destroy_and_undefine(self, domain: str, session: str | None = None,
                              made: bool = False) -> bool:
         """Stop the domain if it runs and remove its definition; absent domains are fine.

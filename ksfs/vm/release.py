@@ -33,7 +33,7 @@ from xml.sax.saxutils import quoteattr
 import libvirt
 
 from ksfs.crashpoints import crash_point
-from ksfs.errors import BadInput, VMError
+from ksfs.errors import BadInput, KsfsError, VMError
 from ksfs.vm import domxml
 from ksfs.vm.chain import chain_files, qemu_img
 from ksfs.vm.restore import chain_file_set
@@ -135,19 +135,38 @@ def release(ctl: DomainController, session: str, domain: str,
     with step(domain, "reading its state"):
         active = dom.isActive()
     tops = {d.target: d.source for d in domxml.disks(ctl.xml(domain))}
-    for target, how in disks.items():
-        if target not in tops:
-            raise VMError(f"domain {domain} has no disk {target} any more")
-        if active:
-            _finish_job(dom, domain, target)  # a killed release's own job
-            tops[target] = ctl.disk_files(domain)[target]
-        if any(inside(f, sdir) for f in _chain(tops[target])):
+    try:
+        for target, how in disks.items():
+            if target not in tops:
+                raise VMError(f"domain {domain} has no disk {target} any more")
             if active:
-                _live(dom, domain, target, how, tops[target])
-            else:
-                _offline(ctl, domain, target, how, tops[target])
-    # What each disk runs on now (a killed or failed release's job may have ended on its
-    # own file): every disk, those an earlier attempt handed back too.
+                _finish_job(dom, domain, target)  # a killed release's own job
+                tops[target] = ctl.disk_files(domain)[target]
+            if any(inside(f, sdir) for f in _chain(tops[target])):
+                if active:
+                    _live(dom, domain, target, how, tops[target])
+                else:
+                    _offline(ctl, domain, target, how, tops[target])
+                crash_point("vm.release.disk")
+    except BaseException:
+        # A disk handed back before the failure (or the Ctrl-C) is the user's already: said
+        # so in the state, given the user's mode, defined (QA, eighteenth session: kept as
+        # the session's, the next save copied it out again as a detached disk, and its file
+        # stayed 0600). The removal stays open for the rest (keeper.remove_session).
+        with contextlib.suppress(KsfsError, libvirt.libvirtError, OSError):
+            _record_handed_back(ctl, session, domain, sdir, active)
+        raise
+    done = _record_handed_back(ctl, session, domain, sdir, active)
+    _check_released(ctl, domain, sdir)
+    return done
+
+
+def _record_handed_back(ctl: DomainController, session: str, domain: str, sdir: Path,
+                        active: bool) -> dict[str, str]:
+    """What each disk runs on now (a killed or failed release's job may have ended on its own
+    file), every disk's, those an earlier attempt handed back too; the disks that run on no
+    file of the session's leave its state and get the user's mode, and a running domain is
+    defined on them."""
     done = ctl.disk_files(domain)
     state = ctl.load_state(session)
     like_the_users(state, done)
@@ -160,8 +179,15 @@ def release(ctl: DomainController, session: str, domain: str,
     ctl.save_state(session, state)
     if active:
         _define_released(ctl, domain, done)
-    _check_released(ctl, domain, sdir)
     return done
+
+
+def handed_back(ctl: DomainController, session: str, disks: dict[str, Any]) -> list[str]:
+    """The disks of a release plan no longer the session's (handed back), sorted."""
+    from ksfs.vm.state import load_state
+
+    state = load_state(ctl._state_path(session))
+    return sorted(t for t in disks if state is None or t not in state.disks)
 
 
 def _live(dom: libvirt.virDomain, domain: str, target: str, how: dict[str, Any],
