@@ -849,6 +849,35 @@ def test_a_save_of_a_machine_not_running_is_refused_before_it_writes(env, agent:
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
 
 
+def test_a_restore_of_a_machine_undefined_behind_ksfs_keeps_its_disks_first(env, agent: str
+                                                                          ) -> None:
+    """QA (eighteenth session): a machine undefined behind ksfs left its disk files, and what
+    it wrote since its last checkpoint in them; a restore deleted them unsaved."""
+    store, e = env["store"], env["env"]
+    dom = f"ksfs-{agent}"
+    console = Path(store) / "vm" / agent / "console.log"
+    before = console.stat().st_size  # (earlier timelines printed the same counters)
+    cp = wait_transcript(store, agent, e, 1)
+    at_cp = transcript_lines(store, agent, cp, e)
+    # until the guest said (on its console, after the fsync) it wrote a line past the save
+    past = re.compile(rf"ksfs-counter {at_cp[-1]['seq'] + 1}\s")  # (\r\n on a serial line)
+    deadline = time.monotonic() + 120
+    while not past.search(console.read_bytes()[before:].decode(errors="replace")):
+        assert time.monotonic() < deadline, f"the guest never wrote {past}"
+        time.sleep(0.2)
+    virsh("destroy", dom, check=True)
+    virsh("undefine", dom, check=True)
+    out = json.loads(run(store, "restore", agent, cp, "--json", env=e).stdout)
+    kept = out["saved_as"]
+    assert kept, out
+    assert transcript_lines(store, agent, kept, e)[: len(at_cp)] == at_cp
+    assert len(transcript_lines(store, agent, kept, e)) > len(at_cp)
+    begin = [ev for ev in events_of(store, agent, e) if ev["type"] == "checkpoint.begin"][-1]
+    assert begin["body"]["reason"] == f"disks of the gone machine, kept before restore to {cp}"
+    assert virsh("domstate", dom).stdout.strip() == "running"
+    assert "Persistent:     yes" in virsh("dominfo", dom).stdout
+
+
 def define_with_a_text_token(dom: str, tmp_path: Path) -> tuple[str, str]:
     """Define ``dom`` again as a session made before the guest token went by file had it: the
     token as text in its fw_cfg entry. Returns the token's file and the token."""

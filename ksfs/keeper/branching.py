@@ -123,12 +123,16 @@ class RestoreVerbs:
         self.vm.check_start_files(target.domain_xml, f"checkpoint {session}/{checkpoint}",
                                   memory is not None, session)
         state = self.vm.state(rec.domain)
-        if keep_stopped and state not in ("running", "paused", "absent"):
+        if keep_stopped and state not in ("running", "paused") and (
+                state != "absent" or self.vm.has_disk_files(session)):
+            # (a machine undefined behind ksfs leaves its disk files, and what it wrote
+            # since its last checkpoint in them: kept too, QA, eighteenth session)
             # QA (twelfth session): a shut-off machine's unsaved writes were lost here. Saved
             # before the staging starts, which reads nothing of the current chain.
-            progress.report(f"saving the disks of the {state} machine first")
+            was = "gone" if state == "absent" else state
+            progress.report(f"saving the disks of the {was} machine first")
             kept = self._save_stopped_disks(
-                rec, f"disks of the {state} machine, kept before restore to {checkpoint}")
+                rec, f"disks of the {was} machine, kept before restore to {checkpoint}")
         t0 = time.monotonic()
         # Before anything is staged: a token file that cannot be written (a full disk) must
         # leave no staged files behind.

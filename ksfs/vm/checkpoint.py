@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -221,10 +222,17 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
                   meter.paused_s, meter.t1 - meter.t0, meter.forced, live=live)
 
 
-def stopped(ctl: DomainController, session: str, domain: str) -> Frozen:
+def stopped(ctl: DomainController, session: str, domain: str,
+            xml_if_gone: str | None = None) -> Frozen:
     """The disks of a domain that is not running (shut off, crashed), as a Frozen without
     memory: nothing writes them, so its chain is read as it is. Nothing is committed or
-    removed here; what the caller does next (a restore) replaces the chain anyway."""
+    removed here; what the caller does next (a restore) replaces the chain anyway.
+
+    A domain that is gone (undefined behind ksfs) with its files still in the session's
+    directory: the disks are the overlays the machine last ran on (``DiskState.top``), and the
+    Frozen carries ``xml_if_gone`` (the last checkpoint's definition); VMError without it."""
+    if not ctl.exists(domain):
+        return _gone(ctl, session, domain, xml_if_gone)
     settle_commits(ctl, session, domain)
     state = ctl.load_state(session)
     dom = ctl.lookup(domain)
@@ -233,6 +241,22 @@ def stopped(ctl: DomainController, session: str, domain: str) -> Frozen:
             raise VMError(f"domain {domain} is running; its disks are not stopped")
         xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE)
     frozen_disks, base = _frozen_chain(state, domxml.disks(xml))
+    return Frozen(session, domain, "stopped", None, xml, frozen_disks, base)
+
+
+def _gone(ctl: DomainController, session: str, domain: str, xml: str | None) -> Frozen:
+    state = ctl.load_state(session)
+    disks = []
+    for target, ds in state.disks.items():
+        top, fmt = (ds.top, "qcow2") if ds.top else (ds.root, ds.root_fmt)
+        if not os.path.exists(top):
+            raise VMError(f"the machine of session {session} is gone and so is its disk "
+                          f"{target} ({top}): nothing of it to save")
+        disks.append(domxml.DiskInfo(target, top, fmt, ()))
+    if xml is None or not disks:
+        raise VMError(f"domain {domain} is gone: its disks cannot be read without a "
+                      f"definition")
+    frozen_disks, base = _frozen_chain(state, disks)
     return Frozen(session, domain, "stopped", None, xml, frozen_disks, base)
 
 

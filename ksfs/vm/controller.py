@@ -248,12 +248,20 @@ class DomainController:
 
         return snapshot(self, session, domain, live=live, on_freeze=on_freeze)
 
-    def stopped(self, session: str, domain: str) -> Frozen:
-        """The disks of a domain that is not running, to be saved before anything replaces
-        them; see ksfs.vm.checkpoint.stopped. Close it (``Frozen.close``) when done."""
+    def stopped(self, session: str, domain: str, xml_if_gone: str | None = None) -> Frozen:
+        """The disks of a domain that is not running (or gone, with ``xml_if_gone``), to be
+        saved before anything replaces them; see ksfs.vm.checkpoint.stopped. Close it
+        (``Frozen.close``) when done."""
         from ksfs.vm.checkpoint import stopped
 
-        return stopped(self, session, domain)
+        return stopped(self, session, domain, xml_if_gone)
+
+    def has_disk_files(self, session: str) -> bool:
+        """Whether every disk the session's state tracks still has the file the machine last
+        ran on (a machine undefined behind ksfs leaves them)."""
+        state = load_state(self._state_path(session))
+        return bool(state and state.disks) and all(
+            Path(ds.top or ds.root).exists() for ds in state.disks.values())
 
     def finish(self, frozen: Frozen, checkpoint: str | None = None) -> None:
         """Commit the frozen layers into their root and drop the memory staging file."""
