@@ -566,7 +566,10 @@ class MachineVerbs:
             self._finish_killed_restore(rec)
             state = self.vm.state(rec.domain)
             if state not in ("running", "paused"):
-                # refused before its checkpoint.begin: a refusal writes nothing (QA)
+                # Refused before its checkpoint.begin: no begin and failed for each refusal
+                # (QA, eighteenth session). A disk the user detached meanwhile is given back
+                # all the same: its writes are theirs, whatever becomes of the machine.
+                self._hand_back_detached(rec)
                 raise _gone(rec, self._adopted(session)) if state == "absent" \
                     else NotRunning(session=session)
             return self._save_locked(rec, name, reason="save", live=live)
