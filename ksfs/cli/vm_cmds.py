@@ -144,10 +144,14 @@ def session_rm(ctx, name, keep_checkpoints, release, as_json) -> None:
     extra = {"release": True} if release else {}
     res = run_verb(ctx, "session_rm", steps=f"session rm {name}" if release else None,
                    name=name, keep_checkpoints=keep_checkpoints, **extra)
+    click.get_current_context().meta[DONE_NOTE] = f"session {name} was removed"
     if as_json:
         emit_json(res)
         return
     click.echo(f"removed session {name}" + (" (its checkpoints kept)" if keep_checkpoints else ""))
+    if res.get("destroyed_domain"):
+        click.echo(f"the adopted domain {res['destroyed_domain']} was destroyed and undefined "
+                   f"with it (--release hands an adopted domain back instead)")
     if "released" in res:
         rel = res["released"]
         click.echo(f"domain {rel['domain']} kept" + "".join(

@@ -417,6 +417,7 @@ class MachineVerbs:
             raise BadInput(f"session {name} has no machine to release")
         detached: dict[str, dict[str, str]] = {}
         with session_lock(self.store_path, name):
+            adopted = bool(rec.domain) and rec.removed is None and self._adopted(name)
             plan = None
             begun = self._removal_begun(name) if rec.domain and rec.removed is None else None
             if begun is not None and begun.body.get("release") is not None:
@@ -472,6 +473,10 @@ class MachineVerbs:
                 drop_session_lock(self.store_path, name)
         out: dict[str, Any] = {"session": name, "removed": True,
                                "kept_checkpoints": keep_checkpoints}
+        if adopted and steps.get("destroyed"):
+            # the user's own domain went with it: said (QA, eighteenth session: one forgot
+            # --release and was told "removed session" alone)
+            out["destroyed_domain"] = rec.domain
         if plan is not None:
             out["released"] = {"domain": rec.domain, "disks": released}
             if detached:
@@ -487,7 +492,9 @@ class MachineVerbs:
                 progress.report("handing the machine back on its own disks")
                 released = self.vm.release(rec.name, rec.domain, release)
             else:
-                self.vm.destroy_and_undefine(rec.domain, session=rec.name)
+                destroyed = self.vm.destroy_and_undefine(rec.domain, session=rec.name)
+                if steps is not None:
+                    steps["destroyed"] = destroyed
             if steps is not None:
                 steps["machine_gone"] = True  # destroyed, or handed back
             crash_point("session.remove")
