@@ -84,14 +84,21 @@ def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, cmdline, 
 @click.argument("domain")
 @click.option("--transcript", metavar="PATH",
               help=TRANSCRIPT_HELP + " (default: /agent/transcript.jsonl).")
+@click.option("--no-start", is_flag=True,
+              help="Leave a shut-off DOMAIN shut off (by default it is started).")
 @_json_option
 @pass_ctx
-def session_adopt(ctx, name, domain, transcript, as_json) -> None:
+def session_adopt(ctx, name, domain, transcript, no_start, as_json) -> None:
     """Take existing libvirt DOMAIN (file-backed raw or qcow2 disks) under ksfs as NAME.
+
+    A shut-off DOMAIN is started, unless --no-start (then `ksfs resume NAME` boots it later).
 
     Example: ksfs session adopt myvm my-libvirt-domain --transcript /var/log/agent.jsonl
     """
-    rec = run_verb(ctx, "session_adopt", name=name, domain=domain, transcript=transcript)
+    # start is sent only when not the default: a daemon started before --no-start existed
+    # still serves a plain adopt
+    rec = run_verb(ctx, "session_adopt", name=name, domain=domain, transcript=transcript,
+                   **({"start": False} if no_start else {}))
     emit_json(_as_session(rec)) if as_json else click.echo(
         f"session {name} adopted domain {domain}")
 

@@ -377,10 +377,13 @@ class MachineVerbs:
             spec[key] = str(path.resolve())
         return spec
 
-    def adopt_session(self, name: str, domain: str,
-                      transcript: str | None = None) -> SessionRecord:
+    def adopt_session(self, name: str, domain: str, transcript: str | None = None,
+                      start: bool = True) -> SessionRecord:
         """Take an existing libvirt domain (file-backed raw or qcow2 disks) under ksfs;
-        ``transcript``: where its guest writes the transcript (default DEFAULT_TRANSCRIPT)."""
+        ``transcript``: where its guest writes the transcript (default DEFAULT_TRANSCRIPT);
+        ``start``: start it when it is shut off (False leaves it so)."""
+        if not isinstance(start, bool):
+            raise BadInput(f"start must be true or false, not {start!r}")
         validate_name(name, "session name", new=True)
         transcript = transcript_in_guest(transcript) if transcript is not None \
             else DEFAULT_TRANSCRIPT
@@ -402,7 +405,7 @@ class MachineVerbs:
                     adopted=True,
                 )
             with self._undone_on_failure(name):
-                self.vm.adopt(name, domain)
+                self.vm.adopt(name, domain, start=start)
             return rec
 
     def remove_session(self, name: str, keep_checkpoints: bool = False,

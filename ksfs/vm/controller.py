@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import libvirt
 
-from ksfs.errors import AlreadyExists, KsfsError, NotFound, NotRunning, VMError
+from ksfs.errors import AlreadyExists, BadInput, KsfsError, NotFound, NotRunning, VMError
 from ksfs.model import validate_name
 from ksfs.vm import domxml, files
 from ksfs.vm.probe import domain_type
@@ -218,8 +218,8 @@ class DomainController:
             raise VMError(f"domain {domain_name} has no file-backed disk to keep")
         for disk in disks:
             if disk.fmt not in ("raw", "qcow2"):
-                raise VMError(f"disk {disk.target} of {domain_name} is {disk.fmt}; ksfs keeps "
-                              f"raw or qcow2 disks")
+                raise BadInput(f"disk {disk.target} of {domain_name} is {disk.fmt}; ksfs keeps "
+                               f"raw or qcow2 disks")
             files.check_adoptable(disk.target, disk.source, domain_name)
         self._make_session_dir(session)
         state = SessionState(domain_name, {d.target: DiskState(d.source, d.fmt) for d in disks},

@@ -223,22 +223,27 @@ def check_adoptable(target: str, source: str, domain: str) -> None:
     """Refuse, before anything is written, an adopted disk whose chain ksfs could not snapshot
     and read in place: encrypted, compressed clusters, or an external data file. (A backing
     chain is fine: an adopted disk stays where the user keeps it.)"""
+    # The domain as the user gives it: what ksfs cannot take is bad input (exit 2) and a disk
+    # file that is not there is not found (3), as for `session new --disk` (QA, eighteenth
+    # session: both were "VM errors", exit 10, the second as qemu-img's own failure).
     what = f"inspecting disk {target} of {domain}"
     how = ("; convert it first (qemu-img convert -O qcow2), or make a session from a copy of "
            "it with `ksfs session new --disk`")
+    if not os.path.exists(source):
+        raise NotFound(f"disk {target} of domain {domain} is {source}, which does not exist")
     chain = backing_chain(source, what)
     for info in chain:
         if info.get("encrypted"):
-            raise VMError(f"disk {target} of {domain} ({info['filename']}) is encrypted; ksfs "
-                          f"cannot keep encrypted disks")
+            raise BadInput(f"disk {target} of {domain} ({info['filename']}) is encrypted; ksfs "
+                           f"cannot keep encrypted disks")
         if data_file_of(info):
-            raise VMError(f"disk {target} of {domain} ({info['filename']}) keeps its data in an "
-                          f"external file ({data_file_of(info)}), which ksfs cannot read in "
-                          f"place{how}")
+            raise BadInput(f"disk {target} of {domain} ({info['filename']}) keeps its data in "
+                           f"an external file ({data_file_of(info)}), which ksfs cannot read in "
+                           f"place{how}")
     bad = compressed_files(source, what, chain)
     if bad:
-        raise VMError(f"disk {target} of {domain} ({bad[0]}) has compressed clusters, which "
-                      f"ksfs cannot read in place{how}")
+        raise BadInput(f"disk {target} of {domain} ({bad[0]}) has compressed clusters, which "
+                       f"ksfs cannot read in place{how}")
 
 
 def check_start_files(xml: str, kept: set[str], from_memory: bool, label: str,
