@@ -139,6 +139,16 @@ def assert_error_line(res: subprocess.CompletedProcess, code: int, *words: str) 
         assert w in lines[0], lines[0]
 
 
+def one_disk_domain(env: dict, dom: str, disk: Path, fmt: str) -> str:
+    """A user's domain XML: the test guest's kernel and initrd, one virtio disk."""
+    return (f"<domain type='qemu'><name>{dom}</name><memory unit='MiB'>256</memory>"
+            f"<os><type arch='x86_64'>hvm</type><kernel>{env['spec']['kernel']}</kernel>"
+            f"<initrd>{env['spec']['initrd']}</initrd></os><devices>"
+            f"<disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
+            f"<source file='{disk}'/><target dev='vda' bus='virtio'/></disk></devices>"
+            f"</domain>")
+
+
 def assert_nothing_made(env: dict, name: str) -> None:
     assert virsh("domstate", f"ksfs-{name}").returncode != 0
     assert not (env["store"] / "vm" / name).exists()
@@ -318,11 +328,7 @@ def test_adopt_refuses_a_compressed_disk_before_the_first_save(env) -> None:
     disk = d / "c.qcow2"
     qemu_img("convert", "-c", "-O", "qcow2", env["spec"]["disk"], str(disk))
     dom = f"ksfs-test-adoptc-{env['tag']}"
-    xml = (f"<domain type='qemu'><name>{dom}</name><memory unit='MiB'>256</memory>"
-           f"<os><type arch='x86_64'>hvm</type><kernel>{env['spec']['kernel']}</kernel>"
-           f"<initrd>{env['spec']['initrd']}</initrd></os><devices>"
-           f"<disk type='file' device='disk'><driver name='qemu' type='qcow2'/>"
-           f"<source file='{disk}'/><target dev='vda' bus='virtio'/></disk></devices></domain>")
+    xml = one_disk_domain(env, dom, disk, 'qcow2')
     (d / "dom.xml").write_text(xml)
     name = f"adoptc-{env['tag']}"
     try:
@@ -411,11 +417,7 @@ def test_adopt_no_start_leaves_a_shut_off_domain_off(env) -> None:
     disk = d / "own.raw"
     subprocess.run(["cp", "--sparse=always", env["spec"]["disk"], str(disk)], check=True)
     dom = f"ksfs-test-adoptoff-{env['tag']}"
-    xml = (f"<domain type='qemu'><name>{dom}</name><memory unit='MiB'>256</memory>"
-           f"<os><type arch='x86_64'>hvm</type><kernel>{env['spec']['kernel']}</kernel>"
-           f"<initrd>{env['spec']['initrd']}</initrd></os><devices>"
-           f"<disk type='file' device='disk'><driver name='qemu' type='raw'/>"
-           f"<source file='{disk}'/><target dev='vda' bus='virtio'/></disk></devices></domain>")
+    xml = one_disk_domain(env, dom, disk, 'raw')
     (d / "dom.xml").write_text(xml)
     name = f"adoptoff-{env['tag']}"
     env["made"].append(name)
