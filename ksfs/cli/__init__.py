@@ -109,12 +109,10 @@ def run_verb(ctx: Context, verb: str, steps: str | None = None, **args: Any) -> 
 def _unused(ctx: Context) -> bool:
     """Whether the store just made holds nothing and no other command is in a verb on it (two
     first commands on one new store: the one refused must not remove the other's)."""
-    from ksfs.errors import Busy
-
     try:
         keeper = ctx.open_keeper()
-        fd = keeper.store.lock(exclusive=True, timeout=0)
-    except (KsfsError, Busy):
+        fd = keeper.store.lock(exclusive=True, timeout=0)  # Busy (a KsfsError) when held
+    except KsfsError:
         return False
     try:
         return not keeper.ledger.sessions(include_removed=True) \
