@@ -202,24 +202,27 @@ class Recovery:
                                           f"checkpoint {rec.name}/{target}",
                                           record.file(MEMORY_FILE) is not None, rec.name)
         kept = None
-        if target and state != "absent":
+        if target and (state != "absent" or self.vm.has_disk_files(rec.name)):
             # What the machine wrote since that checkpoint is on its disks: kept first, or
-            # the machine is left as it is (a restore would delete it).
+            # the machine is left as it is (a restore would delete it). A machine undefined
+            # behind ksfs leaves its disk files too, as `restore` knows (QA, 18th session).
+            was = "gone" if state == "absent" else state
             try:
                 kept = self._save_stopped_disks(
-                    rec, f"disks of the machine found {state}, kept before recover restores "
+                    rec, f"disks of the machine found {was}, kept before recover restores "
                          f"{target}")
             except KsfsError as exc:
-                actions.append(f"machine was {state}; its disks could not be saved, so it was "
+                actions.append(f"machine was {was}; its disks could not be saved, so it was "
                                f"not restored to {target}: {exc}")
                 return actions
-            actions.append(f"disks of the {state} machine saved as checkpoint {kept.name} "
+            actions.append(f"disks of the {was} machine saved as checkpoint {kept.name} "
                            "(no memory)")
         if target:
             # (saved just above: the restore's begin and reconcile name that save, so the
             # transcript lines the machine wrote after the target are said rolled back)
             self._restore_locked(rec, target, keep_stopped=False, kept=kept)
-            actions.append(f"machine was {state}: restored to checkpoint {target}")
+            was = "gone" if state == "absent" else state
+            actions.append(f"machine was {was}: restored to checkpoint {target}")
         elif state != "absent":
             self.vm.resume(rec.domain, fw_cfg=self.guest_facts(rec))
             actions.append(f"machine was {state}: started")
