@@ -432,3 +432,44 @@ def test_adopt_no_start_leaves_a_shut_off_domain_off(env) -> None:
     finally:
         virsh("destroy", dom)
         virsh("undefine", dom)
+
+
+def test_a_transient_domain_is_refused_and_one_undefined_later_is_released_as_such(env
+                                                                                   ) -> None:
+    """QA (eighteenth session): libvirt forgets a transient domain when it stops. adopt took
+    one; and `session rm --release` of a domain its user undefined while ksfs held it said
+    "kept" of a machine that was gone at its next shutdown."""
+    d = new_dir(env, "transient")
+    disk = d / "own.raw"
+    subprocess.run(["cp", "--sparse=always", env["spec"]["disk"], str(disk)], check=True)
+    dom = f"ksfs-test-transient-{env['tag']}"
+    (d / "dom.xml").write_text(one_disk_domain(env, dom, disk, "raw"))
+    name = f"transient-{env['tag']}"
+    env["made"].append(name)
+    try:
+        virsh("create", str(d / "dom.xml"), check=True)
+        res = run(env, "session", "adopt", name, dom, check=False)
+        assert res.returncode == 2, res.stderr
+        assert f"domain {dom} is transient" in res.stderr and "virsh define" in res.stderr
+        assert res.stderr.count("\n") == 1, res.stderr
+        assert_nothing_made(env, name)
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        virsh("destroy", dom, check=True)  # gone: it was transient
+
+        virsh("define", str(d / "dom.xml"), check=True)
+        run(env, "session", "adopt", name, dom)
+        run(env, "save", name)  # the disk now runs on a layer of the session's
+        virsh("undefine", dom, check=True)  # while it runs: transient now
+        out = json.loads(run(env, "session", "rm", name, "--release", "--json").stdout)
+        assert out["released"]["transient"] is True, out
+        assert out["released"]["disks"] == {"vda": str(disk)}, out
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        # the same words without --json, for a domain still defined: no "transient"
+        (d / "live.xml").write_text(virsh("dumpxml", dom, check=True).stdout)  # its UUID
+        virsh("define", str(d / "live.xml"), check=True)
+        run(env, "session", "adopt", name, dom)
+        text = run(env, "session", "rm", name, "--release").stdout
+        assert f"domain {dom} kept\n" in text and "forgets" not in text, text
+    finally:
+        virsh("destroy", dom)
+        virsh("undefine", dom)

@@ -161,7 +161,9 @@ def session_rm(ctx, name, keep_checkpoints, release, as_json) -> None:
                    f"with it (--release hands an adopted domain back instead)")
     if "released" in res:
         rel = res["released"]
-        click.echo(f"domain {rel['domain']} kept" + "".join(
+        click.echo(f"domain {rel['domain']} kept" + (
+            " (transient: libvirt forgets it when it stops; `virsh define` keeps it)"
+            if rel.get("transient") else "") + "".join(
             f"\n  {t}: {f}" for t, f in sorted(rel["disks"].items())))
         for t, where in sorted(rel.get("detached_disks", {}).items()):
             click.echo(f"  {t} (detached): {where['how']} -> {where['file']}")

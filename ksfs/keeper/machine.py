@@ -482,6 +482,12 @@ class MachineVerbs:
             out["destroyed_domain"] = rec.domain
         if plan is not None:
             out["released"] = {"domain": rec.domain, "disks": released}
+            # Undefined by its user while ksfs held it: handed back as it is, and said (QA,
+            # eighteenth session: "kept", then gone at its next shutdown). The removal is
+            # done: a look that fails changes nothing of it.
+            with contextlib.suppress(KsfsError):
+                if released and self.vm.transient(rec.domain):
+                    out["released"]["transient"] = True
             if detached:
                 out["released"]["detached_disks"] = detached
         return out

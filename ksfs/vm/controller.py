@@ -213,6 +213,13 @@ class DomainController:
         dom = self.lookup(domain_name)
         with step(domain_name, "reading the definition"):
             xml = dom.XMLDesc(0)
+            persistent = dom.isPersistent()
+        if not persistent:
+            # (QA, eighteenth session) libvirt forgets a transient domain when it stops, and
+            # a release would hand back a machine that vanishes at its next shutdown.
+            raise BadInput(f"domain {domain_name} is transient (started without a definition): "
+                           f"ksfs adopts defined domains; `virsh dumpxml {domain_name} > "
+                           f"{domain_name}.xml && virsh define {domain_name}.xml` defines it")
         disks = domxml.disks(xml)
         if not disks:
             raise VMError(f"domain {domain_name} has no file-backed disk to keep")
@@ -439,6 +446,12 @@ class DomainController:
                 return False
             self.conn.defineXML(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE))
         return True
+
+    def transient(self, domain: str) -> bool:
+        """True for a domain libvirt holds without a definition: gone once it stops."""
+        dom = self.lookup(domain)
+        with step(domain, "reading whether it is defined"):
+            return not dom.isPersistent()
 
     def xml(self, domain: str, inactive: bool = False) -> str:
         flags = libvirt.VIR_DOMAIN_XML_SECURE
