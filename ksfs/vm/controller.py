@@ -220,9 +220,14 @@ class DomainController:
             raise BadInput(f"domain {domain_name} is transient (started without a definition): "
                            f"ksfs adopts defined domains; `virsh dumpxml {domain_name} > "
                            f"{domain_name}.xml && virsh define {domain_name}.xml` defines it")
-        disks = domxml.disks(xml)
+        try:
+            disks = domxml.disks(xml)
+        except VMError as exc:
+            # a block, network or shareable disk: the domain given is not one ksfs can keep,
+            # which is the caller's input, not a fault of the machine (QA, eighteenth session)
+            raise BadInput(str(exc)) from None
         if not disks:
-            raise VMError(f"domain {domain_name} has no file-backed disk to keep")
+            raise BadInput(f"domain {domain_name} has no writable file-backed disk to keep")
         for disk in disks:
             if disk.fmt not in ("raw", "qcow2"):
                 raise BadInput(f"disk {disk.target} of {domain_name} is {disk.fmt}; ksfs keeps "
