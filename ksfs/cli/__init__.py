@@ -349,7 +349,7 @@ class KsfsGroup(click.Group):
             # raised as Abort here so click does not first print a blank line of its own;
             # QA (eighteenth session): a save interrupted once its checkpoint was published
             # said "aborted" alone
-            raise click.Abort(ctx.meta.get(DONE_NOTE) or "") from None
+            _abort(ctx)
         except OSError as exc:
             if _writes_stdout(exc):
                 _output_failed(ctx, exc)
@@ -365,7 +365,12 @@ class KsfsGroup(click.Group):
                 except Terminated as exc:
                     _say_terminated(ctx, exc)
                 except KeyboardInterrupt:  # the verb done, its closing cut short
-                    raise click.Abort(ctx.meta.get(DONE_NOTE) or "") from None
+                    _abort(ctx)
+
+
+def _abort(ctx: click.Context) -> NoReturn:
+    """Ctrl-C: "aborted", with what the verb had done by then (DONE_NOTE)."""
+    raise click.Abort(ctx.meta.get(DONE_NOTE) or "") from None
 
 
 def _say_terminated(ctx: click.Context, exc: Terminated) -> NoReturn:

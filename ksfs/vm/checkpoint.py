@@ -248,7 +248,7 @@ def _gone(ctl: DomainController, session: str, domain: str, xml: str | None) -> 
     state = ctl.load_state(session)
     disks = []
     for target, ds in state.disks.items():
-        top, fmt = (ds.top, "qcow2") if ds.top else (ds.root, ds.root_fmt)
+        top, fmt = ds.running_file
         if not os.path.exists(top):
             raise VMError(f"the machine of session {session} is gone and so is its disk "
                           f"{target} ({top}): nothing of it to save")

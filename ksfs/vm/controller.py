@@ -273,7 +273,7 @@ class DomainController:
         ran on (a machine undefined behind ksfs leaves them)."""
         state = load_state(self._state_path(session))
         return bool(state and state.disks) and all(
-            Path(ds.top or ds.root).exists() for ds in state.disks.values())
+            Path(ds.running_file[0]).exists() for ds in state.disks.values())
 
     def finish(self, frozen: Frozen, checkpoint: str | None = None) -> None:
         """Commit the frozen layers into their root and drop the memory staging file."""

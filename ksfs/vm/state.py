@@ -36,6 +36,11 @@ class DiskState:
     # change, and a killed copy's temporary file is removed even by a plain session rm.
     handing_back: dict | None = None
 
+    @property
+    def running_file(self) -> tuple[str, str]:
+        """(file, format) the machine last ran this disk on: its overlay, else the root."""
+        return (self.top, "qcow2") if self.top else (self.root, self.root_fmt)
+
 
 @dataclass
 class SessionState:
