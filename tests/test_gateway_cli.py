@@ -167,6 +167,13 @@ def test_cli_errors_and_help(tmp_path, provider):
     ksfs(store, "import", "default", "c1", str(tmp_path / "note"))
     set_to = json.loads(ksfs(store, "budget", "default", "--usd", "-0", "--json").stdout)
     assert str(set_to["budget"]["usd"]) == "0.0", set_to
+    # a token budget past what a JSON reader holds exactly is refused, the budget unchanged
+    # (QA, earlier sessions: accepted as given)
+    huge = ksfs(store, "budget", "default", "--tokens", str(2**53 + 1), check=False)
+    assert huge.returncode == 2 and "at most 9007199254740992" in huge.stderr, huge.stderr
+    assert json.loads(ksfs(store, "budget", "default", "--json").stdout)["budget"] == \
+        set_to["budget"]
+    ksfs(store, "budget", "default", "--tokens", str(2**53))
     ksfs(store, "budget", "default", "--clear")
     for cmd in (["gateway", "serve"], ["usage"], ["budget"]):
         text = ksfs(store, *cmd, "--help").stdout

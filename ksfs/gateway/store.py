@@ -34,6 +34,8 @@ from ksfs.model import Event
 DBS = (b"gw_responses", b"gw_usage", b"gw_budgets")
 _META_LEN = struct.Struct(">I")
 
+MAX_TOKEN_BUDGET = 2**53  # the largest integer a JSON reader's double holds exactly
+
 
 @dataclass(frozen=True)
 class StoredResponse:
@@ -380,6 +382,11 @@ class GatewayStore:
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
                                    or tokens < 0):
             raise BadInput(f"a token budget must be a whole number >= 0, not {tokens!r}")
+        if tokens is not None and tokens > MAX_TOKEN_BUDGET:
+            # (what JSON readers hold exactly as an integer is bounded; a budget beyond any
+            # usage is no budget, which --clear says)
+            raise BadInput(f"a token budget must be at most {MAX_TOKEN_BUDGET}, not {tokens}; "
+                           f"`ksfs budget SESSION --clear` removes the budget")
         if usd is not None:
             given = usd
             try:
