@@ -39,12 +39,9 @@ def run_trials(*args: str) -> dict:
     return out
 
 
-# Points on paths the script's trials do not walk (its machines are ksfs's own, and only an
-# adopted one is released): killed at by the test named, which must say so.
-KILLED_ELSEWHERE = {"vm.release.job": "tests/test_vm_release.py",
-                    "vm.release.disk": "tests/test_vm_release.py",
-                    # (adopted domains with a disk detached: crash-trials' are ksfs's own)
-                    "vm.detached.commit": "tests/test_vm_devices.py",
+# Points on paths the script's trials do not walk (its adopted domain never has a disk
+# detached): killed at by the test named, which must say so.
+KILLED_ELSEWHERE = {"vm.detached.commit": "tests/test_vm_devices.py",
                     "vm.detached.copy": "tests/test_vm_devices.py"}
 
 
@@ -57,7 +54,8 @@ def test_every_crash_point_in_the_code_is_tried() -> None:
     mod = load_script()
     tried = {p.partition(":")[0] for lst in (mod.IMPORT_POINTS, mod.RM_POINTS, mod.GC_POINTS,
                                              mod.SAVE_POINTS, mod.RESTORE_POINTS,
-                                             mod.FORK_POINTS, mod.SESSION_RM_POINTS)
+                                             mod.FORK_POINTS, mod.SESSION_RM_POINTS,
+                                             mod.RELEASE_POINTS)
              for p in lst}
     assert names, "no crash points found in ksfs/"
     for point, test in KILLED_ELSEWHERE.items():
