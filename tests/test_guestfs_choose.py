@@ -168,3 +168,83 @@ def test_no_readable_partition_says_why(tmp_path: Path, second: str, words: tupl
         GuestFS.open(reader)
     for w in words:
         assert w in str(err.value)
+
+
+LVM = "E6D6D379-F507-44C2-A23C-238F2A3DF928"
+LUKS = "CA7D7CCB-63ED-4C53-861C-1742536059CC"
+CONTAINERS = {  # what each holds at its start, as pvcreate, cryptsetup and mdadm write it
+    "lvm": (512, b"LABELONE" + bytes(16) + b"LVM2 001", "an LVM physical volume"),
+    "luks": (0, b"LUKS\xba\xbe\x00\x02", "a LUKS encrypted volume"),
+    "md": (4096, (0xA92B4EFC).to_bytes(4, "little"), "a Linux RAID (md) member"),
+}
+
+
+def _put(disk: Path, offset: int, data: bytes) -> None:
+    with open(disk, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.parametrize("layout, table, kind", [
+    ([(LINUX, "boot"), (LVM, 16)], "gpt", "lvm"),      # Ubuntu server with LVM
+    ([("83", "boot"), ("8e", 16)], "dos", "lvm"),
+    ([(LINUX, "boot"), (LUKS, 16)], "gpt", "luks"),
+    ([("83", "boot"), ("83", 16)], "dos", "luks"),     # Debian's encrypted layout: 0x83 too
+    ([("83", "boot"), ("fd", 16)], "dos", "md"),
+])
+def test_a_boot_beside_a_root_not_read_is_the_error(images: dict[str, Path], tmp_path: Path,
+                                                    layout: list, table: str,
+                                                    kind: str) -> None:
+    """QA (nineteenth session): the ext /boot beside a root on LVM or LUKS was shown as the
+    guest's files, and `ksfs diff` of two such disks said nothing changed."""
+    disk = tmp_path / "disk.img"
+    offsets = build_disk(disk, [(t, c if isinstance(c, int) else images[c]) for t, c in layout],
+                         table=table)
+    at, magic, said = CONTAINERS[kind]
+    _put(disk, offsets[1] + at, magic)
+    with FileImageReader(disk) as reader, pytest.raises(GuestFSUnreadable) as err:
+        GuestFS.open(reader)
+    part = "GPT partition" if table == "gpt" else "MBR partition"
+    assert f"{part} 2 at byte" in str(err.value) and said in str(err.value), err.value
+    with FileImageReader(disk) as reader:  # a caller that names a path on /boot still gets it
+        assert _which(GuestFS.open(reader, "vmlinuz")) == "boot"
+
+
+def test_a_root_beside_a_volume_not_read_is_still_the_root(images: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    disk = tmp_path / "disk.img"
+    offsets = build_disk(disk, [(LINUX, images["root"]), (LVM, 16)])
+    _put(disk, offsets[1] + 512, CONTAINERS["lvm"][1])
+    with FileImageReader(disk) as reader:
+        assert _which(GuestFS.open(reader)) == "root"
+
+
+@pytest.mark.parametrize("kind", sorted(CONTAINERS))
+def test_a_volume_not_read_alone_is_named(tmp_path: Path, kind: str) -> None:
+    """QA (nineteenth session): an LVM-only disk was "no Linux (0x83) partition"."""
+    at, magic, said = CONTAINERS[kind]
+    disk = tmp_path / "disk.img"
+    offsets = build_disk(disk, [("8e", 16)], table="dos")
+    _put(disk, offsets[0] + at, magic)
+    with FileImageReader(disk) as reader, pytest.raises(GuestFSUnreadable) as err:
+        GuestFS.open(reader)
+    assert f"MBR partition 1 at byte 1048576 holds {said}" in str(err.value), err.value
+    whole = tmp_path / "whole.img"
+    whole.write_bytes(bytes(16 << 20))
+    _put(whole, at, magic)
+    with FileImageReader(whole) as reader, pytest.raises(GuestFSUnreadable) as err:
+        GuestFS.open(reader)
+    assert f"the whole disk holds {said}" in str(err.value), err.value
+
+
+def test_a_gpt_for_4k_sectors_is_named(tmp_path: Path) -> None:
+    """QA (nineteenth session): "no GPT header at sector 1" of a 4096-byte-sector disk."""
+    disk = tmp_path / "disk.img"
+    mbr = bytearray(512)
+    mbr[446 + 4] = 0xEE  # protective
+    mbr[446 + 8:446 + 16] = (1).to_bytes(4, "little") + (0xFFFFFFFF).to_bytes(4, "little")
+    mbr[510:512] = b"\x55\xaa"
+    disk.write_bytes(bytes(mbr) + bytes(4096 - 512) + b"EFI PART" + bytes((8 << 20) - 4104))
+    with FileImageReader(disk) as reader, pytest.raises(GuestFSUnreadable) as err:
+        GuestFS.open(reader)
+    assert "4096-byte sectors" in str(err.value), err.value

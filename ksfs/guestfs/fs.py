@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ksfs.errors import BadInput, GuestFSUnreadable, IntegrityError, NoSuchFile
 from ksfs.guestfs import layout
-from ksfs.guestfs.image import Partition, Reader, find_filesystems, read_exact
+from ksfs.guestfs.image import NOT_READ, Partition, Reader, find_filesystems, read_exact
 from ksfs.guestfs.journal import journal_overlay
 from ksfs.guestfs.layout import Inode
 from ksfs.guestfs.volume import LRU, Volume
@@ -111,7 +111,18 @@ class GuestFS:
                     if fs is not None and fs.holds(b"etc", directory=True):
                         return fs
         first = opened.get(parts[0])  # opened already when it could be
-        return first if first is not None else cls._open_at(reader, parts[0])  # (or its error)
+        fs = first if first is not None else cls._open_at(reader, parts[0])  # (or its error)
+        unread = [p for p in parts if p.content in NOT_READ]
+        if unread and not fs.holds(b"etc", directory=True) and not (
+                holding is not None and fs.holds(holding)):
+            # An ext /boot beside a root on LVM, LUKS, RAID, XFS or btrfs: shown as the guest's
+            # files it would be wrong, and `diff` would miss every change of the root (QA,
+            # nineteenth session). A caller naming a path on it still gets it.
+            raise GuestFSUnreadable(
+                why=f"{unread[0].where} holds {NOT_READ[unread[0].content]}, and the ext "
+                    f"filesystem beside it ({fs.where}) has no etc/: the guest's root is "
+                    f"taken to be the one not read")
+        return fs
 
     def holds(self, path: str | bytes, directory: bool = False) -> bool:
         """Whether ``path`` exists here (as a directory, with ``directory``)."""

@@ -63,7 +63,19 @@ GPT_MOUNTED = _guids(**{
 ROLE_RANK = {"root": 0, "linux": 1, "mounted": 2, "other": 3}
 # ... and by content: a filesystem (ext, or one this does not read, which is then the error), an
 # ext superblock that does not parse, nothing recognised.
-CONTENT_RANK = {"ext": 0, "btrfs": 0, "xfs": 0, "ext-damaged": 1, "": 2}
+CONTENT_RANK = {"ext": 0, "btrfs": 0, "xfs": 0, "lvm": 0, "luks": 0, "md": 0, "ext-damaged": 1,
+                "": 2}
+# What is recognised but not read, as said in errors: the guest's root may be on one (Ubuntu's
+# LVM and Debian's encrypted layouts put an ext /boot beside it), so it is never replaced by
+# that /boot (QA, nineteenth session).
+NOT_READ = {"btrfs": "a btrfs filesystem; only ext2/3/4 are read",
+            "xfs": "a xfs filesystem; only ext2/3/4 are read",
+            "lvm": "an LVM physical volume; LVM volumes are not read",
+            "luks": "a LUKS encrypted volume; encrypted volumes are not read",
+            "md": "a Linux RAID (md) member; RAID volumes are not read"}
+
+
+MD_MAGIC = struct.pack("<I", 0xA92B4EFC)
 
 
 class Reader(Protocol):
@@ -142,10 +154,8 @@ class Partition:
         disk, or it holds another filesystem."""
         if self.why:
             raise GuestFSUnreadable(why=self.why)
-        if self.content in ("btrfs", "xfs"):
-            raise GuestFSUnreadable(
-                why=f"{self.where} holds a {self.content} filesystem; only ext2/3/4 are read"
-            )
+        if self.content in NOT_READ:
+            raise GuestFSUnreadable(why=f"{self.where} holds {NOT_READ[self.content]}")
 
 
 def has_ext_magic(reader: Reader, offset: int) -> bool:
@@ -156,17 +166,29 @@ def has_ext_magic(reader: Reader, offset: int) -> bool:
 
 def probe(reader: Reader, offset: int, length: int) -> str:
     """What the partition at ``offset`` holds: "ext" (a superblock that parses), "ext-damaged"
-    (the magic only), "btrfs", "xfs", or "" (nothing recognised)."""
+    (the magic only), one of NOT_READ, or "" (nothing recognised)."""
     if has_ext_magic(reader, offset):
         try:
             layout.parse_superblock(read_exact(reader, offset + 1024, 1024, "superblock"), length)
             return "ext"
         except GuestFSUnreadable:
             return "ext-damaged"
-    if length >= 4 and reader.read(offset, 4) == b"XFSB":
+    head = reader.read(offset, min(length, 2048, max(0, reader.size - offset)))
+    if head[:4] == b"XFSB":
         return "xfs"
+    if head[:6] == b"LUKS\xba\xbe":  # LUKS1 and LUKS2 alike
+        return "luks"
+    for sector in range(4):  # an LVM2 label is in one of the first four sectors
+        label = head[sector * SECTOR: sector * SECTOR + 32]
+        if label[:8] == b"LABELONE" and label[24:32] == b"LVM2 001":
+            return "lvm"
     if length >= 0x10048 and reader.read(offset + 0x10040, 8) == b"_BHRfS_M":
         return "btrfs"
+    # md superblocks 1.1 (at the start) and 1.2 (4 KiB in); 0.90 and 1.0 sit at the end, and
+    # a RAID1 member of those holds its filesystem at byte 0, which reads as itself.
+    for at in (0, 4096):
+        if length >= at + 4 and reader.read(offset + at, 4) == MD_MAGIC:
+            return "md"
     return ""
 
 
@@ -221,7 +243,10 @@ def find_filesystems(reader: Reader) -> list[Partition]:
         return [Partition(0, reader.size, "whole disk", "linux", "ext")]
     if reader.size < SECTOR:
         raise GuestFSUnreadable(why=f"the disk is only {reader.size} bytes")
-    other = probe(reader, 0, reader.size) or _boot_sector_fs(reader.read(0, SECTOR))
+    other = probe(reader, 0, reader.size)
+    if other:
+        raise GuestFSUnreadable(why=f"the whole disk holds {NOT_READ[other]}")
+    other = _boot_sector_fs(reader.read(0, SECTOR))
     if other:  # (a FAT boot sector ends in 0x55AA too: not taken for a partition table)
         raise GuestFSUnreadable(
             why=f"the whole disk holds a {other} filesystem; only ext2/3/4 are read")
@@ -321,6 +346,10 @@ def _gpt_partitions(reader: Reader) -> list[Partition]:
     if got is None:
         header = read_exact(reader, SECTOR, 92, "GPT header")
         if header[:8] != b"EFI PART":
+            if reader.size >= 4096 + 8 and reader.read(4096, 8) == b"EFI PART":
+                raise GuestFSUnreadable(why="the GPT is laid out for 4096-byte sectors (its "
+                                            "header at byte 4096); only disks of 512-byte "
+                                            "sectors are read")
             raise GuestFSUnreadable(why="protective MBR but no GPT header at sector 1, nor a "
                                         "valid backup at the last sector")
         table_lba, count, entry_size = struct.unpack_from("<QII", header, 0x48)
