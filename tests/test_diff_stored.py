@@ -217,3 +217,34 @@ def test_compare_by_offset_lines_up_hole_runs() -> None:
     assert _compare_by_offset(longer, a) == _compare_by_offset(a, longer)
     assert _compare_by_offset([], []) == {"stored_clusters": 0, "changed_clusters": 0,
                                           "changed_bytes": 0}
+
+
+def test_an_unreadable_side_is_named_and_a_device_says_its_numbers(tmp_path: Path) -> None:
+    """QA (nineteenth session): "files: not compared (guest filesystem cannot be read ...)"
+    did not say of which side, and a device whose numbers changed printed "char, 0 -> 0"."""
+    import stat as st
+
+    trees = []
+    for minor in (3, 5):
+        src = tmp_path / f"src{minor}"
+        src.mkdir()
+        os.mknod(src / "dev", st.S_IFCHR | 0o600, os.makedev(1, minor))
+        (src / "keep").write_bytes(b"same\n")
+        trees.append(tmp_path / f"{minor}")
+        trees[-1].mkdir()
+        build_ext4(src, trees[-1] / "disk.raw", MIB, index_dirs=False)
+    junk = _file(tmp_path, "junk", "disk.raw", os.urandom(1 << 20))
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("sess", "c3", [trees[0] / "disk.raw"])
+        k.import_files("sess", "c5", [trees[1] / "disk.raw"])
+        k.import_files("sess", "junk", [junk])
+    d = as_json(store, "c3", "c5")
+    [dev] = d["files"]
+    assert dev["path"] == "dev" and dev["attrs"]["rdev"] == ["1:3", "1:5"], dev
+    assert "M dev  (char, 0 -> 0; device 1:3 -> 1:5)" in run(store, "c3", "c5")
+    for a, b, bad in (("c3", "junk", "sess/junk"), ("junk", "c5", "sess/junk")):
+        d = as_json(store, a, b)
+        assert d["files"] is None and d["files_error"].startswith(
+            f"{bad}: guest filesystem cannot be read"), d["files_error"]
+        assert f"files: not compared ({bad}: guest filesystem cannot be read" in run(store, a, b)

@@ -378,6 +378,8 @@ def diff(ctx, session: str, a: str, b: str, as_json: bool) -> None:
                             f"{c['size_a'] if c['size_a'] is not None else '-'} -> "
                             f"{c['size_b'] if c['size_b'] is not None else '-'}")
             moved = c.get("attrs") or {}
+            if "rdev" in moved:
+                what.append(f"device {moved['rdev'][0]} -> {moved['rdev'][1]}")
             if "mode" in moved:
                 what.append(f"mode {moved['mode'][0]:o} -> {moved['mode'][1]:o}")
             if "uid" in moved:

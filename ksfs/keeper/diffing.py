@@ -69,7 +69,14 @@ class Diffing:
             if da is not None and db is not None:
                 from ksfs.guestfs import diff_trees
 
-                fa, fb = self.guest_fs(ra), self.guest_fs(rb)
+                fs = []
+                for record, label in ((ra, out["a"]), (rb, out["b"])):
+                    try:
+                        fs.append(self.guest_fs(record))
+                    except KsfsError as exc:  # which side (QA: "cannot be read" said not)
+                        out["files_error"] = f"{label}: {exc}"
+                        return out
+                fa, fb = fs
 
                 changes = [c.to_dict() for c in diff_trees(fa, fb, attrs=True)]
                 out["files"] = [c for c in changes if c["kind"] != "attrs"]
