@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ksfs.errors import BadInput, GuestFSUnreadable, IntegrityError, NoSuchFile
-from ksfs.guestfs import layout
+from ksfs.guestfs import htree, layout
 from ksfs.guestfs.image import NOT_READ, Partition, Reader, find_filesystems, read_exact
 from ksfs.guestfs.journal import journal_overlay
 from ksfs.guestfs.layout import Inode
@@ -53,6 +53,8 @@ class GuestStat:
     @property
     def is_symlink(self) -> bool:
         return st.S_ISLNK(self.mode)
+
+SCAN = object()  # _dx_lookup: no index to follow, scan the directory
 
 
 def _encode(name: str | bytes) -> bytes:
@@ -204,6 +206,12 @@ class GuestFS:
         key = _encode(name)
         if key == b".":
             return dir_ino
+        if key != b"..":  # ("..": in the index's root block, which no hash leads to)
+            found = self._dx_lookup(dir_ino, key)
+            if found is not SCAN:
+                if found is None:
+                    raise NoSuchFile(what="guest file", name=_decode(key))
+                return found  # type: ignore[return-value]
         names = self._names.get(dir_ino)
         if names is None:
             names = {n: ino for n, ino, _, _ in self._iter_entries(dir_ino)}
@@ -212,6 +220,38 @@ class GuestFS:
         if ino is None:
             raise NoSuchFile(what="guest file", name=_decode(key))
         return ino
+
+    def _dx_lookup(self, dir_ino: int, key: bytes) -> int | None | object:
+        """``key``'s inode number through the directory's htree index (ksfs.guestfs.htree),
+        None when the index says it is absent, SCAN when there is no index to follow."""
+        inode = self._inode(dir_ino)
+        vol, sb = self.volume, self.volume.sb
+        if not (sb.compat & layout.COMPAT_DIR_INDEX and inode.flags & layout.FL_INDEX) or \
+                inode.kind != layout.S_IFDIR or \
+                inode.flags & (layout.FL_INLINE_DATA | layout.FL_CASEFOLD):
+            return SCAN
+        n_blocks = (inode.size + vol.bs - 1) // vol.bs
+        where = f"directory inode {dir_ino}"
+
+        def read_block(lblk: int) -> bytes:
+            runs = vol.runs(inode, lblk, lblk + 1) if lblk < n_blocks else []
+            if not runs or runs[0][2] is None:
+                raise htree.BadIndex(f"block {lblk} is a hole or past the end")
+            return vol.read_dir_block(inode, lblk, runs[0][2], f"{where} block {lblk}")
+
+        try:
+            for lblk in htree.leaf_blocks(
+                    read_block, vol.bs, key, sb.hash_unsigned, sb.hash_seed,
+                    3 if sb.incompat & layout.INCOMPAT_LARGEDIR else 2,
+                    sb.csum_seed is not None):
+                for name, ino, _, _ in layout.iter_dirents(read_block(lblk), sb.has_filetype,
+                                                           f"{where} block {lblk}", vol.bs):
+                    if name == key:
+                        return ino
+            return None
+        except htree.BadIndex as exc:
+            log.info("%s: %s: index not followed (%s): scanned", self.where, where, exc)
+            return SCAN
 
     def listdir_ino(self, dir_ino: int) -> Iterator[tuple[str, int, bool]]:
         """(name, ino, is_dir) of each entry but . and .., yielded block by block as read."""

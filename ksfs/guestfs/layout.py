@@ -54,6 +54,8 @@ FL_HUGE_FILE = 0x40000
 FL_EXTENTS = 0x80000
 FL_EA_INODE = 0x200000
 FL_INLINE_DATA = 0x10000000
+FL_CASEFOLD = 0x40000000
+FLAGS_UNSIGNED_HASH = 0x2  # s_flags: htree hashes take name bytes as unsigned chars
 
 S_IFMT = 0o170000
 S_IFDIR = 0o040000
@@ -117,6 +119,10 @@ class Superblock:
     # whether inode checksums are verified: the kernel's ext4_inode_csum_verify skips them
     # when the creator OS is not Linux
     inode_csums: bool = False
+    # dir_index: the seed of the directory hashes (all zero: the default) and whether they
+    # read names as unsigned chars (s_flags)
+    hash_seed: tuple[int, int, int, int] = (0, 0, 0, 0)
+    hash_unsigned: bool = False
 
     @property
     def has_filetype(self) -> bool:
@@ -196,6 +202,8 @@ def parse_superblock(raw: bytes, fs_bytes: int, checksum: bool = True) -> Superb
         else None,
         csum_seed=csum_seed,
         inode_csums=csum_seed is not None and struct.unpack_from("<I", raw, 0x48)[0] == 0,
+        hash_seed=struct.unpack_from("<4I", raw, 0xEC),
+        hash_unsigned=bool(struct.unpack_from("<I", raw, 0x160)[0] & FLAGS_UNSIGNED_HASH),
     )
 
 
