@@ -547,3 +547,71 @@ def test_gc_refuses_when_a_live_chunk_is_not_in_the_index(made: tuple[Path, Path
 def _manifests(s: ChunkStore) -> list[str]:
     with s.env.begin(db=s.db["manifests"]) as txn:
         return [bytes(k).hex() for k in txn.cursor().iternext(values=False)]
+
+
+# --- 11: a B-tree page that sends lookups the wrong way ----------------------------------------
+
+
+def misrouting_flip(index: Path, tmp_path: Path) -> int:
+    """An offset in data.mdb where one flipped byte (a separator key of a branch page of the
+    chunks B-tree) makes a lookup by id miss a chunk that a cursor walk still lists, found by
+    trying each flip on a copy."""
+    data = (index / "data.mdb").read_bytes()
+    copy = tmp_path / "probe"
+    copy.mkdir()
+
+    def misroutes(buf: bytes) -> bool:
+        (copy / "data.mdb").write_bytes(buf)
+        env = lmdb.open(str(copy), max_dbs=32, readonly=True, lock=False)
+        try:
+            with env.begin(db=env.open_db(b"chunks", create=False)) as txn:
+                keys = [bytes(k) for k in txn.cursor().iternext(values=False)]
+                return len(keys) == want and any(txn.get(k) is None for k in keys)
+        except lmdb.Error:
+            return False
+        finally:
+            env.close()
+
+    env = lmdb.open(str(index), max_dbs=32, readonly=True, lock=False)
+    with env.begin(db=env.open_db(b"chunks", create=False)) as txn:
+        want = txn.stat()["entries"]
+    env.close()
+    for start in range(0, len(data), 4096):
+        pgno, flags, lower, upper = (int.from_bytes(data[start:start + 8], "little"),
+                                     *(int.from_bytes(data[start + i:start + i + 2], "little")
+                                       for i in (10, 12, 14)))
+        if pgno != start // 4096 or flags != 1 or not 16 < lower <= upper <= 4096:
+            continue  # not a branch page
+        for at in range(start + upper, start + 4096):
+            buf = bytearray(data)
+            buf[at] ^= 0x55
+            if misroutes(bytes(buf)):
+                return at
+    raise AssertionError("no flip in a branch page sends a lookup astray")
+
+
+def test_check_looks_chunks_up_by_id_as_reads_do(tmp_path: Path) -> None:
+    """QA: a flipped byte in a branch page of the chunks B-tree made lookups by id miss chunks a
+    cursor walk still listed; check (which only walked) said clean while cat and gc failed."""
+    store = tmp_path / "store"
+    for i in (1, 2, 3):
+        src = tmp_path / str(i) / "memory"
+        src.parent.mkdir()
+        src.write_bytes(random.Random(i).randbytes(4 << 20))  # ~200 chunks each: 3+ leaves
+        assert ksfs(store, "import", "s", f"c{i}", str(src)).returncode == 0
+    at = misrouting_flip(store / "index", tmp_path)
+    with open(store / "index" / "data.mdb", "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x55]))
+    unreadable = [c for c in ("c1", "c2", "c3") if subprocess.run(
+        KSFS + ["--store", str(store), "cat", "s", c, "memory"], capture_output=True,
+        timeout=300).returncode == 6]
+    assert unreadable
+    for args in (["check"], ["check", "--read-data"]):
+        res = ksfs(store, *args)
+        assert res.returncode == 6, (res.stdout, res.stderr)
+        assert "lookup by its id does not find it" in res.stdout, res.stdout
+        for c in unreadable:
+            assert f"s/{c}/memory: unreadable" in res.stdout, res.stdout

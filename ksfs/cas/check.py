@@ -2,7 +2,8 @@
 
 It reads under the shared store lock (so GC does not move things mid-check) and reports; it never
 repairs, deletes or rewrites anything. Without ``read_data`` it checks that index, pack figures,
-pack files, record headers and manifests agree; with it, every chunk is decompressed and hashed.
+pack files, record headers and manifests agree, and looks up by id (as reads do) every chunk a
+manifest names; with it, every chunk is decompressed and hashed.
 The report names every reference (checkpoint file) that depends on something damaged.
 """
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
 
 READ_SPAN = 8 * 1024 * 1024
+LOST_BY_ID = "the index lists it, but a lookup by its id does not find it: a B-tree page is damaged"
 
 
 @dataclass
@@ -133,7 +135,11 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
                  for k, v in txn.cursor(db=db["packs"])}
         chunks = [(bytes(k), fmt.Location.decode(v)) for k, v in txn.cursor(db=db["chunks"])]
         manifests = {bytes(k): bytes(v) for k, v in txn.cursor(db=db["manifests"])}
+        infos = _decode_manifests(manifests, rep)
+        lost = _lost_by_id(txn, db["chunks"], infos, chunks)
     rep.packs_checked = len(packs)
+    for cid in lost:
+        rep.missing_chunks[cid.hex()] = LOST_BY_ID
 
     # packs: present, as long as the index says, and their live figures add up
     live: dict[int, int] = {}
@@ -192,14 +198,7 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
     indexed = {cid for cid, _ in chunks}
     bad = set(rep.damaged_chunks) | set(rep.missing_chunks)
     rep.manifests_checked = len(manifests)
-    for mid, raw in manifests.items():
-        try:
-            if fmt.manifest_id(raw) != mid:
-                raise ManifestCorrupt(manifest=mid.hex(), why="its bytes do not hash to its id")
-            info = fmt.decode_manifest(raw, mid.hex())
-        except IntegrityError as exc:
-            rep.damaged_manifests[mid.hex()] = str(exc)
-            continue
+    for mid, info in infos.items():
         hurt = set()
         for cid, _ in info.entries:
             if cid is None:
@@ -235,6 +234,34 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
             for ref in refs:
                 rep.affected_references.setdefault(ref, []).append(why)
     return rep
+
+
+def _decode_manifests(manifests: dict[bytes, bytes], rep: CheckReport
+                      ) -> dict[bytes, fmt.ManifestInfo]:
+    """The manifests that are intact, decoded; the others go into ``rep`` as damaged."""
+    infos = {}
+    for mid, raw in manifests.items():
+        try:
+            if fmt.manifest_id(raw) != mid:
+                raise ManifestCorrupt(manifest=mid.hex(), why="its bytes do not hash to its id")
+            infos[mid] = fmt.decode_manifest(raw, mid.hex())
+        except IntegrityError as exc:
+            rep.damaged_manifests[mid.hex()] = str(exc)
+    return infos
+
+
+def _lost_by_id(txn, db, infos: dict[bytes, fmt.ManifestInfo],
+                chunks: list[tuple[bytes, fmt.Location]]) -> set[bytes]:
+    """The listed chunks a manifest (or a delta, as its base) names that a lookup by id does
+    not find. Reads look chunks up by id; a damaged branch page of the B-tree sends such a
+    lookup the wrong way while a cursor walk still lists every key (QA: check called a store
+    clean whose files ``cat`` could not read). Chunks the walk does not list are named as
+    not in the index by the manifest pass."""
+    listed = {cid for cid, _ in chunks}
+    wanted = {loc.base for _, loc in chunks if loc.base is not None}
+    for info in infos.values():
+        wanted.update(cid for cid, _ in info.entries if cid is not None)
+    return {cid for cid in wanted & listed if txn.get(cid, db=db) is None}
 
 
 def _pack_files(store: ChunkStore) -> tuple[dict[int, int], dict[int, str]]:
