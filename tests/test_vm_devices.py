@@ -514,3 +514,50 @@ def test_a_hand_back_killed_part_way_is_finished_or_cleaned_up(
         assert part.exists() and not (other / "data2.released.qcow2").exists()
         run(store, "session", "rm", name, env=e)  # plain: the machine's writes since go too
         assert not part.exists()
+
+
+def crash(dom: str, console: Path | None = None) -> None:
+    """Panic the guest (an NMI with unknown_nmi_panic=1) and wait until its pvpanic device has
+    told libvirt, which on_crash=preserve keeps as an active "crashed" domain."""
+    deadline, nmi = time.monotonic() + 60, 0.0
+    while not virsh("domstate", dom).stdout.startswith("crashed"):
+        if time.monotonic() > nmi + 5:  # (one sent right after a save was seen lost)
+            virsh("inject-nmi", dom, check=True)
+            nmi = time.monotonic()
+        assert time.monotonic() < deadline, f"{dom} did not crash: {virsh('domstate', dom)}" \
+            f"; its console: {console.read_text(errors='replace')[-3000:] if console else ''}"
+        time.sleep(0.2)
+
+
+def test_a_crashed_machine_libvirt_keeps_is_not_taken_for_a_running_one(
+        env, guest: Path, tmp_path: Path) -> None:
+    """QA (nineteenth session): with on_crash=preserve a crashed guest's QEMU stays, the domain
+    active and "crashed": pause and resume said they had paused and booted it, recover that it
+    had started it, and restore refused it ("is running; its disks are not stopped")."""
+    store, e = env["store"], env["env"]
+    dom, _own, xml = raw_domain(env, guest, tmp_path, "crashed")
+    xml = xml.replace("quiet", "quiet panic=0 unknown_nmi_panic=1").replace(
+        "<devices>", "<features><acpi/></features><on_crash>preserve</on_crash>"
+                     "<devices><panic model='isa'/>").replace(  # (found by ACPI)
+        "<serial type='pty'/><console type='pty'/>",
+        f"<serial type='file'><source path='{tmp_path}/console.log'/></serial>")
+    name = dom
+    with adopted(env, tmp_path / "dom.xml", xml, dom, name, f"{name}-f"):
+        c1 = wait_transcript(store, name, e, 2)
+        crash(dom, tmp_path / "console.log")
+        paused = run(store, "pause", name, check=False, env=e)
+        assert paused.returncode == 10 and "is not running" in paused.stderr, paused.stderr
+        out = json.loads(run(store, "restore", name, c1, "--json", env=e).stdout)
+        assert out["saved_as"], out  # the crashed machine's disks, kept first
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        crash(dom, tmp_path / "console.log")
+        out = json.loads(run(store, "resume", name, "--json", env=e).stdout)
+        assert out["booted"] is True and out["woken"] is False, out
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        crash(dom, tmp_path / "console.log")
+        report = json.loads(run(store, "recover", "--json", env=e).stdout)
+        actions = {r["session"]: r["actions"] for r in report}[name]
+        assert actions[0] == "machine was crashed: its QEMU, kept after the crash, stopped", \
+            actions
+        assert any(a.startswith("disks of the shutoff machine saved") for a in actions), actions
+        assert virsh("domstate", dom).stdout.strip() == "running"

@@ -262,8 +262,8 @@ def pause(ctx, session_name, as_json) -> None:
 @_json_option
 @pass_ctx
 def resume(ctx, session_name, as_json) -> None:
-    """Run SESSION's paused machine again; one that is shut off is booted (to go back in
-    time, use restore).
+    """Run SESSION's paused machine again; one that is shut off or crashed is booted (to go
+    back in time, use restore), one the guest suspended to RAM is woken.
 
     Example: ksfs resume agent
     """
@@ -273,6 +273,8 @@ def resume(ctx, session_name, as_json) -> None:
     elif res.get("booted"):
         click.echo(f"{session_name} running (booted from its disks: what its memory held is "
                    f"gone; `ksfs restore {session_name} CHECKPOINT` goes back to a saved state)")
+    elif res.get("woken"):
+        click.echo(f"{session_name} running (woken from its suspend to RAM)")
     else:
         click.echo(f"{session_name} running")
 

@@ -123,6 +123,10 @@ class RestoreVerbs:
         self.vm.check_start_files(target.domain_xml, f"checkpoint {session}/{checkpoint}",
                                   memory is not None, session)
         state = self.vm.state(rec.domain)
+        if state in ("crashed", "pmsuspended") and self.vm.settle_dead_or_asleep(rec.domain):
+            # (QA, nineteenth session: "is running; its disks are not stopped" of a crashed
+            # machine on_crash=preserve kept, or one suspended to RAM): stopped, or woken
+            state = self.vm.state(rec.domain)
         if keep_stopped and state not in ("running", "paused") and (
                 state != "absent" or self.vm.has_disk_files(session)):
             # (a machine undefined behind ksfs leaves its disk files, and what it wrote

@@ -546,20 +546,22 @@ class MachineVerbs:
             state = self.vm.state(rec.domain)
             if state == "running" and not self._paused_by_user(session):
                 return {"session": session, "state": "running", "seq": None,  # nothing to do
-                        "booted": False}
+                        "booted": False, "woken": False}
             if state == "absent":
                 # (QA: libvirt's own lookup error was all the user got)
                 raise _gone(rec, self._adopted(session))
             self.vm.resume(rec.domain, fw_cfg=self.guest_facts(rec))  # (if it starts)
             body: dict[str, Any] = {"domain": rec.domain}
-            if state not in ("paused", "running"):
+            if state == "pmsuspended":
+                body["woken"] = True  # from its memory: suspended to RAM by the guest
+            elif state not in ("paused", "running"):
                 # Started from its disks, memory fresh: said, not taken for an unpause (QA,
                 # eighteenth session: after a restore left it shut off, `resume` looked as if
                 # it brought back the state the restore's save-first holds).
                 body["booted"] = True
             ev = self.ledger.record(session, "resume", body)
         return {"session": session, "state": "running", "seq": ev.seq,
-                "booted": body.get("booted", False)}
+                "booted": body.get("booted", False), "woken": body.get("woken", False)}
 
     # --- save -----------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ksfs.errors import KsfsError, NotFound
+from ksfs.errors import KsfsError, NotFound, VMError
 from ksfs.keeper.locks import drop_session_lock, session_lock
 from ksfs.keeper.machine import MEMORY_FILE
 from ksfs.ledger import auto_checkpoint_name
@@ -135,6 +135,12 @@ class Recovery:
         if freed:
             actions.append(f"{freed} bytes a killed verb left in the session's files removed")
         state = self.vm.state(rec.domain)  # a failure here: "could not recover"
+        if state in ("crashed", "pmsuspended") and self.vm.settle_dead_or_asleep(rec.domain):
+            # a crashed machine kept by on_crash=preserve: stopped (then its disks are saved
+            # and it is restored below); one suspended to RAM: woken (QA, nineteenth session)
+            actions.append(f"machine was {state}: " + (
+                "woken" if state == "pmsuspended" else "its QEMU, kept after the crash, stopped"))
+            state = self.vm.state(rec.domain)
         if state in ("running", "paused") and self.vm.persist(rec.name, rec.domain):
             actions.append("machine was only a transient domain (a fork killed before its "
                            "define): defined")
@@ -212,9 +218,9 @@ class Recovery:
                     rec, f"disks of the machine found {was}, kept before recover restores "
                          f"{target}")
             except KsfsError as exc:
-                actions.append(f"machine was {was}; its disks could not be saved, so it was "
-                               f"not restored to {target}: {exc}")
-                return actions
+                # not brought back: the session is reported failed (recover exits 10)
+                raise VMError(f"machine was {was}; its disks could not be saved, so it was "
+                              f"not restored to {target}: {exc}") from None
             actions.append(f"disks of the {was} machine saved as checkpoint {kept.name} "
                            "(no memory)")
         if target:

@@ -369,7 +369,10 @@ class DomainController:
     def pause(self, domain: str, session: str | None = None) -> int:
         """Pause a running domain; returns its QEMU instance's id (see resume_instance)."""
         dom = self.lookup(domain)
-        if not dom.isActive():
+        # (QA, nineteenth session: a crashed machine kept by on_crash=preserve, or one
+        # suspended to RAM, is active too, and was said paused)
+        if not dom.isActive() or dom.state()[0] not in (
+                libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_BLOCKED, libvirt.VIR_DOMAIN_PAUSED):
             raise NotRunning(session=session or domain)
         if dom.state()[0] != libvirt.VIR_DOMAIN_PAUSED:
             with step(domain, "pausing"):
@@ -404,6 +407,11 @@ class DomainController:
                     dom.create()
                 elif dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
                     dom.resume()
+                elif dom.state()[0] == libvirt.VIR_DOMAIN_PMSUSPENDED:
+                    dom.pMWakeup()
+                elif dom.state()[0] == libvirt.VIR_DOMAIN_CRASHED:
+                    dom.destroy()  # the crashed guest's QEMU, kept by on_crash=preserve
+                    dom.create()
         except VMError:
             # libvirt finishes a job whose client died (a start, a snapshot's resume): between
             # our look and our call it may have run the machine already, which is what we want.
@@ -411,6 +419,28 @@ class DomainController:
                 running = dom.isActive() and dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
             if not running:
                 raise
+
+    def settle_dead_or_asleep(self, domain: str) -> str | None:
+        """A domain active but not running the guest is made plain: a crashed one kept by
+        ``on_crash=preserve`` is destroyed (its QEMU holds a dead guest; the disks stay as the
+        crash left them, and the caller treats it as shut off), one suspended to RAM is woken
+        (it runs on from its memory). Returns "crashed" or "pmsuspended" when it did so."""
+        dom = self.lookup(domain)
+        with step(domain, "reading its state"):
+            st = dom.state()[0] if dom.isActive() else None
+        if st == libvirt.VIR_DOMAIN_CRASHED:
+            with step(domain, "stopping the crashed machine"):
+                dom.destroy()
+            return "crashed"
+        if st == libvirt.VIR_DOMAIN_PMSUSPENDED:
+            with step(domain, "waking the machine suspended to RAM"):
+                dom.pMWakeup()
+            deadline = time.monotonic() + 10
+            while dom.state()[0] == libvirt.VIR_DOMAIN_PMSUSPENDED and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            return "pmsuspended"
+        return None
 
     def state(self, domain: str) -> str:
         """running, paused, shutoff, crashed, ... or "absent" when no such domain exists."""
