@@ -321,6 +321,12 @@ def test_guest_json_missing_a_key_is_one_error_line(env) -> None:
         res = run(env, "session", "new", name, "--guest", str(d), check=False)
         assert_error_line(res, 2, key)
         assert_nothing_made(env, name)
+    # QA (nineteenth session): past 2047 bytes with ksfs.lineage= the kernel booted nothing
+    long = "console=ttyS0 panic=-1 quiet qa.pad=" + "p" * 2000
+    res = run(env, "session", "new", name, "--guest", str(env["guest"]), "--cmdline", long,
+              check=False)
+    assert_error_line(res, 2, "the kernel takes at most 2047")
+    assert_nothing_made(env, name)
 
 
 def test_adopt_refuses_a_compressed_disk_before_the_first_save(env) -> None:

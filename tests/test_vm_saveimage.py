@@ -254,6 +254,10 @@ def test_rename_for_fork_changes_identity_log_and_lineage_only() -> None:
     ("ksfs.lineage=old quiet", "ksfs.lineage=L quiet"),
     ("a xksfs.lineage=keep", "a xksfs.lineage=keep ksfs.lineage=L"),
     ("", "ksfs.lineage=L"),
+    # inside another parameter's quotes: that value is the user's (QA, nineteenth session)
+    ('a="x ksfs.lineage=foo y" ksfs.lineage=old', 'a="x ksfs.lineage=foo y" ksfs.lineage=L'),
+    ('a="x ksfs.lineage=foo y"', 'a="x ksfs.lineage=foo y" ksfs.lineage=L'),
+    ('ksfs.lineage=a b="c" ksfs.lineage=d', "ksfs.lineage=L b=\"c\" ksfs.lineage=L"),
 ])
 def test_set_cmdline_arg(cmdline: str, expected: str) -> None:
     assert domxml.set_cmdline_arg(cmdline, "ksfs.lineage", "L") == expected

@@ -48,6 +48,9 @@ _STATES = {
 }
 
 
+MAX_CMDLINE = 2047  # bytes of a kernel command line on x86 (COMMAND_LINE_SIZE 2048, NUL)
+
+
 class DomainController:
     """One libvirt connection and a work directory of per-session files.
 
@@ -185,6 +188,12 @@ class DomainController:
         full = " ".join(x for x in (cmdline, extra_cmdline) if x)
         if "ksfs.lineage=" not in full:
             full = domxml.set_cmdline_arg(full, "ksfs.lineage", session)
+        if len(full.encode()) > MAX_CMDLINE:
+            # x86's COMMAND_LINE_SIZE with its NUL: past it the kernel boots nothing, silently
+            # (QA, nineteenth session)
+            raise BadInput(f"the kernel command line would be {len(full.encode())} bytes with "
+                           f"ksfs's own parameters ({extra_cmdline or 'ksfs.lineage'}); the "
+                           f"kernel takes at most {MAX_CMDLINE}")
         xml = domxml.new_domain_xml(domain_name, self.domain_type, boot["kernel"],
                                     boot["initrd"], copy, fmt, memory_mib, vcpus, full,
                                     d / "console.log")

@@ -421,9 +421,18 @@ def fw_cfg(xml: str) -> dict[str, str | Path]:
 
 
 def set_cmdline_arg(cmdline: str, key: str, value: str) -> str:
+    """``cmdline`` with the kernel parameter ``key`` set to ``value``: each ``key=`` the
+    kernel would parse as a parameter of its own is replaced, not one inside another's double
+    quotes (QA, nineteenth session: a fork rewrote ``a="x ksfs.lineage=y"``); else appended."""
     pattern = re.compile(rf"(^|\s){re.escape(key)}=\S*")
-    if pattern.search(cmdline):
-        return pattern.sub(lambda m: f"{m.group(1)}{key}={value}", cmdline)
+    out, pos, found = [], 0, False
+    for m in pattern.finditer(cmdline):
+        if cmdline.count('"', 0, m.start()) % 2:
+            continue  # inside quotes: part of another parameter's value
+        out += [cmdline[pos:m.start()], f"{m.group(1)}{key}={value}"]
+        pos, found = m.end(), True
+    if found:
+        return "".join(out) + cmdline[pos:]
     return f"{cmdline} {key}={value}".strip()
 
 
