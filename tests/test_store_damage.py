@@ -194,6 +194,48 @@ def test_an_index_value_past_any_pack_is_damage_naming_the_chunk(
         res.stdout, res.stdout + res.stderr
 
 
+def resize_value(store: Path, db: str, key: bytes | None = None, keep: int = 9) -> bytes:
+    """Make an index value (the first one's when key is None) ``keep`` bytes long, cut short
+    or grown with zeros; its key."""
+    with ChunkStore.open(store) as s, s.env.begin(write=True, db=s.db[db]) as txn:
+        if key is None:
+            key = bytes(next(iter(txn.cursor()))[0])
+        txn.put(key, (bytes(txn.get(key)) + bytes(keep))[:keep])
+    return key
+
+
+@pytest.mark.parametrize("keep", [0, 9, 30])
+def test_an_index_value_that_no_longer_decodes_is_exit_6_not_a_traceback(
+        made: tuple[Path, Path], keep: int) -> None:
+    """QA: check died in Location.decode with struct.error (exit 1). check names the chunk
+    (and the file that needs it); cat and gc are one line, and gc deletes nothing."""
+    store, _ = made
+    cid = resize_value(store, "chunks", keep=keep).hex()
+    res = ksfs(store, "check")
+    assert res.returncode == 6 and "Traceback" not in res.stderr, res.stderr
+    assert f"chunk {cid}: damaged (its index entry no longer decodes ({keep} bytes" in \
+        res.stdout and "s/a/memory: unreadable" in res.stdout, res.stdout
+    one_line(ksfs(store, "cat", "s", "a", "memory"), 6, cid, "no longer decodes")
+    before = packs_of(store)
+    one_line(ksfs(store, "gc"), 6, cid, "no longer decodes", "frees nothing")
+    assert packs_of(store) == before
+
+
+def test_a_pack_value_or_a_count_that_no_longer_decodes_is_exit_6(
+        made: tuple[Path, Path]) -> None:
+    store, src = made
+    resize_value(store, "packs", fmt.pack_key(1), keep=5)
+    res = ksfs(store, "check")
+    assert res.returncode == 6 and "pack 1: its index entry no longer decodes" in res.stdout, \
+        res.stdout + res.stderr
+    for verb in (["stats"], ["gc"]):
+        one_line(ksfs(store, *verb), 6, "pack 1", "no longer decodes")
+    with ChunkStore.open(store) as s, s.env.begin(write=True, db=s.db["cas_meta"]) as txn:
+        txn.put(fmt.pack_key(1), b"")  # (any key: only next_pack's value matters below)
+        txn.put(b"next_pack", b"\x07x")
+    one_line(ksfs(store, "gc"), 6, "next_pack", "no number")
+
+
 def test_gc_leaves_a_pack_whose_index_value_is_damaged(tmp_path: Path) -> None:
     """The damaged chunk is live in a thin pack: gc would copy it, and names it instead."""
     store = tmp_path / "store"

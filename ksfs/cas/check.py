@@ -21,7 +21,7 @@ from ksfs import progress
 from ksfs.cas import format as fmt
 from ksfs.cas.packs import decode_payload
 from ksfs.cas.store import index_errors, list_packs_dir
-from ksfs.errors import IntegrityError, ManifestCorrupt
+from ksfs.errors import ChunkCorrupt, IntegrityError, ManifestCorrupt
 
 if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
@@ -130,14 +130,27 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
     rep = CheckReport(data_read=read_data)
     db = store.db
     # a damaged index cannot be listed: that is one IntegrityError naming it, not a traceback
+    # (and a value that no longer decodes is its chunk's or pack's damage, not a struct.error)
     with index_errors("read the index", store.path), store.env.begin() as txn:
-        packs = {int.from_bytes(k, "big"): fmt.PACK_VALUE.unpack(v)
-                 for k, v in txn.cursor(db=db["packs"])}
-        chunks = [(bytes(k), fmt.Location.decode(v)) for k, v in txn.cursor(db=db["chunks"])]
+        packs, undecodable = {}, []
+        for k, v in txn.cursor(db=db["packs"]):
+            if len(v) == fmt.PACK_VALUE.size:
+                packs[int.from_bytes(k, "big")] = fmt.PACK_VALUE.unpack(v)
+            else:
+                undecodable.append(int.from_bytes(k, "big"))
+                rep.damaged_packs[undecodable[-1]] = \
+                    f"its index entry no longer decodes ({len(v)} bytes, not {fmt.PACK_VALUE.size})"
+        chunks, listed = [], set()
+        for k, v in txn.cursor(db=db["chunks"]):
+            listed.add(cid := bytes(k))
+            try:
+                chunks.append((cid, fmt.Location.decode(v, cid)))
+            except ChunkCorrupt as exc:
+                rep.damaged_chunks[cid.hex()] = str(exc.fields["why"])
         manifests = {bytes(k): bytes(v) for k, v in txn.cursor(db=db["manifests"])}
         infos = _decode_manifests(manifests, rep)
-        lost = _lost_by_id(txn, db["chunks"], infos, chunks)
-    rep.packs_checked = len(packs)
+        lost = _lost_by_id(txn, db["chunks"], infos, chunks, listed)
+    rep.packs_checked = len(packs) + len(undecodable)
     for cid in lost:
         rep.missing_chunks[cid.hex()] = LOST_BY_ID
 
@@ -146,6 +159,8 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
     for _, loc in chunks:
         live[loc.pack] = live.get(loc.pack, 0) + loc.record_len
     disk, odd = _pack_files(store)
+    for no in undecodable:  # judged by what is there, said once as damaged above
+        packs[no] = (disk.get(no, 0), live.get(no, 0))
     for no, what in odd.items():
         rep.damaged_packs[no] = f"its file is {what} (no ingest makes one; gc leaves it)"
     for no, (size, live_bytes) in packs.items():
@@ -169,7 +184,7 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
 
     # chunks: in pack order, header (and with read_data, payload) against the index
     chunks.sort(key=lambda item: (item[1].pack, item[1].offset))
-    rep.chunks_checked = len(chunks)
+    rep.chunks_checked = len(listed)
     by_pack: dict[int, list[tuple[bytes, fmt.Location]]] = {}
     for cid, loc in chunks:
         end = loc.offset + loc.record_len
@@ -195,7 +210,6 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
     _check_bases(chunks, rep)
 
     # manifests: intact, and every chunk they name is indexed and sound
-    indexed = {cid for cid, _ in chunks}
     bad = set(rep.damaged_chunks) | set(rep.missing_chunks)
     rep.manifests_checked = len(manifests)
     for mid, info in infos.items():
@@ -204,7 +218,7 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
             if cid is None:
                 continue
             h = cid.hex()
-            if cid not in indexed:
+            if cid not in listed:
                 rep.missing_chunks.setdefault(h, "it is not in the index")
                 hurt.add(h)
             elif h in bad:
@@ -251,13 +265,12 @@ def _decode_manifests(manifests: dict[bytes, bytes], rep: CheckReport
 
 
 def _lost_by_id(txn, db, infos: dict[bytes, fmt.ManifestInfo],
-                chunks: list[tuple[bytes, fmt.Location]]) -> set[bytes]:
+                chunks: list[tuple[bytes, fmt.Location]], listed: set[bytes]) -> set[bytes]:
     """The listed chunks a manifest (or a delta, as its base) names that a lookup by id does
     not find. Reads look chunks up by id; a damaged branch page of the B-tree sends such a
     lookup the wrong way while a cursor walk still lists every key (QA: check called a store
     clean whose files ``cat`` could not read). Chunks the walk does not list are named as
     not in the index by the manifest pass."""
-    listed = {cid for cid, _ in chunks}
     wanted = {loc.base for _, loc in chunks if loc.base is not None}
     for info in infos.values():
         wanted.update(cid for cid, _ in info.entries if cid is not None)
@@ -312,7 +325,7 @@ def _committed_since(store: ChunkStore, no: int) -> bool:
         size = os.lstat(path).st_size
     except OSError:
         return False
-    return fmt.PACK_VALUE.unpack(raw)[0] >= size
+    return len(raw) == fmt.PACK_VALUE.size and fmt.PACK_VALUE.unpack(raw)[0] >= size
 
 
 def _in_use(path: str) -> bool:
@@ -398,12 +411,12 @@ def _check_bases(chunks: list[tuple[bytes, fmt.Location]], rep: CheckReport) -> 
             continue
         base = locs.get(loc.base)
         why = None
-        if base is None:
+        if loc.base.hex() in rep.damaged_chunks or loc.base.hex() in rep.missing_chunks:
+            why = "it is damaged or missing"
+        elif base is None:
             why = "it is not in the index"
         elif base.codec == fmt.CODEC_DELTA:
             why = "it is a delta itself"
-        elif loc.base.hex() in rep.damaged_chunks or loc.base.hex() in rep.missing_chunks:
-            why = "it is damaged or missing"
         if why:
             rep.damaged_chunks.setdefault(cid.hex(), f"its base chunk {loc.base.hex()}: {why}")
 

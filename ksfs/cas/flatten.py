@@ -55,10 +55,10 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int,
     with store.env.begin(db=db["chunks"]) as txn:
         for k, v in txn.cursor():
             if len(v) > fmt.INDEX_VALUE.size and bytes(k) in direct:
-                loc = fmt.Location.decode(v)
+                loc = fmt.Location.decode(v, bytes(k))
                 if loc.base not in direct:
                     groups.setdefault(loc.base, []).append((bytes(k), loc))
-        base_locs = {b: fmt.Location.decode(raw) for b in groups
+        base_locs = {b: fmt.Location.decode(raw, b) for b in groups
                      if (raw := txn.get(b)) is not None}
     cctx = zstandard.ZstdCompressor(level=store.level)
     plans: dict[bytes, list[Plain]] = {}
@@ -139,7 +139,7 @@ def release(txn, store: ChunkStore, dead: dict[int, int]) -> None:
         key = fmt.pack_key(no)
         raw = txn.get(key, db=store.db["packs"])
         if raw is not None:
-            size, live = fmt.PACK_VALUE.unpack(raw)
+            size, live = fmt.decode_pack_value(key, raw)
             txn.put(key, fmt.PACK_VALUE.pack(size, max(0, live - n)), db=store.db["packs"])
 
 
@@ -153,5 +153,5 @@ def commit_writers(txn, store: ChunkStore, writers: list[PackWriter]) -> None:
             live = sum(loc.record_len for _, loc in w.written)
             txn.put(fmt.pack_key(w.no), fmt.PACK_VALUE.pack(w.end, live), db=db["packs"])
     raw_next = txn.get(b"next_pack", db=db["cas_meta"])
-    if top + 1 > (int(raw_next) if raw_next else 1):
+    if top + 1 > fmt.meta_int(raw_next, "next_pack", 1):
         txn.put(b"next_pack", str(top + 1).encode(), db=db["cas_meta"])

@@ -30,7 +30,7 @@ from typing import Any
 
 import blake3
 
-from ksfs.errors import ManifestCorrupt
+from ksfs.errors import ChunkCorrupt, IntegrityError, ManifestCorrupt
 
 CHUNK_MAGIC = b"KSC1"
 RECORD_HEADER = struct.Struct("<4s32sIIB3xI")
@@ -42,6 +42,7 @@ CODECS = (CODEC_RAW, CODEC_ZSTD, CODEC_DELTA)
 BASE_ID_SIZE = 32
 
 INDEX_VALUE = struct.Struct("<IQIIB")  # pack, record offset, stored len, plain len, codec[, base]
+INDEX_VALUE_SIZES = (INDEX_VALUE.size, INDEX_VALUE.size + BASE_ID_SIZE)  # any other is damage
 PACK_VALUE = struct.Struct("<QQ")  # committed size of the pack file, live record bytes
 # Bounds no real index value comes near (packs close at 32 MiB, chunks are at most about 64 KiB
 # plus a page group): past them an entry is damage, not something to pread (an offset past
@@ -104,7 +105,16 @@ class Location:
         return fixed if self.base is None else fixed + self.base
 
     @classmethod
-    def decode(cls, raw: bytes) -> Location:
+    def decode(cls, raw: bytes, cid: bytes | None = None) -> Location:
+        """The location an index value gives chunk ``cid``. ChunkCorrupt (exit 6) when the
+        value has no index value's length: damage in place can leave any bytes there, and a
+        struct.error would be a traceback (QA)."""
+        if len(raw) not in INDEX_VALUE_SIZES:
+            short, long = INDEX_VALUE_SIZES
+            sizes = f"{len(raw)} bytes, where an entry has {short} or {long}"
+            if cid is None:
+                raise IntegrityError(f"a chunk's index entry no longer decodes ({sizes})")
+            raise ChunkCorrupt(chunk=cid.hex(), why=f"its index entry no longer decodes ({sizes})")
         base = bytes(raw[INDEX_VALUE.size :]) or None
         return cls(*INDEX_VALUE.unpack_from(raw), base=base)
 
@@ -128,7 +138,27 @@ GC_GENERATION = b"gc_generation"
 
 
 def gc_generation(txn: Any, meta_db: Any) -> int:
-    return int(txn.get(GC_GENERATION, b"0", db=meta_db))
+    return meta_int(txn.get(GC_GENERATION, b"0", db=meta_db), "gc_generation")
+
+
+def meta_int(raw: bytes | None, name: str, default: int = 0) -> int:
+    """A count kept in cas_meta as decimal text; IntegrityError (exit 6) when it is not one."""
+    if raw is None:
+        return default
+    try:
+        return int(bytes(raw))
+    except ValueError:
+        raise IntegrityError(f"the index's {name} entry is damaged: {bytes(raw)[:40]!r} is no "
+                             "number") from None
+
+
+def decode_pack_value(key: bytes, raw: bytes) -> tuple[int, int]:
+    """(committed size, live bytes) of the pack whose entry this is; IntegrityError (exit 6)
+    when the value does not decode."""
+    if len(raw) != PACK_VALUE.size:
+        raise IntegrityError(f"the index entry of pack {int.from_bytes(key, 'big')} is damaged: "
+                             f"it no longer decodes ({len(raw)} bytes, not {PACK_VALUE.size})")
+    return PACK_VALUE.unpack(raw)
 
 
 def bump_gc_generation(txn: Any, meta_db: Any) -> None:

@@ -84,6 +84,7 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
         # a live delta keeps its base (bases are never deltas: one pass marks them all)
         bases = {bytes(v[fmt.INDEX_VALUE.size :]) for k, v in txn.cursor(db=db["chunks"])
                  if len(v) > fmt.INDEX_VALUE.size and bytes(k) in marked}
+        _require_decodable(store, txn, bases)
         first_no = _first_pack_no(txn, store)
         repacked = _packs_repacked(txn, store, marked | bases, threshold)
     # ... unless its deltas cost less stored whole than with it, counting as given back only
@@ -111,8 +112,11 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
         dead_chunks = []
         for k, v in txn.cursor(db=db["chunks"]):
             if bytes(k) not in marked:
-                loc = fmt.Location.decode(v)
                 dead_chunks.append(bytes(k))
+                try:
+                    loc = fmt.Location.decode(v, bytes(k))
+                except IntegrityError:  # which pack it was in is lost: it frees no figure
+                    continue
                 if loc.problem() is None:  # a damaged length must not empty a live pack
                     freed[loc.pack] = freed.get(loc.pack, 0) + loc.record_len
         for k in dead_chunks:
@@ -141,6 +145,21 @@ def _require_indexed(store: ChunkStore, txn, marked: set[bytes]) -> None:
         raise StoreDamaged(path=store.path, why=(
             f"chunk {min(lost).hex()}{more}, held by a live checkpoint, is not in the index, "
             "so gc frees nothing (run `ksfs check` to see what is damaged)"))
+    _require_decodable(store, txn, marked)
+
+
+def _require_decodable(store: ChunkStore, txn, kept: set[bytes]) -> None:
+    """Every index entry GC keeps decodes, or GC stops before deleting anything: it could not
+    tell which pack such a chunk holds, so a repack could remove its bytes."""
+    for cid in kept:
+        raw = txn.get(cid, db=store.db["chunks"])
+        if raw is not None:
+            try:
+                fmt.Location.decode(raw, cid)
+            except IntegrityError as exc:
+                raise StoreDamaged(path=store.path, why=f"{exc}; a live checkpoint holds it, "
+                                   "so gc frees nothing (run `ksfs check` to see what is "
+                                   "damaged)") from None
 
 
 def _packs_repacked(txn, store: ChunkStore, kept: set[bytes], threshold: float) -> set[int]:
@@ -151,14 +170,14 @@ def _packs_repacked(txn, store: ChunkStore, kept: set[bytes], threshold: float) 
     live: dict[int, int] = {}
     for cid in kept:
         raw = txn.get(cid, db=chunks)
-        if raw is None or len(raw) < fmt.INDEX_VALUE.size:
+        if raw is None:
             continue
-        loc = fmt.Location.decode(raw)
+        loc = fmt.Location.decode(raw, cid)  # (each one kept decodes: _require_decodable)
         if loc.problem() is None:
             live[loc.pack] = live.get(loc.pack, 0) + loc.record_len
     going = set()
     for k, v in txn.cursor(db=store.db["packs"]):
-        no, (size, _) = int.from_bytes(k, "big"), fmt.PACK_VALUE.unpack(v)
+        no, (size, _) = int.from_bytes(k, "big"), fmt.decode_pack_value(k, v)
         if live.get(no, 0) == 0 or (size and live[no] < threshold * size):
             going.add(no)
     return going
@@ -169,13 +188,13 @@ def _first_pack_no(txn, store: ChunkStore) -> int:
     raw_next = txn.get(b"next_pack", db=store.db["cas_meta"])
     listed = [int.from_bytes(k, "big") + 1
               for k in txn.cursor(db=store.db["packs"]).iternext(values=False)]
-    return max([int(raw_next) if raw_next else 1, *listed])
+    return max([fmt.meta_int(raw_next, "next_pack", 1), *listed])
 
 
 def _drop_orphans(store: ChunkStore, res: GCResult) -> None:
     """Remove packs no index lists and cut tails abandoned ingests left after committed bytes."""
     with store.env.begin(db=store.db["packs"]) as txn:
-        packs = {int.from_bytes(k, "big"): fmt.PACK_VALUE.unpack(v) for k, v in txn.cursor()}
+        packs = {int.from_bytes(k, "big"): fmt.decode_pack_value(k, v) for k, v in txn.cursor()}
     for name in list_packs_dir(store.path, store.packs_dir):
         if not (name.endswith(".pack") and name[:-5].isdigit()):
             continue
@@ -198,7 +217,7 @@ def _drop_orphans(store: ChunkStore, res: GCResult) -> None:
 def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
     db = store.db
     with store.env.begin() as txn:
-        packs = {int.from_bytes(k, "big"): fmt.PACK_VALUE.unpack(v)
+        packs = {int.from_bytes(k, "big"): fmt.decode_pack_value(k, v)
                  for k, v in txn.cursor(db=db["packs"])}
         thin = {no for no, (size, live) in packs.items() if size and live < threshold * size}
         empty = {no for no, (size, live) in packs.items() if live == 0}
@@ -206,7 +225,7 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
         referenced: set[int] = set()
         if thin or empty:
             for k, v in txn.cursor(db=db["chunks"]):
-                loc = fmt.Location.decode(v)
+                loc = fmt.Location.decode(v, bytes(k))
                 referenced.add(loc.pack)
                 if loc.pack in thin or loc.pack in empty:
                     moving.setdefault(loc.pack, []).append((bytes(k), loc))

@@ -372,7 +372,7 @@ class Ingest:
         a delta) is there. One whose pack is gone is stored again, so importing the same data
         repairs the store instead of publishing a file that cannot be read. GC, the only one
         that deletes packs, waits for this ingest, so what is there now stays until commit."""
-        if len(raw) < fmt.INDEX_VALUE.size:
+        if len(raw) not in fmt.INDEX_VALUE_SIZES:
             return True  # damaged: check names it, as before
         loc = fmt.Location.decode(raw)
         if loc.problem() is not None:
@@ -382,7 +382,7 @@ class Ingest:
         if loc.base is None:
             return True
         braw = txn.get(loc.base)
-        return braw is not None and len(braw) >= fmt.INDEX_VALUE.size and \
+        return braw is not None and len(braw) in fmt.INDEX_VALUE_SIZES and \
             self._pack_there(fmt.Location.decode(braw).pack)
 
     def _pack_there(self, no: int) -> bool:
@@ -404,7 +404,7 @@ class Ingest:
         """(codec, stored bytes) of data as a delta against its old version's base, or None;
         and the stored bytes of the base read for it (each base is charged once)."""
         raw = txn.get(old)
-        if raw is None:
+        if raw is None or len(raw) not in fmt.INDEX_VALUE_SIZES:  # damage: stored alone
             return None, 0
         loc = fmt.Location.decode(raw)
         base_id = loc.base or old  # bases are never deltas: follow one hop
@@ -424,7 +424,8 @@ class Ingest:
             return kept, 0
         if loc is None:
             raw = txn.get(base_id)
-            loc = None if raw is None else fmt.Location.decode(raw)
+            loc = None if raw is None or len(raw) not in fmt.INDEX_VALUE_SIZES else \
+                fmt.Location.decode(raw)
         if loc is None or loc.codec == fmt.CODEC_DELTA:
             return None
         try:
@@ -465,9 +466,10 @@ class Ingest:
             cur = txn.cursor(db=packs_db)
             newest = None
             if cur.last():
-                newest = (int.from_bytes(cur.key(), "big"), fmt.PACK_VALUE.unpack(cur.value()))
+                newest = (int.from_bytes(cur.key(), "big"),
+                          fmt.decode_pack_value(cur.key(), cur.value()))
             raw_next = txn.get(b"next_pack", db=meta_db)
-        next_no = int(raw_next) if raw_next else 1
+        next_no = fmt.meta_int(raw_next, "next_pack", 1)
         mine = {w.no for w in self.writers}
         if newest is not None:
             no, (size, _) = newest
@@ -484,7 +486,7 @@ class Ingest:
     def _committed_size(self, no: int) -> int:
         with self.store.env.begin(db=self.store.db["packs"]) as txn:
             raw = txn.get(fmt.pack_key(no))
-        return fmt.PACK_VALUE.unpack(raw)[0] if raw else 0
+        return fmt.decode_pack_value(fmt.pack_key(no), raw)[0] if raw else 0
 
     # --- sealing and committing ----------------------------------------------------------
 
@@ -538,16 +540,17 @@ class Ingest:
                     continue
                 key = fmt.pack_key(w.no)
                 raw = txn.get(key, db=db["packs"])
-                size, live = fmt.PACK_VALUE.unpack(raw) if raw else (0, 0)
+                size, live = fmt.decode_pack_value(key, raw) if raw else (0, 0)
                 txn.put(key, fmt.PACK_VALUE.pack(max(size, w.end), live + added.get(w.no, 0)),
                         db=db["packs"])
             raw_next = txn.get(b"next_pack", db=db["cas_meta"])
-            if top and top + 1 > (int(raw_next) if raw_next else 1):
+            if top and top + 1 > fmt.meta_int(raw_next, "next_pack", 1):
                 txn.put(b"next_pack", str(top + 1).encode(), db=db["cas_meta"])
             for mid, raw in self.manifests.items():
                 txn.put(mid, raw, db=db["manifests"])
             count = txn.get(COMMITS, db=db["cas_meta"])
-            txn.put(COMMITS, str(int(count or 0) + 1).encode(), db=db["cas_meta"])
+            txn.put(COMMITS, str(fmt.meta_int(count, "ingest_commits") + 1).encode(),
+                    db=db["cas_meta"])
         except lmdb.Error as exc:
             from ksfs.cas.store import _lmdb_error
 

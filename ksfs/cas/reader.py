@@ -19,6 +19,7 @@ from ksfs.cas.format import (
     CODEC_RAW,
     HEADER_SIZE,
     INDEX_VALUE,
+    INDEX_VALUE_SIZES,
     Location,
     chunk_id,
     decode_record_header,
@@ -75,7 +76,7 @@ class FileReader:
                     continue
                 data = self._cached_chunk(cid)
                 if data is None:
-                    data = self._load(cid, _location(index.get(cid)))
+                    data = self._load(cid, _location(index.get(cid), cid))
                 parts.append(data[lo:hi] if (lo, hi) != (0, length) else data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -112,7 +113,7 @@ class FileReader:
                     if (raw is not None and hi - lo == length
                             and _read_raw_into(self.store, cid, raw, dst)):
                         continue
-                    data = self._load(cid, _location(raw))
+                    data = self._load(cid, _location(raw, cid))
                 dst[:] = data if hi - lo == length else memoryview(data)[lo:hi]
         return end - offset
 
@@ -196,7 +197,8 @@ class FileReader:
                     locs.append(None)
                 else:
                     raw = txn.get(cid)
-                    locs.append(None if raw is None else
+                    # (a value that does not decode: read_chunk's own lookup names it)
+                    locs.append(None if raw is None or len(raw) not in INDEX_VALUE_SIZES else
                                 (*INDEX_VALUE.unpack_from(raw), raw[INDEX_VALUE.size :]))
         out: list[bytes | memoryview] = []
         n = len(task)
@@ -285,8 +287,8 @@ class _IndexSnapshot:
             self.txn.abort()
 
 
-def _location(raw: bytes | None) -> Location | None:
-    return None if raw is None else Location.decode(raw)
+def _location(raw: bytes | None, cid: bytes) -> Location | None:
+    return None if raw is None else Location.decode(raw, cid)
 
 
 def _piece(data: bytes, lo: int, hi: int, length: int) -> bytes | memoryview:

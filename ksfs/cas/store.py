@@ -364,7 +364,7 @@ class ChunkStore:
     def lookup(self, cid: bytes) -> fmt.Location | None:
         with self.env.begin(db=self.db["chunks"]) as txn:
             raw = txn.get(cid)
-        return None if raw is None else fmt.Location.decode(raw)
+        return None if raw is None else fmt.Location.decode(raw, cid)
 
     def held_chunks(self, manifests: Iterable[str]) -> dict[bytes, int]:
         """The chunks these manifests hold, each with its record's bytes in its pack; the base
@@ -506,9 +506,9 @@ class ChunkStore:
             chunks = txn.stat(self.db["chunks"])["entries"]
             manifests = txn.stat(self.db["manifests"])["entries"]
             packs = 0
-            for _, value in txn.cursor(db=self.db["packs"]):
+            for key, value in txn.cursor(db=self.db["packs"]):
                 packs += 1
-                live += fmt.PACK_VALUE.unpack(value)[1]
+                live += fmt.decode_pack_value(key, value)[1]
         pack_bytes = 0
         for name in list_packs_dir(self.path, self.packs_dir):
             if name.endswith(".pack"):
