@@ -800,6 +800,14 @@ def test_a_restore_whose_kernel_is_gone_is_refused_before_its_save_first(env, ag
             f"(nothing was changed)\n"), refused.stderr
         assert run(store, "checkpoints", agent, "--json", env=e).stdout == before
         assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+        # a fork of it the same, before its fork.created (QA, nineteenth session: exit 10
+        # after fork.created and fork.failed were logged)
+        logged = len(events_of(store, agent, e))
+        forked = run(store, "fork", agent, cp, f"kgone-{env['tag']}", check=False, env=e)
+        assert forked.returncode == 3 and f"needs its kernel {kernel}" in forked.stderr, \
+            forked.stderr
+        assert len(events_of(store, agent, e)) == logged
+        assert f"kgone-{env['tag']}" not in run(store, "session", "list", env=e).stdout
     finally:
         kernel.with_name("kernel.moved").rename(kernel)
     run(store, "restore", agent, cp, env=e)

@@ -87,6 +87,12 @@ def test_read_only_disks_are_attached_not_kept_and_one_gone_refuses_the_restore(
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
         assert virsh("domstate", dom).stdout.strip() == "running"
         assert checkpoint_names(store, name, e) == before
+        iso.mkdir()  # a directory in its place: refused the same (QA, nineteenth session)
+        refused = run(store, "restore", name, c1, check=False, env=e)
+        assert refused.returncode == 3 and "is a directory now" in refused.stderr, \
+            refused.stderr
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        iso.rmdir()
         (tmp_path / "moved.iso").rename(iso)
 
         res = json.loads(run(store, "session", "rm", name, "--release", "--json", env=e).stdout)

@@ -292,8 +292,10 @@ class RestoreVerbs:
         # what cannot be forked is said before any lock file is made (bad input changes nothing)
         record = self.ledger.checkpoint(session, checkpoint)
         self._xml_disks(record)
+        # (with the parent: its copy of a kernel or initrd stands in for one gone; without
+        # either, NotFound here as for a restore, not a VMError after fork.created: QA)
         self.vm.check_start_files(record.domain_xml, f"checkpoint {session}/{checkpoint}",
-                                  record.file(MEMORY_FILE) is not None)
+                                  record.file(MEMORY_FILE) is not None, session)
         domain = domain_name_for(new)
         # The parent's lock too: while the fork reads the checkpoint, `rm` of it (and a gc
         # after) or `session rm` of the parent waits, instead of pulling its chunks or its

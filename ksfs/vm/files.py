@@ -256,3 +256,6 @@ def check_start_files(xml: str, kept: set[str], from_memory: bool, label: str,
         if not os.path.exists(path):
             raise NotFound(f"{label} needs its {what} {path}, which does not exist; put it "
                            f"back there and try again ({unchanged})")
+        if os.path.isdir(path):  # (QA, nineteenth session: found after the machine stopped)
+            raise NotFound(f"{label} needs its {what} {path}, which is a directory now; put "
+                           f"the file back there and try again ({unchanged})")
