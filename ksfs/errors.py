@@ -254,9 +254,14 @@ def from_os_error(exc: OSError, what: str, path: object = "") -> KsfsError:
 
 
 # LMDB's own classes (by name: this module imports no storage library) that mean the index's
-# bytes are damaged, not that an operation failed.
+# bytes are damaged, not that an operation failed. IncompatibleError: a named database's record
+# that no longer reads as one (ksfs opens each with the flags it was made with);
+# CursorFullError: a B-tree deeper than LMDB allows (pages that point back up); ProblemError:
+# a page's contents LMDB cannot use. (Not BadTxnError, which a bug can cause: a database root
+# past the file, which LMDB reports as that, is refused when the store opens.)
 _LMDB_DAMAGE = {"CorruptedError", "PageNotFoundError", "InvalidError", "BadRslotError",
-                "VersionMismatchError", "BadChecksumError"}
+                "VersionMismatchError", "BadChecksumError", "IncompatibleError",
+                "CursorFullError", "ProblemError"}
 # What the last line of defence turns into a ksfs error; any other errno escaping every layer
 # is a bug and keeps its traceback.
 _FOREIGN_ERRNOS = {_errno.ENOSPC, _errno.EDQUOT, _errno.EACCES, _errno.EPERM, _errno.EROFS}

@@ -187,3 +187,40 @@ def test_lineage_of_a_live_session_says_nothing_of_removal(world):
     path, _, _ = world
     assert "(removed)" not in run(path, "lineage", "leaf").output
     assert json.loads(run(path, "lineage", "leaf", "--json").output)["removed"] is False
+
+
+def damage_ledger_db(store: Path, name: bytes, how: str) -> None:
+    """Damage a ledger database in data.mdb as a bad sector would: its root page's type
+    cleared (MDB_CORRUPTED) or its record in the main database pointed past the file (its
+    root page not found). The record is read from the newest meta page's main database."""
+    data = store / "index" / "data.mdb"
+    buf = bytearray(data.read_bytes())
+    meta = max((0, 4096), key=lambda m: int.from_bytes(buf[m + 144 : m + 152], "little"))
+    main_root = int.from_bytes(buf[meta + 128 : meta + 136], "little")  # MAIN_DBI's md_root
+    page = main_root * 4096
+    at = page + buf[page : page + 4096].find(name) + len(name) + 40  # the db's md_root
+    root = int.from_bytes(buf[at : at + 8], "little")
+    if how == "page type":
+        buf[root * 4096 + 10 : root * 4096 + 12] = b"\0\0"
+    else:
+        buf[at : at + 8] = (10**6).to_bytes(8, "little")
+    data.write_bytes(bytes(buf))
+
+
+@pytest.mark.parametrize("how", ["page type", "root past the file"])
+def test_damage_to_the_ledgers_part_of_the_index_is_exit_6(tmp_path, how):
+    """QA: MDB_CORRUPTED ("Located page was wrong type") in a ledger database was a plain
+    KsfsError, exit 1, from check, stats, ledger verify and gc."""
+    store = tmp_path / "store"
+    src = tmp_path / "memory"
+    src.write_bytes(b"x" * 300_000)
+    ok = subprocess.run([str(KSFS), "--store", str(store), "import", "s", "c1", str(src)],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    damage_ledger_db(store, b"checkpoints", how)
+    for verb in (["check"], ["stats"], ["ledger", "verify"], ["gc"]):
+        res = subprocess.run([str(KSFS), "--store", str(store), *verb], capture_output=True,
+                             text=True)
+        err = res.stderr.strip()
+        assert res.returncode == 6 and len(err.splitlines()) == 1, (verb, res.returncode, err)
+        assert "is damaged" in err and "restore the index" in err, err

@@ -151,6 +151,29 @@ def _require_whole_file(env: lmdb.Environment, data: str) -> None:
         raise from_os_error(exc, "open the index", data) from exc
     if have < need:
         raise _index_damaged(data, f"is cut short ({have} bytes of the {need} it uses)")
+    _require_roots(env, data)
+
+
+# A named database's record in LMDB's main database (MDB_db on 64-bit hosts): its root page
+# number is the last field; an empty database has none (P_INVALID).
+_DB_RECORD = 48
+_NO_ROOT = (1 << 64) - 1
+
+
+def _require_roots(env: lmdb.Environment, data: str) -> None:
+    """Every named database's root page lies in the file. LMDB finds a root past it only when
+    a cursor opens, ignores that there, and reports the cursor's first use as MDB_BAD_TXN,
+    which a bug also gives: so such damage is told here, as the index's (QA)."""
+    try:
+        last = env.info()["last_pgno"]
+        with env.begin() as txn:
+            for name, rec in txn.cursor():
+                root = int.from_bytes(rec[_DB_RECORD - 8 :], "little")
+                if len(rec) == _DB_RECORD and root != _NO_ROOT and root > last:
+                    raise _index_damaged(data, f"gives its {bytes(name).decode(errors='replace')!r}"
+                                         f" database a root page ({root}) past its last ({last})")
+    except lmdb.Error as exc:
+        raise _lmdb_error("open the index", os.path.dirname(os.path.dirname(data)), exc) from exc
 
 
 def _close_env(path: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import lmdb
 
-from ksfs.errors import BadInput, IntegrityError, KsfsError, NoSpace, ReadOnly
+from ksfs.errors import BadInput, IntegrityError, KsfsError, NoSpace, ReadOnly, from_foreign
 from ksfs.ledger import keys as K
 from ksfs.model import CheckpointRecord, Event, ForkPoint
 
@@ -70,7 +70,7 @@ class LineageInfo:
 
 @contextlib.contextmanager
 def lmdb_errors(path: object) -> Iterator[None]:
-    """Re-raise lmdb's errors as ksfs errors naming the store."""
+    """Re-raise lmdb's errors as ksfs errors naming the store (``errors.from_foreign``)."""
     try:
         yield
     except KsfsError:
@@ -80,7 +80,9 @@ def lmdb_errors(path: object) -> Iterator[None]:
     except lmdb.ReadonlyError as exc:  # a store on a read-only file system, opened read-only
         raise ReadOnly(what=f"the file system of the store at {path}") from exc
     except lmdb.Error as exc:
-        raise KsfsError(f"ledger database at {path} failed: {exc}") from exc
+        # damage (MDB_CORRUPTED, a page not found, ...) is the index's damage, exit 6, as for
+        # the chunk store's part of it (QA: a plain KsfsError, exit 1); never None for LMDB's
+        raise from_foreign(exc, path, "a ledger operation") from exc
 
 
 def summary_of(record: CheckpointRecord) -> dict[str, Any]:
