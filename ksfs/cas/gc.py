@@ -16,6 +16,7 @@ does not list.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat as stat_
@@ -31,7 +32,7 @@ from ksfs.cas.flatten import Flattened, append_to, commit_writers, flatten, rele
 from ksfs.cas.packs import PackWriter, decode_payload, fsync_dir
 from ksfs.cas.store import index_errors, list_packs_dir
 from ksfs.crashpoints import crash_point
-from ksfs.errors import IntegrityError, KsfsError, StoreDamaged, translate
+from ksfs.errors import IntegrityError, KsfsError, NoSpace, StoreDamaged, translate
 
 if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore
@@ -243,6 +244,7 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
     dctx = zstandard.ZstdDecompressor()
     pack_bytes = {no: sum(loc.record_len for _, loc in moving.get(no, ())) for no in thin - empty}
     steps = progress.Steps("repacking sparse packs", sum(pack_bytes.values()))
+    committed = False
     try:
         for no in sorted(thin - empty):
             items = sorted(moving.get(no, []), key=lambda it: it[1].offset)
@@ -258,16 +260,22 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
             w.sync()
             w.verify(dctx, store.run_split, store.read_base)
         gone = sorted(set(done) | empty)
-        with store.env.begin(write=True) as txn:
+        with index_errors("gc", store.path), store.env.begin(write=True) as txn:
             for cid, loc in moved:
                 txn.put(cid, loc.encode(), db=db["chunks"])
             for no in gone:
                 txn.delete(fmt.pack_key(no), db=db["packs"])
             commit_writers(txn, store, writers)
             crash_point("gc.repack")
+        committed = True
+    except NoSpace as exc:
+        raise _no_room_to_repack(store, exc, sum(pack_bytes.values()), len(pack_bytes)) from exc
     finally:
         for w in writers:
             w.close()
+            if not committed:  # nothing names its records: a partial pack is no ingest's
+                with contextlib.suppress(OSError):  # leftover, and its space goes back now
+                    os.unlink(w.path)
     for no in gone:
         path = os.path.join(store.packs_dir, fmt.pack_name(no))
         with translate("remove repacked pack", path):
@@ -281,6 +289,16 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
     res.packs_repacked = done
     res.packs_removed.extend(sorted(empty))
     res.packs_written.extend(w.no for w in writers if w.written)
+
+
+def _no_room_to_repack(store: ChunkStore, exc: NoSpace, need: int, packs: int) -> NoSpace:
+    """Say what a repack the disk cut short needs: about the live bytes it copies (QA: the
+    bare ENOSPC left the user to guess)."""
+    return NoSpace(path=store.path, why=(
+        f"{exc.fields.get('why', exc)}; gc copies {need / (1 << 20):.1f} MiB of live chunks "
+        f"out of {packs} sparse pack(s) and needs about that much free space: removing or "
+        "moving other files on its file system, or deleting more checkpoints (`ksfs rm`), "
+        "lets the next gc go on (what this one swept stays swept; its partial pack is gone)"))
 
 
 def _copy_pack(store: ChunkStore, no: int, items: list[tuple[bytes, fmt.Location]],
