@@ -407,6 +407,30 @@ def test_a_commit_a_full_disk_cut_short_is_no_space_not_eio(tmp_path: Path) -> N
     assert not isinstance(from_foreign(exc, tmp_path), NoSpace)
 
 
+@pytest.mark.parametrize("there", [False, True])
+def test_a_store_creation_the_disk_cuts_short_leaves_nothing_it_made(
+        tmp_path: Path, there: bool) -> None:
+    """QA: with 8 KiB free a new store's import failed (exit 9) and left index/data.mdb of 4096
+    invalid bytes and the layout without a marker: once there was room, the same import said
+    the index was damaged (exit 6). Only what the creation made goes: a directory that was
+    there before stays."""
+    src = tmp_path / "small"
+    src.write_bytes(random.Random(8).randbytes(50_000))
+    with small_fs(tmp_path / "fs") as fs:
+        store = fs / "tm" / "newstore"
+        if there:
+            store.mkdir(parents=True)
+        fill(fs)
+        filler = fs / "filler"
+        os.truncate(filler, filler.stat().st_size - (8 << 10))
+        one_line(ksfs(store, "import", "s", "c1", str(src)), 9, "no space left")
+        assert (list(store.iterdir()) == []) if there else not (fs / "tm").exists()
+        filler.unlink()
+        res = ksfs(store, "import", "s", "c1", str(src))
+        assert res.returncode == 0, res.stderr
+        assert ksfs(store, "check").returncode == 0
+
+
 def test_a_store_on_a_read_only_file_system_reads_and_refuses_changes(tmp_path: Path) -> None:
     """A store on read-only media or a snapshot reads as it is (LMDB opened without its lock
     file, which cannot be made there); every change is one line, exit 12, and changes nothing."""

@@ -554,7 +554,22 @@ def list_packs_dir(store: str, packs_dir: str) -> list[str]:
 
 
 def _create_layout(path: str) -> None:
-    """Make a new store's directories; the marker comes last, so a half-made store is none."""
+    """Make a new store's directories; the marker comes last, so a half-made store is none.
+    A creation that fails (a full disk) removes again what it made, and only that: a retry
+    then simply makes the store, where a half-made index would read as damage (QA)."""
+    made: list[str] = []
+    try:
+        _make_layout(path, made)
+    except BaseException:
+        if not os.path.exists(os.path.join(path, MARKER)):  # (else made whole, by us or another)
+            for what in reversed(made):
+                with contextlib.suppress(OSError):  # a directory another process filled stays
+                    (os.rmdir if os.path.isdir(what) else os.unlink)(what)
+        raise
+
+
+def _make_layout(path: str, made: list[str]) -> None:
+    """``_create_layout``'s work; ``made`` gets each path it makes, in order."""
     if os.path.lexists(path) and not os.path.isdir(path):
         raise NotAStore(path=path, why="it is not a directory")
     if os.path.isdir(path):
@@ -565,8 +580,14 @@ def _create_layout(path: str) -> None:
         extra = {n for n in names if not n.startswith(MARKER + ".")} - (set(LAYOUT) | {"lock"})
         if extra:
             raise NotAStore(path=path, why="it is a non-empty directory without a ksfs marker")
+    missing = []
+    up = path
+    while not os.path.lexists(up) and up != os.path.dirname(up):
+        missing.append(up)
+        up = os.path.dirname(up)
     try:
         os.makedirs(path, exist_ok=True)
+        made.extend(reversed(missing))
     except OSError as exc:
         err = from_os_error(exc, "create the store", path)
         if isinstance(err, (NoSpace, NotPermitted)):
@@ -574,13 +595,19 @@ def _create_layout(path: str) -> None:
         # ENOTDIR, EEXIST, ENOENT under /proc...: a place no store can be made
         raise NotAStore(path=path, why=f"it cannot be created: {exc.strerror}") from exc
     with translate("create the store", path):
-        for sub in LAYOUT:
-            os.makedirs(os.path.join(path, sub), exist_ok=True)
+        for name in (*LAYOUT, "lock"):
+            where = os.path.join(path, name)
+            if not os.path.lexists(where):
+                made.append(where)
+            if name == "lock":
+                os.close(os.open(where, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            else:
+                os.makedirs(where, exist_ok=True)
         _make_private(path)
-        os.close(os.open(os.path.join(path, "lock"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC,
-                         0o600))
         store_id = uuid.uuid4().hex
         index = os.path.realpath(os.path.join(path, "index"))
+        made.extend(f for f in (os.path.join(index, n) for n in ("data.mdb", "lock.mdb"))
+                    if not os.path.lexists(f))
         env = _open_env(index, create=True)
         try:
             with index_errors("create the index", path):
