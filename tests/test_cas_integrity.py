@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ksfs.cas import ChunkStore
-from ksfs.errors import Busy, ChunkCorrupt, ChunkMissing, ManifestCorrupt
+from ksfs.errors import Busy, ChunkCorrupt, ChunkMissing, IntegrityError, ManifestCorrupt
 from tests.cas_helpers import K64, BytesSource, flip, put
 
 
@@ -95,6 +95,23 @@ def test_importing_again_repairs_chunks_whose_pack_is_gone(store):
     store.gc([again.manifest], threshold=0.5)  # the lost pack's entry, now unused, goes
     assert store.check(read_data=True).ok
     assert pack not in os.listdir(store.packs_dir)
+
+
+def test_importing_again_repairs_chunks_a_cut_pack_lost(store):
+    """QA: with a pack cut short, importing a good copy again stored 0 new bytes (the chunks
+    past the cut were dedup hits) and its new checkpoint could not be read either. Chunks
+    before the cut are still hits."""
+    data = image(4)
+    first = put(store, data)
+    (pack,) = os.listdir(store.packs_dir)
+    path = os.path.join(store.packs_dir, pack)
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(IntegrityError):
+        store.open_file(first.manifest).read(0, 1 << 30)
+    again = put(store, data)
+    assert again.manifest == first.manifest and 0 < again.stored < len(data) * 3 // 4
+    assert store.open_file(again.manifest).read(0, 1 << 30) == data
+    assert put(store, data).stored == 0  # now every hit holds its record
 
 
 def test_two_ingests_storing_a_lost_chunk_again_index_it_once(store):

@@ -115,7 +115,7 @@ class Ingest:
         # chunks the index lists in a pack file that is gone, stored again: their index value
         # as seen, which commit replaces if it is still the same (re-importing repairs)
         self.replacing: dict[bytes, bytes] = {}
-        self._packs_there: dict[int, bool] = {}  # pack number -> its file is there (cached)
+        self._pack_sizes: dict[int, int | None] = {}  # pack number -> its file's size (cached)
         self.manifests: dict[bytes, bytes] = {}
         self.brought: list[list[bytes]] = []  # per add_file: the chunks it stored first
         self.lost: set[bytes] = set()  # stored here, but another ingest committed them first
@@ -369,35 +369,38 @@ class Ingest:
 
     def _readable(self, txn: lmdb.Transaction, raw: bytes) -> bool:
         """Whether an index entry can serve as a dedup hit: its pack file (and its base's, for
-        a delta) is there. One whose pack is gone is stored again, so importing the same data
-        repairs the store instead of publishing a file that cannot be read. GC, the only one
-        that deletes packs, waits for this ingest, so what is there now stays until commit."""
+        a delta) is there and long enough to hold its record. One whose pack is gone or cut
+        short is stored again, so importing the same data repairs the store instead of
+        publishing a file that cannot be read. GC, the only one that deletes packs, waits for
+        this ingest, so what is there now stays until commit. (Bytes damaged inside a pack are
+        not looked for: reading every hit would cost what dedup saves.)"""
         if len(raw) not in fmt.INDEX_VALUE_SIZES:
             return True  # damaged: check names it, as before
         loc = fmt.Location.decode(raw)
         if loc.problem() is not None:
             return True  # its figures cannot be trusted to release: check names it
-        if not self._pack_there(loc.pack):
+        if not self._pack_holds(loc):
             return False
         if loc.base is None:
             return True
         braw = txn.get(loc.base)
         return braw is not None and len(braw) in fmt.INDEX_VALUE_SIZES and \
-            self._pack_there(fmt.Location.decode(braw).pack)
+            self._pack_holds(fmt.Location.decode(braw))
 
-    def _pack_there(self, no: int) -> bool:
-        """Pack ``no``'s file exists as a regular file; one lstat per pack per ingest."""
-        there = self._packs_there.get(no)
-        if there is None:
+    def _pack_holds(self, loc: fmt.Location) -> bool:
+        """Pack ``loc.pack`` is a regular file that reaches the end of ``loc``'s record; one
+        lstat per pack per ingest (a pack only grows while this ingest runs)."""
+        if loc.pack not in self._pack_sizes:
             try:
-                st = os.lstat(os.path.join(self.store.packs_dir, fmt.pack_name(no)))
-                there = stat_.S_ISREG(st.st_mode)
+                st = os.lstat(os.path.join(self.store.packs_dir, fmt.pack_name(loc.pack)))
+                size = st.st_size if stat_.S_ISREG(st.st_mode) else -1
             except FileNotFoundError:
-                there = False
+                size = -1
             except OSError:  # cannot tell (EACCES, EIO): trust the index, as before
-                there = True
-            self._packs_there[no] = there
-        return there
+                size = None
+            self._pack_sizes[loc.pack] = size
+        size = self._pack_sizes[loc.pack]
+        return size is None or loc.offset + loc.record_len <= size
 
     def _delta(self, txn: lmdb.Transaction, old: bytes, data: bytes,
                bases: dict[bytes, tuple[bytes, int] | None]) -> tuple[tuple | None, int]:
