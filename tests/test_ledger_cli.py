@@ -224,3 +224,22 @@ def test_damage_to_the_ledgers_part_of_the_index_is_exit_6(tmp_path, how):
         err = res.stderr.strip()
         assert res.returncode == 6 and len(err.splitlines()) == 1, (verb, res.returncode, err)
         assert "is damaged" in err and "restore the index" in err, err
+
+
+def test_damage_to_the_gateways_databases_is_exit_6(tmp_path):
+    """helper QA (nineteenth session): a damaged gateway database was "cannot open the
+    gateway's databases", a plain error (exit 1), from budget, usage and gc."""
+    store = tmp_path / "store"
+    src = tmp_path / "memory"
+    src.write_bytes(b"x" * 300_000)
+    for args in (["import", "s", "c1", str(src)], ["budget", "s", "--tokens", "10"]):
+        ok = subprocess.run([str(KSFS), "--store", str(store), *args], capture_output=True,
+                            text=True)
+        assert ok.returncode == 0, ok.stderr
+    damage_ledger_db(store, b"gw_budgets", "page type")
+    for verb in (["budget", "s"], ["usage", "s"]):
+        res = subprocess.run([str(KSFS), "--store", str(store), *verb], capture_output=True,
+                             text=True)
+        err = res.stderr.strip()
+        assert res.returncode == 6 and len(err.splitlines()) == 1, (verb, res.returncode, err)
+        assert "is damaged" in err, err

@@ -187,6 +187,11 @@ class GatewayStore:
             if create:
                 raise KsfsError(f"cannot make the gateway's databases in {self.path}") from None
         except lmdb.Error as exc:
+            # damage is the index's (exit 6), a full disk NoSpace, as for the store's own
+            # databases (QA, nineteenth session: exit 1 for a damaged page)
+            known = from_foreign(exc, self.path, "opening the gateway's databases")
+            if known is not None and type(known) is not KsfsError:
+                raise known from exc
             raise KsfsError(f"cannot open the gateway's databases in {self.path}: {exc}") from exc
 
     def _ready(self) -> bool:
