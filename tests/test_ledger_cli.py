@@ -227,8 +227,11 @@ def test_damage_to_the_ledgers_part_of_the_index_is_exit_6(tmp_path, how):
 
 
 def test_damage_to_the_gateways_databases_is_exit_6(tmp_path):
-    """helper QA (nineteenth session): a damaged gateway database was "cannot open the
-    gateway's databases", a plain error (exit 1), from budget, usage and gc."""
+    """A damaged gateway database is the index's damage (exit 6) from budget and usage, as
+    the ledger's are. (A helper's review, nineteenth session, found the gateway's open path
+    mapping any LMDB error to a plain error, exit 1; it now goes through from_foreign too, but
+    damage that reaches that path, not the reads, was not made here: this test passed before
+    that change as well.)"""
     store = tmp_path / "store"
     src = tmp_path / "memory"
     src.write_bytes(b"x" * 300_000)
