@@ -289,3 +289,28 @@ def test_incremental_save_over_a_damaged_base_chunk_reads_it_whole(store):
     assert store.open_file(inc.manifest).read(0, len(data)) == bytes(data)
     report = store.check(read_data=True)
     assert list(report.damaged_chunks) == [entries[victim][0].hex()]
+
+
+def test_a_pack_cut_short_names_a_few_chunks_and_counts_the_rest(store):
+    """QA (nineteenth session): a pack cut to a third gave one line per chunk (1,136 of them)
+    before the files it takes with it; --json (findings) keeps every one."""
+    from ksfs.cas.check import LINES_PER_PACK
+
+    rng = random.Random(7)
+    data = b"".join(rng.randbytes(K64) for _ in range(60))  # 60 chunks that do not compress
+    f = put(store, data)
+    (pack,) = os.listdir(store.packs_dir)
+    path = os.path.join(store.packs_dir, pack)
+    os.truncate(path, os.path.getsize(path) // 3)
+    rep = store.check(read_data=True, references={f.manifest: ["s/c1/disk.raw"]})
+    bad = len(rep.damaged_chunks) + len(rep.missing_chunks)
+    assert bad > LINES_PER_PACK * 2, bad
+    lines = rep.lines()
+    named = [x for x in lines if x.startswith("chunk ")]
+    assert len(named) <= 2 * LINES_PER_PACK, len(named)  # (damaged and missing apart)
+    more = [x for x in lines if x.startswith("... and ")]
+    counted = sum(int(x.split()[2]) for x in more)
+    assert len(named) + counted == bad, lines
+    assert all(f"in pack {int(pack.split('.')[0])}" in x for x in more), more
+    assert "s/c1/disk.raw: unreadable" in "\n".join(lines)
+    assert len([x for x in rep.findings() if x["kind"].endswith("_chunk")]) == bad
