@@ -86,9 +86,9 @@ def validate_name(name: str, what: str = "name", new: bool = False) -> str:
         raise BadName(name=name, why=f"{what} cannot contain NUL")
     if any(_control(c, False) for c in name):
         raise BadName(name=name, why=f"{what} cannot contain control characters")
-    if new and any(_control(c, True) for c in name):
+    bad = next((c for c in name if _control(c, True)), None) if new else None
+    if bad is not None:
         # (QA, nineteenth session: a bidirectional override was called a control character)
-        bad = next(c for c in name if _control(c, True))
         raise BadName(name=name, why=f"{what} cannot contain control or invisible formatting "
                                      f"characters (U+{ord(bad):04X})")
     try:

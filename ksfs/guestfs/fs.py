@@ -54,6 +54,7 @@ class GuestStat:
     def is_symlink(self) -> bool:
         return st.S_ISLNK(self.mode)
 
+
 SCAN = object()  # _dx_lookup: no index to follow, scan the directory
 
 

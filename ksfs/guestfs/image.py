@@ -61,10 +61,6 @@ GPT_MOUNTED = _guids(**{
 # The preference between partitions by type: the root, a generic Linux filesystem (GPT
 # 0FC63DAF..., MBR 0x83), one mounted below the root (/home, /boot, ...), anything else.
 ROLE_RANK = {"root": 0, "linux": 1, "mounted": 2, "other": 3}
-# ... and by content: a filesystem (ext, or one this does not read, which is then the error), an
-# ext superblock that does not parse, nothing recognised.
-CONTENT_RANK = {"ext": 0, "btrfs": 0, "xfs": 0, "lvm": 0, "luks": 0, "md": 0, "ext-damaged": 1,
-                "": 2}
 # What is recognised but not read, as said in errors: the guest's root may be on one (Ubuntu's
 # LVM and Debian's encrypted layouts put an ext /boot beside it), so it is never replaced by
 # that /boot (QA, nineteenth session).
@@ -73,8 +69,9 @@ NOT_READ = {"btrfs": "a btrfs filesystem; only ext2/3/4 are read",
             "lvm": "an LVM physical volume; LVM volumes are not read",
             "luks": "a LUKS encrypted volume; encrypted volumes are not read",
             "md": "a Linux RAID (md) member; RAID volumes are not read"}
-
-
+# The preference by content: a filesystem (ext, or one this does not read, which is then the
+# error), an ext superblock that does not parse, nothing recognised.
+CONTENT_RANK = {"ext": 0, **dict.fromkeys(NOT_READ, 0), "ext-damaged": 1, "": 2}
 MD_MAGIC = struct.pack("<I", 0xA92B4EFC)
 
 
@@ -186,9 +183,8 @@ def probe(reader: Reader, offset: int, length: int) -> str:
         return "btrfs"
     # md superblocks 1.1 (at the start) and 1.2 (4 KiB in); 0.90 and 1.0 sit at the end, and
     # a RAID1 member of those holds its filesystem at byte 0, which reads as itself.
-    for at in (0, 4096):
-        if length >= at + 4 and reader.read(offset + at, 4) == MD_MAGIC:
-            return "md"
+    if head[:4] == MD_MAGIC or length >= 4096 + 4 and reader.read(offset + 4096, 4) == MD_MAGIC:
+        return "md"
     return ""
 
 

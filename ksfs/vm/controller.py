@@ -188,10 +188,10 @@ class DomainController:
         full = " ".join(x for x in (cmdline, extra_cmdline) if x)
         if "ksfs.lineage=" not in full:
             full = domxml.set_cmdline_arg(full, "ksfs.lineage", session)
-        if len(full.encode()) > MAX_CMDLINE:
+        if (size := len(full.encode())) > MAX_CMDLINE:
             # x86's COMMAND_LINE_SIZE with its NUL: past it the kernel boots nothing, silently
             # (QA, nineteenth session)
-            raise BadInput(f"the kernel command line would be {len(full.encode())} bytes with "
+            raise BadInput(f"the kernel command line would be {size} bytes with "
                            f"ksfs's own parameters ({extra_cmdline or 'ksfs.lineage'}); the "
                            f"kernel takes at most {MAX_CMDLINE}")
         xml = domxml.new_domain_xml(domain_name, self.domain_type, boot["kernel"],
@@ -380,10 +380,11 @@ class DomainController:
         dom = self.lookup(domain)
         # (QA, nineteenth session: a crashed machine kept by on_crash=preserve, or one
         # suspended to RAM, is active too, and was said paused)
-        if not dom.isActive() or dom.state()[0] not in (
-                libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_BLOCKED, libvirt.VIR_DOMAIN_PAUSED):
+        st = dom.state()[0] if dom.isActive() else None
+        if st not in (libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_BLOCKED,
+                      libvirt.VIR_DOMAIN_PAUSED):
             raise NotRunning(session=session or domain)
-        if dom.state()[0] != libvirt.VIR_DOMAIN_PAUSED:
+        if st != libvirt.VIR_DOMAIN_PAUSED:
             with step(domain, "pausing"):
                 dom.suspend()
         return dom.ID()
@@ -414,11 +415,11 @@ class DomainController:
                         if domxml.fw_cfg(xml) != domxml.fw_cfg(new_xml):
                             self.conn.defineXML(new_xml)
                     dom.create()
-                elif dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
+                elif (st := dom.state()[0]) == libvirt.VIR_DOMAIN_PAUSED:
                     dom.resume()
-                elif dom.state()[0] == libvirt.VIR_DOMAIN_PMSUSPENDED:
+                elif st == libvirt.VIR_DOMAIN_PMSUSPENDED:
                     dom.pMWakeup()
-                elif dom.state()[0] == libvirt.VIR_DOMAIN_CRASHED:
+                elif st == libvirt.VIR_DOMAIN_CRASHED:
                     dom.destroy()  # the crashed guest's QEMU, kept by on_crash=preserve
                     dom.create()
         except VMError:
