@@ -4,9 +4,10 @@ When the environment variable ``KSFS_CRASH_AT`` names a point (``pack.fsync``, `
 ...), ``crash_point(name)`` sends SIGKILL to the process the first time (or the Nth time, with
 ``KSFS_CRASH_AT=name:N``) execution reaches it. ``KSFS_FAIL_AT`` (same syntax) raises
 ``InjectedFault`` there instead, to test what a verb does when a step fails and the process
-lives on; ``KSFS_INTERRUPT_AT`` sends the process SIGINT there, Ctrl-C at that instant. Nothing
-else happens in normal runs: the check is one dict lookup. Points in use are listed in
-docs/reliability.md.
+lives on; ``KSFS_INTERRUPT_AT`` sends the process SIGINT there, Ctrl-C at that instant;
+``KSFS_STOP_AT`` stops it there (SIGSTOP) until a SIGCONT, so a test can change the world at
+that instant. Nothing else happens in normal runs: the check is one dict lookup. Points in use
+are listed in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if _reached(name, "KSFS_FAIL_AT"):
         raise InjectedFault(point=name)
+    if _reached(name, "KSFS_STOP_AT"):
+        os.kill(os.getpid(), signal.SIGSTOP)  # held until a SIGCONT: a test acts meanwhile
     if _reached(name, "KSFS_INTERRUPT_AT"):
         if threading.current_thread() is not threading.main_thread():
             raise KeyboardInterrupt  # (a real one lands in the main thread; the nearest)

@@ -189,12 +189,30 @@ class NotRunning(VMError):
         super().__init__(message, **fields)
         if message is None and "session" in fields:
             s = fields["session"]
-            self.message = (f"{self.message} (`ksfs resume {s}` boots it from its disks; "
-                            f"`ksfs restore {s} CHECKPOINT` keeps its disks as a checkpoint "
-                            f"first)")
+            # (QA, nineteenth session: a machine its guest suspended to RAM was told resume
+            # boots it, where resume wakes it from its memory)
+            if fields.get("state") == "pmsuspended":
+                hint = f"its guest suspended it to RAM; `ksfs resume {s}` wakes it"
+            else:
+                crashed = "its guest crashed; " if fields.get("state") == "crashed" else ""
+                hint = (f"{crashed}`ksfs resume {s}` boots it from its disks; "
+                        f"`ksfs restore {s} CHECKPOINT` keeps its disks as a checkpoint first")
+            self.message = f"{self.message} ({hint})"
             self.args = (self.message,)
 
     errno = _errno.ESRCH
+
+
+class StoppedWhileSaved(NotRunning):
+    """the machine of session {session!r} stopped while it was being saved"""
+
+    def __init__(self, **fields: object) -> None:
+        super().__init__(None, **fields)
+        s = fields["session"]
+        self.message = (f"the machine of session {s!r} stopped while it was being saved (its "
+                        f"guest powered off or crashed, or it was destroyed): no checkpoint was "
+                        f"made (`ksfs resume {s}` boots it from its disks)")
+        self.args = (self.message,)
 
 
 # --- exit 11 is not used: the gateway answers its guest over HTTP (402, 502, ...), and a

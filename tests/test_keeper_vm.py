@@ -870,6 +870,52 @@ def test_a_save_of_a_machine_not_running_is_refused_before_it_writes(env, agent:
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
 
 
+def held_at(store: Path, e: dict, point: str, *args: str) -> subprocess.Popen:
+    """``ksfs ARGS`` started with KSFS_STOP_AT=point, returned once it has stopped there."""
+    proc = subprocess.Popen([*KSFS, "--store", str(store), *args], env=dict(e, KSFS_STOP_AT=point),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"ksfs {args} never reached {point}"
+        time.sleep(0.02)
+    return proc
+
+
+@pytest.mark.parametrize("point", ["vm.snapshot", "pack.fsync"])
+def test_a_machine_that_stops_during_its_save_gets_no_checkpoint(env, agent: str, point: str
+                                                                 ) -> None:
+    """QA (nineteenth and twentieth sessions): a guest powering off during its save gave
+    libvirt's words ("domain is not running", "End of file from qemu monitor", a memory image
+    that was never written), and a save that raced the power-off could publish a memory image
+    holding a guest past its power-off request, which QEMU then acted on: restored, it never
+    finished powering off. The machine stopped right after its snapshot (``vm.snapshot``) or
+    while its memory is stored (``pack.fsync``): the save is refused, with one sentence."""
+    store, e = env["store"], env["env"]
+    name = f"down-{point.replace('.', '-')}-{env['tag']}"
+    before = run(store, "checkpoints", agent, env=e).stdout
+    proc = held_at(store, e, point, "save", agent, name)
+    try:
+        assert virsh("destroy", f"ksfs-{agent}").returncode == 0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=300)
+    try:
+        assert proc.returncode == 10, err
+        assert err == (f"ksfs: error: the machine of session {agent!r} stopped while it was "
+                       f"being saved (its guest powered off or crashed, or it was destroyed): "
+                       f"no checkpoint was made (`ksfs resume {agent}` boots it from its "
+                       f"disks)\n"), err
+        assert run(store, "checkpoints", agent, env=e).stdout == before
+        last = events_of(store, agent, e)[-1]
+        assert last["type"] == "checkpoint.failed" and last["body"]["name"] == name, last
+        assert not list((store / "vm" / agent / "staging").iterdir())  # no memory image left
+    finally:
+        run(store, "resume", agent, env=e)
+    assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "running"
+    save(store, agent, e)  # and its saves go on
+
+
 def test_a_restore_of_a_machine_undefined_behind_ksfs_keeps_its_disks_first(env, agent: str
                                                                           ) -> None:
     """QA (eighteenth session): a machine undefined behind ksfs left its disk files, and what

@@ -553,6 +553,10 @@ def test_a_crashed_machine_libvirt_keeps_is_not_taken_for_a_running_one(
         crash(dom, tmp_path / "console.log")
         paused = run(store, "pause", name, check=False, env=e)
         assert paused.returncode == 10 and "is not running" in paused.stderr, paused.stderr
+        assert "its guest crashed; `ksfs resume" in paused.stderr, paused.stderr
+        saved = run(store, "save", name, check=False, env=e)  # (the hint names the crash)
+        assert saved.returncode == 10 and "its guest crashed; `ksfs resume" in saved.stderr, \
+            saved.stderr
         out = json.loads(run(store, "restore", name, c1, "--json", env=e).stdout)
         assert out["saved_as"], out  # the crashed machine's disks, kept first
         assert virsh("domstate", dom).stdout.strip() == "running"

@@ -27,6 +27,7 @@ from ksfs.errors import (
     NotFound,
     NotPermitted,
     NotRunning,
+    StoppedWhileSaved,
 )
 from ksfs.keeper.locks import drop_session_lock, session_lock
 from ksfs.keeper.offline import _reason, _tell
@@ -589,7 +590,7 @@ class MachineVerbs:
                 # all the same: its writes are theirs, whatever becomes of the machine.
                 self._hand_back_detached(rec)
                 raise _gone(rec, self._adopted(session)) if state == "absent" \
-                    else NotRunning(session=session)
+                    else NotRunning(session=session, state=state)
             return self._save_locked(rec, name, reason="save", live=live)
 
     def _hand_back_detached(self, rec: SessionRecord) -> dict[str, dict[str, str]]:
@@ -712,6 +713,12 @@ class MachineVerbs:
             transcript = self._frozen_transcript(rec, frozen)
             progress.report("publishing the checkpoint")
             ingest.seal()
+            if frozen.memory_path is not None and self.vm.went_down(rec.domain):
+                # Its memory may hold a guest past a power-off request that QEMU acted on
+                # after the snapshot; restored, it would never finish powering off. Refused
+                # rather than published: the machine is down, and what its disks hold is kept
+                # by the next restore's save-first.
+                raise StoppedWhileSaved(session=session)
             parent = self._built_on(rec)
             with self.store.env.begin(write=True) as txn:
                 ingest.commit(txn)

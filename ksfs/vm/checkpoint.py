@@ -25,7 +25,7 @@ import libvirt
 
 from ksfs import progress
 from ksfs.crashpoints import crash_point
-from ksfs.errors import KsfsError, NotRunning, VMError
+from ksfs.errors import KsfsError, NotRunning, StoppedWhileSaved, VMError
 from ksfs.vm import domxml, saveimage
 from ksfs.vm.chain import ChainSource, chain_files, create_overlay
 from ksfs.vm.state import DiskState, Frozen, FrozenDisk, SessionState, file_stat
@@ -196,6 +196,9 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
                       was_paused)
     except VMError as exc:
         if not (was_paused and STALE_POSTMIGRATE in str(exc)):
+            with contextlib.suppress(VMError):
+                if went_down(dom, domain):
+                    raise StoppedWhileSaved(session=session) from exc
             raise
         # An earlier snapshot of this paused guest was never followed by _repause (ksfs
         # before it, or a process killed right after libvirt returned): the failed call's
@@ -212,6 +215,12 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
     ctl.save_state(session, state)
     try:
         crash_point("vm.snapshot")
+        # A guest powering off as its snapshot is taken: libvirt may say the snapshot worked
+        # with no memory image written, or with one holding a guest past its power-off request,
+        # which QEMU then acts on and a restored machine never sees (QA, nineteenth and
+        # twentieth sessions).
+        if went_down(dom, domain):
+            raise StoppedWhileSaved(session=session)
         # The XML libvirt stored in the image itself: exactly what a restore of it starts from.
         xml = saveimage.read_header(memory).xml
         frozen_disks, base = _frozen_chain(state, disks)
@@ -220,6 +229,19 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
         raise
     return Frozen(session, domain, f"snap-{n}", memory, xml, frozen_disks, base,
                   meter.paused_s, meter.t1 - meter.t0, meter.forced, live=live)
+
+
+def went_down(dom: libvirt.virDomain, domain: str) -> bool:
+    """The machine stopped or is stopping: shut off, shutting down, crashed, or paused by its
+    guest's power-off or crash (QEMU waiting for libvirt to act on it)."""
+    with step(domain, "reading its state after the snapshot"):
+        if not dom.isActive():
+            return True
+        st, reason = dom.state()
+    return st in (libvirt.VIR_DOMAIN_SHUTDOWN, libvirt.VIR_DOMAIN_SHUTOFF,
+                  libvirt.VIR_DOMAIN_CRASHED) or (
+        st == libvirt.VIR_DOMAIN_PAUSED and reason in (libvirt.VIR_DOMAIN_PAUSED_SHUTTING_DOWN,
+                                                      libvirt.VIR_DOMAIN_PAUSED_CRASHED))
 
 
 def stopped(ctl: DomainController, session: str, domain: str,

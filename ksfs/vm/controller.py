@@ -284,6 +284,16 @@ class DomainController:
         return bool(state and state.disks) and all(
             Path(ds.running_file[0]).exists() for ds in state.disks.values())
 
+    def went_down(self, domain: str) -> bool:
+        """Whether the machine stopped or is stopping (shut off, shutting down, crashed, gone):
+        a save checks it before it publishes, since a guest that powered off during its
+        snapshot can leave a memory image that never finishes powering off when restored."""
+        from ksfs.vm.checkpoint import went_down
+
+        if not self.exists(domain):
+            return True
+        return went_down(self.lookup(domain), domain)
+
     def finish(self, frozen: Frozen, checkpoint: str | None = None) -> None:
         """Commit the frozen layers into their root and drop the memory staging file."""
         from ksfs.vm.checkpoint import finish
@@ -383,7 +393,7 @@ class DomainController:
         st = dom.state()[0] if dom.isActive() else None
         if st not in (libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_BLOCKED,
                       libvirt.VIR_DOMAIN_PAUSED):
-            raise NotRunning(session=session or domain)
+            raise NotRunning(session=session or domain, state=_STATES.get(st, "shutoff"))
         if st != libvirt.VIR_DOMAIN_PAUSED:
             with step(domain, "pausing"):
                 dom.suspend()
