@@ -882,15 +882,16 @@ def held_at(store: Path, e: dict, point: str, *args: str) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.parametrize("point", ["vm.snapshot", "pack.fsync"])
+@pytest.mark.parametrize("point", ["vm.snapshot.take", "vm.snapshot", "pack.fsync"])
 def test_a_machine_that_stops_during_its_save_gets_no_checkpoint(env, agent: str, point: str
                                                                  ) -> None:
     """QA (nineteenth and twentieth sessions): a guest powering off during its save gave
     libvirt's words ("domain is not running", "End of file from qemu monitor", a memory image
     that was never written), and a save that raced the power-off could publish a memory image
     holding a guest past its power-off request, which QEMU then acted on: restored, it never
-    finished powering off. The machine stopped right after its snapshot (``vm.snapshot``) or
-    while its memory is stored (``pack.fsync``): the save is refused, with one sentence."""
+    finished powering off. The machine stopped just before libvirt's snapshot call
+    (``vm.snapshot.take``: the call fails), right after it (``vm.snapshot``) or while its memory
+    is stored (``pack.fsync``): the save is refused, with one sentence."""
     store, e = env["store"], env["env"]
     name = f"down-{point.replace('.', '-')}-{env['tag']}"
     before = run(store, "checkpoints", agent, env=e).stdout

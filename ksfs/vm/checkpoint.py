@@ -192,13 +192,16 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
     if live:
         flags |= libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_LIVE
     try:
+        crash_point("vm.snapshot.take")  # nothing made yet but a number spent
         meter = _take(ctl, dom, domain, disks, memory, overlays, skip, flags, live, on_freeze,
                       was_paused)
     except VMError as exc:
         if not (was_paused and STALE_POSTMIGRATE in str(exc)):
-            with contextlib.suppress(VMError):
-                if went_down(dom, domain):
-                    raise StoppedWhileSaved(session=session) from exc
+            down = False
+            with contextlib.suppress(VMError):  # (libvirt's own words then stand)
+                down = went_down(dom, domain)
+            if down:
+                raise StoppedWhileSaved(session=session) from exc
             raise
         # An earlier snapshot of this paused guest was never followed by _repause (ksfs
         # before it, or a process killed right after libvirt returned): the failed call's
