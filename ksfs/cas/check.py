@@ -38,6 +38,8 @@ class CheckReport:
     missing_chunks: dict[str, str] = field(default_factory=dict)
     damaged_packs: dict[int, str] = field(default_factory=dict)  # pack number -> why
     damaged_manifests: dict[str, str] = field(default_factory=dict)  # manifest hex -> why
+    # the index's counters in cas_meta that disagree with what it lists: name -> why
+    damaged_counters: dict[str, str] = field(default_factory=dict)
     affected_manifests: dict[str, list[str]] = field(default_factory=dict)  # -> chunk hexes
     affected_references: dict[str, list[str]] = field(default_factory=dict)  # ref -> why
     chunks_checked: int = 0
@@ -56,14 +58,16 @@ class CheckReport:
     def ok(self) -> bool:
         return not (self.damaged_chunks or self.missing_chunks or self.damaged_packs
                     or self.damaged_manifests or self.affected_manifests
-                    or self.affected_references)
+                    or self.affected_references or self.damaged_counters)
 
     def __bool__(self) -> bool:
         return not self.ok
 
     def lines(self) -> list[str]:
         """One human sentence per finding, for ``ksfs check``."""
-        out = [f"pack {no}: {why}" for no, why in sorted(self.damaged_packs.items())]
+        out = [f"index counter {name}: {why}"
+               for name, why in sorted(self.damaged_counters.items())]
+        out += [f"pack {no}: {why}" for no, why in sorted(self.damaged_packs.items())]
         out += self._few_per_pack("damaged", self.damaged_chunks)
         out += self._few_per_pack("missing", self.missing_chunks)
         out += [f"manifest {m}: {why}" for m, why in sorted(self.damaged_manifests.items())]
@@ -97,8 +101,10 @@ class CheckReport:
     def findings(self) -> list[dict[str, Any]]:
         """The findings of ``lines`` as records for scripts (``ksfs check --json``), in the same
         order: each has a ``kind`` and names what it is about."""
-        out: list[dict[str, Any]] = [{"kind": "damaged_pack", "pack": no, "why": why}
-                                     for no, why in sorted(self.damaged_packs.items())]
+        out: list[dict[str, Any]] = [{"kind": "damaged_counter", "counter": name, "why": why}
+                                     for name, why in sorted(self.damaged_counters.items())]
+        out += [{"kind": "damaged_pack", "pack": no, "why": why}
+                for no, why in sorted(self.damaged_packs.items())]
         out += [{"kind": "damaged_chunk", "chunk": c, **self._where(c), "why": why}
                 for c, why in sorted(self.damaged_chunks.items())]
         out += [{"kind": "missing_chunk", "chunk": c, **self._where(c), "why": why}
@@ -172,6 +178,7 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
         manifests = {bytes(k): bytes(v) for k, v in txn.cursor(db=db["manifests"])}
         infos = _decode_manifests(manifests, rep)
         lost = _lost_by_id(txn, db["chunks"], infos, chunks, listed)
+        counters = {name: txn.get(name, db=db["cas_meta"]) for name in COUNTERS}
     rep.packs_checked = len(packs) + len(undecodable)
     for cid in lost:
         rep.missing_chunks[cid.hex()] = LOST_BY_ID
@@ -203,6 +210,7 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
     for no in live:
         if no not in packs:
             rep.damaged_packs[no] = "index entries point at a pack the store does not list"
+    _check_counters(counters, set(packs), set(live), set(disk) | set(odd), rep)
 
     # chunks: in pack order, header (and with read_data, payload) against the index
     chunks.sort(key=lambda item: (item[1].pack, item[1].offset))
@@ -270,6 +278,62 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
             for ref in refs:
                 rep.affected_references.setdefault(ref, []).append(why)
     return rep
+
+
+# The counters cas_meta keeps, and what a value that is no number breaks.
+COUNTERS = {
+    fmt.NEXT_PACK: "every ingest and gc fails",
+    fmt.INGEST_COMMITS: "every ingest fails at its commit",
+    fmt.GC_GENERATION: "every gc fails, and the mount's space figures (st_blocks) stop "
+                       "following the store",
+}
+RESTORE = "restore the index from a backup"
+
+
+def _check_counters(counters: dict[bytes, bytes | None], listed: set[int], named: set[int],
+                    on_disk: set[int], rep: CheckReport) -> None:
+    """The counters in cas_meta against what the index lists. Each must be a number. Every
+    commit that lists a pack moves ``next_pack`` past it in the same transaction, so one not
+    above every pack the index lists or its entries name is damage. It is dangerous where such
+    a pack is neither listed nor on disk and lies past every listed one: new packs are numbered
+    past ``next_pack`` and every listed pack (and never over a file), so the next new pack can
+    take its number, and the entries would point into that pack's records. A pack file the
+    index does not list may lie past ``next_pack``: an ingest that died before its commit
+    leaves one. ``ingest_commits`` and ``gc_generation`` are only ever compared for change, so
+    no value of theirs that is a number breaks anything, and whether one went backwards cannot
+    be told from one look at the store."""
+    for name, raw in counters.items():
+        try:
+            fmt.meta_int(raw, name.decode())
+        except IntegrityError:
+            rep.damaged_counters[name.decode()] = \
+                f"{bytes(raw or b'')[:40]!r} is no number: {COUNTERS[name]} ({RESTORE})"
+    if fmt.NEXT_PACK.decode() in rep.damaged_counters:
+        return
+    raw = counters[fmt.NEXT_PACK]
+    value = fmt.meta_int(raw, "next_pack", 1)
+    shown = "missing (read as 1)" if raw is None else str(value)[:40]
+    if value > fmt.MAX_PACK_NO:
+        rep.damaged_counters["next_pack"] = (
+            f"{shown} is past the last pack number ({fmt.MAX_PACK_NO}): every ingest and gc "
+            f"fails ({RESTORE})")
+        return
+    top = max(listed | named, default=0)
+    if value > top:
+        return
+    floor = max(value, max(listed, default=0) + 1)
+    unplaced = sorted(no for no in named - listed - on_disk if no >= floor)
+    if unplaced:
+        rep.damaged_counters["next_pack"] = (
+            f"{shown} is not above pack {unplaced[-1]}, which index entries name while neither "
+            "the index lists it nor packs/ holds it: the next new pack can take its number, and "
+            "those entries would point into that pack's records")
+    else:
+        whose = "the index lists" if top in listed else "index entries name"
+        rep.damaged_counters["next_pack"] = (
+            f"{shown} is not above pack {top}, which {whose}: no commit leaves it so, the index "
+            "is damaged (new packs are numbered past every listed pack and pack file all the "
+            "same, and the next ingest that stores a chunk moves it past every listed pack)")
 
 
 def _decode_manifests(manifests: dict[bytes, bytes], rep: CheckReport

@@ -152,6 +152,5 @@ def commit_writers(txn, store: ChunkStore, writers: list[PackWriter]) -> None:
         if w.written:
             live = sum(loc.record_len for _, loc in w.written)
             txn.put(fmt.pack_key(w.no), fmt.PACK_VALUE.pack(w.end, live), db=db["packs"])
-    raw_next = txn.get(b"next_pack", db=db["cas_meta"])
-    if top + 1 > fmt.meta_int(raw_next, "next_pack", 1):
-        txn.put(b"next_pack", str(top + 1).encode(), db=db["cas_meta"])
+    if top + 1 > fmt.next_pack(txn, db["cas_meta"]):
+        txn.put(fmt.NEXT_PACK, str(top + 1).encode(), db=db["cas_meta"])

@@ -135,6 +135,12 @@ class Location:
 # no longer holds its base; a sweep), for readers that keep counts derived from the records
 # (keeper.holdings).
 GC_GENERATION = b"gc_generation"
+# In cas_meta: the lowest number a new pack may take, moved past every pack a commit lists.
+NEXT_PACK = b"next_pack"
+# In cas_meta: how many ingests committed (a seal looks its chunks up again only when it moved).
+INGEST_COMMITS = b"ingest_commits"
+# An index value and a pack's key hold a pack number in 32 bits (INDEX_VALUE, pack_key).
+MAX_PACK_NO = (1 << 32) - 1
 
 
 def gc_generation(txn: Any, meta_db: Any) -> int:
@@ -159,6 +165,18 @@ def decode_pack_value(key: bytes, raw: bytes) -> tuple[int, int]:
         raise IntegrityError(f"the index entry of pack {int.from_bytes(key, 'big')} is damaged: "
                              f"it no longer decodes ({len(raw)} bytes, not {PACK_VALUE.size})")
     return PACK_VALUE.unpack(raw)
+
+
+def next_pack(txn: Any, meta_db: Any) -> int:
+    """The lowest number a new pack may take (new packs are also numbered past every pack
+    listed or on disk). IntegrityError (exit 6) for a value that is no number, or past the
+    last number a pack can have: a pack numbered so cannot be indexed (it was a struct.error
+    traceback at commit). One below 1 is read as 1: no pack is numbered 0 or less."""
+    no = meta_int(txn.get(NEXT_PACK, db=meta_db), "next_pack", 1)
+    if no > MAX_PACK_NO:
+        raise IntegrityError(f"the index's next_pack entry is damaged: {str(no)[:40]} is past "
+                             f"the last pack number ({MAX_PACK_NO})")
+    return max(no, 1)
 
 
 def bump_gc_generation(txn: Any, meta_db: Any) -> None:

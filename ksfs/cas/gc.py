@@ -186,10 +186,9 @@ def _packs_repacked(txn, store: ChunkStore, kept: set[bytes], threshold: float) 
 
 def _first_pack_no(txn, store: ChunkStore) -> int:
     """The lowest number a pack GC writes may take: past every pack listed and next_pack."""
-    raw_next = txn.get(b"next_pack", db=store.db["cas_meta"])
     listed = [int.from_bytes(k, "big") + 1
               for k in txn.cursor(db=store.db["packs"]).iternext(values=False)]
-    return max([fmt.meta_int(raw_next, "next_pack", 1), *listed])
+    return max([fmt.next_pack(txn, store.db["cas_meta"]), *listed])
 
 
 def _drop_orphans(store: ChunkStore, res: GCResult) -> None:

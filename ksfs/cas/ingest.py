@@ -65,7 +65,7 @@ SEAL_LOCK = "seal.lock"
 # How long a seal waits for another ingest's publish; then it seals without the lock (the
 # figures stay true, commit still skips what another committed; only the bytes may stay twice)
 SEAL_WAIT_S = 120.0
-COMMITS = b"ingest_commits"  # in cas_meta: how many ingests committed, so a seal with none
+COMMITS = fmt.INGEST_COMMITS  # in cas_meta: how many ingests committed, so a seal with none
 # since its ingest began skips looking every new chunk up again
 _zeros: dict[int, bytes] = {FIXED_SIZE: ZERO_CHUNK}  # the chunker's own: compared by identity
 
@@ -471,8 +471,7 @@ class Ingest:
             if cur.last():
                 newest = (int.from_bytes(cur.key(), "big"),
                           fmt.decode_pack_value(cur.key(), cur.value()))
-            raw_next = txn.get(b"next_pack", db=meta_db)
-        next_no = fmt.meta_int(raw_next, "next_pack", 1)
+            next_no = fmt.next_pack(txn, meta_db)
         mine = {w.no for w in self.writers}
         if newest is not None:
             no, (size, _) = newest
@@ -546,9 +545,8 @@ class Ingest:
                 size, live = fmt.decode_pack_value(key, raw) if raw else (0, 0)
                 txn.put(key, fmt.PACK_VALUE.pack(max(size, w.end), live + added.get(w.no, 0)),
                         db=db["packs"])
-            raw_next = txn.get(b"next_pack", db=db["cas_meta"])
-            if top and top + 1 > fmt.meta_int(raw_next, "next_pack", 1):
-                txn.put(b"next_pack", str(top + 1).encode(), db=db["cas_meta"])
+            if top and top + 1 > fmt.next_pack(txn, db["cas_meta"]):
+                txn.put(fmt.NEXT_PACK, str(top + 1).encode(), db=db["cas_meta"])
             for mid, raw in self.manifests.items():
                 txn.put(mid, raw, db=db["manifests"])
             count = txn.get(COMMITS, db=db["cas_meta"])
