@@ -40,8 +40,8 @@ class Volume:
         self._descs = LRU(1024)
         self._maps = LRU(512)
         self._indirect = LRU(256)
-        # directory blocks (by fs block) whose metadata_csum was verified: pure-Python crc32c
-        # is slow, and a listing then a lookup read the same blocks
+        # directory blocks (by fs block) whose metadata_csum was verified: a listing then a
+        # lookup read the same blocks, and the check is then a dict hit
         self._dir_ok = LRU(4096)
 
     def set_overlay(self, overlay: dict[int, JournalCopy], sb: Superblock) -> None:
