@@ -185,8 +185,11 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
 
     # packs: present, as long as the index says, and their live figures add up
     live: dict[int, int] = {}
+    ends: dict[int, int] = {}  # where the last record the index places in each pack ends
     for _, loc in chunks:
         live[loc.pack] = live.get(loc.pack, 0) + loc.record_len
+        if loc.problem() is None:
+            ends[loc.pack] = max(ends.get(loc.pack, 0), loc.offset + loc.record_len)
     disk, odd = _pack_files(store)
     for no in undecodable:  # judged by what is there, said once as damaged above
         packs[no] = (disk.get(no, 0), live.get(no, 0))
@@ -199,6 +202,10 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
             rep.damaged_packs[no] = "its file is missing"
         elif disk[no] < size:
             rep.damaged_packs[no] = f"its file has {disk[no]} bytes, the index expects {size}"
+            if ends.get(no, 0) <= disk[no]:  # e.g. a good copy imported again since the cut
+                rep.damaged_packs[no] += (": cut short, but no record the index places in it "
+                                          "was lost (`ksfs gc` takes its file's length as its "
+                                          "size)")
         elif disk[no] > size:
             _uncommitted(store, rep, no, disk[no] - size)
         if live.get(no, 0) != live_bytes:

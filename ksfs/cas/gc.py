@@ -53,6 +53,9 @@ class GCResult:
     packs_written: list[int] = field(default_factory=list)
     disk_bytes_reclaimed: int = 0  # pack file bytes given back to the filesystem
     skipped_packs: dict[int, str] = field(default_factory=dict)  # not repacked: damage found
+    # packs cut short that lost no record the index still places: their figure is now their
+    # file's length (pack number -> bytes the cut took off)
+    packs_settled: dict[int, int] = field(default_factory=dict)
     deltas_flattened: int = 0  # deltas stored whole again so their base could go
     flatten_skipped: str = ""  # why flattening failed and was left for the next GC
 
@@ -192,9 +195,13 @@ def _first_pack_no(txn, store: ChunkStore) -> int:
 
 
 def _drop_orphans(store: ChunkStore, res: GCResult) -> None:
-    """Remove packs no index lists and cut tails abandoned ingests left after committed bytes."""
-    with store.env.begin(db=store.db["packs"]) as txn:
-        packs = {int.from_bytes(k, "big"): fmt.decode_pack_value(k, v) for k, v in txn.cursor()}
+    """Remove packs no index lists, cut tails abandoned ingests left after committed bytes, and
+    settle packs cut short that lost nothing the index still places in them."""
+    with store.env.begin() as txn:
+        packs = {int.from_bytes(k, "big"): fmt.decode_pack_value(k, v)
+                 for k, v in txn.cursor(db=store.db["packs"])}
+        ends = _record_ends(txn, store)
+    settle: dict[int, int] = {}
     for name in list_packs_dir(store.path, store.packs_dir):
         if not (name.endswith(".pack") and name[:-5].isdigit()):
             continue
@@ -212,6 +219,39 @@ def _drop_orphans(store: ChunkStore, res: GCResult) -> None:
             elif st_size > packs[no][0]:
                 os.truncate(path, packs[no][0])
                 res.disk_bytes_reclaimed += st_size - packs[no][0]
+            elif st_size < packs[no][0] and ends.get(no, 0) <= st_size:
+                settle[no] = st_size
+    if settle:
+        _settle(store, settle, res)
+
+
+def _record_ends(txn, store: ChunkStore) -> dict[int, int]:
+    """Pack number -> where the last record the index places in it ends. (An entry that does
+    not decode, or whose figures no pack can hold, places nothing: check names it.)"""
+    ends: dict[int, int] = {}
+    for k, v in txn.cursor(db=store.db["chunks"]):
+        try:
+            loc = fmt.Location.decode(v, bytes(k))
+        except IntegrityError:
+            continue
+        if loc.problem() is None:
+            ends[loc.pack] = max(ends.get(loc.pack, 0), loc.offset + loc.record_len)
+    return ends
+
+
+def _settle(store: ChunkStore, sizes: dict[int, int], res: GCResult) -> None:
+    """Give packs cut short their file's length as their committed size, where the cut took only
+    records the index no longer places there (importing a good copy again stored the chunks it
+    lost anew): check no longer calls them damaged, and an ingest may append to them again
+    (one never appends to a pack shorter than its figure)."""
+    with store.env.begin(write=True, db=store.db["packs"]) as txn:
+        for no, size in sizes.items():
+            key = fmt.pack_key(no)
+            raw = txn.get(key)
+            if raw is not None:
+                committed, live = fmt.decode_pack_value(key, raw)
+                txn.put(key, fmt.PACK_VALUE.pack(size, live))
+                res.packs_settled[no] = committed - size
 
 
 def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:

@@ -3,8 +3,10 @@
 A ``PackWriter`` owns one pack while an ingest or a repack appends to it: it holds the pack's
 flock so no other writer appends beside it, cuts the file back to its committed size before the
 first append (bytes past it belong to an ingest that never committed), fsyncs file and directory,
-and re-reads every record it wrote. It never touches the index: what it wrote becomes visible only
-when the caller commits the locations it returns.
+and re-reads every record it wrote. It never appends to a pack shorter than its committed size:
+that file was cut, and the records the index places past its end are for check to name. It
+never touches the index: what it wrote becomes visible only when the caller commits the
+locations it returns.
 
 ``PackHandles`` keeps read fds open, counted, so a pack that GC unlinks stays readable to a
 reader already inside it (Linux keeps the inode while an fd is open).
@@ -118,7 +120,17 @@ class PackWriter:
 
     @classmethod
     def try_reopen(cls, packs_dir: str, no: int, committed: Callable[[], int]) -> PackWriter | None:
-        """Take over an existing pack to append to it, or None if another writer holds it."""
+        """Take over an existing pack to append to it, or None if another writer holds it or
+        its file is shorter than its committed size.
+
+        Bytes past the committed size are a crashed ingest's, never indexed: they are cut off.
+        A file shorter than that was cut (a truncation, a file system that lost its end): it
+        is left as it is, so check goes on calling the records it lost "cut short", and the
+        caller starts a new pack. (Padding it back to its size with zeros, as this once did,
+        turned those findings into bad record headers, and to a later ingest's dedup the pack
+        then looked long enough to hold the records it lost, so importing a good copy again no
+        longer repaired them.)
+        """
         path = os.path.join(packs_dir, fmt.pack_name(no))
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -129,10 +141,18 @@ class PackWriter:
         except OSError:
             os.close(fd)
             return None
-        size = committed()  # read only now: the last holder committed before letting go
-        with translate("truncate pack", path):
-            if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)
+        try:
+            size = committed()  # read only now: the last holder committed before letting go
+            with translate("truncate pack", path):
+                on_disk = os.fstat(fd).st_size
+                if on_disk > size:
+                    os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        if on_disk < size:
+            os.close(fd)
+            return None
         return cls(packs_dir, no, fd, size, False)
 
     @property
