@@ -206,13 +206,19 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
                 rep.damaged_packs[no] += (": cut short, but no record the index places in it "
                                           "was lost (`ksfs gc` takes its file's length as its "
                                           "size)")
-        elif disk[no] > size:
-            _uncommitted(store, rep, no, disk[no] - size)
+        elif disk[no] > max(size, ends.get(no, 0)):
+            # (records the index places past the figure are its damage, named below)
+            _uncommitted(store, rep, no, disk[no] - max(size, ends.get(no, 0)))
+        if no in disk and size < ends.get(no, 0) <= disk[no]:
+            # the figure is the damage: the records are read from the file, and checked there
+            rep.damaged_packs.setdefault(
+                no, f"its index entry gives it {size} bytes, but the index places records in it "
+                    f"up to byte {ends[no]} (`ksfs gc` sets its size to that)")
         if live.get(no, 0) != live_bytes:
             rep.damaged_packs.setdefault(
                 no, f"live bytes {live_bytes} disagree with its index entries ({live.get(no, 0)})")
     for no, size in disk.items():
-        if no not in packs:
+        if no not in packs and no not in live:  # (one entries name is damage, named below)
             _uncommitted(store, rep, no, size, listed=False)
     for no in live:
         if no not in packs:
@@ -229,12 +235,10 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
             rep.damaged_chunks[cid.hex()] = why
         elif loc.pack in odd:
             rep.missing_chunks[cid.hex()] = f"its pack {loc.pack} is {odd[loc.pack]}"
-        elif loc.pack in rep.damaged_packs and loc.pack not in disk:
+        elif loc.pack not in disk:  # (named above: missing, or listed nowhere)
             rep.missing_chunks[cid.hex()] = f"its pack {loc.pack} is missing"
-        elif end > packs.get(loc.pack, (0, 0))[0]:
-            rep.damaged_chunks[cid.hex()] = f"it lies past the end of pack {loc.pack}"
-        elif loc.pack in disk and end > disk[loc.pack]:
-            # the index's figure is what was committed; the file is what a read gets
+        elif end > disk[loc.pack]:
+            # the file is what a read gets, whatever the pack's figure says
             rep.damaged_chunks[cid.hex()] = _cut_short(loc, disk[loc.pack])
         else:
             by_pack.setdefault(loc.pack, []).append((cid, loc))
@@ -267,8 +271,9 @@ def _check(store: ChunkStore, read_data: bool, references: dict[str, list[str]])
         if cid.hex() in rep.damaged_chunks or cid.hex() in rep.missing_chunks:
             rep.locations[cid.hex()] = (loc.pack, loc.offset)
 
-    for mhex, refs in references.items():
+    for mid, refs in references.items():
         why = None
+        mhex = str(mid)  # a damaged record may name anything (an int was a TypeError)
         try:
             key = bytes.fromhex(mhex)
         except ValueError:
@@ -378,16 +383,16 @@ def _pack_files(store: ChunkStore) -> tuple[dict[int, int], dict[int, str]]:
     disk: dict[int, int] = {}
     odd: dict[int, str] = {}
     for name in list_packs_dir(store.path, store.packs_dir):
-        if not (name.endswith(".pack") and name[:-5].isdigit()):
+        if (no := fmt.pack_number(name)) is None:
             continue
         try:
             st = os.lstat(os.path.join(store.packs_dir, name))
         except FileNotFoundError:  # gone since the listing: as if never listed
             continue
         if stat_.S_ISREG(st.st_mode):
-            disk[int(name[:-5])] = st.st_size
+            disk[no] = st.st_size
         else:
-            odd[int(name[:-5])] = _kind(st.st_mode)
+            odd[no] = _kind(st.st_mode)
     return disk, odd
 
 
@@ -459,7 +464,12 @@ def _check_pack(store: ChunkStore, no: int, items: list[tuple[bytes, fmt.Locatio
     try:
         if not read_data:
             for cid, loc in items:
-                why = _header_problem(os.pread(fd, fmt.HEADER_SIZE, loc.offset), cid, loc)
+                try:
+                    head = os.pread(fd, fmt.HEADER_SIZE, loc.offset)
+                except OSError as exc:  # EIO: a bad sector is this record's damage
+                    rep.damaged_chunks[cid.hex()] = f"pack {no} cannot be read: {exc.strerror}"
+                    continue
+                why = _header_problem(head, cid, loc)
                 if why:
                     rep.damaged_chunks[cid.hex()] = f"pack {no} offset {loc.offset}: {why}"
             return
@@ -472,15 +482,33 @@ def _check_pack(store: ChunkStore, no: int, items: list[tuple[bytes, fmt.Locatio
                     max(READ_SPAN, items[i][1].record_len):
                 j += 1
             end = items[j - 1][1].offset + items[j - 1][1].record_len
-            raw = os.pread(fd, end - start, start)
+            try:
+                raw = os.pread(fd, end - start, start)
+            except OSError:  # EIO somewhere in the span: read its records one by one
+                raw = _read_one_by_one(fd, no, items[i:j], start, end, rep)
             jobs = [(cid, loc, raw[loc.offset - start : loc.offset - start + loc.record_len])
-                    for cid, loc in items[i:j]]
+                    for cid, loc in items[i:j] if cid.hex() not in rep.damaged_chunks]
             for found in store.run_split(lambda part: _verify_records(store, part), jobs):
                 for h, why in found:
                     rep.damaged_chunks[h] = f"pack {no}: {why}"
             i = j
     finally:
         os.close(fd)
+
+
+def _read_one_by_one(fd: int, no: int, items: list[tuple[bytes, fmt.Location]], start: int,
+                     end: int, rep: CheckReport) -> bytes:
+    """The span [start, end) of pack ``no`` read record by record after reading it whole
+    failed: a record that cannot be read is damaged (named in ``rep``), its bytes left zero."""
+    raw = bytearray(end - start)
+    for cid, loc in items:
+        try:
+            rec = os.pread(fd, loc.record_len, loc.offset)
+        except OSError as one:
+            rep.damaged_chunks[cid.hex()] = f"pack {no} cannot be read: {one.strerror}"
+            continue
+        raw[loc.offset - start : loc.offset - start + len(rec)] = rec
+    return bytes(raw)
 
 
 def _header_problem(head_raw: bytes, cid: bytes, loc: fmt.Location) -> str | None:

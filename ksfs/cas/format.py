@@ -191,6 +191,18 @@ def pack_name(no: int) -> str:
     return f"{no:08d}.pack"
 
 
+def pack_number(name: str) -> int | None:
+    """The number of the pack whose file is named ``name``, or None when no pack has that
+    name: only ``pack_name``'s own spelling counts. "1.pack" beside "00000001.pack" is no second
+    file of pack 1 (check took its size for pack 1's), and "².pack" passes ``str.isdigit`` but
+    not ``int`` (it was a ValueError traceback from check and gc)."""
+    stem = name[:-5] if name.endswith(".pack") else ""
+    if not (stem.isascii() and stem.isdigit()):
+        return None
+    no = int(stem)
+    return no if no <= MAX_PACK_NO and pack_name(no) == name else None
+
+
 Entry = tuple[bytes | None, int]  # (chunk id, or None for a hole; plain length)
 
 

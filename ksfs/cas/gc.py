@@ -53,9 +53,11 @@ class GCResult:
     packs_written: list[int] = field(default_factory=list)
     disk_bytes_reclaimed: int = 0  # pack file bytes given back to the filesystem
     skipped_packs: dict[int, str] = field(default_factory=dict)  # not repacked: damage found
-    # packs cut short that lost no record the index still places: their figure is now their
-    # file's length (pack number -> bytes the cut took off)
-    packs_settled: dict[int, int] = field(default_factory=dict)
+    # packs whose size figure disagreed with their file and the records the index places in
+    # them, and was set to agree: pack number -> (figure before, figure now). A pack cut short
+    # that lost no record still placed gets its file's length (importing a good copy again
+    # stored what it lost anew); one whose figure damage made too small, its last record's end
+    settled_packs: dict[int, tuple[int, int]] = field(default_factory=dict)
     deltas_flattened: int = 0  # deltas stored whole again so their base could go
     flatten_skipped: str = ""  # why flattening failed and was left for the next GC
 
@@ -69,9 +71,21 @@ def collect(store: ChunkStore, live_manifests: Iterable[str] | Callable[[], Iter
         # is whole or nothing: one failing at the sweep's commit deletes nothing; one failing
         # later (a repack's) leaves the sweep done and the repack to the next gc
         with index_errors("gc", store.path):
-            return _collect(store, {bytes.fromhex(m) for m in live}, threshold)
+            return _collect(store, {_manifest_key(store, m) for m in live}, threshold)
     finally:
         os.close(lock)
+
+
+def _manifest_key(store: ChunkStore, name: object) -> bytes:
+    """The key of a live manifest; StoreDamaged (exit 6) for a name that is no manifest id (a
+    damaged checkpoint record can name anything: it was a ValueError or TypeError traceback),
+    before anything is deleted."""
+    try:
+        return bytes.fromhex(name)  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        raise StoreDamaged(path=store.path, why=(
+            f"a checkpoint record names {str(name)[:80]!r} as a manifest, which is no manifest "
+            "id, so gc frees nothing (run `ksfs check` to see what is damaged)")) from None
 
 
 def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
@@ -196,31 +210,45 @@ def _first_pack_no(txn, store: ChunkStore) -> int:
 
 def _drop_orphans(store: ChunkStore, res: GCResult) -> None:
     """Remove packs no index lists, cut tails abandoned ingests left after committed bytes, and
-    settle packs cut short that lost nothing the index still places in them."""
+    settle size figures that disagree with the file and the records the index places there.
+
+    Bytes the index places records in are never removed, whatever the figures say: a pack
+    whose entry in the packs database is lost, or whose figure damage made too small, still
+    holds live records (this deleted such a pack as an unfinished ingest's, and cut such a
+    figure's records off)."""
     with store.env.begin() as txn:
         packs = {int.from_bytes(k, "big"): fmt.decode_pack_value(k, v)
                  for k, v in txn.cursor(db=store.db["packs"])}
         ends = _record_ends(txn, store)
     settle: dict[int, int] = {}
     for name in list_packs_dir(store.path, store.packs_dir):
-        if not (name.endswith(".pack") and name[:-5].isdigit()):
+        if (no := fmt.pack_number(name)) is None:
             continue
-        no, path = int(name[:-5]), os.path.join(store.packs_dir, name)
+        path = os.path.join(store.packs_dir, name)
         with translate("reclaim pack", path):
             st = os.lstat(path)
             if not stat_.S_ISREG(st.st_mode):
                 continue  # not a pack any ingest wrote: check names it, gc leaves it be
-            st_size = st.st_size
+            st_size, placed = st.st_size, ends.get(no, 0)
             if no not in packs:
+                if placed:
+                    res.skipped_packs[no] = ("the store does not list it, but index entries "
+                                             "place records in it")
+                    continue
                 os.unlink(path)
                 store.handles.forget(no)
                 res.packs_removed.append(no)
                 res.disk_bytes_reclaimed += st_size
-            elif st_size > packs[no][0]:
-                os.truncate(path, packs[no][0])
-                res.disk_bytes_reclaimed += st_size - packs[no][0]
-            elif st_size < packs[no][0] and ends.get(no, 0) <= st_size:
-                settle[no] = st_size
+                continue
+            size = packs[no][0]
+            if st_size > max(size, placed):
+                os.truncate(path, max(size, placed))
+                res.disk_bytes_reclaimed += st_size - max(size, placed)
+                st_size = max(size, placed)
+            if placed <= st_size and st_size < size:
+                settle[no] = st_size  # cut short, losing only records no longer placed
+            elif size < placed <= st_size:
+                settle[no] = placed
     if settle:
         _settle(store, settle, res)
 
@@ -240,18 +268,17 @@ def _record_ends(txn, store: ChunkStore) -> dict[int, int]:
 
 
 def _settle(store: ChunkStore, sizes: dict[int, int], res: GCResult) -> None:
-    """Give packs cut short their file's length as their committed size, where the cut took only
-    records the index no longer places there (importing a good copy again stored the chunks it
-    lost anew): check no longer calls them damaged, and an ingest may append to them again
-    (one never appends to a pack shorter than its figure)."""
+    """Set the size figure of each pack in ``sizes`` (see ``GCResult.settled_packs``): check
+    then no longer calls them damaged, and an ingest may append to them again (one never
+    appends to a pack shorter than its figure)."""
     with store.env.begin(write=True, db=store.db["packs"]) as txn:
         for no, size in sizes.items():
             key = fmt.pack_key(no)
             raw = txn.get(key)
             if raw is not None:
-                committed, live = fmt.decode_pack_value(key, raw)
+                before, live = fmt.decode_pack_value(key, raw)
                 txn.put(key, fmt.PACK_VALUE.pack(size, live))
-                res.packs_settled[no] = committed - size
+                res.settled_packs[no] = (before, size)
 
 
 def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
@@ -319,8 +346,13 @@ def _repack(store: ChunkStore, threshold: float, res: GCResult) -> None:
         path = os.path.join(store.packs_dir, fmt.pack_name(no))
         with translate("remove repacked pack", path):
             try:
-                res.disk_bytes_reclaimed += os.stat(path).st_size
-                os.unlink(path)
+                st = os.lstat(path)
+                if stat_.S_ISREG(st.st_mode):
+                    os.unlink(path)
+                    res.disk_bytes_reclaimed += st.st_size
+                else:  # a directory by a pack's name (it was EISDIR, exit 1): check names it
+                    empty.discard(no)
+                    res.skipped_packs[no] = "its file is not a regular file"
             except FileNotFoundError:
                 pass
         store.handles.forget(no)

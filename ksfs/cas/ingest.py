@@ -480,15 +480,43 @@ class Ingest:
                 w = PackWriter.try_reopen(store.packs_dir, no, lambda: self._committed_size(no))
                 if w is not None:
                     return w
-        on_disk = [int(n[:-5]) for n in list_packs_dir(store.path, store.packs_dir)
-                   if n.endswith(".pack") and n[:-5].isdigit()]
+        on_disk = [no for n in list_packs_dir(store.path, store.packs_dir)
+                   if (no := fmt.pack_number(n)) is not None]
         next_no = max([next_no, *(n + 1 for n in on_disk)])
         return PackWriter.create(store.packs_dir, next_no)
 
-    def _committed_size(self, no: int) -> int:
-        with self.store.env.begin(db=self.store.db["packs"]) as txn:
-            raw = txn.get(fmt.pack_key(no))
-        return fmt.decode_pack_value(fmt.pack_key(no), raw)[0] if raw else 0
+    def _committed_size(self, no: int) -> int | None:
+        """Where pack ``no``'s committed records end, so a reopen may cut what lies past it as
+        a crashed ingest's tail; None when that tail cannot be told to be one. Its size figure,
+        or past it while the record found there is one the index places there (a figure damage
+        made too small). A tail of a crashed ingest starts with a whole record the index does
+        not place there; anything else (bytes that are no record header: the figure may point
+        into a record) is left for gc, which knows where every indexed record ends. One header
+        read and one lookup when the figure is right."""
+        db = self.store.db
+        with self.store.env.begin() as txn:
+            raw = txn.get(fmt.pack_key(no), db=db["packs"])
+            size = fmt.decode_pack_value(fmt.pack_key(no), raw)[0] if raw else 0
+            path = os.path.join(self.store.packs_dir, fmt.pack_name(no))
+            with translate("read pack", path):
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    while True:
+                        raw_head = os.pread(fd, fmt.HEADER_SIZE, size)
+                        if not raw_head:
+                            return size
+                        head = fmt.decode_record_header(raw_head)
+                        if isinstance(head, str):
+                            return None
+                        placed = txn.get(head[0], db=db["chunks"])
+                        loc = None if placed is None or len(placed) not in \
+                            fmt.INDEX_VALUE_SIZES else fmt.Location.decode(placed)
+                        if loc is None or (loc.pack, loc.offset) != (no, size) or \
+                                loc.problem() is not None:
+                            return size
+                        size += loc.record_len
+                finally:
+                    os.close(fd)
 
     # --- sealing and committing ----------------------------------------------------------
 

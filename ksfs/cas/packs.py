@@ -119,9 +119,10 @@ class PackWriter:
             return cls(packs_dir, no, fd, 0, True)
 
     @classmethod
-    def try_reopen(cls, packs_dir: str, no: int, committed: Callable[[], int]) -> PackWriter | None:
-        """Take over an existing pack to append to it, or None if another writer holds it or
-        its file is shorter than its committed size.
+    def try_reopen(cls, packs_dir: str, no: int, committed: Callable[[], int | None]
+                   ) -> PackWriter | None:
+        """Take over an existing pack to append to it, or None if another writer holds it,
+        ``committed()`` (where its committed records end) is None, or its file is shorter.
 
         Bytes past the committed size are a crashed ingest's, never indexed: they are cut off.
         A file shorter than that was cut (a truncation, a file system that lost its end): it
@@ -145,12 +146,12 @@ class PackWriter:
             size = committed()  # read only now: the last holder committed before letting go
             with translate("truncate pack", path):
                 on_disk = os.fstat(fd).st_size
-                if on_disk > size:
+                if size is not None and on_disk > size:
                     os.ftruncate(fd, size)
         except BaseException:
             os.close(fd)
             raise
-        if on_disk < size:
+        if size is None or on_disk < size:
             os.close(fd)
             return None
         return cls(packs_dir, no, fd, size, False)

@@ -303,9 +303,9 @@ def gc_summary(d: dict) -> list[str]:
     if d.get("gateway_responses_freed"):
         lines.append(f"gc: dropped {d['gateway_responses_freed']} stored model responses "
                      f"({human_bytes(d.get('gateway_bytes_freed', 0))})")
-    for pack, cut in sorted((d.get("packs_settled") or {}).items()):
-        lines.append(f"gc: pack {pack} was cut short by {human_bytes(cut)}, none of it still in "
-                     f"use: its size is now its file's length")
+    for pack, (before, now) in sorted((d.get("settled_packs") or {}).items()):
+        lines.append(f"gc: pack {pack}'s size was {before} bytes where its file and the records "
+                     f"the index places in it say {now}: it is now {now}")
     for pack, why in sorted((d.get("skipped_packs") or {}).items()):
         lines.append(f"gc: pack {pack} left as it was: {why} (see ksfs check)")
     if d.get("flatten_skipped"):
