@@ -67,6 +67,7 @@ def _decode(name: bytes) -> str:
 
 
 SYMLINK_MAX = 4096  # PATH_MAX: the longest target a symlink can hold
+NAMES_KEPT = 262_144  # names held by the lookup tables of one GuestFS (the newest table always)
 
 
 class GuestFS:
@@ -75,7 +76,9 @@ class GuestFS:
     def __init__(self, volume: Volume, where: str) -> None:
         self.volume = volume
         self.where = where
-        self._names = LRU(64)  # dir ino -> {name bytes: ino}, for lookups in big directories
+        # dir ino -> {name bytes: ino}, for lookups in directories without an index to follow;
+        # bounded by names, not directories: one table of a 150,000-entry directory is ~20 MB
+        self._names = LRU(NAMES_KEPT, weight=len)
         self._xattr_blocks = LRU(64)  # xattr block -> (its bytes, entries): often shared
 
     @classmethod
@@ -207,12 +210,18 @@ class GuestFS:
         key = _encode(name)
         if key == b".":
             return dir_ino
-        if key != b"..":  # ("..": in the index's root block, which no hash leads to)
-            found = self._dx_lookup(dir_ino, key)
-            if found is not SCAN:
-                if found is None:
-                    raise NoSuchFile(what="guest file", name=_decode(key))
-                return found  # type: ignore[return-value]
+        if key == b"..":
+            # in the first block (the index's root block, which no hash leads to): read only
+            # as far as it, not the whole directory into a name table
+            for entry, ino, _, _ in self._iter_entries(dir_ino):
+                if entry == b"..":
+                    return ino
+            raise NoSuchFile(what="guest file", name="..")
+        found = self._dx_lookup(dir_ino, key)
+        if found is not SCAN:
+            if found is None:
+                raise NoSuchFile(what="guest file", name=_decode(key))
+            return found  # type: ignore[return-value]
         names = self._names.get(dir_ino)
         if names is None:
             names = {n: ino for n, ino, _, _ in self._iter_entries(dir_ino)}

@@ -10,6 +10,7 @@ GuestFSUnreadable. This module never writes and never returns bytes it could not
 from __future__ import annotations
 
 import bisect
+import itertools
 import struct
 
 from ksfs.errors import GuestFSUnreadable
@@ -21,6 +22,21 @@ from ksfs.lru import LRU
 
 # A run of a file: (first logical block, block count, first physical block or None for a hole)
 Run = tuple[int, int, int | None]
+
+# Raw inode-table bytes kept for every open volume together, by weight: listing a directory
+# stats each entry, and its entries' inodes lie at random places in the tables (an htree
+# leaf holds names by hash). Read one inode at a time through a store reader, whose 8 MiB of
+# chunks a 150,000-entry directory's 38 MB of inodes overran, nearly every entry decoded and
+# verified a 64 KiB chunk again (116,764 chunk loads and 6.0 s for its listing with stats;
+# 1,147 and 1.7 s with this). So the tables are read INODE_TABLE_READ bytes at a time and
+# those pieces kept here, for all volumes at once so that the filesystems a mount keeps open
+# (FS_KEPT) share one bound.
+INODE_TABLE_CACHE = 64 << 20
+INODE_TABLE_READ = 64 << 10  # the store's disk chunk: one decode fills one piece
+EXTENTS_KEPT = 131_072  # extents of the mapped files (~100 bytes each), per volume
+POINTERS_KEPT = 262_144  # block numbers of the cached indirect blocks (tuples), per volume
+_tables = LRU(INODE_TABLE_CACHE, weight=len)  # (volume token, first block) -> bytes
+_tokens = itertools.count()
 
 
 class Volume:
@@ -38,11 +54,14 @@ class Volume:
         self._overlay_keys: list[int] = []
         self._inodes = LRU(4096)
         self._descs = LRU(1024)
-        self._maps = LRU(512)
-        self._indirect = LRU(256)
+        # bounded by what they hold, not by count: one fragmented file's extents, or one
+        # 64 KiB block's 16,384 pointers, may be large
+        self._maps = LRU(EXTENTS_KEPT, weight=lambda m: len(m[0]) + 1)
+        self._indirect = LRU(POINTERS_KEPT, weight=len)
         # directory blocks (by fs block) whose metadata_csum was verified: a listing then a
         # lookup read the same blocks, and the check is then a dict hit
         self._dir_ok = LRU(4096)
+        self._token = next(_tokens)  # this volume's pieces in _tables (new with an overlay)
 
     def set_overlay(self, overlay: dict[int, JournalCopy], sb: Superblock) -> None:
         self.overlay = overlay
@@ -50,7 +69,8 @@ class Volume:
         self.sb = sb
         self.bs = sb.block_size
         for cache in (self._inodes, self._descs, self._maps, self._indirect, self._dir_ok):
-            cache._d.clear()
+            cache.clear()
+        self._token = next(_tokens)  # the pieces read before are left to age out of _tables
 
     # --- blocks ------------------------------------------------------------------------------
 
@@ -135,12 +155,30 @@ class Volume:
         if ino < 1 or ino > sb.inodes_count:
             raise GuestFSUnreadable(why=f"inode number {ino} is outside 1..{sb.inodes_count}")
         group, index = divmod(ino - 1, sb.inodes_per_group)
-        byte = index * sb.inode_size
-        block = self._inode_table(group) + byte // self.bs
-        raw = self.read_within(block, byte % self.bs, sb.inode_size, f"inode {ino}")
+        raw = self._inode_bytes(group, index * sb.inode_size, ino)
         inode = layout.parse_inode(raw, ino, sb)
         self._inodes.put(ino, inode)
         return inode
+
+    def _inode_bytes(self, group: int, byte: int, ino: int) -> bytes:
+        """The ``inode_size`` bytes at ``byte`` of ``group``'s inode table, from the piece of
+        the table (INODE_TABLE_READ bytes, never past the table's end) that holds them."""
+        sb, bs = self.sb, self.bs
+        per_piece = max(1, INODE_TABLE_READ // bs)
+        table_blocks = -(-sb.inodes_per_group * sb.inode_size // bs)
+        first = byte // bs // per_piece * per_piece
+        start = self._inode_table(group)
+        key = (self._token, start + first)
+        piece = _tables.get(key)
+        if piece is None:
+            count = min(per_piece, table_blocks - first)
+            if start + first + count > sb.blocks_count:  # not the table: read just the inode
+                block = start + byte // bs
+                return self.read_within(block, byte % bs, sb.inode_size, f"inode {ino}")
+            piece = self.read_blocks(start + first, count, f"inode table of group {group}")
+            _tables.put(key, piece)
+        at = byte - first * bs
+        return piece[at : at + sb.inode_size]
 
     def read_dir_block(self, inode: Inode, lblk: int, phys: int, where: str) -> bytes:
         """Block ``lblk`` (at ``phys``) of a directory, its metadata_csum verified as the
