@@ -4,10 +4,13 @@ must handle, loop mounts, and the comparison of a GuestFS against a real directo
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import random
+import shutil
 import stat
+import struct
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -182,3 +185,117 @@ def diff_rq(a: Path, b: Path) -> set[tuple[str, str]]:
             assert first.startswith(pa), line
             out.add(("changed", os.fsdecode(first[len(pa):].split(b" ")[0])))
     return out
+
+
+def kernel_view(mnt: Path, rel: str) -> dict[str, tuple]:
+    """Each entry under ``rel`` (recursively) as the kernel shows it: (mode, ino, size, nlink,
+    uid, gid, mtime_ns, symlink target or None, errno of reading it or None)."""
+    out = {}
+    for name in os.listdir(mnt / rel):
+        path = mnt / rel / name
+        s = os.lstat(path)
+        target = os.readlink(path) if path.is_symlink() else None
+        err = None
+        if path.is_file() and not path.is_symlink():
+            try:
+                path.read_bytes()
+            except OSError as exc:
+                err = exc.errno
+        out[f"{rel}/{name}"] = (s.st_mode, s.st_ino, s.st_size, s.st_nlink, s.st_uid,
+                                s.st_gid, s.st_mtime_ns, target, err)
+        if path.is_dir() and not path.is_symlink():
+            out.update(kernel_view(mnt, f"{rel}/{name}"))
+    return out
+
+
+# --- fscrypt: a real encrypted directory, made by the host kernel ---------------------------
+
+FS_IOC_ADD_ENCRYPTION_KEY = (3 << 30) | (80 << 16) | (ord("f") << 8) | 23  # _IOWR, 80 bytes
+FS_IOC_SET_ENCRYPTION_POLICY = (2 << 30) | (12 << 16) | (ord("f") << 8) | 19  # _IOR, 12 bytes
+FSCRYPT_KEY = bytes(range(64))  # the test key: the same identifier every time
+LONG_NAME = "L" * 200  # a ciphertext over 149 bytes: the long (digest) no-key form
+
+
+def _add_key(mnt: Path) -> bytes:
+    """Add FSCRYPT_KEY to the mounted filesystem's own keyring (v2 policies need no keyctl);
+    its identifier."""
+    arg = bytearray(struct.pack("<II32sII32x", 2, 0, b"", len(FSCRYPT_KEY), 0) + FSCRYPT_KEY)
+    fd = os.open(mnt, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, FS_IOC_ADD_ENCRYPTION_KEY, arg)
+    finally:
+        os.close(fd)
+    return bytes(arg[8:24])
+
+
+def _encrypt_dir(path: Path, identifier: bytes) -> None:
+    # v2 policy: AES-256-XTS contents, AES-256-CTS names, names padded to 16 bytes
+    policy = struct.pack("<BBBB4x16s", 2, 1, 4, 2, identifier)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, FS_IOC_SET_ENCRYPTION_POLICY, policy)
+    finally:
+        os.close(fd)
+
+
+def encrypted_image(out: Path, options: list[str], hash_alg: str | None = None,
+                    unsigned: bool = False) -> str | None:
+    """Build at ``out`` an ext4 image (``-O encrypt`` plus ``options``) whose ``secret/`` the
+    host kernel encrypted (fscrypt, v2 policy): files short and empty, names short and over 149
+    bytes of ciphertext, a fast and a slow symlink, a fifo, an indexed subdirectory of 300
+    names with one more below it, and a one-block one; ``plain/`` beside it is not encrypted.
+    The image is unmounted after, so no key is left. ``hash_alg`` is the default directory
+    hash (tune2fs); with ``unsigned`` the superblock says names hash as unsigned chars.
+    Returns why it cannot (no loop devices, a kernel without fscrypt), or None."""
+    from ksfs.guestfs.mkimage import build_ext4
+
+    src = Path(tempfile.mkdtemp(prefix="ksfs-crypt-src-"))
+    try:
+        (src / "etc").mkdir()
+        (src / "etc" / "hostname").write_text("crypt\n")
+        build_ext4(src, out, 64, ["-O", "encrypt", *options])
+    finally:
+        shutil.rmtree(src)
+    if hash_alg:
+        subprocess.run(["tune2fs", "-E", f"hash_alg={hash_alg}", str(out)], check=True,
+                       capture_output=True)
+    if unsigned:
+        subprocess.run(["debugfs", "-w", "-R", "ssv flags 2", str(out)], check=True,
+                       capture_output=True)
+    with loop_mount(out, "rw") as mnt:
+        if mnt is None:
+            return "this machine cannot set up loop devices"
+        try:
+            identifier = _add_key(mnt)
+        except OSError as exc:
+            return f"the kernel cannot add an fscrypt key here: {exc}"
+        (mnt / "plain").mkdir()
+        (mnt / "plain" / "open.txt").write_text("not encrypted\n")
+        secret = mnt / "secret"
+        secret.mkdir()
+        _encrypt_dir(secret, identifier)
+        (secret / "short.txt").write_text("hello encrypted\n")
+        (secret / "empty").write_bytes(b"")
+        (secret / LONG_NAME).write_text("long name\n")
+        (secret / ("m" * 140)).write_text("short form still\n")
+        os.symlink("short.txt", secret / "link")
+        os.symlink("t" * 300, secret / "longlink")
+        os.mkfifo(secret / "fifo")
+        (secret / "sub" / "deeper").mkdir(parents=True)
+        for i in range(300):
+            (secret / "sub" / f"file-{i:04d}-{'x' * (i % 50)}").write_text(str(i))
+        (secret / "sub" / "deeper" / "inner.txt").write_text("inner\n")
+        (secret / "small").mkdir()
+        for name in ("a", "b", "c"):
+            (secret / "small" / name).write_text(name)
+    return None
+
+
+def rewrite_encrypted(image: Path, rel: str, data: bytes) -> None:
+    """Write ``data`` over the start of the encrypted file ``rel`` of an encrypted_image, with
+    the key added again (its identifier is the same) and removed again by the unmount."""
+    with loop_mount(image, "rw") as mnt:
+        assert mnt is not None
+        _add_key(mnt)
+        with open(mnt / rel, "r+b") as f:
+            f.write(data)

@@ -115,7 +115,10 @@ class GuestFile(GuestNode, StoredFile):
         return self.st.size
 
     def open_reader(self) -> Any:
-        return _InodeReader(self.fs, self.st.ino, self.st.size)
+        fs = self.fs
+        # an encrypted file (fscrypt) is refused at open with ENOKEY, as the kernel refuses it
+        fs.require_readable(self.st.ino)
+        return _InodeReader(fs, self.st.ino, self.st.size)
 
     def explain_missing(self, exc: Any) -> Any:
         rec = self.cp.record

@@ -5,7 +5,7 @@ pyfuse3, libvirt or click; never writes to the image.
 """
 
 from ksfs.guestfs.diff import Change, diff_trees
-from ksfs.guestfs.fs import ROOT_INO, GuestFS, GuestStat
+from ksfs.guestfs.fs import ROOT_INO, GuestFileEncrypted, GuestFS, GuestStat
 from ksfs.guestfs.image import FileImageReader, Partition, find_filesystem, find_filesystems
 from ksfs.guestfs.transcript import DEFAULT_TRANSCRIPT, read_transcript
 from ksfs.model import TranscriptInfo
@@ -16,6 +16,7 @@ __all__ = [
     "Change",
     "FileImageReader",
     "GuestFS",
+    "GuestFileEncrypted",
     "GuestStat",
     "Partition",
     "TranscriptInfo",

@@ -270,7 +270,18 @@ def same_content(fs_a: GuestFS, ino_a: int, fs_b: GuestFS, ino_b: int, size: int
 
 def _same_bytes(fs_a: GuestFS, ino_a: int, fs_b: GuestFS, ino_b: int, offset: int,
                 n: int) -> bool:
-    return fs_a.read_ino(ino_a, offset, n) == fs_b.read_ino(ino_b, offset, n)
+    return _stored(fs_a, ino_a, offset, n) == _stored(fs_b, ino_b, offset, n)
+
+
+def _stored(fs: GuestFS, ino: int, offset: int, n: int) -> bytes:
+    """A file's bytes; an encrypted file's (fscrypt), which no one can read without its key,
+    as stored: the ciphertext of a file read equal exactly where its plaintext is equal under
+    the same file key, so an unchanged file is equal and a changed one is not (one written
+    anew with equal bytes has a new key, and is called changed)."""
+    inode = fs.volume.inode(ino)
+    if inode.flags & layout.FL_ENCRYPT:
+        return fs.volume.read_data(inode, offset, n)
+    return fs.read_ino(ino, offset, n)
 
 
 def _window_proven(va: Any, runs_a: list, vb: Any, runs_b: list) -> bool:

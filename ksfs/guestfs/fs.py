@@ -9,14 +9,15 @@ cannot read exactly raises GuestFSUnreadable (or NoSuchFile for a name that is n
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat as st
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ksfs.errors import BadInput, GuestFSUnreadable, IntegrityError, NoSuchFile
-from ksfs.guestfs import htree, layout
+from ksfs.errors import BadInput, GuestFSUnreadable, IntegrityError, NoSuchFile, NotPermitted
+from ksfs.guestfs import fscrypt, htree, layout
 from ksfs.guestfs.image import NOT_READ, Partition, Reader, find_filesystems, read_exact
 from ksfs.guestfs.journal import journal_overlay
 from ksfs.guestfs.layout import Inode
@@ -26,6 +27,13 @@ log = logging.getLogger(__name__)
 
 ROOT_INO = 2
 FT_DIR = 2
+XATTR_INDEX_ENCRYPTION = 9  # the fscrypt context ("c"), never listed
+
+
+class GuestFileEncrypted(NotPermitted):
+    """guest file {what} is encrypted (fscrypt) and ksfs has no key: its bytes cannot be read"""
+
+    errno = errno.ENOKEY  # what the kernel's open(2) says of it without the key
 
 
 @dataclass(frozen=True, slots=True)  # one per guest entry a mount was shown: kept small
@@ -196,11 +204,15 @@ class GuestFS:
             else:
                 rdev = os.makedev((new & 0xFFF00) >> 8, (new & 0xFF) | ((new >> 12) & 0xFFF00))
         blocks = inode.blocks_512
+        size = inode.size
+        if inode.flags & layout.FL_ENCRYPT and inode.kind == layout.S_IFLNK:
+            # the kernel's fscrypt_symlink_getattr: the length of the target it shows
+            size = len(self._nokey_target(inode))
         if inode.flags & layout.FL_INLINE_DATA and inode.kind == layout.S_IFREG:
             # as the kernel reports it, so tools do not take an inline file for a sparse one
             blocks += (inode.size + 511) >> 9
         return GuestStat(
-            ino=ino, mode=inode.mode, uid=inode.uid, gid=inode.gid, size=inode.size,
+            ino=ino, mode=inode.mode, uid=inode.uid, gid=inode.gid, size=size,
             mtime_ns=inode.mtime_ns, atime_ns=inode.atime_ns, ctime_ns=inode.ctime_ns,
             nlink=inode.links, blocks=blocks, rdev=rdev,
         )
@@ -217,6 +229,17 @@ class GuestFS:
                 if entry == b"..":
                     return ino
             raise NoSuchFile(what="guest file", name="..")
+        if self._inode(dir_ino).flags & layout.FL_ENCRYPT:
+            # a no-key name, as listed: the stored name it stands for (fscrypt.py)
+            wanted = fscrypt.decode_nokey(key)
+            if wanted is None:
+                raise NoSuchFile(what="guest file", name=_decode(key))
+            if wanted.name is None:  # the long form: by its prefix and digest, scanned
+                for entry, ino, _, _ in self._iter_entries(dir_ino):
+                    if entry not in (b".", b"..") and wanted.matches(entry):
+                        return ino
+                raise NoSuchFile(what="guest file", name=_decode(key))
+            key = wanted.name
         found = self._dx_lookup(dir_ino, key)
         if found is not SCAN:
             if found is None:
@@ -311,6 +334,7 @@ class GuestFS:
         FUSE readdir's next offset).
         """
         filetype = self.volume.sb.has_filetype
+        shown = self._nokey_names(dir_ino)
         for name, ino, ftype, cookie in self._iter_entries(dir_ino, after):
             if cookie <= after or name in (b".", b".."):
                 continue
@@ -318,7 +342,55 @@ class GuestFS:
                 is_dir = ftype == FT_DIR
             else:
                 is_dir = st.S_ISDIR(self.volume.inode(ino).mode)
-            yield _decode(name), ino, is_dir, cookie
+            yield _decode(shown(name) if shown else name), ino, is_dir, cookie
+
+    def _nokey_names(self, dir_ino: int) -> Callable[[bytes], bytes] | None:
+        """For an encrypted directory, what turns a stored name into the no-key name the kernel
+        lists without the key (None for any other directory). Its hashes are the ones the
+        kernel's readdir passes: an indexed directory, and with ``dir_index`` one of a single
+        block or inline (``is_dx_dir``), is read in hash order and hashes each stored name
+        with the index's hash version (the superblock's default without an index); any other
+        is read in block order, with zeros."""
+        inode = self._inode(dir_ino)
+        if not inode.flags & layout.FL_ENCRYPT:
+            return None
+        where = f"encrypted directory inode {dir_ino}"
+        if inode.flags & layout.FL_CASEFOLD:
+            # its names' hashes are SipHash of the plaintext, kept in each entry: not read
+            raise GuestFSUnreadable(why=f"{where} is also casefolded (not read)")
+        if not self._xattr_find(dir_ino, XATTR_INDEX_ENCRYPTION, b"c"):
+            raise GuestFSUnreadable(why=f"{where} has no encryption context")
+        vol, sb = self.volume, self.volume.sb
+        version: int | None = None
+        if sb.compat & layout.COMPAT_DIR_INDEX:
+            if inode.flags & layout.FL_INDEX:
+                version = self._root_hash_version(inode)
+            elif inode.flags & layout.FL_INLINE_DATA or inode.size // vol.bs == 1:
+                version = sb.def_hash_version
+            if version is not None and version <= htree.TEA and sb.hash_unsigned:
+                version += htree.UNSIGNED
+
+        def shown(name: bytes) -> bytes:
+            if len(name) < fscrypt.MIN_NAME:
+                raise GuestFSUnreadable(why=f"{where} holds a name of {len(name)} bytes, "
+                                            f"shorter than any encrypted name")
+            pair = None if version is None else htree.dirhash_pair(name, version,
+                                                                   sb.hash_seed)
+            return fscrypt.nokey_name(name, *(pair or (0, 0)))
+
+        return shown
+
+    def _root_hash_version(self, inode: Inode) -> int | None:
+        """The hash version of an indexed directory's root, or None when the kernel would not
+        follow its index (then it reads the directory in block order)."""
+        runs = self.volume.runs(inode, 0, 1) if inode.size else []
+        if not runs or runs[0][2] is None:
+            return None
+        root = self.volume.read_dir_block(inode, 0, runs[0][2],
+                                          f"directory inode {inode.ino} block 0")
+        levels = 3 if self.volume.sb.incompat & layout.INCOMPAT_LARGEDIR else 2
+        version = htree.root_hash_version(root, levels)
+        return version if version in (htree.LEGACY, htree.HALF_MD4, htree.TEA) else None
 
     def read_ino(self, ino: int, offset: int, n: int) -> bytes:
         """Up to ``n`` bytes of a regular file at ``offset`` (fewer only at its end)."""
@@ -327,7 +399,16 @@ class GuestFS:
         inode = self._inode(ino)
         if inode.kind != layout.S_IFREG:
             raise BadInput(f"guest inode {ino} is not a regular file")
+        if inode.flags & layout.FL_ENCRYPT:
+            raise GuestFileEncrypted(what=f"inode {ino}")
         return self.volume.read_data(inode, offset, n)
+
+    def require_readable(self, ino: int) -> None:
+        """Raise what reading ``ino``'s bytes would, before any read (an open): an encrypted
+        file is GuestFileEncrypted (ENOKEY), as the kernel's open says without the key."""
+        inode = self._inode(ino)
+        if inode.kind == layout.S_IFREG and inode.flags & layout.FL_ENCRYPT:
+            raise GuestFileEncrypted(what=f"inode {ino}")
 
     def readlink_ino(self, ino: int) -> str:
         return _decode(self.readlink_bytes(ino))
@@ -336,6 +417,8 @@ class GuestFS:
         inode = self._inode(ino)
         if inode.kind != layout.S_IFLNK:
             raise BadInput(f"guest inode {ino} is not a symbolic link")
+        if inode.flags & layout.FL_ENCRYPT:
+            return self._nokey_target(inode)
         if inode.size > SYMLINK_MAX:
             # The kernel reads a target from one page at most; a larger size is damage, and
             # reading it whole could take the daemon's memory.
@@ -349,6 +432,25 @@ class GuestFS:
                 raise GuestFSUnreadable(why=f"fast symlink inode {ino} claims {inode.size} bytes")
             return inode.block[: inode.size]
         return self.volume.read_data(inode, 0, inode.size)
+
+    def _nokey_target(self, inode: Inode) -> bytes:
+        """An encrypted symlink's target as the kernel shows it without the key: from i_block
+        for a fast symlink, else from its first block (``ext4_encrypted_get_link``)."""
+        sb = self.volume.sb
+        ea_blocks = sb.cluster_size // 512 if inode.file_acl else 0
+        if inode.flags & layout.FL_INLINE_DATA:
+            data = self.volume.read_data(inode, 0, inode.size)
+        elif inode.blocks_512 - ea_blocks == 0:
+            data = inode.block
+        else:
+            runs = self.volume.runs(inode, 0, 1)
+            if not runs or runs[0][2] is None:
+                raise GuestFSUnreadable(why=f"encrypted symlink inode {inode.ino} has no block")
+            data = self.volume.read_blocks(runs[0][2], 1, f"symlink inode {inode.ino}")
+        target = fscrypt.nokey_symlink_target(data)
+        if target is None:
+            raise GuestFSUnreadable(why=f"encrypted symlink inode {inode.ino} is damaged")
+        return target
 
     def listxattr_ino(self, ino: int) -> list[bytes]:
         """The names of the extended attributes of ``ino`` the kernel's ext4 lists, in its
@@ -382,8 +484,25 @@ class GuestFS:
             return layout.acl_to_xattr(value, f"inode {ino}")
         return value
 
+    def _xattr_find(self, ino: int, index: int, name: bytes) -> bytes | None:
+        """The raw value of one attribute, listed or not (the fscrypt context), or None."""
+        for area, value_start, e in self._xattr_all(ino):
+            if e.index == index and e.name == name:
+                return self._xattr_value(ino, area, value_start, e)
+        return None
+
     def _xattr_entries(self, ino: int) -> list[tuple[bytes, bytes, int, layout.XattrEntry]]:
         """(full name, area, where its values count from, entry) of each listed attribute."""
+        out = []
+        for area, value_start, e in self._xattr_all(ino):
+            prefix = layout.XATTR_PREFIXES.get(e.index)
+            if prefix is not None:
+                out.append((prefix + e.name, area, value_start, e))
+        return out
+
+    def _xattr_all(self, ino: int) -> list[tuple[bytes, int, layout.XattrEntry]]:
+        """(area, where its values count from, entry) of every attribute: the inode's, then
+        its block's."""
         inode = self._inode(ino)
         found: list[tuple[bytes, int, layout.XattrEntry]] = []
         area, entries = layout.in_inode_xattr_entries(inode)
@@ -397,12 +516,7 @@ class GuestFS:
                                                      f"inode {ino}"))
                 self._xattr_blocks.put(block, got)
             found.extend((got[0], 0, e) for e in got[1])
-        out = []
-        for area, value_start, e in found:
-            prefix = layout.XATTR_PREFIXES.get(e.index)
-            if prefix is not None:
-                out.append((prefix + e.name, area, value_start, e))
-        return out
+        return found
 
     def _xattr_value(self, ino: int, area: bytes, value_start: int,
                      e: layout.XattrEntry) -> bytes:
@@ -462,8 +576,6 @@ class GuestFS:
 
     def _inode(self, ino: int) -> Inode:
         inode = self.volume.inode(ino)
-        if inode.flags & layout.FL_ENCRYPT:
-            raise GuestFSUnreadable(why=f"guest inode {ino} is encrypted")
         if inode.flags & layout.FL_COMPR:
             raise GuestFSUnreadable(why=f"guest inode {ino} is compressed")
         return inode

@@ -109,25 +109,45 @@ def _legacy(name: bytes, signed: bool) -> int:
 def dirhash(name: bytes, version: int, seed: tuple[int, ...] | None) -> int | None:
     """The major hash ext4 files ``name`` under (low bit clear), or None for a version this
     does not compute (SipHash, unknown)."""
+    pair = dirhash_pair(name, version, seed)
+    return None if pair is None else pair[0]
+
+
+def dirhash_pair(name: bytes, version: int, seed: tuple[int, ...] | None
+                 ) -> tuple[int, int] | None:
+    """(hash, minor hash) as the kernel's ``ext4fs_dirhash`` gives them (the minor hash is 0
+    for the legacy hash), or None for a version this does not compute."""
     signed = version < UNSIGNED
     base = version - (0 if signed else UNSIGNED)
     buf = list(seed) if seed and any(seed) else list(DEFAULT_SEED)
+    minor = 0
     if base == LEGACY:
         h = _legacy(name, signed)
     elif base == HALF_MD4:
         for p in range(0, max(len(name), 1), 32):
             _half_md4(buf, _str2hashbuf(name[p:], 8, signed))
-        h = buf[1]
+        h, minor = buf[1], buf[2]
     elif base == TEA:
         for p in range(0, max(len(name), 1), 16):
             _tea(buf, _str2hashbuf(name[p:], 4, signed))
-        h = buf[0]
+        h, minor = buf[0], buf[1]
     else:
         return None
     h &= ~1 & M32
     if h == EOF_32BIT << 1:
         h = (EOF_32BIT - 1) << 1
-    return h
+    return h, minor
+
+
+def root_hash_version(root: bytes, levels_max: int) -> int | None:
+    """The hash version the index root (block 0 of an indexed directory) names, signed as
+    stored, or None when the root fails the checks ``leaf_blocks`` makes of it."""
+    if len(root) < 40:
+        return None
+    _, version, info_len, levels, flags = struct.unpack_from("<IBBBB", root, 24)
+    if flags & 1 or levels >= levels_max or info_len != 8:
+        return None
+    return version
 
 
 def leaf_blocks(read_block: Callable[[int], bytes], block_size: int, name: bytes,

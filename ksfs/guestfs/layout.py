@@ -111,6 +111,7 @@ class Superblock:
     # read names as unsigned chars (s_flags)
     hash_seed: tuple[int, int, int, int] = (0, 0, 0, 0)
     hash_unsigned: bool = False
+    def_hash_version: int = 0  # s_def_hash_version: new indexes', and unindexed directories'
 
     @property
     def has_filetype(self) -> bool:
@@ -192,6 +193,7 @@ def parse_superblock(raw: bytes, fs_bytes: int, checksum: bool = True) -> Superb
         inode_csums=csum_seed is not None and struct.unpack_from("<I", raw, 0x48)[0] == 0,
         hash_seed=struct.unpack_from("<4I", raw, 0xEC),
         hash_unsigned=bool(struct.unpack_from("<I", raw, 0x160)[0] & FLAGS_UNSIGNED_HASH),
+        def_hash_version=raw[0xFC],
     )
 
 
