@@ -76,7 +76,7 @@ def crc32c(crc: int, data: bytes) -> int:
     computes the standard CRC32C, which inverts the register on the way in and out (its
     ``value`` is a previous standard result), so both inversions are undone here. It is C
     (SSE4.2 where the CPU has it): ~1.4 GB/s on a 256-byte inode, where the pure-Python table
-    loop it replaced ran ~12 MB/s and was half the time of listing a big directory."""
+    loop it replaced ran ~12 MB/s and was two thirds of the time of listing a big directory."""
     return _standard_crc32c(data, crc ^ 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
