@@ -244,6 +244,15 @@ class DaemonError(KsfsError):
     exit_code = 13
 
 
+class DaemonTimeout(DaemonError):
+    """{message}"""
+
+    # A wait for the mount's daemon ran out: it did not answer a verb, or still held its store
+    # after `ksfs umount` unmounted it. Apart from 13 so a script can wait longer or look.
+    errno = _errno.ETIMEDOUT
+    exit_code = 14
+
+
 @contextlib.contextmanager
 def translate(what: str, path: object = "") -> Iterator[None]:
     """Re-raise OSError from the block as the most specific ksfs error, naming ``what``.
