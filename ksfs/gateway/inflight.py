@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 import trio
 
 from ksfs.gateway.store import StoredResponse
-from ksfs.gateway.upstream import NOT_STORED, Headers, Reply, error_reply, keep_headers, send_reply
+from ksfs.gateway.upstream import (
+    NOT_STORED,
+    Headers,
+    Reply,
+    encode_headers,
+    error_reply,
+    keep_headers,
+    send_reply,
+)
 
 
 @dataclass
@@ -88,7 +96,7 @@ class StreamThrough:
         headers = keep_headers(call.headers, NOT_STORED) + ksfs_headers(self.key,
                                                                          self._replay_header)
         await send({"type": "http.response.start", "status": call.status,
-                    "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
+                    "headers": encode_headers(headers)})
         sent = 0
         while not call.done.is_set():
             changed = call.changed

@@ -160,7 +160,7 @@ class Upstream:
                     headers=self.outgoing(guest_headers, identity=True),
                     content=body,
                 ) as resp:
-                    headers = list(resp.headers.items())
+                    headers = raw_headers(resp)
                     begun.append((resp.status_code, headers))
                     if on_start is not None:
                         on_start(resp.status_code, headers)
@@ -216,13 +216,13 @@ class Upstream:
                 except httpx.HTTPError:
                     body = b""
                 return await send_reply(send, Reply(resp.status_code, keep_headers(
-                    resp.headers.items(), HOP_BY_HOP | {"content-encoding"}),
+                    raw_headers(resp), HOP_BY_HOP | {"content-encoding"}),
                     without_keys(body)))
             # Decoded, so that the key is found however the body was compressed; its length
             # and encoding are then no longer the provider's (HOP_BY_HOP drops content-length).
-            headers = keep_headers(resp.headers.items(), HOP_BY_HOP | {"content-encoding"})
+            headers = keep_headers(raw_headers(resp), HOP_BY_HOP | {"content-encoding"})
             await send({"type": "http.response.start", "status": resp.status_code,
-                        "headers": _encode(headers)})
+                        "headers": encode_headers(headers)})
             mask = KeyMask(self._api_key)  # a provider that echoes requests (a debug route)
             try:
                 async for chunk in resp.aiter_bytes():
@@ -238,15 +238,42 @@ class Upstream:
             await resp.aclose()
 
 
-def _encode(headers: Headers) -> list[tuple[bytes, bytes]]:
-    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+def raw_headers(resp: httpx.Response) -> Headers:
+    """A provider's headers as the bytes it sent, each byte one character (Latin-1), so that
+    they go back out byte for byte (QA: httpx's decoding of a UTF-8 value, "東京", has no
+    Latin-1 form, and the answer to a call already bought and stored was a 500)."""
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.headers.raw]
+
+
+def encode_headers(headers: Headers) -> list[tuple[bytes, bytes]]:
+    """Headers as the bytes the ASGI server writes: Latin-1, which gives back the provider's own
+    bytes (``raw_headers``); a value that has no Latin-1 form (one stored by an older gateway
+    as httpx decoded it) goes as UTF-8, and one with no form at all (a lone surrogate) is
+    dropped: a header the guest cannot be sent never costs it the answer."""
+    out = []
+    for k, v in headers:
+        try:
+            name = k.encode("latin-1")
+        except UnicodeEncodeError:
+            continue
+        try:
+            value = v.encode("latin-1")
+        except UnicodeEncodeError:
+            try:
+                value = v.encode("utf-8")
+            except UnicodeEncodeError:
+                continue
+        if b"\r" in value or b"\n" in value or b"\0" in value:
+            continue  # (never from a provider's parsed answer; never write a split header)
+        out.append((name, value))
+    return out
 
 
 async def send_reply(send, reply: Reply, extra: Headers = ()) -> None:
     headers = [(k, v) for k, v in reply.headers if k != "content-length"]
     headers += list(extra) + [("content-length", str(len(reply.body)))]
     await send({"type": "http.response.start", "status": reply.status,
-                "headers": _encode(headers)})
+                "headers": encode_headers(headers)})
     await send({"type": "http.response.body", "body": reply.body, "more_body": False})
 
 

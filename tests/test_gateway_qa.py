@@ -1,0 +1,189 @@
+# ruff: noqa: F401, F811
+# (pytest fixtures shared through test_gateway_helpers are imported by name, then named as test
+# parameters, as pyproject.toml allows for the older gateway test modules)
+"""Findings of a QA review of the gateway, each over real sockets: a provider's header with no
+Latin-1 form, the operator's key echoed in headers, slow and idle clients, huge or partial usage
+figures, paths that escape the chat checks, what follows a stream's end, and more.
+
+Some findings need a provider that does what tests/fake_provider.py never does (odd header
+bytes, the key echoed in headers): ``OddProvider`` here, on the standard library's http.server
+as that one is, so the gateway is never tested against its own stack.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from test_gateway_helpers import (  # the shared fixtures, by name
+    CHAT,
+    MARKER_KEY,
+    call,
+    chat_body,
+    client,
+    events,
+    ledger,
+    provider,
+    store,
+    upstream,
+)
+
+from ksfs.gateway import Gateway
+
+PRICES = """
+[models."test-model"]
+input = 1000.0
+output = 2000.0
+"""
+# An operator's key no pattern of a provider's key format would catch: only the key itself.
+PLAIN_KEY = "provider-key-QA-4b1d9e7c20aa51f3"
+
+
+@pytest.fixture
+def prices_file(tmp_path):
+    p = tmp_path / "prices.toml"
+    p.write_text(PRICES)
+    return p
+
+
+# --- a provider that does what the usual fake never does -------------------------------------
+
+
+class OddProvider:
+    """Chat completions (JSON, or a stream when asked) with configurable oddities:
+
+    - ``raw_header``: one header line written as these exact bytes (e.g. UTF-8 with no Latin-1
+      form), on every answer;
+    - ``echo_key``: the Authorization it was sent, echoed in a header and in the answer's text;
+    - ``after_done``: bytes sent after a stream's ``data: [DONE]`` event;
+    - ``status``: the status of chat answers (an error body then).
+    """
+
+    def __init__(self) -> None:
+        self.raw_header: bytes | None = None
+        self.echo_key = False
+        self.after_done = b""
+        self.status = 200
+        self.count = 0
+        provider = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _head(self, status: int, ctype: str, length: int | None) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                if length is None:
+                    self.send_header("Transfer-Encoding", "chunked")
+                else:
+                    self.send_header("Content-Length", str(length))
+                if provider.raw_header is not None:
+                    self._headers_buffer.append(provider.raw_header + b"\r\n")
+                if provider.echo_key:
+                    self.send_header("X-Echo-Authorization", self.headers.get("Authorization"))
+                self.end_headers()
+
+            def _text(self) -> str:
+                said = self.headers.get("Authorization", "") if provider.echo_key else ""
+                return f"you said {said} to me"
+
+            def do_GET(self) -> None:
+                raw = json.dumps({"object": "list", "data": [], "seen": self._text()}).encode()
+                self._head(provider.status, "application/json", len(raw))
+                self.wfile.write(raw)
+
+            def do_POST(self) -> None:
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                provider.count += 1
+                usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+                if provider.status != 200:
+                    raw = json.dumps({"error": {"message": self._text()}}).encode()
+                    self._head(provider.status, "application/json", len(raw))
+                    self.wfile.write(raw)
+                    return
+                base = {"id": f"c-{provider.count}", "model": req["model"]}
+                if not req.get("stream"):
+                    raw = json.dumps(dict(base, usage=usage, choices=[
+                        {"index": 0, "message": {"role": "assistant",
+                                                 "content": self._text()}}])).encode()
+                    self._head(200, "application/json", len(raw))
+                    self.wfile.write(raw)
+                    return
+                self._head(200, "text/event-stream", None)
+                for ev in (dict(base, choices=[{"index": 0, "delta": {"content": self._text()}}]),
+                           dict(base, choices=[], usage=usage)):
+                    self._chunk(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                self._chunk(b"data: [DONE]\n\n")
+                if provider.after_done:
+                    self._chunk(provider.after_done)
+                self._chunk(b"")
+
+            def _chunk(self, data: bytes) -> None:
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> OddProvider:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)
+
+
+@pytest.fixture
+def odd():
+    with OddProvider() as up:
+        yield up
+
+
+def store_bytes(store) -> bytes:
+    """Every byte of every file of the store (LMDB's data file too)."""
+    return b"".join(p.read_bytes() for p in sorted(Path(store.path).rglob("*")) if p.is_file())
+
+
+# --- F1: a header with no Latin-1 form ---------------------------------------------------------
+
+
+async def test_a_provider_header_with_no_latin1_form_reaches_the_guest(store, ledger, odd,
+                                                                       prices_file, nursery):
+    """QA F1: httpx decodes a UTF-8 header value to text that Latin-1 cannot write, and the guest
+    got a 500 for a call that was bought and stored; its retries were counted as replays."""
+    odd.raw_header = "X-Place: 東京".encode()
+    gw = Gateway(store, ledger, odd.url, prices_file, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    for stream in (False, True):
+        body = chat_body(f"where {stream}", model="test-model", stream=stream)
+        first = await call(port, body)
+        again = await call(port, body)
+        assert first.status_code == again.status_code == 200, first.text
+        assert first.headers["x-ksfs-replay"] == "false"
+        assert again.headers["x-ksfs-replay"] == "true"
+        for r in (first, again):
+            assert dict(r.headers.raw)[b"x-place"] == "東京".encode()
+        assert first.content == again.content
+    # Passed through unpaid, too.
+    async with client(port) as c:
+        r = await c.get("/v1/models")
+    assert r.status_code == 200 and dict(r.headers.raw)[b"x-place"] == "東京".encode()
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["replays"]) == (2, 2) and odd.count == 2
