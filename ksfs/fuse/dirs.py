@@ -86,6 +86,16 @@ class SessionDir(Dir):
         self.mtime = rec.created
 
     def children(self) -> list[tuple[str, Node]]:
+        # Checked on every listing and lookup: a shell sitting in a session removed since (or
+        # made again under its name: a new lineage) finds it gone, ENOENT, as a removed
+        # directory reads (QA: its files' attributes failed one by one, each an ERROR with
+        # a traceback in the log).
+        try:
+            rec = self.keeper.ledger.session(self.session)
+        except NoSuchSession:
+            rec = None
+        if rec is None or rec.lineage != self.lineage:
+            raise NoSuchFile(what="session (removed)", name=self.session)
         k, s, lin = self.keeper, self.session, self.lineage
 
         def dyn(name: str, content: Callable[[], bytes], cls: type = DynamicFile) -> Node:

@@ -31,12 +31,14 @@ from typing import Any
 
 from ksfs.errors import (
     BadInput,
+    BadName,
     KsfsError,
+    NoSuchCheckpoint,
     NoSuchFile,
     NotPermitted,
 )
 from ksfs.lru import LRU
-from ksfs.model import CheckpointRecord, validate_name
+from ksfs.model import NAME_MAX, CheckpointRecord, validate_name
 
 # Checkpoint contents never change once published; the kernel may cache them for ever.
 FOREVER = 365 * 24 * 3600.0
@@ -189,6 +191,31 @@ class ResumeFile(DynamicFile):
         validate_name(text, "checkpoint name")
         self.keeper.ledger.checkpoint(self.session, text)  # NoSuchCheckpoint -> ENOENT
         self.keeper.restore(self.session, text)
+
+    def complete(self, data: bytes) -> bool:
+        """For a name still being written (no newline yet): True when it can only be the name
+        it already is (a checkpoint no longer name begins with), so it is acted on now; False
+        while more may follow. Raises now what no later piece could mend: '/', NUL or a control
+        character, more bytes than a name holds, or no checkpoint's name beginning so
+        (ENOENT), so that even ``printf C > resume`` (one write, no newline, its close's error
+        ignored by shells) hears of it from write(2)."""
+        text = data.decode("utf-8", "ignore")
+        if any(c in "/\0" or ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+            validate_name(text, "checkpoint name")  # refuses it, saying why
+        if len(data) > NAME_MAX:
+            raise BadName(name=text[:20] + "...",
+                          why=f"checkpoint name is longer than {NAME_MAX} bytes")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return False  # (a character cut between two writes; any other is said at the end)
+        names = self.keeper.ledger.checkpoint_names(self.session)
+        longer = [n for n in names if n.startswith(text) and n != text]
+        if text in names:
+            return not longer
+        if not longer:
+            raise NoSuchCheckpoint(session=self.session, checkpoint=text)
+        return False
 
 
 def blocks_for(held: int, size: int) -> int:

@@ -264,11 +264,16 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def flush(self, fh: int) -> None:
-        pass
+        # resume acts on a name written without its newline here (close(2) answers its errno)
+        if self.tree.pending(fh):
+            await self._verb(self.tree.flush, fh)
 
     @handler
     async def release(self, fh: int) -> None:
-        self.tree.release(fh)
+        if self.tree.pending(fh):  # closed without a flush: still acted on, once
+            await self._verb(self.tree.release, fh)
+        else:
+            self.tree.release(fh)
 
     @handler
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> Any:
