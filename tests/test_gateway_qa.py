@@ -187,3 +187,38 @@ async def test_a_provider_header_with_no_latin1_form_reaches_the_guest(store, le
     assert r.status_code == 200 and dict(r.headers.raw)[b"x-place"] == "東京".encode()
     u = gw.usage("s1")
     assert (u["paid_calls"], u["replays"]) == (2, 2) and odd.count == 2
+
+
+# --- F3: the key echoed in headers -------------------------------------------------------------
+
+
+async def test_the_key_a_provider_echoes_in_headers_or_bodies_never_travels_back(
+        store, ledger, odd, prices_file, nursery):
+    """QA F3: headers crossed unmasked, so a provider echoing the request's Authorization in a
+    header handed the operator's key to the guest and into the store. The key here has no
+    provider's format (only the key itself can find it), in headers and bodies, on every way
+    back: a paid answer (JSON, streamed, replayed), an upstream error, and a passed-through GET
+    (answered and failed)."""
+    odd.echo_key = True
+    gw = Gateway(store, ledger, odd.url, prices_file, api_key=PLAIN_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    got = []
+    for stream in (False, True):
+        body = chat_body(f"echo {stream}", model="test-model", stream=stream)
+        got += [await call(port, body), await call(port, body)]
+    async with client(port) as c:
+        got.append(await c.get("/v1/models"))
+        odd.status = 500
+        got.append(await c.get("/v1/models"))
+        got.append(await call(port, chat_body("fails", model="test-model")))
+    assert [r.status_code for r in got] == [200] * 5 + [500] * 2
+    assert [r.headers.get("x-ksfs-replay") for r in got[:4]] == ["false", "true"] * 2
+    key = PLAIN_KEY.encode()
+    for r in got:
+        assert r.headers["x-echo-authorization"] == "Bearer ***", r.headers
+        assert b"***" in r.content and key not in r.content, r.content
+        assert all(key not in k + v for k, v in r.headers.raw)
+    assert key not in store_bytes(store)
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["upstream_errors"]) == (2, 1)
+

@@ -31,6 +31,7 @@ GUEST_ONLY = frozenset({"authorization", "idempotency-key", "cookie", "openai-or
 SECRET_KEY_MIN = 20  # shorter API keys are placeholders, not secrets to mask
 # An API key as providers echo it in errors ("Incorrect API key provided: sk-proj-****abcd").
 KEY_ECHO = re.compile(rb"\b(sk|rk)-[A-Za-z0-9_*-]{4,}")
+_KEY_ECHO_TEXT = re.compile(KEY_ECHO.pattern.decode("ascii"))
 # Not kept with a stored response: they describe one delivery, not the response.
 NOT_STORED = HOP_BY_HOP | {"date", "server", "set-cookie", "content-encoding", "alt-svc",
                            "x-ksfs-replay", "x-ksfs-key"}
@@ -103,6 +104,24 @@ class KeyMask:
         held, self._held = self._held, b""
         return held
 
+    def whole(self, body: bytes) -> bytes:
+        """A whole body, masked (the key anywhere in it)."""
+        return body.replace(self.key, b"***") if self.key else body
+
+    def headers(self, headers: Headers) -> Headers:
+        """Headers with the key masked in names and values, and with any key a provider echoes
+        in its own format (``sk-...``, even partly masked) cut to ``sk-***`` as in error
+        bodies: a provider or a proxy that echoes the request's Authorization in a header
+        (a debug header, a redirect's Location) must not hand the operator's key to the
+        guest, nor have it stored with the answer (QA F3)."""
+        key = self.key.decode("latin-1")  # headers hold their bytes as Latin-1 characters
+        out = []
+        for k, v in headers:
+            if key:
+                k, v = k.replace(key, "***"), v.replace(key, "***")
+            out.append((k, _KEY_ECHO_TEXT.sub(r"\1-***", v)))
+        return out
+
 
 def keep_headers(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> Headers:
     return [(k.lower(), v) for k, v in headers if k.lower() not in drop]
@@ -160,7 +179,10 @@ class Upstream:
                     headers=self.outgoing(guest_headers, identity=True),
                     content=body,
                 ) as resp:
-                    headers = raw_headers(resp)
+                    # The key masked wherever it could travel back: what the guest gets,
+                    # live or replayed, and what is stored.
+                    mask = KeyMask(self._api_key)
+                    headers = mask.headers(raw_headers(resp))
                     begun.append((resp.status_code, headers))
                     if on_start is not None:
                         on_start(resp.status_code, headers)
@@ -173,7 +195,6 @@ class Upstream:
 
                     # Masked as it comes, so what a stream's guest is sent live is what is
                     # stored (a provider that echoes the request back echoes our key).
-                    mask = KeyMask(self._api_key)
                     # Decoded: a provider that compresses although asked for identity must
                     # not have gzip stored (and replayed) without its content-encoding.
                     async for chunk in resp.aiter_bytes():
@@ -215,15 +236,17 @@ class Upstream:
                     body = await resp.aread()  # decoded
                 except httpx.HTTPError:
                     body = b""
+                mask = KeyMask(self._api_key)
                 return await send_reply(send, Reply(resp.status_code, keep_headers(
-                    raw_headers(resp), HOP_BY_HOP | {"content-encoding"}),
-                    without_keys(body)))
+                    mask.headers(raw_headers(resp)), HOP_BY_HOP | {"content-encoding"}),
+                    without_keys(mask.whole(body))))
             # Decoded, so that the key is found however the body was compressed; its length
             # and encoding are then no longer the provider's (HOP_BY_HOP drops content-length).
-            headers = keep_headers(raw_headers(resp), HOP_BY_HOP | {"content-encoding"})
+            mask = KeyMask(self._api_key)  # a provider that echoes requests (a debug route)
+            headers = keep_headers(mask.headers(raw_headers(resp)),
+                                   HOP_BY_HOP | {"content-encoding"})
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": encode_headers(headers)})
-            mask = KeyMask(self._api_key)  # a provider that echoes requests (a debug route)
             try:
                 async for chunk in resp.aiter_bytes():
                     if piece := mask.feed(chunk):
