@@ -222,3 +222,60 @@ async def test_the_key_a_provider_echoes_in_headers_or_bodies_never_travels_back
     u = gw.usage("s1")
     assert (u["paid_calls"], u["upstream_errors"]) == (2, 1)
 
+
+# --- F5, F8: usage figures too large, or only a total ------------------------------------------
+
+USAGE_MAX = 10**9  # calls.USAGE_MAX, as docs/gateway.md says it: a billion tokens
+
+
+@pytest.fixture
+def gw(store, ledger, provider, prices_file):
+    return Gateway(store, ledger, provider.url, prices_file, api_key=MARKER_KEY, timeout=10)
+
+
+async def test_a_huge_usage_figure_is_recorded_clamped_and_flagged(gw, ledger, provider,
+                                                                    nursery):
+    """QA F5: 10**400 prompt tokens overflowed the cost's float: the call, bought, was answered
+    500 and went unrecorded. Now it is stored and counted at calls.USAGE_MAX, and flagged."""
+    provider.usage_as = {"prompt_tokens": 10**400, "completion_tokens": 5,
+                         "total_tokens": 10**400 + 5}
+    port = await nursery.start(gw.serve_session, "s1")
+    body = chat_body("count me", model="test-model")
+    r = await call(port, body)
+    assert r.status_code == 200, r.text
+    assert (await call(port, body)).headers["x-ksfs-replay"] == "true"
+    [e] = events(ledger, "s1", "gateway.call")
+    assert e.body["stored"] is True and e.body["usage_clamped"] is True
+    assert (e.body["prompt_tokens"], e.body["completion_tokens"]) == (USAGE_MAX, 5)
+    assert e.body["total_tokens"] == USAGE_MAX + 5  # never below its parts
+    u = gw.usage("s1")
+    assert (u["paid_calls"], u["replays"], u["prompt_tokens"]) == (1, 1, USAGE_MAX)
+    assert u["cost_usd"] == pytest.approx((USAGE_MAX * 1000 + 5 * 2000) / 1e6)
+    # A stream's usage is read the same way.
+    r = await call(port, chat_body("count me too", model="test-model", stream=True))
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    assert events(ledger, "s1", "gateway.call")[-1].body["usage_clamped"] is True
+    assert gw.usage("s1")["paid_calls"] == 2
+
+
+async def test_a_usage_of_only_a_total_is_priced_at_the_higher_price(gw, ledger, provider,
+                                                                      nursery):
+    """QA F8: a usage block with total_tokens alone counted its tokens but cost $0."""
+    provider.usage_as = {"total_tokens": 100}
+    port = await nursery.start(gw.serve_session, "s1")
+    assert (await call(port, chat_body("total only", model="test-model"))).status_code == 200
+    [e] = events(ledger, "s1", "gateway.call")
+    assert (e.body["total_tokens"], e.body["usage_known"]) == (100, True)
+    # test-model: input 1000, output 2000 USD per 1M tokens: the higher price, 2000.
+    assert e.body["cost_usd"] == pytest.approx(100 * 2000 / 1e6)
+    assert gw.usage("s1")["cost_usd"] == pytest.approx(0.2)
+    # Part attributed: the rest still priced, at the higher price.
+    provider.usage_as = {"prompt_tokens": 10, "total_tokens": 100}
+    assert (await call(port, chat_body("partly", model="test-model"))).status_code == 200
+    assert events(ledger, "s1", "gateway.call")[-1].body["cost_usd"] == pytest.approx(
+        (10 * 1000 + 90 * 2000) / 1e6)
+    # Embeddings price their output at 0: a total alone still costs the input's price.
+    from ksfs.gateway import load_prices
+
+    assert load_prices().cost("text-embedding-3-small", 0, 0, 1_000_000) == (
+        pytest.approx(0.02), True)

@@ -135,6 +135,8 @@ def request_digest(canon: bytes) -> str:
 BYTES_PER_TOKEN = 4
 COMPLETION_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 CAP_MAX = 10**7  # a cap or n beyond any model's is reckoned at this (and never overflows)
+# A usage figure past this is no call's (a billion tokens): counted as this, and flagged.
+USAGE_MAX = 10**9
 
 
 def estimated_tokens(obj: dict[str, Any], body_bytes: int) -> tuple[int, int | None]:
@@ -165,6 +167,13 @@ class Usage:
     total_tokens: int = 0
     known: bool = False
     estimated: bool = False  # not known: counted at ``estimated_usage``'s reckoning
+    clamped: bool = False  # a figure past USAGE_MAX was reported, and counted as USAGE_MAX
+
+    @property
+    def unattributed(self) -> int:
+        """Tokens of the total that are neither prompt nor completion (a usage that gives only
+        ``total_tokens``): priced at the model's higher price (``PriceTable.cost``)."""
+        return max(0, self.total_tokens - self.prompt_tokens - self.completion_tokens)
 
 
 # Keys whose string values in an answer are text the model generated: a chat message's content
@@ -230,17 +239,28 @@ def usage_from(obj: Any, model: str | None) -> Usage | None:
     if not isinstance(u, dict):
         return None
 
+    clamped = False
+
     def num(name: str) -> int:
+        nonlocal clamped
         v = u.get(name)
-        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return 0
+        if v > USAGE_MAX:
+            # (QA F5: 10**400 tokens overflowed the cost's float, and the call, bought,
+            # went unrecorded) Counted, at the most any call can be, and flagged.
+            clamped = True
+            return USAGE_MAX
+        return v
 
     if not any(num(n) for n in ("prompt_tokens", "input_tokens", "completion_tokens",
                                 "output_tokens", "total_tokens")):
         return None  # {} or nulls: no figure, so the answer is counted at an estimate
     prompt = num("prompt_tokens") or num("input_tokens")
     completion = num("completion_tokens") or num("output_tokens")
-    total = num("total_tokens") or prompt + completion
-    return Usage(model, prompt, completion, total, True)
+    # A total below its parts is no total: the parts were counted by the provider too.
+    total = max(num("total_tokens"), prompt + completion)
+    return Usage(model, prompt, completion, total, True, clamped=clamped)
 
 
 def model_of(obj: Any) -> str | None:

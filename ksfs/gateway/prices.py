@@ -53,13 +53,17 @@ class PriceTable:
             suffix = head + "-" + suffix
         return None
 
-    def cost(self, model: str | None, prompt_tokens: int, completion_tokens: int
-             ) -> tuple[float, bool]:
-        """(cost in USD, whether the model had a price)."""
+    def cost(self, model: str | None, prompt_tokens: int, completion_tokens: int,
+             other_tokens: int = 0) -> tuple[float, bool]:
+        """(cost in USD, whether the model had a price). ``other_tokens``: tokens a usage
+        counts in its total but as neither prompt nor completion (a usage of ``total_tokens``
+        alone), priced at the higher of the two prices, since which they were is not said
+        (QA F8: they cost 0)."""
         p = self.price(model)
         if p is None:
             return 0.0, False
-        usd = (prompt_tokens * p.input + completion_tokens * p.output) / 1_000_000
+        usd = (prompt_tokens * p.input + completion_tokens * p.output
+               + other_tokens * max(p.input, p.output)) / 1_000_000
         return round(usd, 12), True
 
 

@@ -31,6 +31,7 @@ from ksfs.gateway.admission import BudgetGate, Reckoning
 from ksfs.gateway.app import asgi_app
 from ksfs.gateway.calls import (
     CHAT_PATH,
+    USAGE_MAX,
     Usage,
     answer_text_bytes,
     derived_key,
@@ -506,6 +507,9 @@ class Gateway:
         ctype = header(got.headers, "content-type") or ""
         sse = _is_sse(ctype, order)
         usage = (usage_of_sse if sse else usage_of_json)(got.body, order.model)
+        if usage.clamped:
+            log.warning("the provider reported a usage past %d tokens for a call of model %r; "
+                        "counted as %d", USAGE_MAX, usage.model, USAGE_MAX)
         if not usage.known or usage.total_tokens == 0:
             # (a usage of no tokens at all is no figure: QA, eighteenth session, a provider's
             # "usage": {} let every call past a token budget)
@@ -537,11 +541,10 @@ class Gateway:
         "gpt-4o-mini"), a proxy an alias or a deployment: counted as nothing, such answers
         spent past any USD budget (QA, eighteenth session). A model with a price of its own
         is counted at it, whatever was asked for (review, eleventh session)."""
-        cost, priced = self.prices.cost(usage.model, usage.prompt_tokens,
-                                        usage.completion_tokens)
+        figures = (usage.prompt_tokens, usage.completion_tokens, usage.unattributed)
+        cost, priced = self.prices.cost(usage.model, *figures)
         if not priced and request_model:
-            cost, priced = self.prices.cost(request_model, usage.prompt_tokens,
-                                            usage.completion_tokens)
+            cost, priced = self.prices.cost(request_model, *figures)
         return cost, priced
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from ksfs.gateway.calls import Usage, is_chat, json_bytes, model_of, text_bytes, usage_from
@@ -111,7 +112,7 @@ def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
             found = u
     if found is None:
         return Usage(model)
-    return Usage(model, found.prompt_tokens, found.completion_tokens, found.total_tokens, True)
+    return replace(found, model=model)
 
 
 def generated_text_bytes(body: bytes) -> int:

@@ -451,6 +451,8 @@ def _paid_call_body(key: bytes, usage: Usage, cost: float, priced: bool, status:
     """The body of the ``gateway.call`` event of a call the provider answered and billed."""
     if "error" in more:
         more["error"] = _cut(more["error"], ERROR_CHARS)
+    if usage.clamped:
+        more["usage_clamped"] = True  # a figure past calls.USAGE_MAX, counted as that
     return {"key": key.hex(), "model": _cut(usage.model, MODEL_CHARS), "status": status,
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens, "usage_known": usage.known, "cost_usd": cost,
