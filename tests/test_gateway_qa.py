@@ -62,6 +62,7 @@ class OddProvider:
       form), on every answer;
     - ``echo_key``: the Authorization it was sent, echoed in a header and in the answer's text;
     - ``after_done``: bytes sent after a stream's ``data: [DONE]`` event;
+    - ``drop_after_done``: the connection closed after that, the chunked body never ended;
     - ``status``: the status of chat answers (an error body then).
     """
 
@@ -69,6 +70,7 @@ class OddProvider:
         self.raw_header: bytes | None = None
         self.echo_key = False
         self.after_done = b""
+        self.drop_after_done = False
         self.status = 200
         self.count = 0
         provider = self
@@ -125,6 +127,9 @@ class OddProvider:
                 self._chunk(b"data: [DONE]\n\n")
                 if provider.after_done:
                     self._chunk(provider.after_done)
+                if provider.drop_after_done:
+                    self.close_connection = True
+                    return
                 self._chunk(b"")
 
             def _chunk(self, data: bytes) -> None:
@@ -279,3 +284,32 @@ async def test_a_usage_of_only_a_total_is_priced_at_the_higher_price(gw, ledger,
 
     assert load_prices().cost("text-embedding-3-small", 0, 0, 1_000_000) == (
         pytest.approx(0.02), True)
+
+# --- F10: what follows a stream's end -----------------------------------------------------------
+
+async def test_a_stream_is_stored_once_its_end_was_seen_whatever_follows(
+        store, ledger, odd, prices_file, nursery):
+    """QA F10: an event after data: [DONE] (here an error event, then a connection that breaks
+    off) kept the answer, finished and billed, from being stored: a retry bought it again."""
+    gw = Gateway(store, ledger, odd.url, prices_file, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    late = b'data: {"error": {"message": "late"}}\n\n'
+    for n, (after, drop) in enumerate(((late, False), (late, True),
+                                        (b'data: {"choices": []}\n\n', True))):
+        odd.after_done, odd.drop_after_done = after, drop
+        body = chat_body(f"after the end {n}", model="test-model", stream=True)
+        first = await call(port, body)
+        assert first.status_code == 200 and b"data: [DONE]" in first.content
+        assert b"upstream_stream_incomplete" not in first.content, first.content
+        again = await call(port, body)
+        assert again.headers["x-ksfs-replay"] == "true" and again.content == first.content
+        assert odd.count == n + 1
+    calls = events(ledger, "s1", "gateway.call")
+    assert [e.body["stored"] for e in calls] == [True] * 3
+    # An error event before the end is still no answer.
+    odd.after_done, odd.drop_after_done = b"", False
+    from ksfs.gateway.sse import incomplete
+
+    assert incomplete(late + b"data: [DONE]\n\n", CHAT) == "carried an error event"
+    assert incomplete(b"data: [DONE]\n\n" + late, CHAT) is None
+

@@ -49,7 +49,9 @@ from ksfs.gateway.calls import (
 from ksfs.gateway.inflight import Call, StreamThrough, header, ksfs_headers, reply_of
 from ksfs.gateway.prices import PriceTable, load_prices
 from ksfs.gateway.sse import (
+    RESPONSES_PATH,
     HiddenUsage,
+    ended,
     generated_text_bytes,
     incomplete,
     usage_of_sse,
@@ -358,6 +360,13 @@ class Gateway:
         route = order.route
         try:
             got, hidden = await self._fetch(call, served.upstream, order)
+            if isinstance(got, CutShort) and got.begun is not None \
+                    and 200 <= got.begun.status < 300 and self._ended(got.begun, order):
+                # Broken off (or timed out) after its end: the answer is whole, and bought
+                # (QA F10: what followed [DONE] kept it from being stored).
+                log.warning("session %s: the provider's stream broke off after its end; "
+                            "stored as whole", view.session)
+                got = got.begun
             if isinstance(got, Fetched) and 200 <= got.status < 300:
                 # Off the loop: a long stream's whole body is scanned (and filtered) here.
                 stored, refused, cost = await trio.to_thread.run_sync(
@@ -522,6 +531,15 @@ class Gateway:
         counted = usage.known or (usage.estimated and usage.total_tokens > 0)
         learned = (usage.total_tokens if counted else None, cost if counted and priced else None)
         return usage, cost, priced, learned
+
+    @staticmethod
+    def _ended(got: Fetched, order: Order) -> bool:
+        """Whether a 2xx stream that broke off had reached its end ([DONE], or a Responses
+        stream's response.completed) first: then it is a whole answer."""
+        ctype = header(got.headers, "content-type") or ""
+        return _is_sse(ctype, order) and (is_chat(order.route.path)
+                                          or order.route.path == RESPONSES_PATH) \
+            and ended(got.body) is True
 
     def _count_cut(self, view: View, key: bytes, begun: Fetched, error: str, order: Order
                    ) -> tuple[int | None, float | None]:

@@ -70,9 +70,23 @@ def incomplete(body: bytes, path: str) -> str | None:
     A chat stream is whole when it reached ``data: [DONE]``; a Responses stream when it reached
     ``response.completed`` or ``response.incomplete`` (a response cut by its own token limit
     is still the answer); any stream that carries an error event is not. Only the events that
-    could say so are parsed.
+    could say so are parsed; what follows the end is not (``ended``).
     """
-    done = False
+    done = ended(body)
+    if done is None:
+        return "carried an error event"
+    if is_chat(path) and not done:
+        return "ended without its data: [DONE]"
+    if path == RESPONSES_PATH and not done:
+        return "ended without response.completed"
+    return None
+
+
+def ended(body: bytes) -> bool | None:
+    """Whether a stream reached its end (``data: [DONE]``, ``response.completed`` or
+    ``response.incomplete``) with no error event before it: True; an error event first: None;
+    neither: False. What follows the end is not judged (QA F10: an event after [DONE] kept
+    an answer the provider had finished, and billed, from being stored)."""
     for raw in split_events(body):
         if b"error" not in raw and b"response." not in raw and b"[DONE]" not in raw:
             continue
@@ -81,14 +95,10 @@ def incomplete(body: bytes, path: str) -> str | None:
         kind = obj.get("type") if isinstance(obj, dict) else None
         if name in RESPONSES_FAILED or kind in RESPONSES_FAILED or (
                 isinstance(obj, dict) and obj.get("error") not in (None, {}, "")):
-            return "carried an error event"
+            return None
         if data.strip() == "[DONE]" or name in RESPONSES_DONE or kind in RESPONSES_DONE:
-            done = True
-    if is_chat(path) and not done:
-        return "ended without its data: [DONE]"
-    if path == RESPONSES_PATH and not done:
-        return "ended without response.completed"
-    return None
+            return True
+    return False
 
 
 def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
