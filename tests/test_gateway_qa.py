@@ -16,6 +16,7 @@ import http.server
 import json
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -285,7 +286,26 @@ async def test_a_usage_of_only_a_total_is_priced_at_the_higher_price(gw, ledger,
     assert load_prices().cost("text-embedding-3-small", 0, 0, 1_000_000) == (
         pytest.approx(0.02), True)
 
-# --- F10: what follows a stream's end -----------------------------------------------------------
+
+# --- F9, F10, F11: paths, what follows a stream's end, the 503 of a stop ----------------------
+
+
+async def test_a_paid_path_ending_in_a_slash_is_refused_and_sent_nowhere(gw, provider,
+                                                                          nursery):
+    """QA F9: /v1/chat/completions/ escaped the chat checks (usage asked for, [DONE] required)
+    and went upstream unmetered, as a chat completion at many a provider."""
+    port = await nursery.start(gw.serve_session, "s1")
+    async with client(port) as c:
+        for path in ("/v1/chat/completions/", "/v1/responses/", "/v1/embeddings/"):
+            r = await c.post(path, json=chat_body("slash", model="test-model", stream=True))
+            assert r.status_code == 400, (path, r.text)
+            assert "must not end in '/'" in r.json()["error"]["message"]
+        assert provider.requests == []
+        # A bodyless GET is no paid call: passed through as ever.
+        assert (await c.get("/v1/models/")).status_code == 404
+        assert (await call(port, chat_body("no slash", model="test-model"))).status_code == 200
+    assert [r.path for r in provider.requests] == ["/v1/models/", CHAT]
+
 
 async def test_a_stream_is_stored_once_its_end_was_seen_whatever_follows(
         store, ledger, odd, prices_file, nursery):
@@ -313,3 +333,66 @@ async def test_a_stream_is_stored_once_its_end_was_seen_whatever_follows(
     assert incomplete(late + b"data: [DONE]\n\n", CHAT) == "carried an error event"
     assert incomplete(b"data: [DONE]\n\n" + late, CHAT) is None
 
+
+async def test_the_503_of_a_stopping_gateway_carries_its_ksfs_headers(gw, provider, nursery):
+    """QA F11: every other answer to a paid call carries X-Ksfs-Key and X-Ksfs-Replay."""
+    port = await nursery.start(gw.serve_session, "s1")
+    assert await gw.drain(0) == 0  # stopping: no new purchase
+    r = await call(port, chat_body("too late", model="test-model"), key="k1")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "gateway_stopping"
+    assert r.headers["x-ksfs-replay"] == "error" and len(r.headers["x-ksfs-key"]) == 64
+    assert provider.requests == []
+
+
+# --- F13: option nits --------------------------------------------------------------------------
+
+
+async def test_a_port_outside_the_tcp_range_is_refused_in_one_line(gw, nursery):
+    """QA F13: serve_session(port=99999) went as far as the bind: an OverflowError deep in a
+    nursery's exception group (which the daemon's supervisor does not catch)."""
+    from ksfs.errors import BadInput
+
+    for port in (99999, 65536, -1, True, "8080"):
+        with pytest.raises(BadInput, match="not a TCP port"):
+            await nursery.start(gw.serve_session, "s1", port)
+    assert gw.ports == {}
+
+
+async def test_the_token_scheme_is_case_insensitive_and_a_utf8_token_matches(gw, provider,
+                                                                            nursery):
+    """QA F13: "bearer" got 401 (RFC 7235: the scheme is case-insensitive), and a UTF-8 token
+    never matched (the header's bytes were compared as their Latin-1 text's UTF-8)."""
+    token = "jeton-à-clé-秘密"
+    port = await nursery.start(partial(gw.serve_session, "s1", token=token))
+
+    async def status(auth: bytes) -> int:
+        async with client(port) as c:
+            r = await c.post(CHAT, json=chat_body(f"auth {auth!r}", model="test-model"),
+                             headers={"authorization": auth})
+            return r.status_code
+
+    for good in (b"Bearer ", b"bearer ", b"BEARER ", b"Bearer  "):
+        assert await status(good + token.encode()) == 200, good
+    for bad in (b"Bearer " + token.encode("utf-8")[:-1], b"Basic " + token.encode(),
+                b"Bearer" + token.encode(),
+                b"Bearer jeton-\xe0-cl\xe9-"):
+        assert await status(bad) == 401, bad
+    assert provider.count() == 4
+
+
+def test_a_usd_budget_too_small_to_count_is_refused_in_one_line(tmp_path):
+    """QA F13: `--usd 1e-320` (a subnormal float, not 0) was taken as a budget."""
+    from test_gateway_cli import ksfs
+
+    from ksfs.cas import ChunkStore
+
+    store = tmp_path / "store"
+    ChunkStore.open(store, create=True).close()
+    (tmp_path / "note").write_text("n\n")
+    ksfs(store, "import", "default", "c1", str(tmp_path / "note"))
+    for tiny in ("1e-320", "5e-13", "4.9e-324"):
+        res = ksfs(store, "budget", "default", "--usd", tiny, check=False)
+        assert res.returncode == 2 and "too small to count" in res.stderr, (tiny, res.stderr)
+        assert res.stderr.count("\n") == 1, res.stderr
+    assert "no budget" in ksfs(store, "budget", "default").stdout
+    assert "1e-12 USD" in ksfs(store, "budget", "default", "--usd", "1e-12").stdout

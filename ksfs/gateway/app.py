@@ -67,6 +67,15 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
             "the request target must be a plain path that starts with '/' (no absolute URL, "
             "authority, control characters, or '.', '..' or empty segments)"))
         return
+    if is_paid(method, body) and wire.endswith("/"):
+        # /v1/chat/completions/ is a chat completion at many a provider, but not here: its
+        # usage would not be asked for, nor its stream's end required (QA F9: it went
+        # through unmetered). Refused rather than guessed at, as dot segments are.
+        await send_reply(send, error_reply(
+            400, "invalid_request_error",
+            "a paid call's path must not end in '/' (e.g. /v1/chat/completions, not "
+            "/v1/chat/completions/)"))
+        return
     if is_paid(method, body):
         gw.answering += 1  # a stop waits for this answer to be written (Gateway.drain)
         try:
@@ -103,8 +112,16 @@ def wire_path(scope: dict) -> str | None:
 
 
 def _token_ok(headers: list[tuple[str, str]], token: str) -> bool:
+    """Whether the request carries ``Authorization: Bearer TOKEN``. The scheme's name is
+    case-insensitive (RFC 7235: "bearer" too), and the credentials are compared as bytes, the
+    header's own (each a Latin-1 character here) with the token's UTF-8 (QA F13: a UTF-8
+    token never matched, and "bearer" was 401)."""
     given = next((v for k, v in headers if k == "authorization"), "")
-    return hmac.compare_digest(given.encode("utf-8"), f"Bearer {token}".encode())
+    scheme, _, credentials = given.strip(" \t").partition(" ")
+    expected = token.encode("utf-8")
+    offered = credentials.strip(" \t").encode("latin-1", "replace")
+    same = hmac.compare_digest(offered, expected)
+    return scheme.lower() == "bearer" and same
 
 
 class ClientGone(Exception):

@@ -210,6 +210,10 @@ class Gateway:
         ``Authorization: Bearer TOKEN`` (the guest's "API key") or gets 401: every guest can
         reach every loopback port, so the port alone does not keep sessions apart.
         """
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            # (QA F13: 99999 went as far as the bind, an OverflowError in a nursery's group)
+            raise BadInput(f"port {port!r} is not a TCP port: give 1 to 65535, or 0 for any "
+                           "free one")
         self.db.view(session)  # NoSuchSession now, not on the first call
         if session in self.ports:
             raise BadInput(f"session {session!r} is already served on port {self.ports[session]}")
@@ -279,8 +283,9 @@ class Gateway:
                 if stored is not None:
                     return await self._replay(view, key, stored, digest)
                 if self.stopping:
-                    return error_reply(503, "gateway_stopping",
-                                       "the gateway is stopping; retry the call shortly"), []
+                    return (error_reply(503, "gateway_stopping",
+                                        "the gateway is stopping; retry the call shortly"),
+                            ksfs_headers(key, "error"))
                 budget, used = self.db.spending(view.lineage)
                 # A named model without a price, or a request naming none (a chat completion
                 # the provider's default model answers, a batch that runs what its file

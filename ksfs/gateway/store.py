@@ -35,6 +35,7 @@ DBS = (b"gw_responses", b"gw_usage", b"gw_budgets")
 _META_LEN = struct.Struct(">I")
 
 MAX_TOKEN_BUDGET = 2**53  # the largest integer a JSON reader's double holds exactly
+MIN_USD_BUDGET = 1e-12  # costs are rounded to 12 decimals: a smaller budget counts nothing
 
 
 @dataclass(frozen=True)
@@ -405,6 +406,12 @@ class GatewayStore:
                                                             given.lower().split("e")[0]):
                 # (QA, eighteenth session: 1e-400 became a budget of 0, refusing every call)
                 raise BadInput(f"a USD budget of {given} is too small to count: it would be 0")
+            if 0 < usd < MIN_USD_BUDGET:
+                # (QA F13: 1e-320, a subnormal float, was a budget, though costs are counted
+                # to 1e-12 USD: no cost can be told apart from it)
+                raise BadInput(f"a USD budget of {given} is too small to count: costs are "
+                               f"counted to {MIN_USD_BUDGET:g} USD (give 0 to refuse every "
+                               "paid call)")
             usd += 0.0  # -0.0 is 0 (QA: "usd": -0.0 was recorded as given)
         self.ledger.session(session)  # a bad or unknown name: refused before any write
         with self._write() as txn:
