@@ -396,3 +396,61 @@ def test_a_usd_budget_too_small_to_count_is_refused_in_one_line(tmp_path):
         assert res.stderr.count("\n") == 1, res.stderr
     assert "no budget" in ksfs(store, "budget", "default").stdout
     assert "1e-12 USD" in ksfs(store, "budget", "default", "--usd", "1e-12").stdout
+
+
+# --- F2: concurrent calls and the budget -------------------------------------------------------
+
+
+async def burst(port: int, bodies: list[dict]) -> list[httpx.Response]:
+    replies: list[httpx.Response] = []
+
+    async def one(body: dict) -> None:
+        replies.append(await call(port, body))
+
+    async with trio.open_nursery() as calls:
+        for body in bodies:
+            calls.start_soon(one, body)
+    return replies
+
+
+async def test_concurrent_calls_spend_past_a_budget_by_at_most_what_docs_say(gw, provider,
+                                                                              nursery):
+    """QA F2: a request without a completion cap was reckoned at its prompt (body/4) or at the
+    largest call before, no bound of what it may generate: after one short call, a burst of
+    long answers all started together and spent several times the budget. Each purchase in
+    flight now reserves its prompt and its cap, or 4096 completion tokens without one, and a
+    budget is passed only by the one call that starts alone (docs/gateway.md)."""
+    gw.set_budget("s1", tokens=300)
+    port = await nursery.start(gw.serve_session, "s1")
+    provider.words = ["short"]  # teaches the gate a call of 2 + 1 tokens
+    assert (await call(port, chat_body("first", model="test-model"))).status_code == 200
+    provider.words = ["long"] * 100  # each call now costs 2 + 100 tokens
+    provider.delay = 0.3
+    replies = await burst(port, [chat_body(f"uncapped {i}", model="test-model")
+                                 for i in range(8)])
+    one_call = 2 + 100
+    u = gw.usage("s1")
+    # Reserved at 4096 completion tokens each, more than the budget: one at a time, and the
+    # budget passed by at most the one call that started alone.
+    assert provider.most_active == 1
+    assert 300 <= u["total_tokens"] <= 300 + one_call, u
+    assert sorted(r.status_code for r in replies) == [200] * 3 + [402] * 5
+    # Capped calls run beside each other as far as their caps fit, never further.
+    gw.set_budget("s1", tokens=u["total_tokens"] + 400)
+    provider.most_active = 0
+    replies = await burst(port, [dict(chat_body(f"capped {i}", model="test-model"),
+                                      max_tokens=100) for i in range(8)])
+    # about 25 prompt + 100 reserved each: three fit in 400, not four
+    assert provider.most_active == 3
+    spent = gw.usage("s1")["total_tokens"] - u["total_tokens"]
+    assert 400 <= spent <= 400 + one_call, spent
+    # And in USD: each reserved at its prompt and its cap, at the model's prices.
+    gw.set_budget("s1", usd=gw.usage("s1")["cost_usd"] + 0.5)
+    provider.most_active = 0
+    before = gw.usage("s1")["cost_usd"]
+    replies = await burst(port, [dict(chat_body(f"usd {i}", model="test-model"),
+                                      max_tokens=100) for i in range(8)])
+    # 25 x 1000 + 100 x 2000 per 1M = 0.225 USD reserved each: two fit in 0.5
+    assert provider.most_active == 2
+    call_usd = (2 * 1000 + 100 * 2000) / 1e6
+    assert 0.5 <= gw.usage("s1")["cost_usd"] - before <= 0.5 + call_usd + 1e-9

@@ -279,12 +279,14 @@ async def test_calls_without_usage_are_held_to_the_budget(gw, ledger, provider, 
     assert codes == [200] * bought + [402] * (12 - bought) and 5 <= bought <= 8, codes
     assert provider.count() == bought
     assert 200 <= gw.usage("s1")["total_tokens"] < 200 + 45
-    # In a burst the gate sizes each purchase by what the estimated calls cost: a few at once,
-    # then refused once the budget is used up.
+    # In a burst the gate holds each purchase to its reservation: its prompt and its cap (a
+    # request without one is reserved at 4096 completion tokens: QA F2), a few at once, then
+    # refused once the budget is used up.
     used = gw.usage("s1")["total_tokens"]
     gw.set_budget("s1", tokens=used + 100)
     provider.delay = 0.3
-    replies = await burst(port, [chat_body(f"burst {i}", model="test-model") for i in range(8)])
+    replies = await burst(port, [dict(chat_body(f"burst {i}", model="test-model"), max_tokens=12)
+                                 for i in range(8)])
     assert 402 in [r.status_code for r in replies]
     assert gw.usage("s1")["total_tokens"] < used + 100 + 40
     assert provider.most_active > 1
@@ -300,15 +302,16 @@ async def test_calls_with_room_in_the_budget_still_run_at_once(gw, provider, nur
     gw.set_budget("s1", tokens=1000)
     provider.delay = 0.3
     port = await nursery.start(gw.serve_session, "s1")
-    async with trio.open_nursery() as calls:  # the first two: no cap, size unknown: one by one
+    async with trio.open_nursery() as calls:  # the first two: no cap, reserved at 4096: one by one
         for i in range(2):
             calls.start_soon(call, port, chat_body(f"first {i}", model="test-model"))
     assert provider.most_active == 1
     provider.most_active = 0
     provider.delay = 1.0  # long enough for all six to be in flight at once on a busy machine
-    async with trio.open_nursery() as calls:  # about 20 tokens each: 6 fit beside each other
+    async with trio.open_nursery() as calls:  # about 20 + 50 tokens each: 6 fit beside each other
         for i in range(6):
-            calls.start_soon(call, port, chat_body(f"then {i}", model="test-model"))
+            calls.start_soon(call, port, dict(chat_body(f"then {i}", model="test-model"),
+                                              max_tokens=50))
     assert provider.count() == 8 and provider.most_active == 6
     gw.set_budget("s1")  # no budget: nothing is held back
     provider.most_active = 0

@@ -46,6 +46,10 @@ def gateway() -> None:
               help="Price table (TOML, USD per 1M tokens per model); default: the shipped one.")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
               help="Seconds one upstream call may take before the guest gets a 504.")
+@click.option("--completion-reserve", type=click.IntRange(1, 10**7), default=4096,
+              show_default=True, metavar="N",
+              help="Completion tokens reserved against a budget, while it is in flight, for a "
+                   "request that sets no max_tokens of its own.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Read the upstream API key from this file (default: $KSFS_UPSTREAM_API_KEY, "
                    "else $OPENAI_API_KEY).")
@@ -54,7 +58,8 @@ def gateway() -> None:
                    "API key) with TOKEN read from this file; others get 401.")
 @pass_ctx
 def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | None,
-          timeout: float, api_key_file: str | None, token_file: str | None) -> None:
+          timeout: float, completion_reserve: int, api_key_file: str | None,
+          token_file: str | None) -> None:
     """Serve one session's model calls on HOST:PORT until interrupted (Ctrl-C or SIGTERM).
 
     Prints one line `ksfs gateway: session S on http://HOST:PORT -> UPSTREAM` once listening.
@@ -97,7 +102,8 @@ def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | 
     if not _is_loopback(host):
         click.echo(f"ksfs: warning: gateway bound to {host}, not loopback: anyone who can reach "
                    "it can spend this session's budget", err=True)
-    gw = Gateway(store, ledger, upstream, table, api_key=api_key, timeout=timeout)
+    gw = Gateway(store, ledger, upstream, table, api_key=api_key, timeout=timeout,
+                 completion_reserve=completion_reserve)
     keeper.gateway = gw
     try:
         trio.run(_serve, gw, session, host, port, upstream, token)

@@ -2,22 +2,26 @@
 
 A call's cost is known only once its response is in, so a budget checked at the door alone lets
 every call that starts while others are in flight through: ten concurrent calls on a budget with
-room for one were all bought. ``BudgetGate`` lets a new purchase of a lineage that has a budget
-start only when the budget still has room for it and for every purchase already in flight. Each
-is reckoned at the larger of what its request says it may cost (``calls.estimated_tokens``: its
-size and its own completion cap, priced by the table) and the largest cost a completed call of
-this gateway has had on that lineage (as the provider reported it or, for an answer that
-carried no usage, as the gateway estimated it from the answer's text). A request without a
-completion cap, on a lineage with no completed call to size it by, has no reckoning: it starts
-only when nothing else is in flight, and nothing starts beside it (the rule before requests
-were sized). A purchase held back waits
-(the guest's request stays open) until one in flight ends, then is checked again, and refused
-with 402 if the budget is then used up.
+room for one were all bought. ``BudgetGate`` reserves for each purchase in flight what it may
+cost, and lets a new purchase of a lineage that has a budget start only when what is spent, what
+is reserved for the purchases in flight and its own reservation fit the budget, or when nothing
+else of its lineage is in flight. A purchase is reserved at its prompt, reckoned from its
+request's size, plus its completion: its own cap (``max_tokens`` and the like, times ``n``) when
+it sets one, else the gateway's default completion reserve (``DEFAULT_COMPLETION_RESERVE``),
+priced by the table at the model's input and output prices; and at least the largest cost a
+completed call of this gateway has had on that lineage. The reservation is released when the
+purchase ends, and what it cost is counted in the store then (settled).
 
-What is left: a single call can still go past the budget by its own size (as a provider's own
-limits allow), and one with no completion cap can cost more than the largest call before it.
-The gate is per process: a standalone ``ksfs gateway`` beside the daemon does not see the
-daemon's calls in flight. Without a budget nothing is held back.
+QA F2: a request without a cap was reckoned at its prompt alone (or the largest call before),
+which is no bound of what it may generate: concurrent calls spent about 5x the budget. So what
+is promised is exactly: spending ends past a budget only by (1) the one call that started alone,
+nothing else of its lineage in flight, with less than its reservation left (by at most its own
+cost), and (2) what a call costs beyond its reservation (a call with no cap that generates more
+than the default reserve, a prompt of more than one token per 4 bytes of request). The gate is
+per process: a standalone ``ksfs gateway`` beside the daemon does not see the daemon's calls in
+flight. Without a budget nothing is held back. A purchase held back waits (the guest's request
+stays open) until one in flight ends, then is checked again, and refused with 402 if the budget
+is then used up.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ class _Lineage:
     flying: int = 0
     flying_tokens: int = 0
     flying_usd: float = 0.0
-    flying_unknown: int = 0  # purchases in flight that no reckoning bounds
+    # purchases in flight that no reservation bounds, in tokens and in USD (a model with no
+    # price has no USD reservation; a USD budget refuses it before it gets here)
+    unknown_tokens: int = 0
+    unknown_usd: int = 0
     largest_tokens: int | None = None
     largest_usd: float | None = None
     landed: trio.Event = field(default_factory=trio.Event)
@@ -57,14 +64,12 @@ class BudgetGate:
     def _of(self, lineage: str) -> _Lineage:
         return self._lineages.setdefault(lineage, _Lineage())
 
-    def reckon(self, lineage: str, tokens: int, usd: float | None, capped: bool) -> Reckoning:
-        """A new purchase's reckoning: its request's estimate, at least the largest completed
-        call's. ``capped``: the request bounds its completion, so the estimate is an upper
-        bound; without a cap it is only a floor, and with no completed call to size it by the
-        purchase has no reckoning (None). ``usd`` None: its model has no price."""
+    def reckon(self, lineage: str, tokens: int, usd: float | None) -> Reckoning:
+        """A new purchase's reservation: ``tokens``/``usd``, what its request may cost (its
+        prompt and its completion cap, or the default reserve), at least the largest completed
+        call's. ``usd`` None: its model has no price."""
         state = self._lineages.get(lineage) or _Lineage()
-        t = tokens if capped else None
-        u = usd if capped else None
+        t, u = tokens, usd
         if state.largest_tokens is not None:
             t = max(tokens, state.largest_tokens)
         if state.largest_usd is not None and usd is not None:
@@ -77,11 +82,12 @@ class BudgetGate:
         state = self._lineages.get(lineage)
         if budget is None or state is None or state.flying == 0:
             return True
-        for kind, reckoned, flying in (("tokens", new.tokens, state.flying_tokens),
-                                       ("usd", new.usd, state.flying_usd)):
+        for kind, reckoned, flying, unknown in (
+                ("tokens", new.tokens, state.flying_tokens, state.unknown_tokens),
+                ("usd", new.usd, state.flying_usd, state.unknown_usd)):
             if budget.get(kind) is None:
                 continue
-            if reckoned is None or state.flying_unknown:
+            if reckoned is None or unknown:
                 return False  # a size nothing bounds: one at a time
             if used[kind] + flying + reckoned > budget[kind]:
                 return False
@@ -98,7 +104,8 @@ class BudgetGate:
         state.flying += 1
         state.flying_tokens += new.tokens or 0
         state.flying_usd += new.usd or 0.0
-        state.flying_unknown += 1 if new.tokens is None or new.usd is None else 0
+        state.unknown_tokens += new.tokens is None
+        state.unknown_usd += new.usd is None
 
     def landed(self, lineage: str, held: Reckoning, tokens: int | None = None,
                usd: float | None = None) -> None:
@@ -108,7 +115,8 @@ class BudgetGate:
         state.flying -= 1
         state.flying_tokens -= held.tokens or 0
         state.flying_usd -= held.usd or 0.0
-        state.flying_unknown -= 1 if held.tokens is None or held.usd is None else 0
+        state.unknown_tokens -= held.tokens is None
+        state.unknown_usd -= held.usd is None
         if state.flying == 0:
             state.flying_tokens, state.flying_usd = 0, 0.0  # no float dust left behind
         if tokens is not None:

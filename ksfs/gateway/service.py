@@ -30,6 +30,7 @@ from ksfs.errors import BadInput
 from ksfs.gateway.admission import BudgetGate, Reckoning
 from ksfs.gateway.app import asgi_app
 from ksfs.gateway.calls import (
+    CAP_MAX,
     CHAT_PATH,
     USAGE_MAX,
     Usage,
@@ -75,6 +76,9 @@ from ksfs.ledger.keys import lineage_bytes
 log = logging.getLogger("ksfs.gateway")
 
 MAX_BODY = 16 * 1024 * 1024
+# The completion tokens reserved, while it is in flight, for a request that sets no cap of its
+# own (max_tokens, max_completion_tokens, max_output_tokens): admission.BudgetGate.
+DEFAULT_COMPLETION_RESERVE = 4096
 DEFAULT_TIMEOUT = 300.0
 DRAIN_POLL_S = 0.02
 STOP_DRAIN_S = 30.0  # how long a stop waits for calls in flight to be stored
@@ -145,8 +149,14 @@ class Gateway:
 
     def __init__(self, store: Any, ledger: Any, upstream_url: str,
                  prices: PriceTable | str | Path | None = None, api_key: str | None = None,
-                 *, timeout: float = DEFAULT_TIMEOUT, max_body: int = MAX_BODY) -> None:
+                 *, timeout: float = DEFAULT_TIMEOUT, max_body: int = MAX_BODY,
+                 completion_reserve: int = DEFAULT_COMPLETION_RESERVE) -> None:
         check_upstream(upstream_url, timeout)
+        if isinstance(completion_reserve, bool) or not isinstance(completion_reserve, int) \
+                or not 0 < completion_reserve <= CAP_MAX:
+            raise BadInput(f"the completion reserve must be a whole number of tokens from 1 "
+                           f"to {CAP_MAX}, not {completion_reserve!r}")
+        self.completion_reserve = completion_reserve
         self.db = GatewayStore(store, ledger)
         self.ledger = ledger
         self.upstream_url = upstream_url
@@ -270,8 +280,14 @@ class Gateway:
         order = Order(route, headers, body, model, stream, digest,
                       ask_usage=is_chat(path) and wants_usage_added(obj),
                       prompt_bytes=len(body) if obj else 0)
-        prompt, completion = estimated_tokens(obj, len(body))
-        est_usd, priced = self.prices.cost(model, prompt, completion or 0)
+        # What the purchase may cost, reserved while it is in flight (admission.BudgetGate):
+        # its prompt, reckoned from the JSON request's size, and its completion cap, or the
+        # default reserve when it sets none (QA F2: its prompt alone, no bound of what it may
+        # generate, let concurrent calls spend about 5x the budget).
+        prompt, completion = estimated_tokens(obj, order.prompt_bytes)
+        if completion is None:
+            completion = self.completion_reserve
+        est_usd, priced = self.prices.cost(model, prompt, completion)
         ikey = lineage_bytes(view.lineage) + key
         mine = False
         while True:
@@ -295,8 +311,8 @@ class Gateway:
                 if used_up(budget, used) or unpriced:
                     return (await self._refuse(view, key, model, path, budget, used, unpriced),
                             ksfs_headers(key, "refused"))
-                held = self._gate.reckon(view.lineage, prompt + (completion or 0),
-                                         est_usd if priced else None, completion is not None)
+                held = self._gate.reckon(view.lineage, prompt + completion,
+                                         est_usd if priced else None)
                 if not self._gate.may_start(view.lineage, budget, used, held):
                     # Calls in flight may spend what is left: wait for one, then look again.
                     await self._gate.wait_for_landing(view.lineage)
