@@ -454,3 +454,68 @@ async def test_concurrent_calls_spend_past_a_budget_by_at_most_what_docs_say(gw,
     assert provider.most_active == 2
     call_usd = (2 * 1000 + 100 * 2000) / 1e6
     assert 0.5 <= gw.usage("s1")["cost_usd"] - before <= 0.5 + call_usd + 1e-9
+
+
+# --- F4: slow and idle clients -----------------------------------------------------------------
+
+
+async def open_raw(port: int, data: bytes) -> trio.SocketStream:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(data)
+    return stream
+
+
+async def read_all(stream: trio.SocketStream) -> bytes:
+    got = b""
+    while chunk := await stream.receive_some(65536):
+        got += chunk
+    return got
+
+
+HALF_A_BODY = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+               b"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{\"model\": ")
+
+
+async def test_slow_or_idle_clients_are_timed_out_and_counted_against_a_limit(
+        gw, store, ledger, provider, nursery):
+    """QA F4: no timeout on a request's body and no limit of connections: a client that never
+    finished its body held its connection for ever, and enough of them exhausted the file
+    descriptors. Now the body has read_timeout (408), a connection with no request under way
+    is closed after min(5 s, read_timeout), and past max_connections requests being read or
+    answered a new one gets 503 at once."""
+    gw.read_timeout, gw.max_connections = 0.5, 2  # as Gateway(read_timeout=, max_connections=)
+    port = await nursery.start(gw.serve_session, "s1")
+    with trio.fail_after(5):
+        slow = await open_raw(port, HALF_A_BODY)
+        answer = await read_all(slow)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b'"type": "request_timeout"' in answer
+    await slow.aclose()
+    with trio.fail_after(5):  # nothing at all, or headers never ended: closed
+        for start in (b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"):
+            idle = await open_raw(port, start)
+            assert await read_all(idle) == b""
+            await idle.aclose()
+    assert provider.requests == []
+    # The limit: two requests under way (their bodies not yet whole), a third is refused.
+    gw.read_timeout = 30.0
+    held = [await open_raw(port, HALF_A_BODY) for _ in range(2)]
+    with trio.fail_after(5):
+        while gw.open_requests < 2:
+            await trio.sleep(0.01)
+    r = await call(port, chat_body("a third", model="test-model"))
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["type"] == "too_many_connections" and "limit (2)" in err["message"]
+    for stream in held:
+        await stream.aclose()
+    with trio.fail_after(5):
+        while gw.open_requests:
+            await trio.sleep(0.01)
+    assert (await call(port, chat_body("a third", model="test-model"))).status_code == 200
+    assert provider.count() == 1
+    from ksfs.errors import BadInput
+
+    for bad in ({"read_timeout": 0}, {"read_timeout": float("nan")}, {"max_connections": 0}):
+        with pytest.raises(BadInput):
+            Gateway(store, ledger, provider.url, **bad)

@@ -46,6 +46,12 @@ def gateway() -> None:
               help="Price table (TOML, USD per 1M tokens per model); default: the shipped one.")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
               help="Seconds one upstream call may take before the guest gets a 504.")
+@click.option("--read-timeout", type=float, default=60.0, show_default=True, metavar="S",
+              help="Seconds a request's body may take to arrive whole before the client gets "
+                   "a 408.")
+@click.option("--max-connections", type=click.IntRange(1, None), default=256,
+              show_default=True, metavar="N",
+              help="Requests read or answered at once; past it a new one gets a 503 at once.")
 @click.option("--completion-reserve", type=click.IntRange(1, 10**7), default=4096,
               show_default=True, metavar="N",
               help="Completion tokens reserved against a budget, while it is in flight, for a "
@@ -58,8 +64,8 @@ def gateway() -> None:
                    "API key) with TOKEN read from this file; others get 401.")
 @pass_ctx
 def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | None,
-          timeout: float, completion_reserve: int, api_key_file: str | None,
-          token_file: str | None) -> None:
+          timeout: float, read_timeout: float, max_connections: int, completion_reserve: int,
+          api_key_file: str | None, token_file: str | None) -> None:
     """Serve one session's model calls on HOST:PORT until interrupted (Ctrl-C or SIGTERM).
 
     Prints one line `ksfs gateway: session S on http://HOST:PORT -> UPSTREAM` once listening.
@@ -81,6 +87,8 @@ def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | 
     api_key = _secret_of(api_key_file, "API key") if api_key_file is not None else None
     token = _secret_of(token_file, "token") if token_file is not None else None
     check_upstream(upstream, timeout)
+    if not 0 < read_timeout < float("inf"):
+        raise BadInput(f"--read-timeout must be a number of seconds > 0, not {read_timeout!r}")
     table = load_prices(prices)
     if host != "localhost":
         try:
@@ -103,7 +111,8 @@ def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | 
         click.echo(f"ksfs: warning: gateway bound to {host}, not loopback: anyone who can reach "
                    "it can spend this session's budget", err=True)
     gw = Gateway(store, ledger, upstream, table, api_key=api_key, timeout=timeout,
-                 completion_reserve=completion_reserve)
+                 completion_reserve=completion_reserve, read_timeout=read_timeout,
+                 max_connections=max_connections)
     keeper.gateway = gw
     try:
         trio.run(_serve, gw, session, host, port, upstream, token)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
+import trio
+
 from ksfs.errors import BadInput, KsfsError, NotFound, ReadOnly
 from ksfs.gateway.calls import CHAT_PATH
 from ksfs.gateway.inflight import StreamThrough
@@ -43,6 +45,22 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
                 return
     if scope["type"] != "http":
         return
+    if gw.open_requests >= gw.max_connections:
+        # (QA F4: idle or slow clients held a connection each, without end, until the file
+        # descriptors ran out) Said at once, the body unread: the connection then closes.
+        await send_reply(send, error_reply(
+            503, "too_many_connections",
+            f"this gateway is answering {gw.open_requests} requests, its limit "
+            f"({gw.max_connections}); retry shortly"))
+        return
+    gw.open_requests += 1
+    try:
+        await _answer(gw, served, scope, receive, send)
+    finally:
+        gw.open_requests -= 1
+
+
+async def _answer(gw: Any, served: Any, scope: dict, receive, send) -> None:
     headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
     if served.token is not None and not _token_ok(headers, served.token):
         await send_reply(send, error_reply(
@@ -50,9 +68,16 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
             f"this gateway serves session {served.session!r}; give its token as the API key"))
         return
     try:
-        body = await read_body(receive, gw.max_body)
+        with trio.fail_after(gw.read_timeout):
+            body = await read_body(receive, gw.max_body)
     except ClientGone:
         return  # a body cut short is no request: nothing is sent upstream or bought
+    except trio.TooSlowError:
+        # (QA F4: a client that never finished its body held its connection for ever)
+        await send_reply(send, error_reply(
+            408, "request_timeout",
+            f"the request body did not arrive whole within {gw.read_timeout:g} s"))
+        return
     if body is None:
         await send_reply(send, error_reply(413, "request_too_large",
                                            f"request body over {gw.max_body} bytes"))

@@ -79,6 +79,11 @@ MAX_BODY = 16 * 1024 * 1024
 # The completion tokens reserved, while it is in flight, for a request that sets no cap of its
 # own (max_tokens, max_completion_tokens, max_output_tokens): admission.BudgetGate.
 DEFAULT_COMPLETION_RESERVE = 4096
+# How long a request's body may take to arrive whole (then 408), and how many requests one
+# gateway reads and answers at once, all its sessions together (past it, 503): QA F4.
+READ_TIMEOUT = 60.0
+KEEP_ALIVE_S = 5.0  # hypercorn's own default
+MAX_CONNECTIONS = 256
 DEFAULT_TIMEOUT = 300.0
 DRAIN_POLL_S = 0.02
 STOP_DRAIN_S = 30.0  # how long a stop waits for calls in flight to be stored
@@ -150,8 +155,20 @@ class Gateway:
     def __init__(self, store: Any, ledger: Any, upstream_url: str,
                  prices: PriceTable | str | Path | None = None, api_key: str | None = None,
                  *, timeout: float = DEFAULT_TIMEOUT, max_body: int = MAX_BODY,
-                 completion_reserve: int = DEFAULT_COMPLETION_RESERVE) -> None:
+                 completion_reserve: int = DEFAULT_COMPLETION_RESERVE,
+                 read_timeout: float = READ_TIMEOUT,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         check_upstream(upstream_url, timeout)
+        if not (isinstance(read_timeout, int | float) and 0 < read_timeout < float("inf")):
+            raise BadInput(f"the read timeout must be a number of seconds > 0, not "
+                           f"{read_timeout!r}")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
+                or max_connections < 1:
+            raise BadInput(f"the connection limit must be a whole number >= 1, not "
+                           f"{max_connections!r}")
+        self.read_timeout = float(read_timeout)
+        self.max_connections = max_connections
+        self.open_requests = 0  # requests being read or answered, all sessions together
         if isinstance(completion_reserve, bool) or not isinstance(completion_reserve, int) \
                 or not 0 < completion_reserve <= CAP_MAX:
             raise BadInput(f"the completion reserve must be a whole number of tokens from 1 "
@@ -233,6 +250,9 @@ class Gateway:
         config.errorlog = logging.getLogger("ksfs.gateway.http")
         config.include_server_header = False
         config.graceful_timeout = 1.0
+        # A connection with no request under way (none yet, its headers trickling in, or idle
+        # between two) is closed after this; a request's body has read_timeout (the app).
+        config.keep_alive_timeout = min(KEEP_ALIVE_S, self.read_timeout)
         upstream = Upstream(self.upstream_url, self._api_key, self.timeout)
         try:
             async with trio.open_nursery() as nursery:
