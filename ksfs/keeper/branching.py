@@ -19,7 +19,7 @@ from ksfs import progress
 from ksfs.crashpoints import crash_point
 from ksfs.errors import AlreadyExists, BadInput, KsfsError, NotFound, NotPermitted
 from ksfs.keeper.locks import session_lock
-from ksfs.keeper.machine import MEMORY_FILE, domain_name_for, stored_disks
+from ksfs.keeper.machine import MEMORY_FILE, checkpoint_label, domain_name_for, stored_disks
 from ksfs.keeper.offline import _reason, _tell
 from ksfs.model import (
     CheckpointRecord,
@@ -196,7 +196,8 @@ class RestoreVerbs:
             progress.report("restoring the machine")
             restored = self.vm.restore(session, rec.domain, memory, disks,
                                        xml=target.domain_xml,
-                                       checkpoint=f"{session}/{checkpoint}", staged=staged,
+                                       checkpoint=checkpoint_label(rec.lineage, target),
+                                       staged=staged,
                                        fw_cfg=facts)
             t1 = time.monotonic()
             crash_point("restore.reconcile")
@@ -321,7 +322,8 @@ class RestoreVerbs:
                     memory, disks = self._checkpoint_readers(target, xml_disks)
                     progress.report("starting the fork")
                     self.vm.fork(new, domain, memory, disks, xml=target.domain_xml,
-                                 lineage=rec.lineage, checkpoint=f"{session}/{checkpoint}",
+                                 lineage=rec.lineage,
+                                 checkpoint=checkpoint_label(parent.lineage, target),
                                  fw_cfg=self.guest_facts(rec))
                     self._reconcile_to(new, target)
                     crash_point("fork.resume")

@@ -163,6 +163,55 @@ def _gone(rec: SessionRecord, adopted: bool) -> NotRunning:
                       + ("" if adopted else " (or `ksfs recover`)") + " makes it again")
 
 
+def checkpoint_label(lineage: str, record: CheckpointRecord) -> str:
+    """The label a disk's chain root is given when it holds ``record``'s disks (the VM
+    controller keeps it in ``state.json``): ``SESSION/NAME/LINEAGE:SEQ``. A name alone is no
+    identity: a checkpoint deleted and saved again under its name, or a session removed and
+    made again, gives the name to other disks (QA: a fork's save patched its changes into the
+    parent's new ``base`` and stored a disk the guest never had). The lineage id is new for
+    every session and a seq is never used twice in a lineage, so this names one checkpoint
+    for ever. (Names cannot hold "/", so the parts split back unambiguously.)"""
+    return f"{record.session}/{record.name}/{lineage}:{record.seq}"
+
+
+def parse_label(label: str | None) -> tuple[str, str, str | None, int | None] | None:
+    """(session, name, lineage, seq) of a chain root's label; lineage and seq None for a label
+    written before labels carried them ("SESSION/NAME": a name, which cannot be verified);
+    None for anything else (no checkpoint: "snap-N", "restore-N", nothing)."""
+    if not isinstance(label, str):
+        return None
+    parts = label.split("/")
+    if len(parts) == 2 and all(parts):
+        return parts[0], parts[1], None, None
+    if len(parts) == 3 and all(parts[:2]):
+        lineage, colon, seq = parts[2].rpartition(":")
+        if colon and lineage and seq.isdigit():
+            return parts[0], parts[1], lineage, int(seq)
+    return None
+
+
+def label_name(label: str | None) -> str | None:
+    """``SESSION/NAME`` of a label, as the user names the checkpoint (status's running_from,
+    and restores and recover matching it by name); a label that names none as it is."""
+    parsed = parse_label(label)
+    return f"{parsed[0]}/{parsed[1]}" if parsed is not None else label
+
+
+def _controller(uri: str, workdir: Path) -> Any:
+    """The keeper's VM controller: ksfs.vm's, whose ``holds_checkpoint`` says the checkpoint by
+    name as it always did (``held_label`` gives the whole label, identity and all)."""
+    from ksfs.vm import DomainController
+
+    class KeeperController(DomainController):
+        def holds_checkpoint(self, session: str) -> str | None:
+            return label_name(super().holds_checkpoint(session))
+
+        def held_label(self, session: str) -> str | None:
+            return super().holds_checkpoint(session)
+
+    return KeeperController(uri, workdir)
+
+
 DOMAIN_PREFIX = "ksfs-"
 # libvirt keeps a persistent domain in /etc/libvirt/qemu/NAME.xml, written through NAME.xml.new:
 # with the prefix, a session name longer than this makes a file name over 255 bytes.
@@ -185,10 +234,8 @@ class MachineVerbs:
     def vm(self):
         """The libvirt controller, connected on first use (offline verbs never need it)."""
         if self._vm is None:
-            from ksfs.vm import DomainController
-
             uri = os.environ.get("KSFS_LIBVIRT_URI", "qemu:///system")
-            self._vm = DomainController(uri, self.store_path / "vm")
+            self._vm = _controller(uri, self.store_path / "vm")
         return self._vm
 
     def _machine(self, session: str) -> SessionRecord:
@@ -631,7 +678,7 @@ class MachineVerbs:
             self._record_failure(session, name, exc, begin.seq)
             raise
         try:
-            self.vm.finish(frozen, checkpoint=f"{session}/{name}")
+            self.vm.finish(frozen, checkpoint=checkpoint_label(rec.lineage, record))
         except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM: not without the news it is there
             log.warning("%s: checkpoint %s/%s was published; only the folding of its layer was "
                         "cut short (the next save or `ksfs recover` finishes it)",
@@ -766,14 +813,46 @@ class MachineVerbs:
         return last
 
     def _base_checkpoint(self, label: str | None) -> CheckpointRecord | None:
-        """The checkpoint a frozen disk's changed ranges are relative to, when still stored."""
-        if not label or "/" not in label:
+        """The checkpoint a frozen disk's changed ranges are relative to, when it is still
+        stored and is the very one the label names (its session's lineage and its seq), else
+        None: the ingest then reads the whole disk. A checkpoint found by name alone may be
+        another that took the name since (the parent's ``rm base; save base``, or a parent
+        session removed and made again whose c_0001 is the fork's c_0001): its disk patched
+        with this interval's changes is a disk the guest never had (QA, critical). A label of
+        an older ksfs (a name alone) cannot be verified: read whole once, the next is exact."""
+        parsed = parse_label(label)
+        if parsed is None:
             return None
-        session, _, name = label.partition("/")
+        session, name, lineage, seq = parsed
         try:
-            return self.ledger.checkpoint(session, name)
+            record = self.ledger.checkpoint(session, name)
+            owner = self.ledger.session(session).lineage
         except NotFound:
-            return None  # deleted since: the ingest reads the whole disk instead
+            record = None  # deleted since
+        if record is not None and lineage == owner and record.seq == seq:
+            return record
+        log.info("the disks were last at checkpoint %s/%s%s, which %s: the save reads them "
+                 "whole", session, name, "" if lineage is None else f" (seq {seq})",
+                 "is gone" if record is None else "is another now" if lineage is not None
+                 else "cannot be told from one of that name made since (an older label)")
+        return None
+
+    def _fork_point(self, rec: SessionRecord) -> CheckpointRecord | None:
+        """The checkpoint a fork was made from, when it still exists and is that very one
+        (the parent's lineage and the seq the fork point records), else None: a checkpoint
+        that took its name since, in the parent or in a session made again under the parent's
+        name, is not it."""
+        point = rec.parent
+        if point is None:
+            return None
+        try:
+            record = self.ledger.checkpoint(point.session, point.checkpoint)
+            owner = self.ledger.session(point.session).lineage
+        except NotFound:
+            return None
+        if record.seq != point.seq or (point.lineage and owner != point.lineage):
+            return None
+        return record
 
     def _frozen_transcript(self, rec: SessionRecord, frozen) -> TranscriptInfo | None:
         """The guest's transcript as the frozen disks hold it: on the first disk, and the

@@ -148,11 +148,11 @@ class Recovery:
             # A fork killed after its machine came up, before its first reconcile: the guest
             # runs from the fork point, which its log must say before it runs on.
             point = f"{rec.parent.session}/{rec.parent.checkpoint}"
-            try:
-                target = self.ledger.checkpoint(rec.parent.session, rec.parent.checkpoint)
-            except NotFound:
-                actions.append(f"fork of {point} had no reconcile, and that checkpoint is gone: "
-                               "not reconciled")
+            # (that very checkpoint: one that took its name since is another machine's state)
+            target = self._fork_point(rec)
+            if target is None:
+                actions.append(f"fork of {point} had no reconcile, and that checkpoint is gone "
+                               "(or its name is another's now): not reconciled")
             else:
                 ev = self._reconcile_to(rec.name, target)
                 actions.append(f"fork of {point} had no reconcile: reconciled "
@@ -332,12 +332,15 @@ class Recovery:
                     later.append(ev.body["checkpoint"])
         for name in reversed(later):
             try:
-                return self.ledger.checkpoint(session, name).name
+                record = self.ledger.checkpoint(session, name)
             except NotFound:
                 continue
+            if record.domain_xml:  # an import has no machine to restore (QA)
+                return record.name
         if found is not None:
             return found.name
         for name in reversed(self.ledger.checkpoint_names(session)):
-            if self.ledger.checkpoint(session, name).file(MEMORY_FILE) is not None:
+            record = self.ledger.checkpoint(session, name)
+            if record.domain_xml and record.file(MEMORY_FILE) is not None:
                 return name
         return None

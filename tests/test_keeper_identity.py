@@ -1,0 +1,63 @@
+"""A chain root's label names one checkpoint for ever (its session's lineage and its seq), not
+whichever checkpoint holds its name now (QA, critical: a fork's save patched its changes into the
+parent's new ``base`` and stored a disk the guest never had). No machine needed: the labels and
+their look-ups are the keeper's; tests/test_keeper_vm_qa.py does it with a real guest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ksfs.keeper import Keeper
+from ksfs.keeper.machine import checkpoint_label, label_name, parse_label
+from ksfs.model import ForkPoint
+
+
+def test_labels_split_back_and_say_the_name_alone_to_users() -> None:
+    assert parse_label("p/base/ab12:7") == ("p", "base", "ab12", 7)
+    assert parse_label("p/base") == ("p", "base", None, None)  # an older ksfs's
+    for other in (None, "", "snap-3", "restore-2", "p/", "/c", "p/c/x", "p/c/:3", "a/b/c/d"):
+        assert parse_label(other) is None, other
+    assert label_name("p/base/ab12:7") == "p/base"
+    assert label_name("p/base") == "p/base"
+    assert label_name("restore-2") == "restore-2" and label_name(None) is None
+
+
+def test_a_checkpoint_that_took_the_name_is_not_the_base(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("one\n")
+    with Keeper(tmp_path / "store", create=True) as k:
+        k.import_files("p", "base", [tmp_path / "a.txt"])
+        first = k.ledger.checkpoint("p", "base")
+        label = checkpoint_label(k.ledger.session("p").lineage, first)
+        assert k._base_checkpoint(label) == first
+        assert k._base_checkpoint("p/base") is None  # a name alone: not trusted
+        # the parent's `rm base; save base`
+        k.delete_checkpoint("p", "base")
+        assert k._base_checkpoint(label) is None
+        k.import_files("p", "base", [tmp_path / "a.txt"])
+        assert k.ledger.checkpoint("p", "base").seq != first.seq
+        assert k._base_checkpoint(label) is None
+        # the session removed and made again: same name, same seq, another lineage
+        again = k.ledger.checkpoint("p", "base")
+        label = checkpoint_label(k.ledger.session("p").lineage, again)
+        k.remove_session("p")
+        k.import_files("p", None, [tmp_path / "a.txt"])
+        k.delete_checkpoint("p", k.ledger.checkpoint_names("p")[0])
+        k.import_files("p", "base", [tmp_path / "a.txt"])
+        now = k.ledger.checkpoint("p", "base")
+        assert now.seq == again.seq, (now.seq, again.seq)  # the collision QA found (c_0001)
+        assert k._base_checkpoint(label) is None
+
+
+def test_the_fork_point_recover_reconciles_to_is_that_very_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("one\n")
+    with Keeper(tmp_path / "store", create=True) as k:
+        k.import_files("p", "base", [tmp_path / "a.txt"])
+        cp = k.ledger.checkpoint("p", "base")
+        with k.store.env.begin(write=True) as txn:
+            k.ledger.create_session(txn, "child", parent=ForkPoint("p", "base", cp.seq))
+        child = k.ledger.session("child")
+        assert k._fork_point(child) == cp
+        k.delete_checkpoint("p", "base")
+        assert k._fork_point(child) is None
+        k.import_files("p", "base", [tmp_path / "a.txt"])  # another 'base'
+        assert k._fork_point(child) is None
