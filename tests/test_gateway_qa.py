@@ -519,3 +519,48 @@ async def test_slow_or_idle_clients_are_timed_out_and_counted_against_a_limit(
     for bad in ({"read_timeout": 0}, {"read_timeout": float("nan")}, {"max_connections": 0}):
         with pytest.raises(BadInput):
             Gateway(store, ledger, provider.url, **bad)
+
+
+# --- F6: the daemon tries a busy port again ----------------------------------------------------
+
+
+class Targets:
+    """The keeper's face serve_gateways uses: the sessions to serve, with port and token."""
+
+    def __init__(self, targets: dict[str, tuple[int, str]]) -> None:
+        self.targets = targets
+
+    def gateway_targets(self) -> dict[str, tuple[int, str]]:
+        return dict(self.targets)
+
+
+async def test_the_daemon_serves_a_gateway_whose_port_was_busy_once_it_is_free(gw, provider,
+                                                                              nursery):
+    """QA F6: a session's port in use when the daemon started was never tried again: its guest
+    had no gateway for as long as the daemon ran. Now it is tried again with a backoff, and
+    the session's usage says why it is not served meanwhile."""
+    import socket
+
+    from ksfs.daemon.gateways import serve_gateways
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    try:
+        nursery.start_soon(serve_gateways, Targets({"s1": (port, "tok")}), gw)
+        await trio.sleep(0.8)  # the first attempt and the first retry find the port taken
+        assert "s1" not in gw.ports
+        said = gw.usage("s1").get("server")
+    finally:
+        squatter.close()
+    with trio.fail_after(10):
+        while gw.ports.get("s1") != port:
+            await trio.sleep(0.05)
+    r = await call(port, chat_body("served at last", model="test-model"),
+                   headers={"authorization": "Bearer tok"})
+    assert r.status_code == 200
+    assert said is not None and said["listening"] is False, said
+    assert f"port {port} could not be bound" in said["problem"], said
+    assert "trying again in" in said["problem"]
+    assert gw.usage("s1")["server"] == {"listening": True, "port": port, "problem": None}

@@ -182,6 +182,9 @@ class Gateway:
         self.timeout = timeout
         self.max_body = max_body
         self.ports: dict[str, int] = {}  # session -> bound port, while served
+        # session -> what keeps its server from running (the daemon's supervisor says it here:
+        # a port in use, tried again), shown in usage()
+        self.problems: dict[str, str] = {}
         self._inflight: dict[bytes, Call] = {}
         self._gate = BudgetGate()
         self.stopping = False  # set by drain(): no new purchase starts
@@ -193,8 +196,13 @@ class Gateway:
     # --- the synchronous face (keeper, mount, CLI) --------------------------------------------
 
     def usage(self, session: str) -> dict[str, Any]:
-        """JSON-able usage of ``session``: paid calls, replays, tokens, cost, budget."""
-        return self.db.usage(session)
+        """JSON-able usage of ``session``: paid calls, replays, tokens, cost, budget, and
+        ``server``: whether this gateway serves it now, on which port, and what keeps it from
+        doing so (e.g. a port in use, being tried again)."""
+        out = self.db.usage(session)
+        out["server"] = {"listening": session in self.ports, "port": self.ports.get(session),
+                         "problem": self.problems.get(session)}
+        return out
 
     def budget(self, session: str) -> dict[str, Any] | None:
         return self.db.budget(session)
