@@ -18,6 +18,8 @@ from ksfs.ledger.records import (
     CHECKPOINT_EVENTS,
     CheckpointSummary,
     checkpoint_dict,
+    decode_checkpoint,
+    decode_summary,
     lmdb_errors,
     summary_of,
 )
@@ -35,6 +37,15 @@ def auto_checkpoint_name(seq: int, taken: Container[str] = ()) -> str:
     while f"c_{n:04d}" in taken:
         n += 1
     return f"c_{n:04d}"
+
+
+def _where(key: bytes) -> str:
+    """A checkpoints-db key as a damaged record's message names it."""
+    try:
+        lin, _, _, name = K.split_ckpt_key(key)
+    except (ValueError, UnicodeDecodeError):
+        return f"under key {key.hex()}"
+    return f"{name!r} of lineage {lin.hex()}"
 
 
 class CheckpointMethods:
@@ -94,7 +105,7 @@ class CheckpointMethods:
 
     def _ckpt_raw(self, txn: lmdb.Transaction, lin: bytes, name: str) -> CheckpointRecord | None:
         raw = txn.get(K.ckpt_name_key(lin, name), db=self._ckpts)
-        return None if raw is None else CheckpointRecord.from_dict(K.loads(raw))
+        return None if raw is None else decode_checkpoint(f"{name!r} of lineage {lin.hex()}", raw)
 
     def _summaries(self, txn: lmdb.Transaction, lin: bytes) -> list[CheckpointSummary]:
         prefix = lin + K.CKPT_BY_SEQ
@@ -104,7 +115,7 @@ class CheckpointMethods:
             for k, v in cur:
                 if not bytes(k).startswith(prefix):
                     break
-                out.append(CheckpointSummary(**K.loads(v)))
+                out.append(decode_summary(_where(bytes(k)), v))
         return out
 
     def checkpoint(
@@ -163,8 +174,9 @@ class CheckpointMethods:
                     continue
                 try:
                     out[bytes(k)] = tuple(f["manifest"] for f in K.loads(v)["files"])
-                except (RecordCorrupt, KeyError, TypeError):
+                except (RecordCorrupt, KeyError, TypeError) as exc:
                     if not skip_damaged:
-                        raise
+                        raise RecordCorrupt(why=f"checkpoint record {_where(bytes(k))}: "
+                                                f"its files name no manifests ({exc!r})") from None
         return out
 

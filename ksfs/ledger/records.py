@@ -13,9 +13,17 @@ from typing import Any
 
 import lmdb
 
-from ksfs.errors import BadInput, IntegrityError, KsfsError, NoSpace, ReadOnly, from_foreign
+from ksfs.errors import (
+    BadInput,
+    IntegrityError,
+    KsfsError,
+    NoSpace,
+    ReadOnly,
+    RecordCorrupt,
+    from_foreign,
+)
 from ksfs.ledger import keys as K
-from ksfs.model import CheckpointRecord, Event, ForkPoint
+from ksfs.model import CheckpointRecord, Event, ForkPoint, SessionRecord
 
 BODY_MAX = 64 * 1024
 #: Arrays and objects within one another in a body or config, at most. Every reader (the CLI's
@@ -49,6 +57,8 @@ class LineageInfo:
 
     @classmethod
     def from_dict(cls, lineage: str, d: dict[str, Any]) -> LineageInfo:
+        if not isinstance(d, dict):
+            raise TypeError(f"it is a JSON {type(d).__name__}, not an object")
         return cls(
             lineage=lineage,
             session=d["session"],
@@ -142,6 +152,75 @@ def decode_event(seq: int, raw: bytes) -> Event:
         return Event(seq, float(d["time"]), str(d["type"]), d["body"])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"event {seq} does not decode: {exc}") from None
+
+
+def _damaged(what: str, exc: BaseException) -> RecordCorrupt:
+    """RecordCorrupt naming the record; its ``reason`` field is the damage alone (verify's)."""
+    reason: Any = exc.fields.get("why", exc) if isinstance(exc, RecordCorrupt) else exc
+    if isinstance(exc, KeyError):
+        reason = f"it lacks {exc.args[0]}"
+    return RecordCorrupt(why=f"{what}: {reason}", reason=str(reason))
+
+
+def _need_fields(d: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """``d`` when it is a JSON object holding every one of ``names``; else TypeError/KeyError."""
+    if not isinstance(d, dict):
+        raise TypeError(f"it is a JSON {type(d).__name__}, not an object")
+    missing = [n for n in names if n not in d]
+    if missing:
+        raise KeyError(", ".join(missing))
+    return d
+
+
+#: What a decoder turns into RecordCorrupt: every way a value of the wrong shape fails a
+#: record's from_dict (a missing key, a list for an object, an unknown key, bad hex).
+_SHAPE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, BadInput)
+
+
+def decode_session(name: str, raw: bytes) -> SessionRecord:
+    """The session record stored under ``name``; RecordCorrupt when it does not decode into
+    one (QA: ``{"name": "demo"}`` was a TypeError traceback from every verb listing sessions)."""
+    try:
+        d = _need_fields(K.loads(raw), ("name", "lineage", "created"))
+        if not isinstance(d["name"], str):
+            raise TypeError(f"its name is a JSON {type(d['name']).__name__}")
+        K.lineage_bytes(d["lineage"])  # BadInput when it is no lineage id
+        rec = SessionRecord.from_dict(d)
+        if rec.parent is not None and not isinstance(rec.parent.session, str):
+            raise TypeError("its fork point names no session")
+        return rec
+    except _SHAPE_ERRORS as exc:
+        raise _damaged(f"session record {name!r}", exc) from None
+
+
+def decode_lineage(lineage: str, raw: bytes) -> LineageInfo:
+    """The lineage record of ``lineage``; RecordCorrupt when it does not decode (QA:
+    ``{"created": 1}`` was a KeyError traceback from ``ledger verify --json``)."""
+    try:
+        d = _need_fields(K.loads(raw), ("session", "created"))
+        return LineageInfo.from_dict(lineage, d)
+    except _SHAPE_ERRORS as exc:
+        raise _damaged(f"lineage record {lineage}", exc) from None
+
+
+def decode_checkpoint(where: str, raw: bytes) -> CheckpointRecord:
+    """A checkpoint record; RecordCorrupt when it does not decode."""
+    try:
+        d = _need_fields(K.loads(raw), ("session", "name", "seq", "created", "files"))
+        if not isinstance(d["files"], list):
+            raise TypeError("its files are no list")
+        return CheckpointRecord.from_dict(d)
+    except _SHAPE_ERRORS as exc:
+        raise _damaged(f"checkpoint record {where}", exc) from None
+
+
+def decode_summary(where: str, raw: bytes) -> CheckpointSummary:
+    """A checkpoint's index entry (its listing summary); RecordCorrupt when it does not decode."""
+    try:
+        d = _need_fields(K.loads(raw), ("name", "seq", "created", "size", "stored", "files"))
+        return CheckpointSummary(**d)
+    except _SHAPE_ERRORS as exc:
+        raise _damaged(f"checkpoint index entry {where}", exc) from None
 
 
 def delete_prefix(txn: lmdb.Transaction, db: Any, prefix: bytes) -> int:

@@ -15,8 +15,15 @@ import lmdb
 from ksfs.errors import IntegrityError
 from ksfs.ledger import keys as K
 from ksfs.ledger.ledger import Ledger
-from ksfs.ledger.records import CHECKPOINT_EVENTS, LineageInfo, decode_event
-from ksfs.model import EVENT_TYPES, CheckpointRecord, SessionRecord
+from ksfs.ledger.records import (
+    CHECKPOINT_EVENTS,
+    LineageInfo,
+    decode_checkpoint,
+    decode_event,
+    decode_lineage,
+    decode_session,
+)
+from ksfs.model import EVENT_TYPES
 
 FIRST_EVENTS = ("session.created", "session.adopted", "lineage.forked")
 
@@ -26,14 +33,26 @@ def verify_ledger(ledger: Ledger, store: Any) -> list[str]:
     with ledger._read(None) as txn:
         has_manifest = _manifest_check(ledger, store, txn)
         raw_format = txn.get(K.FORMAT_KEY, db=ledger._meta)
-        if raw_format is None or K.loads(raw_format) != K.FORMAT:
-            problems.append("ledger format marker is missing or unknown")
+        if raw_format is None:
+            problems.append("ledger format marker is missing")
+        else:
+            try:
+                known = K.loads(raw_format) == K.FORMAT
+            except IntegrityError:
+                known = False
+            if not known:
+                problems.append(f"ledger format marker is unknown: {bytes(raw_format)[:80]!r}")
         lineages = _lineages(ledger, txn, problems)
         _check_sessions(ledger, txn, lineages, problems)
         last = _check_events(ledger, txn, lineages, problems)
         _check_chains(ledger, txn, lineages, last, problems)
         _check_checkpoints(ledger, txn, lineages, has_manifest, problems)
     return problems
+
+
+def _reason(exc: IntegrityError) -> str:
+    """What is wrong with a record, without the record's name the message leads with."""
+    return str(exc.fields.get("reason", exc))
 
 
 def _manifest_check(ledger: Ledger, store: Any, txn: lmdb.Transaction) -> Callable[[str], bool]:
@@ -68,9 +87,9 @@ def _lineages(ledger: Ledger, txn: lmdb.Transaction, problems: list[str]) -> dic
             problems.append(f"lineage record key {key!r} is malformed")
             continue
         try:
-            out[lin.hex()] = LineageInfo.from_dict(lin.hex(), K.loads(v))
-        except (ValueError, KeyError, TypeError) as exc:
-            problems.append(f"lineage record {lin.hex()} does not decode: {exc}")
+            out[lin.hex()] = decode_lineage(lin.hex(), v)
+        except IntegrityError as exc:
+            problems.append(f"lineage record {lin.hex()} does not decode: {_reason(exc)}")
     return out
 
 
@@ -81,9 +100,9 @@ def _check_sessions(
     for k, v in txn.cursor(db=ledger._sessions):
         name = bytes(k).decode("utf-8", "replace")
         try:
-            rec = SessionRecord.from_dict(K.loads(v))
-        except (ValueError, KeyError, TypeError) as exc:
-            problems.append(f"session {name!r}: record does not decode: {exc}")
+            rec = decode_session(name, v)
+        except IntegrityError as exc:
+            problems.append(f"session {name!r}: record does not decode: {_reason(exc)}")
             continue
         owners[rec.lineage] = name
         info = lineages.get(rec.lineage)
@@ -194,9 +213,10 @@ def _check_checkpoints(ledger: Ledger, txn: lmdb.Transaction, lineages: dict[str
             continue
         lin = lin_b.hex()
         try:
-            cp = CheckpointRecord.from_dict(K.loads(v))
-        except (ValueError, KeyError, TypeError) as exc:
-            problems.append(f"checkpoint {name!r} of lineage {lin} does not decode: {exc}")
+            cp = decode_checkpoint(f"{name!r} of lineage {lin}", v)
+        except IntegrityError as exc:
+            problems.append(f"checkpoint {name!r} of lineage {lin} does not decode: "
+                            f"{_reason(exc)}")
             continue
         by_name[(lin_b, name)] = cp.seq
         where = f"checkpoint {cp.session}/{name}"

@@ -1,0 +1,169 @@
+"""Damaged ledger records through the installed ``ksfs`` script: one error line and exit 6, never
+a traceback; ``ledger verify`` lists the damage (also as JSON) and never writes; one damaged event
+leaves the events before it readable."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_ledger_helpers import cas_available, open_store, take_checkpoint
+
+from ksfs.errors import IntegrityError
+from ksfs.ledger import Ledger
+from ksfs.ledger import keys as K
+
+pytestmark = pytest.mark.skipif(not cas_available(), reason="the CLI opens a real ChunkStore")
+KSFS = Path(sys.executable).with_name("ksfs")
+
+
+def ksfs(store: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(KSFS), "--store", str(store), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def demo_store(path: Path) -> Path:
+    """A store with an offline session ``demo``: event 0, a checkpoint, and a few events."""
+    store = open_store(path)
+    led = Ledger(store)
+    with store.env.begin(write=True) as txn:
+        led.create_session(txn, "demo")
+    take_checkpoint(led, store, "demo", {"f": b"d" * 5000}, name="c1")
+    for _ in range(4):
+        led.record("demo", "resume", {})
+    store.close()
+    return path
+
+
+def put_raw(path: Path, db: bytes, key: bytes, value: bytes | None) -> None:
+    store = open_store(path)
+    try:
+        with store.env.begin(write=True) as txn:
+            handle = store.env.open_db(db, txn=txn, create=False)
+            if value is None:
+                txn.delete(key, db=handle)
+            else:
+                txn.put(key, value, db=handle)
+    finally:
+        store.close()
+
+
+def lineage_of(path: Path, session: str) -> bytes:
+    store = open_store(path)
+    try:
+        return K.lineage_bytes(Ledger(store).session(session).lineage)
+    finally:
+        store.close()
+
+
+def assert_one_line(res: subprocess.CompletedProcess, *words: str) -> None:
+    err = res.stderr.strip()
+    assert res.returncode == IntegrityError.exit_code, (res.returncode, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("ksfs: error: a ledger record is damaged"), err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_a_damaged_lineage_record_is_one_line_and_verify_json_lists_it(tmp_path: Path) -> None:
+    """QA: a lineage record {"created": 1} made `ledger verify --json` a KeyError traceback
+    (exit 1, no JSON) through Ledger.stats."""
+    path = demo_store(tmp_path / "store")
+    lin = lineage_of(path, "demo")
+    put_raw(path, b"ledger_meta", K.lineage_meta_key(lin), b'{"created":1}')
+    res = ksfs(path, "ledger", "verify", "--json")
+    assert res.returncode == IntegrityError.exit_code, res.stderr
+    assert "Traceback" not in res.stderr
+    out = json.loads(res.stdout)
+    assert out["clean"] is False and out["lineages"] == 1
+    assert any(p.startswith(f"lineage record {lin.hex()} does not decode: it lacks session")
+               for p in out["problems"]), out["problems"]
+    res = ksfs(path, "ledger", "verify")
+    assert res.returncode == IntegrityError.exit_code and "Traceback" not in res.stderr
+    assert f"ledger: lineage record {lin.hex()} does not decode" in res.stdout
+    # verbs that need no lineage record go on (stats counts it without decoding it)
+    assert ksfs(path, "stats").returncode == 0
+
+
+@pytest.mark.parametrize("value", [b'{"name":"demo"}', b'[1,2]',
+                                   b'{"name":"demo","lineage":"zz","created":1}'])
+def test_a_damaged_session_record_is_one_line_from_every_verb(tmp_path: Path, value: bytes
+                                                              ) -> None:
+    """QA: a session record {"name": "demo"} made session list, events, checkpoints, stats,
+    gc and recover TypeError tracebacks (exit 1), gc blocked for the whole store."""
+    path = demo_store(tmp_path / "store")
+    put_raw(path, b"sessions", b"demo", value)
+    for verb in (["session", "list"], ["events", "demo"], ["checkpoints", "demo"], ["stats"],
+                 ["gc"], ["recover"]):
+        assert_one_line(ksfs(path, *verb), "session record 'demo'")
+    res = ksfs(path, "ledger", "verify", "--json")
+    assert res.returncode == IntegrityError.exit_code and "Traceback" not in res.stderr
+    problems = json.loads(res.stdout)["problems"]
+    assert any(p.startswith("session 'demo': record does not decode") for p in problems)
+
+
+def test_a_damaged_checkpoint_record_or_index_entry_is_one_line(tmp_path: Path) -> None:
+    path = demo_store(tmp_path / "store")
+    lin = lineage_of(path, "demo")
+    put_raw(path, b"checkpoints", K.ckpt_name_key(lin, "c1"), b'{"name":"c1"}')
+    assert_one_line(ksfs(path, "cat", "demo", "c1", "f"), "checkpoint record 'c1'")
+    assert_one_line(ksfs(path, "gc"), "checkpoint record 'c1'")
+    res = ksfs(path, "ledger", "verify", "--json")
+    assert res.returncode == IntegrityError.exit_code and "Traceback" not in res.stderr
+    assert any("checkpoint 'c1'" in p and "does not decode" in p
+               for p in json.loads(res.stdout)["problems"])
+    path = demo_store(tmp_path / "store2")
+    lin = lineage_of(path, "demo")
+    put_raw(path, b"checkpoints", K.ckpt_seq_key(lin, 1, "c1"), b'{"seq":1}')
+    assert_one_line(ksfs(path, "checkpoints", "demo"), "checkpoint index entry 'c1'")
+
+
+def test_one_damaged_event_leaves_those_before_it_readable(tmp_path: Path) -> None:
+    """QA: with event 6 damaged, `ksfs events demo` printed nothing (a whole batch was
+    decoded before any was given out) and exited 6."""
+    path = demo_store(tmp_path / "store")
+    lin = lineage_of(path, "demo")
+    put_raw(path, b"events", K.event_key_raw(lin, 6), b'{"time":1,"type":')
+    res = ksfs(path, "events", "demo")
+    assert res.returncode == IntegrityError.exit_code, res.stderr
+    assert [int(ln.split()[0]) for ln in res.stdout.splitlines()] == [0, 1, 2, 3, 4, 5]
+    err = res.stderr.strip()
+    assert len(err.splitlines()) == 1 and "event 6 does not decode" in err, err
+    res = ksfs(path, "events", "demo", "--json")
+    assert [json.loads(ln)["seq"] for ln in res.stdout.splitlines()] == [0, 1, 2, 3, 4, 5]
+
+
+def test_verify_reports_a_missing_format_marker_and_writes_nothing(tmp_path: Path) -> None:
+    """QA: after the format key was deleted, `ledger verify` called the ledger clean: opening
+    the ledger wrote the marker again, so a reading verb wrote."""
+    path = demo_store(tmp_path / "store")
+    put_raw(path, b"ledger_meta", K.FORMAT_KEY, None)
+    for _ in range(2):
+        res = ksfs(path, "ledger", "verify")
+        assert res.returncode == IntegrityError.exit_code, res.stdout
+        assert res.stdout.strip() == "ledger: ledger format marker is missing"
+    res = ksfs(path, "ledger", "verify", "--json")
+    assert json.loads(res.stdout)["problems"] == ["ledger format marker is missing"]
+    # readers still read; nothing wrote the marker back
+    assert ksfs(path, "events", "demo").returncode == 0
+    store = open_store(path)
+    try:
+        with store.env.begin() as txn:
+            meta = store.env.open_db(b"ledger_meta", txn=txn, create=False)
+            assert txn.get(K.FORMAT_KEY, db=meta) is None
+    finally:
+        store.close()
+
+
+def test_a_new_ledger_gets_its_marker_with_its_databases(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "store")
+    try:
+        led = Ledger(store)
+        with store.env.begin() as txn:
+            assert K.loads(txn.get(K.FORMAT_KEY, db=led._meta)) == K.FORMAT
+        assert led.verify(store) == []
+    finally:
+        store.close()
