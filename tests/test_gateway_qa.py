@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from test_gateway_cli import served  # a `ksfs gateway serve` in a subprocess
 from test_gateway_helpers import (  # the shared fixtures, by name
     CHAT,
     MARKER_KEY,
@@ -564,3 +565,48 @@ async def test_the_daemon_serves_a_gateway_whose_port_was_busy_once_it_is_free(g
     assert f"port {port} could not be bound" in said["problem"], said
     assert "trying again in" in said["problem"]
     assert gw.usage("s1")["server"] == {"listening": True, "port": port, "problem": None}
+
+
+# --- F12: a second signal under a stream -------------------------------------------------------
+
+
+def test_a_second_signal_ends_a_stream_with_an_error_event(served, provider):
+    """QA F12: a second SIGTERM stopped `ksfs gateway serve` at once, and a stream in flight
+    was cut off with no final event: its guest could not tell a cut from an end. Now it ends
+    with the gateway's error event, and the body ends cleanly."""
+    import signal
+
+    from test_gateway_cli import read_line
+
+    store, port, proc = served
+    provider.chunk_delay = 0.4  # nine events: over 3 s
+    got: list[bytes] = []
+    failed: list[BaseException] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False,
+                              timeout=30) as c, \
+                    c.stream("POST", CHAT, json=chat_body("stop me", stream=True)) as r:
+                for piece in r.iter_bytes():
+                    got.append(piece)
+                    first.set()
+        except BaseException as exc:  # noqa: BLE001 - said by the test below
+            failed.append(exc)
+        first.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first.wait(15)
+    proc.send_signal(signal.SIGTERM)
+    assert "waiting up to" in read_line(proc, time.monotonic() + 10)
+    proc.send_signal(signal.SIGTERM)
+    t.join(30)
+    assert proc.wait(30) == 0
+    assert failed == [], failed
+    body = b"".join(got)
+    last = body.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    assert last.startswith(b"data: "), body
+    assert json.loads(last[6:])["error"]["type"] == "gateway_stopping", body
+    assert b"[DONE]" not in body

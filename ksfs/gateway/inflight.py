@@ -44,6 +44,19 @@ class Call:
     # The provider's stream ended cleanly but was no whole answer (an error event, no end):
     # its last chunk is passed on before the gateway's error, as it is whole.
     ended_cleanly: bool = False
+    # The gateway is stopping at once (a second signal): whoever is answering from this call
+    # ends its answer now, with the gateway's error, rather than be cut off (Gateway.abort).
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.notify()
+
+    async def settled(self) -> bool:
+        """Wait until the call is done (True) or aborted (False)."""
+        while not self.done.is_set() and not self.aborted:
+            await self.changed.wait()
+        return self.done.is_set()
 
     def notify(self) -> None:
         self.changed.set()
@@ -86,7 +99,8 @@ class StreamThrough:
             await call.changed.wait()
         sse = (header(call.headers, "content-type") or "").startswith("text/event-stream")
         if call.status is None or not 200 <= call.status < 300 or not sse:
-            await call.done.wait()
+            if not await call.settled():
+                return await send_reply(send, stopped_reply(), ksfs_headers(self.key, "error"))
             if call.stored is not None:
                 reply, replay = reply_of(call.stored), self._replay_header
                 await self._record_replay()
@@ -98,14 +112,32 @@ class StreamThrough:
         await send({"type": "http.response.start", "status": call.status,
                     "headers": encode_headers(headers)})
         sent = 0
-        while not call.done.is_set():
-            changed = call.changed
-            while sent < len(call.chunks) - 1:  # withhold the last chunk until it is stored
-                await send({"type": "http.response.body", "body": call.chunks[sent],
-                            "more_body": True})
-                sent += 1
-            if not call.done.is_set():
-                await changed.wait()
+        try:
+            while not call.done.is_set() and not call.aborted:
+                changed = call.changed
+                while sent < len(call.chunks) - 1:  # withhold the last chunk until stored
+                    await send({"type": "http.response.body", "body": call.chunks[sent],
+                                "more_body": True})
+                    sent += 1
+                if not call.done.is_set() and not call.aborted:
+                    await changed.wait()
+        except trio.Cancelled:
+            # Stopped under us all the same: the error event, if the connection still takes
+            # it, so the guest knows the stream was cut, not ended (QA F12).
+            with trio.CancelScope(shield=True), trio.move_on_after(STOP_SEND_S):
+                try:
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": b"data: " + stopped_reply().body + b"\n\n"})
+                except Exception:  # noqa: BLE001 - the connection is going: nothing to add
+                    pass
+            raise
+        if not call.done.is_set():
+            # The gateway stops at once (a second signal): the stream ends with its error
+            # event, not cut off mid-way with nothing said (QA F12). The withheld chunk is
+            # not sent: it is not stored.
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": b"data: " + stopped_reply().body + b"\n\n"})
+            return
         done = b"".join(call.chunks[:sent])
         if call.stored is not None and call.stored.body.startswith(done):
             rest = call.stored.body[len(done):]
@@ -151,3 +183,11 @@ def reply_of(stored: StoredResponse) -> Reply:
 
 def lost_reply() -> Reply:
     return error_reply(500, "gateway_error", "the call ended without a response")
+
+
+def stopped_reply() -> Reply:
+    return error_reply(503, "gateway_stopping",
+                       "the gateway stopped before the call completed; retry it")
+
+
+STOP_SEND_S = 0.5  # how long a stream cut by a stop may take to be told so

@@ -47,7 +47,14 @@ from ksfs.gateway.calls import (
     route_scope,
     usage_of_json,
 )
-from ksfs.gateway.inflight import Call, StreamThrough, header, ksfs_headers, reply_of
+from ksfs.gateway.inflight import (
+    Call,
+    StreamThrough,
+    header,
+    ksfs_headers,
+    reply_of,
+    stopped_reply,
+)
 from ksfs.gateway.prices import PriceTable, load_prices
 from ksfs.gateway.sse import (
     RESPONSES_PATH,
@@ -234,6 +241,15 @@ class Gateway:
                 await trio.sleep(DRAIN_POLL_S)
         return len(self._inflight)
 
+    def abort(self) -> None:
+        """Stop at once (a second signal): every answer still waiting on a purchase in flight
+        ends now with the gateway's 503 ``gateway_stopping`` (a stream with it as its last
+        event) instead of being cut off when the servers are cancelled (QA F12); the callers
+        give the answers a moment to be written (``answering``) before cancelling."""
+        self.stopping = True
+        for call in list(self._inflight.values()):
+            call.abort()
+
     async def serve_session(self, session: str, port: int = 0, host: str = "127.0.0.1", *,
                             token: str | None = None,
                             task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
@@ -365,7 +381,8 @@ class Gateway:
                                                   view.lineage, key, stored)
 
                 return StreamThrough(call, key, replayed), []
-            await call.done.wait()
+            if not await call.settled():  # the gateway stops at once: said, not cut off
+                return stopped_reply(), ksfs_headers(key, "error")
             if call.error is not None:
                 return call.error, ksfs_headers(key, "error")
             if mine and call.stored is not None:
