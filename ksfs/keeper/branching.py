@@ -18,7 +18,7 @@ from typing import Any
 from ksfs import progress
 from ksfs.crashpoints import crash_point
 from ksfs.errors import AlreadyExists, BadInput, KsfsError, NotFound, NotPermitted
-from ksfs.keeper.locks import session_lock
+from ksfs.keeper.locks import new_session_lock, session_lock
 from ksfs.keeper.machine import MEMORY_FILE, checkpoint_label, domain_name_for, stored_disks
 from ksfs.keeper.offline import _reason, _tell
 from ksfs.model import (
@@ -298,10 +298,13 @@ class RestoreVerbs:
         self.vm.check_start_files(record.domain_xml, f"checkpoint {session}/{checkpoint}",
                                   record.file(MEMORY_FILE) is not None, session)
         domain = domain_name_for(new)
+        if self.vm.exists(domain):  # (and again under the lock: one defined meanwhile)
+            raise AlreadyExists(what="libvirt domain", name=domain)
         # The parent's lock too: while the fork reads the checkpoint, `rm` of it (and a gc
         # after) or `session rm` of the parent waits, instead of pulling its chunks or its
         # boot files out from under the fork. The parent's own verbs wait for the fork.
-        with session_lock(self.store_path, session), session_lock(self.store_path, new), \
+        with session_lock(self.store_path, session), \
+                new_session_lock(self.store_path, new, self._session_made(new)), \
                 self.activity.doing(session, "fork", checkpoint=checkpoint, session_new=new):
             parent = self.ledger.session(session)
             target = self.ledger.checkpoint(session, checkpoint)

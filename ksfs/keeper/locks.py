@@ -13,7 +13,7 @@ import fcntl
 import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ksfs.errors import Busy, translate
@@ -30,8 +30,9 @@ def _lock_path(store_path: Path, session: str) -> Path:
 
 
 @contextlib.contextmanager
-def session_lock(store_path: Path, session: str, timeout: float | None = None) -> Iterator[None]:
-    """Hold the verb lock of ``session`` (by name: a name is one machine at a time)."""
+def session_lock(store_path: Path, session: str, timeout: float | None = None) -> Iterator[int]:
+    """Hold the verb lock of ``session`` (by name: a name is one machine at a time); yields
+    the locked file's descriptor."""
     _make_locks_dir(Path(store_path))
     path = _lock_path(store_path, session)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -59,9 +60,34 @@ def session_lock(store_path: Path, session: str, timeout: float | None = None) -
             raise
         os.close(fd)  # the removal of a session unlinked this file while we waited: again
     try:
-        yield
+        yield fd
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def new_session_lock(store_path: Path, session: str, made: Callable[[], bool]
+                     ) -> Iterator[None]:
+    """The verb lock of a session a verb is about to make (session new, adopt, fork). A verb
+    refused or failed leaves no lock file behind when the session does not exist after it
+    (``made()`` false): bad input changes nothing (QA: a fork or session new refused for a
+    libvirt domain of the name, an adopt of a domain another session keeps, each left
+    ``locks/<hash>.lock``). Unlinked while still held, as drop_session_lock does, so a waiter
+    takes a new file; only while the name is still the file this holds (a failure that
+    removed the session has dropped it already, and a new holder may have made another)."""
+    with session_lock(store_path, session) as fd:
+        try:
+            yield
+        except BaseException:
+            try:
+                keep = made()
+            except Exception:  # noqa: BLE001 - cannot tell: a file left is only a file
+                keep = True
+            path = _lock_path(store_path, session)
+            if not keep and _still_named(fd, path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
 
 
 def _make_locks_dir(store_path: Path) -> None:

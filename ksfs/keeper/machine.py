@@ -29,7 +29,7 @@ from ksfs.errors import (
     NotRunning,
     StoppedWhileSaved,
 )
-from ksfs.keeper.locks import drop_session_lock, session_lock
+from ksfs.keeper.locks import drop_session_lock, new_session_lock, session_lock
 from ksfs.keeper.offline import _reason, _tell
 from ksfs.ledger import auto_checkpoint_name
 from ksfs.model import (
@@ -322,8 +322,11 @@ class MachineVerbs:
         # or a backing file is read only after its conversion (QA: it got no root=).
         cmdline_for = cmdline if cmdline is not None else \
             functools.partial(default_cmdline, named=spec["disk"])
-        with session_lock(self.store_path, name), self.activity.doing(name, "session new"):
-            if self.vm.exists(domain):
+        if self.vm.exists(domain):  # said before a lock file is made (bad input changes nothing)
+            raise AlreadyExists(what="libvirt domain", name=domain)
+        with new_session_lock(self.store_path, name, self._session_made(name)), \
+                self.activity.doing(name, "session new"):
+            if self.vm.exists(domain):  # (again under the lock: one defined meanwhile)
                 raise AlreadyExists(what="libvirt domain", name=domain)
             config = {
                 "guest": {k: spec[k] for k in ("kernel", "initrd", "disk") if k in spec},
@@ -435,19 +438,18 @@ class MachineVerbs:
         validate_name(name, "session name", new=True)
         transcript = transcript_in_guest(transcript) if transcript is not None \
             else DEFAULT_TRANSCRIPT
-        with session_lock(self.store_path, name):
+        # What is refused is refused before a lock file is made (bad input changes nothing);
+        # the holder is looked for again in the write transaction below, one at a time.
+        if not self.vm.exists(domain):
+            raise NotFound(f"no libvirt domain named {domain!r}")
+        self._refuse_kept_domain(domain)
+        with new_session_lock(self.store_path, name, self._session_made(name)):
             if not self.vm.exists(domain):
                 raise NotFound(f"no libvirt domain named {domain!r}")
             with self.store.env.begin(write=True) as txn:
                 # In the write transaction (one at a time, across processes): two adopts of
                 # one domain under two names cannot both see it free.
-                holder = next((s.name for s in self.ledger.sessions(txn)
-                               if s.domain == domain), None)
-                if holder is not None:
-                    # Two sessions on one domain would commit into each other's disk chains,
-                    # and removing either would destroy the other's machine.
-                    raise AlreadyExists(f"domain {domain!r} is already kept by session "
-                                        f"{holder!r}")
+                self._refuse_kept_domain(domain, txn)
                 rec = self.ledger.create_session(
                     txn, name, domain=domain, config={"transcript_path": transcript},
                     adopted=True,
@@ -455,6 +457,25 @@ class MachineVerbs:
             with self._undone_on_failure(name):
                 self.vm.adopt(name, domain, start=start)
             return rec
+
+    def _refuse_kept_domain(self, domain: str, txn: Any = None) -> None:
+        """AlreadyExists when a session keeps ``domain``: two sessions on one domain would
+        commit into each other's disk chains, and removing either would destroy the other's
+        machine."""
+        holder = next((s.name for s in self.ledger.sessions(txn) if s.domain == domain), None)
+        if holder is not None:
+            raise AlreadyExists(f"domain {domain!r} is already kept by session {holder!r}")
+
+    def _session_made(self, name: str) -> Any:
+        """Whether session ``name`` exists (for new_session_lock: a refused verb that made
+        none leaves no lock file)."""
+        def made() -> bool:
+            try:
+                self.ledger.session(name)
+            except NotFound:
+                return False
+            return True
+        return made
 
     def remove_session(self, name: str, keep_checkpoints: bool = False,
                        release: bool = False) -> dict[str, Any]:
