@@ -48,6 +48,27 @@ def test_the_frozen_transcript_is_found_on_a_later_disk_and_partition(tmp_path: 
             s.close()
 
 
+def test_a_damaged_transcript_line_is_said_not_swallowed(tmp_path: Path) -> None:
+    """QA: a damaged line was swallowed like a disk without the transcript (transcript_seq
+    null, no event, exit 0). The save now gets the reason (and records fs.unreadable, warns and
+    says it in --json: tests/test_keeper_vm_qa.py)."""
+    root = tmp_path / "root"
+    (root / "agent").mkdir(parents=True)
+    (root / "agent" / "transcript.jsonl").write_text(
+        json.dumps({"seq": 1}) + "\n{not json\n" + json.dumps({"seq": 3}) + "\n")
+    build_ext4(root, tmp_path / "root.img", 16)
+    source = ChainSource(tmp_path / "root.img", "root disk")
+    try:
+        with Keeper(tmp_path / "store", create=True) as k:
+            k.ensure_session("s")
+            frozen = SimpleNamespace(disks=[SimpleNamespace(source=source)])
+            info, why = k._read_frozen_transcript(k.ledger.session("s"), frozen)
+            assert info is None and "line 2 is not JSON" in why, why
+            assert "agent/transcript.jsonl" in why
+    finally:
+        source.close()
+
+
 def test_a_damaged_disk_gives_an_integrity_error_not_an_empty_transcript(
         tmp_path: Path) -> None:
     """QA: with the disk's chunks damaged, `ksfs cat S C transcript` printed nothing, exit 0:

@@ -8,6 +8,7 @@ records a ``*.failed`` event with the reason while the guest keeps running.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -778,7 +779,7 @@ class MachineVerbs:
                 bytes_read += disk.source.bytes_read - before
                 base_read += f.base_bytes_read
                 ingested.append((fname, f))
-            transcript = self._frozen_transcript(rec, frozen)
+            transcript, unreadable = self._read_frozen_transcript(rec, frozen)
             progress.report("publishing the checkpoint")
             ingest.seal()
             if frozen.memory_path is not None and self.vm.went_down(rec.domain):
@@ -813,8 +814,20 @@ class MachineVerbs:
                 elif not frozen.live:
                     body["live"] = False  # paused for the whole memory copy (save --no-live)
                 self.ledger.append(txn, session, "checkpoint.published", body)
+                if unreadable is not None:
+                    # Said, not swallowed (QA: a damaged line gave transcript_seq null with no
+                    # word anywhere, and every restore of it then reconciled "unrecorded").
+                    self.ledger.append(txn, session, "fs.unreadable", {
+                        "checkpoint": name, "what": "transcript", "why": unreadable[:1000]})
         crash_point("record.commit")
         self.checkpoint_changed(session, name)
+        if unreadable is not None:
+            log.warning("checkpoint %s/%s was stored, but the guest's transcript in it could not "
+                        "be read, so it records no transcript seq: %s", session, name,
+                        unreadable)
+            return SavedCheckpoint(**{f.name: getattr(record, f.name)
+                                      for f in dataclasses.fields(record)},
+                                   transcript_unreadable=unreadable)
         return record
 
     def _built_on(self, rec: SessionRecord) -> str | None:
@@ -876,20 +889,33 @@ class MachineVerbs:
         return record
 
     def _frozen_transcript(self, rec: SessionRecord, frozen) -> TranscriptInfo | None:
-        """The guest's transcript as the frozen disks hold it: on the first disk, and the
-        partition of it, whose filesystem holds the transcript's path (as guest_disk chooses
-        for fs/ and diff: the root need not be the first disk or the first partition)."""
+        """The guest's transcript as the frozen disks hold it, or None (none there, or it
+        could not be read: see _read_frozen_transcript)."""
+        return self._read_frozen_transcript(rec, frozen)[0]
+
+    def _read_frozen_transcript(self, rec: SessionRecord, frozen
+                                ) -> tuple[TranscriptInfo | None, str | None]:
+        """(the guest's transcript as the frozen disks hold it, None), on the first disk, and
+        the partition of it, whose filesystem holds the transcript's path (as guest_disk
+        chooses for fs/ and diff: the root need not be the first disk or the first partition);
+        (None, None) when no disk holds it; (None, why) when one holds it and it cannot be
+        read (a damaged line, a directory by its name)."""
         from ksfs.guestfs import GuestFS, read_transcript
 
         path = self.transcript_path(rec.name)
         for disk in frozen.disks:
             try:
                 fs = GuestFS.open(_SourceReader(disk.source), holding=path)
-                if fs.holds(path):
-                    return read_transcript(fs, path)
+                if not fs.holds(path):
+                    continue
             except KsfsError:
                 continue  # a data disk, or one this cannot read
-        return None
+            try:
+                return read_transcript(fs, path), None
+            except KsfsError as exc:
+                why = str(exc)
+                return None, (why if path in why else f"transcript {path}: {why}")
+        return None, None
 
 
 def _stepper(step: str):
@@ -908,6 +934,22 @@ def _seen_seq(transcript: TranscriptInfo | None) -> int | None:
     if transcript is None:
         return None
     return -1 if transcript.last_seq is None else transcript.last_seq
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedCheckpoint(CheckpointRecord):
+    """What a save returns when it has news beyond its record: ``transcript_unreadable``, why
+    the guest's transcript in it could not be read (the record's transcript_seq is None; an
+    ``fs.unreadable`` event says it in the log). A key of the save's result (``--json``) only
+    when set; the ledger stores the plain record."""
+
+    transcript_unreadable: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if d.get("transcript_unreadable") is None:
+            d.pop("transcript_unreadable", None)
+        return d
 
 
 class _SourceReader:

@@ -90,10 +90,13 @@ def decide_reconcile(
             tx_back = {"from": b + 1, "to": current_transcript_seq}
     # The checkpoint's own ``checkpoint.published`` describes it, and the parent's
     # ``fork.created`` of this session records the fork itself: neither is rolled back.
+    # Nor is an ``fs.unreadable`` about the checkpoint (its save could not read its
+    # transcript): news of the checkpoint, not of the machine.
     after = [
         e for e in after
         if not (e.type == "checkpoint.published" and e.body.get("name") == checkpoint.name)
         and not (e.type == "fork.created" and e.body.get("lineage") == session_lineage)
+        and not (e.type == "fs.unreadable" and e.body.get("checkpoint") == checkpoint.name)
     ]
     calls = [e for e in after if e.type == "gateway.call"]
     keys = [str(e.body["key"])[:KEY_CHARS] for e in calls if e.body.get("key") is not None]
