@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,13 +74,56 @@ class RestoreVerbs:
             return None, str(exc)
 
     def _reconcile_to(self, session: str, target: CheckpointRecord,
-                      current_transcript_seq: int | None = None) -> Event:
+                      current_transcript_seq: int | None = None,
+                      current: CheckpointRecord | None = None) -> Event:
         """Read the target's transcript from its disk and record the one ``reconcile`` event
-        of bringing ``session`` to it."""
+        of bringing ``session`` to it. ``current``: the checkpoint of the state the machine
+        leaves (the restore's save-first), whose transcript is compared with the target's to
+        tell where the two timelines split."""
+        from ksfs.ledger.reconcile import record_reconcile
+
         transcript, error = self._transcript_of(target)
+        shared = None
+        if current is not None and current_transcript_seq is not None and error is None \
+                and transcript is not None:
+            shared = self._shared_transcript_seq(current, target)
         with self.store.env.begin(write=True) as txn:
-            return self.ledger.reconcile(txn, session, target, transcript, error,
-                                         current_transcript_seq=current_transcript_seq)
+            return record_reconcile(self.ledger, txn, session, target, transcript, error,
+                                    current_transcript_seq=current_transcript_seq,
+                                    shared_transcript_seq=shared)
+
+    def _shared_transcript_seq(self, current: CheckpointRecord, target: CheckpointRecord
+                               ) -> int | None:
+        """The seq of the last transcript line ``current``'s and ``target``'s disks have in
+        common, the same bytes from the start of the file (a line's nonce tells two timelines
+        apart from their first line on); -1 when they share no whole line; None when either
+        cannot be read. Reads both as far as they agree, in pieces."""
+        try:
+            fa, fb = self.guest_fs(current), self.guest_fs(target)
+            if fa is None or fb is None:
+                return None
+            path = self.transcript_path(current.session)
+            ia, ib = fa.resolve(path), fb.resolve(path)
+            n = min(fa.stat_ino(ia).size, fb.stat_ino(ib).size)
+            shared, partial, off = -1, b"", 0
+            while off < n:
+                a = fa.read_ino(ia, off, min(TRANSCRIPT_PIECE, n - off))
+                b = fb.read_ino(ib, off, len(a))
+                k = min(len(a), len(b))
+                same = k if a[:k] == b[:k] else next(i for i in range(k) if a[i] != b[i])
+                whole, _, partial = (partial + a[:same]).rpartition(b"\n")
+                seq = _last_seq(whole)
+                if seq is not None:
+                    shared = seq
+                if same < len(a) or not a:
+                    return shared  # they part here
+                off += len(a)
+            # One is all the other's beginning: a last line without its newline yet (a whole
+            # entry, as read_transcript counts it) is the same line in both.
+            seq = _last_seq(partial)
+            return shared if seq is None else seq
+        except KsfsError:
+            return None
 
     def _reconciled_after(self, session: str, begin: Event, target: CheckpointRecord,
                           saved: CheckpointRecord | None) -> Event:
@@ -89,7 +133,8 @@ class RestoreVerbs:
         for ev in self.ledger.events(session, since=begin.seq + 1):
             if ev.type == "reconcile":
                 return ev
-        return self._reconcile_to(session, target, saved.transcript_seq if saved else None)
+        return self._reconcile_to(session, target, saved.transcript_seq if saved else None,
+                                  saved)
 
     def restore(self, session: str, checkpoint: str) -> dict[str, Any]:
         """Save the current state, then bring the machine back to ``checkpoint`` and run it."""
@@ -202,7 +247,7 @@ class RestoreVerbs:
             t1 = time.monotonic()
             crash_point("restore.reconcile")
             rec_ev = self._reconcile_to(session, target,
-                                        saved.transcript_seq if saved else None)
+                                        saved.transcript_seq if saved else None, saved)
             reconciled = rec_ev  # from here the machine holds the target, paused
             t2 = time.monotonic()
             crash_point("restore.resume")
@@ -341,6 +386,27 @@ class RestoreVerbs:
                     pass  # a parent removed with its checkpoints kept: its log is closed
                 raise
         return rec
+
+
+TRANSCRIPT_PIECE = 1 << 20
+
+
+def _last_seq(lines: bytes) -> int | None:
+    """The seq of the last line of ``lines`` (newline-separated) that is a transcript entry
+    (NUL runs a crash left stripped, as ksfs.guestfs.transcript reads them), or None."""
+    for line in reversed(lines.split(b"\n")):
+        line = line.strip(b"\0")
+        if b"\0" in line:
+            line = line.rsplit(b"\0", 1)[1]
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(entry, dict) and type(entry.get("seq")) is int:
+            return entry["seq"]
+    return None
 
 
 def _discard(staging: Future) -> None:

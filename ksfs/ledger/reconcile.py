@@ -46,12 +46,15 @@ def decide_reconcile(
     checkpoint_lineage: str | None,
     after: Iterable[Event],
     current_transcript_seq: int | None = None,
+    shared_transcript_seq: int | None = None,
 ) -> dict[str, Any]:
     """The body of the ``reconcile`` event. Pure: everything it needs is an argument.
 
     ``ancestry``: the lineage ids of the session's fork chain; ``after``: the host events of the
     checkpoint's lineage with seq > checkpoint.seq; ``current_transcript_seq``: the transcript's
-    last seq read from the disk right before the restore, if it was read.
+    last seq read from the disk right before the restore, if it was read;
+    ``shared_transcript_seq``: the last seq of the lines the current disk's transcript and the
+    checkpoint's have in common (where the two timelines split; -1: none), if it was measured.
     """
     host = checkpoint.transcript_seq
     tx: dict[str, Any] = {"host_seq": host}
@@ -81,8 +84,15 @@ def decide_reconcile(
                 tx.update(outcome="behind", missing={"from": d + 1, "to": host})
             else:
                 tx.update(outcome="ahead", unknown={"from": host + 1, "to": d})
-    # Which transcript seqs the guest loses: those past the checkpoint's, up to the current disk.
+    # Which transcript seqs the guest loses: those past where the current timeline and the
+    # checkpoint's split, up to the current disk. Measured when the keeper compared the two
+    # transcripts; else taken as past the checkpoint's seq, which is right only when the
+    # checkpoint is on the current timeline: a restore "forward", to a later checkpoint of a
+    # timeline an earlier restore left, loses the lines written since that restore although
+    # their seqs are below the checkpoint's (QA: said nothing was lost).
     base = disk if tx["outcome"] not in ("missing", "unreadable", "foreign") else host
+    if shared_transcript_seq is not None:
+        base = shared_transcript_seq
     tx_back = None
     if current_transcript_seq is not None:
         b = -1 if base is None else base
@@ -116,6 +126,8 @@ def decide_reconcile(
         "current_transcript_seq": current_transcript_seq,
         "transcript_rolled_back": tx_back,
     }
+    if shared_transcript_seq is not None:
+        body["transcript_shared_seq"] = shared_transcript_seq
     # Keys of odd characters escape to up to 12 bytes each: fewer of them, rather than an
     # event over the limit (room is left for the session's name, added by record_reconcile).
     replay = body["replay"]
@@ -143,6 +155,7 @@ def record_reconcile(
     transcript: Any,
     error: str | None = None,
     current_transcript_seq: int | None = None,
+    shared_transcript_seq: int | None = None,
 ) -> Event:
     """Append the ``reconcile`` event of restoring/forking ``session`` to ``checkpoint``.
 
@@ -172,6 +185,7 @@ def record_reconcile(
         checkpoint_lineage=cp_lineage,
         after=after,
         current_transcript_seq=current_transcript_seq,
+        shared_transcript_seq=shared_transcript_seq,
     )
     body["session"] = session
     return ledger._append(txn, rec.lineage, "reconcile", body)
