@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from ksfs.cli import SECONDS, main, pass_ctx
-from ksfs.errors import BadInput, Busy, DaemonError, NoSuchFile, NotPermitted
+from ksfs.errors import BadInput, Busy, DaemonError, DaemonTimeout, NoSuchFile, NotPermitted
 
 KSFS_FSTYPE = "fuse.ksfs"
 _MOUNTS_ESCAPES = re.compile(r"\\([0-7]{3})")  # /proc/mounts writes " " as \040 and so on
@@ -34,17 +34,21 @@ def _mount_type(mountpoint: str) -> str | None:
     return found
 
 
-def _mounted_store(mountpoint: str, wait: float = 2.0) -> tuple[str | None, bool]:
+def _mounted_store(mountpoint: str, wait: float = 2.0) -> tuple[str | None, bool | None]:
     """(the store the daemon serving ``mountpoint`` keeps, as its ``store`` file says, or
-    None; whether the daemon answered at all within ``wait`` seconds). The file is read by a
-    child process, killed when the daemon does not answer: a read left waiting in this process
-    would hold the mount busy, and the unmount would fail (QA: a stopped daemon's mount could
-    not be unmounted, "in use")."""
+    None; whether the daemon answered within ``wait`` seconds: True, False, or None when it is
+    gone, the kernel answering ENOTCONN for it). The file is read by a child process, killed
+    when the daemon does not answer: a read left waiting in this process would hold the mount
+    busy, and the unmount would fail (QA: a stopped daemon's mount could not be unmounted, "in
+    use")."""
     try:
         res = subprocess.run(["cat", "--", os.path.join(mountpoint, "store")],
-                             capture_output=True, timeout=wait, stdin=subprocess.DEVNULL)
+                             capture_output=True, timeout=wait, stdin=subprocess.DEVNULL,
+                             env=dict(os.environ, LC_ALL="C"))  # its strerror, in English
     except subprocess.TimeoutExpired:  # (run kills the child: a FUSE wait is killable)
         return None, False
+    if b"not connected" in res.stderr:  # ENOTCONN: "Transport endpoint is not connected"
+        return None, None
     try:
         path = json.loads(res.stdout[: 1 << 20]).get("path") if res.returncode == 0 else None
     except (ValueError, AttributeError):
@@ -53,7 +57,7 @@ def _mounted_store(mountpoint: str, wait: float = 2.0) -> tuple[str | None, bool
 
 
 @main.command()
-@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.argument("mountpoint")  # (a file is refused below, in ksfs's words: QA)
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground, logging to stderr.")
 @click.option("--allow-other", is_flag=True,
               help="Let other users see the mount: every local user then reads every "
@@ -82,6 +86,8 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
     if not is_dir:
         raise BadInput(f"mount point {mountpoint} is not a directory")
     there = _mount_type(mountpoint)
+    if there is None:
+        _warn_if_not_empty(mountpoint)
     # Busy, as mount(2)'s EBUSY and as a store already mounted elsewhere (QA: exit 2 here
     # and 8 there for one situation)
     if there == KSFS_FSTYPE:
@@ -121,6 +127,19 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
                       f"see {log_path}")
 
 
+def _warn_if_not_empty(mountpoint: str) -> None:
+    """Mounting over files hides them (and anyone reading them) until the unmount: said, not
+    refused, as mount(8) does (QA: a non-empty mount point went unmentioned)."""
+    try:
+        with os.scandir(mountpoint) as it:
+            held = next(it, None) is not None
+    except OSError:
+        return
+    if held:
+        click.echo(f"ksfs: warning: mount point {mountpoint} is not empty: what it holds is "
+                   "hidden while the store is mounted there", err=True)
+
+
 def _refuse_overlap(store: Path, mountpoint: Path) -> None:
     """The daemon reads and writes the store's files: mounted over them (or inside them), each
     of its own file operations would be a request to itself, and it would hang."""
@@ -157,12 +176,15 @@ def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
 
 
 @main.command()
-@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.argument("mountpoint")
 @click.option("--timeout", type=SECONDS, default=60.0, show_default=True,
-              help="Seconds to wait for the daemon.")
+              help="Seconds to wait for the daemon to let go of the store; past them, exit 14.")
 @pass_ctx
 def umount(ctx, mountpoint: str, timeout: float) -> None:
     """Unmount MOUNTPOINT and wait for its daemon to finish.
+
+    Exits 14 when the mount is gone but its daemon still holds the store after --timeout
+    (it may be finishing a verb): it is named, and a new mount of the store waits for it.
 
     Example: ksfs umount /mnt/ksfs
     """
@@ -176,36 +198,64 @@ def umount(ctx, mountpoint: str, timeout: float) -> None:
         raise BadInput(f"{mountpoint} is not a ksfs mount (it is {there}): not unmounted")
     found, answered = _mounted_store(mountpoint)
     store = found or ctx.store_path
+    real = os.path.realpath(mountpoint)
     # fusermount3 refuses a path whose last part is a symlink: the real one, as mounted
-    res = subprocess.run(["fusermount3", "-u", os.path.realpath(mountpoint)],
+    res = subprocess.run(["fusermount3", "-u", real],
                          capture_output=True, text=True,
                          env=dict(os.environ, LC_ALL="C"))  # its strerror read below, in English
     if res.returncode != 0:
         if "busy" in res.stderr.lower():
+            hint = ""
+            if not answered:
+                # (QA: nothing said how to get rid of a dead mount something still holds)
+                hint = (f"; its daemon {'is gone' if answered is None else 'does not answer'}"
+                        f", so `fusermount3 -uz {real}` detaches it now and the kernel lets it "
+                        "go once the last of them does")
             raise Busy(f"{mountpoint} is in use (a process has a file open or its working "
                        "directory there, or is waiting on a verb it asked for there, such as a "
-                       "mkdir that saves): not unmounted")
+                       f"mkdir that saves): not unmounted{hint}")
         if os.geteuid() != 0 and ("not found in" in res.stderr or "permitted" in res.stderr):
             # fusermount3 names /etc/mtab for a mount of another user's (QA: exit 13)
             raise NotPermitted(f"{mountpoint} was mounted by another user: only that user or "
                                "root can unmount it")
         raise DaemonError(f"could not unmount {mountpoint}: {res.stderr.strip()}")
-    if not answered:
+    if answered is False:
         # A daemon that does not answer (stopped, or stuck in a verb) is not waited for.
         click.echo(f"unmounted {mountpoint} (its daemon did not answer and may still run: "
                    f"see its log, daemon.log in the store)")
         return
     lock = Path(store) / "daemon.lock"
-    deadline = time.monotonic() + timeout
+    if not _wait_for_release(lock, timeout):
+        # QA: this said "unmounted" and exit 0 while the daemon still held the store
+        from ksfs.daemon.client import daemon_pid
+
+        pid = daemon_pid(store)
+        who = f"its daemon (pid {pid})" if pid else "its daemon"
+        raise DaemonTimeout(
+            f"unmounted {mountpoint}, but {who} still holds the store {store} after "
+            f"{timeout:g} s (it may be finishing a verb or a gateway call: see "
+            f"{Path(store) / 'daemon.log'}); a new mount of the store is refused until it ends")
+    click.echo(f"unmounted {mountpoint}")
+
+
+def _wait_for_release(lock: Path, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the daemon's lock on its store to be let go;
+    whether it was (no lock file: no daemon ever held it)."""
     import fcntl
 
-    while lock.exists() and time.monotonic() < deadline:
-        fd = os.open(lock, os.O_RDWR)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except FileNotFoundError:
+            return True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
+            return True
         except BlockingIOError:
-            time.sleep(0.1)
+            pass
         finally:
             os.close(fd)
-    click.echo(f"unmounted {mountpoint}")
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)

@@ -2,7 +2,9 @@
 
 Each request runs its keeper method in a worker thread, so a long save on one session does not
 hold up a verb on another; the keeper's own locks serialise verbs on one session. A request that
-asks for progress gets ``{"progress": {"step", "done", "total"}}`` lines before its reply.
+asks for progress gets ``{"progress": {"step", "done", "total"}}`` lines before its reply; one
+that asks ``"alive": true`` gets ``{"alive": true}`` at once and every ALIVE_EVERY seconds while
+its verb runs, so the caller tells a long verb from a stuck daemon.
 Warnings a verb logs (a disk that names no root, a leftover removed) go to the daemon's log and
 with its reply, as ``"warnings"``, so the command line that asked says them too.
 """
@@ -83,14 +85,16 @@ async def _handle(keeper: Any, stream: trio.abc.Stream) -> None:
             if len(buf) > 1 << 20:
                 return
         replies: list[dict[str, Any]] = []
+        wants = _wants(buf)
         try:
-            if not _wants_progress(buf):
+            if not wants:
                 replies.append(await trio.to_thread.run_sync(_dispatch, keeper, buf))
             else:
                 send, receive = trio.open_memory_channel(math.inf)
-                sink = _ProgressSink(send, trio.lowlevel.current_trio_token())
+                sink = (_ProgressSink(send, trio.lowlevel.current_trio_token())
+                        if "progress" in wants else None)
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_forward_progress, receive, stream)
+                    nursery.start_soon(_forward_lines, receive, stream, "alive" in wants)
                     try:
                         replies.append(
                             await trio.to_thread.run_sync(_dispatch, keeper, buf, sink))
@@ -112,6 +116,8 @@ async def _handle(keeper: Any, stream: trio.abc.Stream) -> None:
 REPLY_TIMEOUT = 10
 # At most this many progress lines a second, besides every change of step.
 PROGRESS_RATE = 10
+# A caller that asks "alive" hears from the daemon at least this often while its verb runs.
+ALIVE_EVERY = 5.0
 
 
 class _ProgressSink:
@@ -134,20 +140,35 @@ class _ProgressSink:
             pass  # the verb is over: a late step is of no use
 
 
-async def _forward_progress(receive: trio.MemoryReceiveChannel, stream: trio.abc.Stream) -> None:
-    async for item in receive:
-        try:
-            await stream.send_all(encode({"progress": item}))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the caller went away; the verb runs on
+async def _forward_lines(receive: trio.MemoryReceiveChannel, stream: trio.abc.Stream,
+                         alive: bool) -> None:
+    """The lines before a reply, one writer for the stream: the verb's progress steps and, for
+    a caller that asked ``alive``, ``{"alive": true}`` at once and every ALIVE_EVERY seconds
+    without a step, so it tells a long verb from a stuck daemon (client.call_daemon)."""
+    item: dict[str, Any] | None = {"alive": True} if alive else None
+    while True:
+        if item is not None:
+            try:
+                await stream.send_all(encode(item))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the caller went away; the verb runs on
+        item = {"alive": True} if alive else None
+        with trio.move_on_after(ALIVE_EVERY if alive else math.inf):
+            try:
+                item = {"progress": await receive.receive()}
+            except trio.EndOfChannel:
+                return
 
 
-def _wants_progress(raw: bytes) -> bool:
+def _wants(raw: bytes) -> set[str]:
+    """Which of "progress" and "alive" the request asks for (``true`` in its object)."""
     try:
         request = json.loads(raw)
     except ValueError:
-        return False
-    return isinstance(request, dict) and request.get("progress") is True
+        return set()
+    if not isinstance(request, dict):
+        return set()
+    return {k for k in ("progress", "alive") if request.get(k) is True}
 
 
 def _dispatch(keeper: Any, raw: bytes, sink: progress.Sink | None = None) -> dict[str, Any]:

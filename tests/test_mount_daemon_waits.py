@@ -1,0 +1,243 @@
+"""Waits on the mount's daemon that end, and say so (QA, twentieth session): `ksfs umount`
+whose daemon still holds the store past --timeout, a CLI verb asked of a daemon that does not
+answer, a busy mount whose daemon is gone, and what `ksfs mount` says of its mount point."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.cli_helpers import KSFS
+
+ENV = dict(os.environ, KSFS_GUEST="")
+
+
+def ksfs(store: Path, *args: str, env: dict | None = None,
+         timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True,
+                          text=True, env=env or ENV, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def daemon_pid(store: Path) -> int:
+    import json
+
+    return json.loads((store / "daemon.lock").read_text())["pid"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[-1][0] != "Z"
+
+
+def wait_gone(pid: int, within: float = 30) -> None:
+    deadline = time.monotonic() + within
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid), f"daemon {pid} is still running"
+
+
+def mounted_store(tmp_path: Path) -> tuple[Path, Path, int]:
+    store, mnt = tmp_path / "store", tmp_path / "mnt"
+    mnt.mkdir()
+    src = tmp_path / "notes.txt"
+    src.write_text("notes\n")
+    res = ksfs(store, "import", "s", "c1", str(src))
+    assert res.returncode == 0, res.stderr
+    res = ksfs(store, "mount", str(mnt))
+    assert res.returncode == 0, res.stderr
+    return store, mnt, daemon_pid(store)
+
+
+def cleanup(mnt: Path, pid: int) -> None:
+    if alive(pid):
+        os.kill(pid, signal.SIGCONT)
+    if os.path.ismount(mnt):
+        subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+    if alive(pid):
+        try:
+            wait_gone(pid, 10)
+        except AssertionError:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_umount_says_when_the_daemon_still_holds_the_store_past_its_timeout(
+        tmp_path: Path) -> None:
+    """QA: `ksfs umount --timeout N` said "unmounted" and exit 0 while the daemon still held
+    the store once N seconds had passed. Here the daemon is stopped just before the unmount
+    (a fusermount3 ahead of the real one in PATH), so it holds its store until continued."""
+    store, mnt, pid = mounted_store(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "fusermount3"
+    fake.write_text(f"#!/bin/sh\nkill -STOP {pid}\nexec {shutil.which('fusermount3')} \"$@\"\n")
+    fake.chmod(0o755)
+    try:
+        t0 = time.monotonic()
+        res = ksfs(store, "umount", str(mnt), "--timeout", "1.5",
+                   env=dict(ENV, PATH=f"{bin_dir}:{os.environ['PATH']}"))
+        took = time.monotonic() - t0
+        assert res.returncode == 14, res
+        assert res.stdout == "", res.stdout
+        assert res.stderr == (
+            f"ksfs: error: unmounted {mnt}, but its daemon (pid {pid}) still holds the store "
+            f"{store} after 1.5 s (it may be finishing a verb or a gateway call: see "
+            f"{store / 'daemon.log'}); a new mount of the store is refused until it ends\n"), \
+            res.stderr
+        assert 1.5 <= took < 20, took
+        assert not os.path.ismount(mnt)
+        os.kill(pid, signal.SIGCONT)
+        wait_gone(pid)
+        res = ksfs(store, "mount", str(mnt))  # and the store mounts again
+        assert res.returncode == 0, res.stderr
+        pid = daemon_pid(store)
+        res = ksfs(store, "umount", str(mnt))
+        assert res.returncode == 0 and res.stdout == f"unmounted {mnt}\n", res
+    finally:
+        cleanup(mnt, pid)
+
+
+def test_a_verb_asked_of_a_stopped_daemon_says_it_waits_then_gives_up(tmp_path: Path) -> None:
+    """QA: a CLI verb asked of a daemon that does not answer (stopped, stuck) waited 600 s
+    without a word. Now stderr says once, after 2 s, that it waits for the daemon and which
+    pid; after 30 s of silence it gives up with exit 14. A verb that runs long is not taken
+    for silence: the daemon says it is alive every few seconds."""
+    from ksfs.daemon import client
+
+    store, mnt, pid = mounted_store(tmp_path)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        res = ksfs(store, "rm", "s", "c1", timeout=120)
+        took = time.monotonic() - t0
+        assert res.returncode == 14, res
+        lines = res.stderr.splitlines()
+        assert lines[0] == (f"ksfs: warning: waiting for the daemon (pid {pid}) to answer rm "
+                            "(nothing from it for 2 s) ...") and len(lines) == 2, res.stderr
+        assert lines[1].startswith(f"ksfs: error: the daemon (pid {pid}) of {store} said "
+                                   f"nothing for {client.SILENCE_MAX:g} s when asked to rm: it "
+                                   "is stuck or stopped"), res.stderr
+        assert f"kill -USR1 {pid}" in lines[1] and lines[1].endswith(
+            "; the rm was sent, and a daemon that comes back may still run it")
+        assert client.SILENCE_MAX <= took < client.SILENCE_MAX + 20, took
+        os.kill(pid, signal.SIGCONT)
+        # once it answers again, verbs go through it without a word more
+        res = ksfs(store, "session", "list")
+        assert res.returncode == 0 and res.stderr == "", res
+        assert client.call_daemon(store, "ping") == "pong"
+        res = ksfs(store, "umount", str(mnt))
+        assert res.returncode == 0, res
+        wait_gone(pid)
+    finally:
+        cleanup(mnt, pid)
+
+
+def test_a_verb_the_daemon_runs_long_is_waited_for_without_a_word(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """Silence is what is timed, not the verb: the daemon's "alive" lines keep a caller
+    waiting through a verb longer than the wait for silence; without them it gives up.
+    (The control socket's server in this process, over a keeper whose ping takes 2 s; the
+    waits shortened.)"""
+    import threading
+
+    import pytest
+    import trio
+
+    from ksfs.daemon import client, server
+    from ksfs.errors import DaemonTimeout
+
+    class SlowKeeper:
+        store_path = str(tmp_path)
+
+        def ping(self) -> str:
+            time.sleep(2.0)
+            return "pong"
+
+    stop = threading.Event()
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve_control, SlowKeeper(), tmp_path / "daemon.sock")
+            while not stop.is_set():
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
+    thread.start()
+    noticed: list[str] = []
+    monkeypatch.setattr(client.log, "warning", lambda *a: noticed.append(a[0] % a[1:]))
+    monkeypatch.setattr(client, "NOTICE_AFTER", 0.5)
+    monkeypatch.setattr(client, "SILENCE_MAX", 1.0)
+    try:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "daemon.sock").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        monkeypatch.setattr(server, "ALIVE_EVERY", 0.2)
+        assert client.call_daemon(tmp_path, "ping") == "pong"
+        assert noticed == []
+        monkeypatch.setattr(server, "ALIVE_EVERY", 5.0)  # said once at first, then silence
+        with pytest.raises(DaemonTimeout) as err:
+            client.call_daemon(tmp_path, "ping")
+        assert "said nothing for 1 s when asked to ping" in str(err.value)
+        assert noticed == ["waiting for the daemon to answer ping (nothing from it for "
+                           "0.5 s) ..."], noticed
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def test_umount_of_a_busy_mount_whose_daemon_is_gone_names_the_lazy_unmount(
+        tmp_path: Path) -> None:
+    """QA: with its daemon dead and a process still in the mount, `ksfs umount` said only that
+    it was in use: nothing said how to get rid of the dead mount."""
+    store, mnt, pid = mounted_store(tmp_path)
+    holder = subprocess.Popen(["sleep", "600"], cwd=mnt)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        wait_gone(pid)
+        res = ksfs(store, "umount", str(mnt))
+        assert res.returncode == 8, res
+        assert (f"its daemon is gone, so `fusermount3 -uz {mnt}` detaches it now"
+                in res.stderr), res.stderr
+        assert len(res.stderr.splitlines()) == 1, res.stderr
+        holder.kill()
+        holder.wait()
+        res = ksfs(store, "umount", str(mnt))  # nothing holds it now
+        assert res.returncode == 0 and not os.path.ismount(mnt), res
+    finally:
+        holder.kill()
+        holder.wait()
+        cleanup(mnt, pid)
+
+
+def test_mount_says_what_it_thinks_of_its_mount_point(tmp_path: Path) -> None:
+    """QA: a mount point that is a file was refused in click's words ("Directory ... is a
+    file"), and one that holds files was mounted over without a word."""
+    store = tmp_path / "store"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    res = ksfs(store, "mount", str(afile))
+    assert res.returncode == 2, res
+    assert res.stderr == f"ksfs: error: mount point {afile} is not a directory\n", res.stderr
+    res = ksfs(store, "umount", str(afile))
+    assert res.returncode == 2 and res.stderr == f"ksfs: error: {afile} is not mounted\n", res
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (mnt / "hidden.txt").write_text("x")
+    res = ksfs(store, "mount", str(mnt))
+    assert res.returncode == 0, res
+    try:
+        assert res.stderr == (f"ksfs: warning: mount point {mnt} is not empty: what it holds "
+                              "is hidden while the store is mounted there\n"), res.stderr
+        assert sorted(os.listdir(mnt)) == ["sessions", "store"]
+    finally:
+        res = ksfs(store, "umount", str(mnt))
+    assert res.returncode == 0 and (mnt / "hidden.txt").exists(), res
