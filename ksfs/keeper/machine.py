@@ -157,7 +157,15 @@ def root_device(plan: Any) -> str | None:
     return "/dev/vda" if part.number == 0 else f"/dev/vda{part.number}"
 
 
-def _gone(rec: SessionRecord, adopted: bool) -> NotRunning:
+def _gone(rec: SessionRecord, adopted: bool, removing: Event | None = None) -> NotRunning:
+    if removing is not None:
+        # A `session rm` cut short once the machine went: recover would finish it, not make
+        # the machine again (QA 2); a restore keeps the session (docs/reliability.md)
+        return NotRunning(f"the machine of session {rec.name!r} is gone: the `session rm` "
+                          f"begun at seq {removing.seq} was cut short after it destroyed it; "
+                          f"`ksfs session rm {rec.name}` (or `ksfs recover`) finishes the "
+                          f"removal, `ksfs restore {rec.name} CHECKPOINT` makes the machine "
+                          f"again and keeps the session")
     # (recover makes again only a machine ksfs made: QA, eighteenth session)
     return NotRunning(f"the machine of session {rec.name!r} is gone: its domain {rec.domain} "
                       f"is not defined in libvirt; `ksfs restore {rec.name} CHECKPOINT`"
@@ -619,7 +627,7 @@ class MachineVerbs:
                         "booted": False, "woken": False}
             if state == "absent":
                 # (QA: libvirt's own lookup error was all the user got)
-                raise _gone(rec, self._adopted(session))
+                raise _gone(rec, self._adopted(session), self._removal_begun(session))
             self.vm.resume(rec.domain, fw_cfg=self.guest_facts(rec))  # (if it starts)
             body: dict[str, Any] = {"domain": rec.domain}
             if state == "pmsuspended":
@@ -658,8 +666,9 @@ class MachineVerbs:
                 # (QA, eighteenth session). A disk the user detached meanwhile is given back
                 # all the same: its writes are theirs, whatever becomes of the machine.
                 self._hand_back_detached(rec)
-                raise _gone(rec, self._adopted(session)) if state == "absent" \
-                    else NotRunning(session=session, state=state)
+                if state == "absent":
+                    raise _gone(rec, self._adopted(session), self._removal_begun(session))
+                raise NotRunning(session=session, state=state)
             return self._save_locked(rec, name, reason="save", live=live)
 
     def _hand_back_detached(self, rec: SessionRecord) -> dict[str, dict[str, str]]:
