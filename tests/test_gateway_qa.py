@@ -610,3 +610,78 @@ def test_a_second_signal_ends_a_stream_with_an_error_event(served, provider):
     assert last.startswith(b"data: "), body
     assert json.loads(last[6:])["error"]["type"] == "gateway_stopping", body
     assert b"[DONE]" not in body
+
+
+# --- F7: kill -9 under a call ------------------------------------------------------------------
+
+
+def test_a_call_in_flight_when_the_gateway_is_killed_is_counted_at_the_next_start(
+        tmp_path, served, provider):
+    """QA F7: kill -9 of the gateway mid-call lost the spend record: the provider had the call
+    (and bills it), and no usage, event or budget ever saw it. Now each purchase is recorded,
+    with what it is reserved at, before it is sent, and the next gateway to start on the store
+    counts it (gateway.call, error gateway_lost), so a budget holds across a crash."""
+    import os
+    import signal
+    import subprocess
+
+    from test_gateway_cli import KSFS, ksfs, read_line
+
+    from ksfs.cas import ChunkStore
+    from ksfs.gateway import GatewayStore
+    from ksfs.ledger import Ledger
+
+    store, port, proc = served
+    provider.delay = 30
+    body = dict(chat_body("bought, then killed", model="gpt-4o-mini"), max_tokens=100)
+    failed: list[BaseException] = []
+
+    def post() -> None:
+        try:
+            post_raw(port, body)
+        except httpx.HTTPError as exc:  # the gateway is killed under it
+            failed.append(exc)
+
+    t = threading.Thread(target=post)
+    t.start()
+    deadline = time.monotonic() + 15
+    while provider.active == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert provider.active == 1
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    t.join(15)
+    assert len(failed) == 1
+    before = json.loads(ksfs(store, "usage", "default", "--json").stdout)
+    assert before["paid_calls"] == 0  # nothing counted yet: the process that knew is gone
+    env = dict(os.environ)
+    again = subprocess.Popen(
+        KSFS + ["--store", str(store), "gateway", "serve", "--upstream", provider.url,
+                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env)
+    try:
+        assert "ksfs gateway: session default on" in read_line(again, time.monotonic() + 30)
+        u = json.loads(ksfs(store, "usage", "default", "--json").stdout)
+    finally:
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(15) == 0
+        again.stdout.close()
+        again.stderr.close()
+    prompt = len(provider.requests[0].body) // 4  # the request as sent, a token per 4 bytes
+    assert (u["paid_calls"], u["upstream_errors"]) == (1, 1), u
+    assert (u["prompt_tokens"], u["completion_tokens"]) == (prompt, 100), u
+    assert u["cost_usd"] == pytest.approx((prompt * 0.15 + 100 * 0.60) / 1e6)
+    with ChunkStore.open(store) as s:
+        led = Ledger(s)
+        [e] = [e for e in led.events("default") if e.type == "gateway.call"]
+        assert e.body["error"] == "gateway_lost" and e.body["stored"] is False
+        assert e.body["usage_known"] is False and e.body["reserved"] is True
+        assert led.verify() == [] and s.check().ok
+        # Counted once: nothing is left recorded for a third start to count again.
+        assert GatewayStore(s, led).pending() == []
+    assert provider.count() == 1
+
+
+def post_raw(port: int, body: dict) -> httpx.Response:
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as c:
+        return c.post(CHAT, json=body)

@@ -136,6 +136,8 @@ class Order:
     digest: str
     ask_usage: bool = False  # a chat stream sent with include_usage added on the guest's behalf
     prompt_bytes: int = 0  # the size of a JSON request, a prompt's if the answer has no usage
+    # (prompt tokens, completion tokens, USD, priced) the purchase is reserved at
+    reserved: tuple[int, int, float, bool] = (0, 0, 0.0, False)
 
 
 def check_upstream(upstream_url: str, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -266,6 +268,11 @@ class Gateway:
             raise BadInput(f"port {port!r} is not a TCP port: give 1 to 65535, or 0 for any "
                            "free one")
         self.db.view(session)  # NoSuchSession now, not on the first call
+        # Purchases a gateway killed under them left recorded: counted now (QA F7).
+        lost = await trio.to_thread.run_sync(self.db.settle_lost)
+        if lost:
+            log.warning("counted %d call(s) a gateway that stopped under them had made, at "
+                        "what each was reserved at", lost)
         if session in self.ports:
             raise BadInput(f"session {session!r} is already served on port {self.ports[session]}")
         config = hypercorn.config.Config()
@@ -321,17 +328,19 @@ class Gateway:
             form_model(body, header(headers, "content-type")) if not obj else None
         stream = obj.get("stream") is True
         # A body that is no JSON (an upload, audio) is not sized as a prompt.
-        order = Order(route, headers, body, model, stream, digest,
-                      ask_usage=is_chat(path) and wants_usage_added(obj),
-                      prompt_bytes=len(body) if obj else 0)
-        # What the purchase may cost, reserved while it is in flight (admission.BudgetGate):
-        # its prompt, reckoned from the JSON request's size, and its completion cap, or the
-        # default reserve when it sets none (QA F2: its prompt alone, no bound of what it may
-        # generate, let concurrent calls spend about 5x the budget).
-        prompt, completion = estimated_tokens(obj, order.prompt_bytes)
+        prompt_bytes = len(body) if obj else 0
+        # What the purchase may cost, reserved while it is in flight (admission.BudgetGate,
+        # and in the store: GatewayStore.begin_purchase): its prompt, reckoned from the JSON
+        # request's size, and its completion cap, or the default reserve when it sets none
+        # (QA F2: its prompt alone, no bound of what it may generate, let concurrent calls
+        # spend about 5x the budget).
+        prompt, completion = estimated_tokens(obj, prompt_bytes)
         if completion is None:
             completion = self.completion_reserve
         est_usd, priced = self.prices.cost(model, prompt, completion)
+        order = Order(route, headers, body, model, stream, digest,
+                      ask_usage=is_chat(path) and wants_usage_added(obj),
+                      prompt_bytes=prompt_bytes, reserved=(prompt, completion, est_usd, priced))
         ikey = lineage_bytes(view.lineage) + key
         mine = False
         while True:
@@ -424,7 +433,21 @@ class Gateway:
         """Call upstream once, commit a completed response with its event, wake the waiters."""
         cost: tuple[int | None, float | None] = (None, None)
         route = order.route
+        purchase: bytes | None = None
         try:
+            try:
+                # Recorded before it is sent, so that a gateway killed under it (kill -9, a
+                # crash) leaves it to be counted when one starts again (QA F7).
+                purchase = await trio.to_thread.run_sync(
+                    self.db.begin_purchase, view.session, view.lineage, key, order.model,
+                    route.path, *order.reserved)
+            except Exception as exc:  # noqa: BLE001 - a full disk, a read-only store
+                log.error("session %s: could not record a purchase before making it: %s",
+                          view.session, exc)
+                call.error = error_reply(
+                    500, "gateway_error", "the gateway could not record the call before "
+                    f"making it, so it was not made (nothing was sent upstream): {exc}")
+                return
             got, hidden = await self._fetch(call, served.upstream, order)
             if isinstance(got, CutShort) and got.begun is not None \
                     and 200 <= got.begun.status < 300 and self._ended(got.begun, order):
@@ -436,7 +459,7 @@ class Gateway:
             if isinstance(got, Fetched) and 200 <= got.status < 300:
                 # Off the loop: a long stream's whole body is scanned (and filtered) here.
                 stored, refused, cost = await trio.to_thread.run_sync(
-                    self._commit, view, key, got, hidden, order)
+                    self._commit, view, key, got, hidden, order, purchase)
                 if refused is not None:
                     # A 2xx that is no whole answer: passed on, never stored.
                     call.ended_cleanly = True
@@ -449,14 +472,14 @@ class Gateway:
                 # Broken off after it began: billed as far as it went, so counted.
                 call.error = Reply(got.status, got.headers, got.body)
                 cost = await trio.to_thread.run_sync(self._count_cut, view, key, got.begun,
-                                                     _error_type(call.error), order)
+                                                     _error_type(call.error), order, purchase)
                 return
             if isinstance(got, Reply) or not 200 <= got.status < 300:
                 call.error = got if isinstance(got, Reply) else _passed_back(got)
                 why = _error_type(call.error)
-                await trio.to_thread.run_sync(self.db.record_upstream_error, view.session,
-                                              view.lineage, key, order.model, call.error.status,
-                                              why, route.path)
+                await trio.to_thread.run_sync(partial(
+                    self.db.record_upstream_error, view.session, view.lineage, key,
+                    order.model, call.error.status, why, route.path, purchase=purchase))
                 return
         except trio.Cancelled:
             # The server is stopping under a call it may already have paid for: at least say
@@ -469,11 +492,13 @@ class Gateway:
                         # The answer had begun: billed as far as it went, so counted.
                         begun = Fetched(call.status, call.headers, b"".join(call.chunks))
                         cost = await trio.to_thread.run_sync(
-                            self._count_cut, view, key, begun, "gateway_stopped", order)
+                            self._count_cut, view, key, begun, "gateway_stopped", order,
+                            purchase)
                     else:
-                        await trio.to_thread.run_sync(
+                        await trio.to_thread.run_sync(partial(
                             self.db.record_upstream_error, view.session, view.lineage, key,
-                            order.model, 503, "gateway_stopped", route.path)
+                            order.model, 503, "gateway_stopped", route.path,
+                            purchase=purchase))
                 except Exception as exc:  # noqa: BLE001 - a removed session, a full disk:
                     # the stop must go on, and an error here would replace the cancellation
                     log.error("could not record the call stopped under session %s: %s",
@@ -481,6 +506,15 @@ class Gateway:
             raise
         except Exception as exc:  # a bug or a store failure must not take the server down
             log.error("gateway call for session %s failed: %s", view.session, exc)
+            if purchase is not None:
+                # It may have been bought: counted at its reservation, unless recorded.
+                with trio.CancelScope(shield=True):
+                    try:
+                        await trio.to_thread.run_sync(self.db.settle, view.lineage, key,
+                                                      purchase, "gateway_error")
+                    except Exception as again:  # noqa: BLE001 - counted at the next start
+                        log.error("could not count the call of session %s: %s",
+                                  view.session, again)
             if call.error is None:
                 call.error = error_reply(
                     500, "gateway_error",
@@ -532,7 +566,8 @@ class Gateway:
                                    call.on_start, call.on_chunk, route.query)
         return got, False
 
-    def _commit(self, view: View, key: bytes, got: Fetched, hidden: bool, order: Order
+    def _commit(self, view: View, key: bytes, got: Fetched, hidden: bool, order: Order,
+                purchase: bytes | None = None
                 ) -> tuple[StoredResponse | None, Reply | None,
                            tuple[int | None, float | None]]:
         """Store a 2xx response as the guest gets it; returns (the stored response, None, its
@@ -545,14 +580,14 @@ class Gateway:
         path = order.route.path
         if sse and (why := incomplete(got.body, path)) is not None:
             self.db.record_unstored_call(view.session, view.lineage, key, usage, cost, priced,
-                                         got.status, "stream_incomplete", path)
+                                         got.status, "stream_incomplete", path, purchase)
             return None, error_reply(
                 502, "upstream_stream_incomplete",
                 f"the model provider's stream {why}; it was not stored, so a retry buys it "
                 "again"), learned
         if not sse and (why := not_an_answer(got.body, ctype, path)) is not None:
             self.db.record_unstored_call(view.session, view.lineage, key, usage, cost, priced,
-                                         got.status, "not_an_answer", path)
+                                         got.status, "not_an_answer", path, purchase)
             log.warning("session %s: the provider's %d answer %s; passed on, not stored",
                         view.session, got.status, why)
             return None, _passed_back(got), learned
@@ -563,13 +598,14 @@ class Gateway:
                 status=got.status, headers=keep_headers(got.headers, NOT_STORED), body=visible,
                 model=usage.model, stream=sse, request_digest=order.digest, created=_now())
             stored = self.db.commit_call(view.session, view.lineage, key, resp, usage, cost,
-                                         priced, path)
+                                         priced, path, purchase)
         except Exception:
             # Bought but not kept (a bug, a full disk): still counted against the budget, and
             # said in the session's log, before the guest gets its error.
             try:
                 self.db.record_unstored_call(view.session, view.lineage, key, usage, cost,
-                                             priced, got.status, "gateway_error", path)
+                                             priced, got.status, "gateway_error", path,
+                                             purchase)
             except Exception as exc:  # noqa: BLE001 - the first failure is the one to report
                 log.error("could not record the call of session %s: %s", view.session, exc)
             raise
@@ -607,15 +643,15 @@ class Gateway:
                                           or order.route.path == RESPONSES_PATH) \
             and ended(got.body) is True
 
-    def _count_cut(self, view: View, key: bytes, begun: Fetched, error: str, order: Order
-                   ) -> tuple[int | None, float | None]:
+    def _count_cut(self, view: View, key: bytes, begun: Fetched, error: str, order: Order,
+                   purchase: bytes | None = None) -> tuple[int | None, float | None]:
         """Record an answer that had begun (2xx) and then broke off, or was stopped under:
         the provider bills what it generated, so it counts, at what it reported or at the
         estimate from its sizes, in ``paid_calls`` and ``upstream_errors`` (review: it counted
         0, so a provider that always broke off before the end spent past any budget)."""
         usage, cost, priced, learned = self._counted(begun, order)
         self.db.record_unstored_call(view.session, view.lineage, key, usage, cost, priced,
-                                     begun.status, error, order.route.path)
+                                     begun.status, error, order.route.path, purchase)
         return learned
 
     def _cost(self, usage: Any, request_model: str | None) -> tuple[float, bool]:

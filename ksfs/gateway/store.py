@@ -2,15 +2,20 @@
 
 Named dbs ``gw_responses`` ((lineage id, key) -> one completed response and the seq of the
 ``gateway.call`` event that stored it), ``gw_usage`` (lineage id -> running totals) and
-``gw_budgets`` (lineage id -> the budget). Every write here commits in one transaction with the
-ledger event that explains it, so the store and the event log never disagree. Synchronous: the
-service calls the writers through ``trio.to_thread``. It must never store or log an API key, a
-request's text, or a response it was not handed complete.
+``gw_budgets`` (lineage id -> the budget), and ``gw_pending`` (a purchase recorded before it is
+sent upstream, until what became of it is). Every write here commits in one transaction with the
+ledger event that explains it, so the store and the event log never disagree (a ``gw_pending``
+record is cleared in the transaction of the event that says what became of its purchase).
+Synchronous: the service calls the writers through ``trio.to_thread``. It must never store or
+log an API key, a request's text, or a response it was not handed complete.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import secrets
 import struct
 import threading
 import time
@@ -32,6 +37,11 @@ from ksfs.ledger.keys import LINEAGE_BYTES, lineage_bytes
 from ksfs.model import Event
 
 DBS = (b"gw_responses", b"gw_usage", b"gw_budgets")
+# Purchases sent upstream and not yet recorded: (lineage id, key, purchase id) -> what each is
+# reserved at and which process makes it; made at the first purchase (older stores lack it).
+PENDING_DB = b"gw_pending"
+PURCHASE_ID_BYTES = 8
+log = logging.getLogger("ksfs.gateway")
 _META_LEN = struct.Struct(">I")
 
 MAX_TOKEN_BUDGET = 2**53  # the largest integer a JSON reader's double holds exactly
@@ -159,7 +169,7 @@ class GatewayStore:
         self.path = getattr(store, "path", None)
         # Made by the first write, not here: a read (`ksfs usage` of a store the gateway never
         # served, a store on a read-only file system) must change nothing. None until then.
-        self._resp = self._usage = self._budgets = None
+        self._resp = self._usage = self._budgets = self._pending = None
         self._open_dbs(create=False)
         # (lineage, key, reason) -> (when its last budget.refused was written, refusals of it
         # counted since without an event of their own): see record_refusal
@@ -173,8 +183,8 @@ class GatewayStore:
             raise ReadOnly(what=f"the file system of the store at {self.path}")
         try:
             if create:
-                self._resp, self._usage, self._budgets = (
-                    self.env.open_db(name, create=True) for name in DBS)
+                self._resp, self._usage, self._budgets, self._pending = (
+                    self.env.open_db(name, create=True) for name in (*DBS, PENDING_DB))
                 return
             # Looked for in a read transaction first (the main database names every named
             # one): py-lmdb's open_db takes the store's write lock even to find nothing, and
@@ -182,8 +192,11 @@ class GatewayStore:
             with self.env.begin() as txn:
                 if any(txn.get(name) is None for name in DBS):
                     return
+                pending = txn.get(PENDING_DB) is not None
             self._resp, self._usage, self._budgets = (
                 self.env.open_db(name, create=False) for name in DBS)
+            if pending:
+                self._pending = self.env.open_db(PENDING_DB, create=False)
         except lmdb.NotFoundError:
             if create:
                 raise KsfsError(f"cannot make the gateway's databases in {self.path}") from None
@@ -203,7 +216,7 @@ class GatewayStore:
         return self._resp is not None
 
     def _write(self):  # -> a write transaction, lmdb errors as ksfs errors
-        if self._resp is None:
+        if self._resp is None or self._pending is None:
             self._open_dbs(create=True)
         return _Txn(self.env, self.path)
 
@@ -297,7 +310,7 @@ class GatewayStore:
 
     def commit_call(self, session: str, lineage: str, key: bytes, response: StoredResponse,
                     usage: Usage, cost: float, priced: bool,
-                    path: str = CHAT_PATH) -> StoredResponse:
+                    path: str = CHAT_PATH, purchase: bytes | None = None) -> StoredResponse:
         """Store a completed response under (lineage, key) with its ``gateway.call`` event.
 
         If the key is already stored (a second process raced us) the first response is kept and
@@ -312,6 +325,7 @@ class GatewayStore:
                 body["stored"] = False
             event = self.ledger.append(txn, session, "gateway.call", body)
             self._count_paid(txn, lineage, usage, cost, priced)
+            self._settled(txn, lineage, key, purchase)
             if existing is not None:
                 return StoredResponse.decode(existing)
             stored = StoredResponse(**{**asdict(response), "seq": event.seq})
@@ -320,7 +334,7 @@ class GatewayStore:
 
     def record_unstored_call(self, session: str, lineage: str, key: bytes, usage: Usage,
                              cost: float, priced: bool, status: int, error: str,
-                             path: str = CHAT_PATH) -> Event:
+                             path: str = CHAT_PATH, purchase: bytes | None = None) -> Event:
         """A call the provider answered (and billed) but that is not stored: a stream that
         carried an error or stopped short. Its usage, when it reported one, counts against
         the budget like any paid call's; it is also counted as an upstream error."""
@@ -329,6 +343,7 @@ class GatewayStore:
         with self._write() as txn:
             event = self.ledger.append(txn, session, "gateway.call", body)
             self._count_paid(txn, lineage, usage, cost, priced, upstream_error=True)
+            self._settled(txn, lineage, key, purchase)
             return event
 
     def record_replay(self, session: str, lineage: str, key: bytes,
@@ -371,7 +386,8 @@ class GatewayStore:
             return self.ledger.append(txn, session, "budget.refused", body)
 
     def record_upstream_error(self, session: str, lineage: str, key: bytes, model: str | None,
-                              status: int, error: str, path: str = CHAT_PATH) -> Event:
+                              status: int, error: str, path: str = CHAT_PATH,
+                              purchase: bytes | None = None) -> Event:
         """A call that did not complete: counted, logged as ``gateway.call`` with stored=False."""
         body = {"key": key.hex(), "model": _cut(model, MODEL_CHARS), "status": status,
                 "error": _cut(error, ERROR_CHARS),
@@ -380,6 +396,7 @@ class GatewayStore:
         with self._write() as txn:
             event = self.ledger.append(txn, session, "gateway.call", body)
             self._bump(txn, lineage, "upstream_errors")
+            self._settled(txn, lineage, key, purchase)
             return event
 
     def set_budget(self, session: str, tokens: int | None = None,
@@ -423,6 +440,86 @@ class GatewayStore:
                 txn.put(lin, json.dumps(_budget_dict(tokens, usd)).encode(), db=self._budgets)
             return self.ledger.append(txn, session, "budget.set", _budget_dict(tokens, usd))
 
+    # --- purchases in flight, recorded before they are made (QA F7) ----------------------------
+
+    def begin_purchase(self, session: str, lineage: str, key: bytes, model: str | None,
+                       path: str, prompt_tokens: int, completion_tokens: int, cost: float,
+                       priced: bool) -> bytes:
+        """Record, before it is sent upstream, a purchase and what it is reserved at; returns
+        its id. Whatever becomes of it is recorded with its id (``purchase=``), which clears
+        this record in the same transaction. A record whose process died (kill -9, a crash,
+        a power cut) is counted at its reservation when a gateway next starts on the store
+        (``settle_lost``): so a call bought just before the end is never left uncounted."""
+        purchase = secrets.token_bytes(PURCHASE_ID_BYTES)
+        rec = {"session": session, "model": _cut(model, MODEL_CHARS),
+               "path": _cut(path, PATH_CHARS), "prompt_tokens": prompt_tokens,
+               "completion_tokens": completion_tokens, "cost_usd": cost, "priced": priced,
+               "owner": _this_process(), "created": time.time()}
+        with self._write() as txn:
+            txn.put(lineage_bytes(lineage) + key + purchase,
+                    json.dumps(rec, separators=(",", ":")).encode("utf-8"), db=self._pending)
+        return purchase
+
+    def pending(self) -> list[tuple[str, bytes, bytes, dict[str, Any]]]:
+        """(lineage, key, purchase id, record) of every purchase recorded and not settled."""
+        if not self._ready() or self._pending is None:
+            return []
+        with self.env.begin() as txn:
+            out = []
+            for k, v in txn.cursor(db=self._pending):
+                k = bytes(k)
+                try:
+                    rec = json.loads(bytes(v).decode("utf-8"))
+                except ValueError:
+                    rec = {}
+                out.append((k[:LINEAGE_BYTES].hex(), k[LINEAGE_BYTES:-PURCHASE_ID_BYTES],
+                            k[-PURCHASE_ID_BYTES:], rec))
+            return out
+
+    def settle_lost(self) -> int:
+        """Count every purchase recorded by a process that is gone, at its reservation: a
+        ``gateway.call`` with ``stored: false, error: "gateway_lost"``, in ``paid_calls``,
+        ``upstream_errors``, the tokens and the cost, and its record cleared, in one
+        transaction each. Returns how many were. Purchases of live processes are theirs."""
+        settled = 0
+        for lineage, key, purchase, rec in self.pending():
+            if _alive(rec.get("owner")):
+                continue
+            try:
+                self.settle(lineage, key, purchase, "gateway_lost", rec)
+                settled += 1
+            except KsfsError as exc:  # a removed session, a full disk: said, tried next start
+                log.error("could not count a purchase lost by a gateway that stopped: %s", exc)
+        return settled
+
+    def settle(self, lineage: str, key: bytes, purchase: bytes, error: str,
+               rec: dict[str, Any] | None = None) -> Event | None:
+        """Count one recorded purchase at its reservation and clear its record (None when it
+        was settled already)."""
+        dbkey = lineage_bytes(lineage) + key + purchase
+        with self._write() as txn:
+            raw = txn.get(dbkey, db=self._pending)
+            if raw is None:
+                return None
+            if rec is None:
+                rec = json.loads(bytes(raw).decode("utf-8"))
+            prompt, completion = int(rec.get("prompt_tokens", 0)), int(
+                rec.get("completion_tokens", 0))
+            usage = Usage(rec.get("model"), prompt, completion, prompt + completion,
+                          known=False, estimated=True)
+            cost, priced = float(rec.get("cost_usd", 0.0)), bool(rec.get("priced", False))
+            body = _paid_call_body(key, usage, cost, priced, 0, rec.get("path") or CHAT_PATH,
+                                   error=error, stored=False, reserved=True)
+            event = self.ledger.append(txn, rec.get("session") or "", "gateway.call", body)
+            self._count_paid(txn, lineage, usage, cost, priced, upstream_error=True)
+            txn.delete(dbkey, db=self._pending)
+            return event
+
+    def _settled(self, txn: lmdb.Transaction, lineage: str, key: bytes,
+                 purchase: bytes | None) -> None:
+        if purchase is not None and self._pending is not None:
+            txn.delete(lineage_bytes(lineage) + key + purchase, db=self._pending)
+
     def _count_paid(self, txn: lmdb.Transaction, lineage: str, usage: Usage, cost: float,
                     priced: bool, upstream_error: bool = False) -> None:
         totals = Totals.from_raw(txn.get(lineage_bytes(lineage), db=self._usage))
@@ -447,6 +544,52 @@ MODEL_CHARS = 200
 PATH_CHARS = 1000
 ERROR_CHARS = 1000
 BY_MODEL_MAX = 100  # models counted apart in usage's by_model; the rest under "(other)"
+
+
+def _this_process() -> dict[str, Any]:
+    """Who makes a purchase: pid, its start time and the boot, so that a pid used again by
+    another process (or after a reboot) is not taken for the one that recorded it."""
+    pid = os.getpid()
+    return {"pid": pid, "start": _proc_start(pid), "boot": _boot_id()}
+
+
+def _proc_start(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot, /proc/PID/stat), -1 for a zombie (a
+    process killed and not yet reaped is gone), None when not known."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        fields = raw[raw.rindex(b")") + 2:].split()  # after "pid (comm) ": state first
+        return -1 if fields[0] == b"Z" else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _alive(owner: Any) -> bool:
+    """Whether the process that recorded a purchase may still be making it."""
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
+        return False
+    boot = _boot_id()
+    if owner.get("boot") and boot and owner["boot"] != boot:
+        return False
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    start = _proc_start(owner["pid"])
+    if start == -1:
+        return False
+    return owner.get("start") is None or start is None or start == owner["start"]
 
 
 def _cut(text: str | None, limit: int) -> str | None:
