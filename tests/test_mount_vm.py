@@ -235,3 +235,43 @@ def test_verbs_after_libvirtd_restarts_work_at_once(mounted) -> None:
     (sess / "resume").write_text("before\n")
     assert (sess / "resume").read_text().startswith("ok before")
     assert json.loads((sess / "status").read_text())["state"] == "running"
+
+
+def test_resume_in_pieces_restores_once_and_a_stopped_machine_is_a_rejected_save(
+        mounted) -> None:
+    """QA (twentieth session): a name written to `resume` in two pieces was two restores (the
+    first to its first piece); and mkdir of a checkpoint of a shut-off machine answered ESRCH
+    with no input.rejected event saying why."""
+    mnt, tag = mounted["mnt"], mounted["tag"]
+    s = f"pieces-{tag}"
+    sess = mnt / "sessions" / s
+    os.mkdir(sess)
+    for name in ("p1", "p10"):
+        os.mkdir(sess / "checkpoints" / name)
+    n_events = len(events(mnt, s))
+    # `p` begins both names: nothing is done until the name is whole
+    res = subprocess.run(["bash", "-c", f"{{ printf p; printf '10\\n'; }} > '{sess}/resume'"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert (sess / "resume").read_text().startswith("ok p10")
+    begun = [e for e in events(mnt, s)[n_events:] if e["type"].startswith("restore.")]
+    assert [e["type"] for e in begun] == ["restore.begin", "restore.done"], begun
+    assert begun[0]["body"]["checkpoint"] == "p10", begun
+    assert json.loads((sess / "status").read_text())["running_from"] == f"{s}/p10"
+    # the shell hears of a name that is not there
+    res = subprocess.run(["bash", "-c", f"echo nosuch > '{sess}/resume'"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 1 and "No such file or directory" in res.stderr, res
+
+    # The machine shut off: a save is refused with ESRCH, and the log says why.
+    subprocess.run(["virsh", "destroy", f"ksfs-{s}"], check=True, capture_output=True)
+    n_events = len(events(mnt, s))
+    with pytest.raises(OSError) as err:
+        os.mkdir(sess / "checkpoints" / "while-off")
+    assert err.value.errno == errno.ESRCH, err.value
+    rejected = [e["body"] for e in events(mnt, s)[n_events:] if e["type"] == "input.rejected"]
+    assert len(rejected) == 1, rejected
+    assert rejected[0]["file"] == "checkpoints/while-off"
+    assert rejected[0]["value"] == "while-off"
+    assert f"the machine of session '{s}' is not running" in rejected[0]["why"], rejected
+    assert "while-off" not in os.listdir(sess / "checkpoints")

@@ -39,7 +39,9 @@ from ksfs.errors import (
     NoSuchFile,
     NotFound,
     NotPermitted,
+    NotRunning,
     ReadOnly,
+    StoppedWhileSaved,
 )
 from ksfs.fuse import guest as _guest_fs_dir  # noqa: F401  (registers fs/ under checkpoints)
 from ksfs.fuse.dirs import CheckpointDir, Root, SessionsDir
@@ -65,7 +67,10 @@ READERS_KEPT = 4  # readers kept for re-opens; each holds up to 32 MiB of decomp
 REFUSALS_EVERY = 1.0  # seconds between input.rejected events of one checkpoint's fs/
 
 # The refusals that are the user's bad input, worth an input.rejected event in the session.
-_REJECTIONS = (BadInput, NotFound, AlreadyExists, NotPermitted, ReadOnly)
+# NotRunning: a save (mkdir checkpoints/C) asked of a machine that is shut off or crashed;
+# it keeps its own errno, ESRCH (docs/mount.md, "Errors"). Not StoppedWhileSaved, its subclass:
+# a machine that stopped during a save was asked rightly, and the save has its own events.
+_REJECTIONS = (BadInput, NotFound, AlreadyExists, NotPermitted, ReadOnly, NotRunning)
 
 
 @dataclass
@@ -432,6 +437,8 @@ class CheckpointTree:
         try:
             return fn()
         except _REJECTIONS as exc:
+            if isinstance(exc, StoppedWhileSaved):
+                raise
             if self._tell_refusal(session, file):
                 self.keeper.reject(session, file, value, str(exc), **about)
             raise
