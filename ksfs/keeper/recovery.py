@@ -23,6 +23,17 @@ from ksfs.ledger import auto_checkpoint_name
 
 OPENERS = {"checkpoint.begin": ("checkpoint.published", "checkpoint.failed"),
            "restore.begin": ("restore.done", "restore.failed")}
+#: Events only a user's verb on the session writes: one after a ``session.removing`` means the
+#: user went on with the session after that removal was cut short, and one after a restore's
+#: ``restore.begin`` that it went on from the machine as it was. (Not the gateway's events, a
+#: guest's model calls; nor those recover writes, nor a restore's own reconcile.)
+USER_VERB_EVENTS = frozenset({"checkpoint.begin", "checkpoint.published", "restore.begin",
+                              "restore.done", "pause", "resume", "fork.created"})
+
+
+def _user_verb(ev: Any) -> bool:
+    # (a restore's own resume of a machine the user had paused names its restore: not one)
+    return ev.type in USER_VERB_EVENTS and not (ev.type == "resume" and ev.body.get("reason"))
 
 
 class Recovery:
@@ -95,6 +106,19 @@ class Recovery:
     def _recover_session(self, rec: Any, actions: list[str]) -> list[str]:
         """Mend one session; what was done is appended to ``actions`` as it is done."""
         removing = self._removal_begun(rec.name)
+        abandoned = self._removal_abandoned(rec.name)
+        if abandoned is not None:
+            # A plain `session rm` cut short, and the session used since (QA: a restore and a
+            # save after a killed rm were deleted by the next recover, with the machine):
+            # the user kept it. Said in its log, so no later removal or recover takes the old
+            # intent up again; the session is mended below like any other.
+            begun, used = abandoned
+            self.ledger.record(rec.name, "session.remove_failed", {
+                "reason": f"abandoned: the session was used after its removal was cut short "
+                          f"({used.type} at seq {used.seq})",
+                "removing_seq": begun.seq, "abandoned_at": used.seq})
+            actions.append(f"removal begun at seq {begun.seq} not finished: the session was "
+                           f"used after it ({used.type} at seq {used.seq}); removal abandoned")
         if removing is not None:
             # `session rm` was killed part way: finish it rather than bring the machine back.
             keep = bool(removing.body.get("keep_checkpoints"))
@@ -119,11 +143,22 @@ class Recovery:
                 actions.append(f"restore to {ev.body.get('checkpoint')} begun at seq {ev.seq} "
                                "had brought the machine back: finished")
             else:
-                restore_to = ev.body.get("checkpoint")
+                target = ev.body.get("checkpoint")
                 self.ledger.record(rec.name, "restore.failed",
-                                   {"checkpoint": restore_to, "reason": "interrupted (recovered)",
+                                   {"checkpoint": target, "reason": "interrupted (recovered)",
                                     "begin_seq": ev.seq})
-                actions.append(f"restore to {restore_to} begun at seq {ev.seq} marked failed")
+                went_on = self._went_on_after(rec.name, ev.seq)
+                if went_on is None:
+                    restore_to = target
+                    actions.append(f"restore to {target} begun at seq {ev.seq} marked failed")
+                else:
+                    # The user resumed, saved or restored after it (QA: a restore killed
+                    # before it touched the machine, then resume and a save; recover sent the
+                    # machine back to the killed restore's old target, not to that save).
+                    restore_to = None
+                    actions.append(f"restore to {target} begun at seq {ev.seq} marked failed "
+                                   f"(the session went on after it: {went_on.type} at seq "
+                                   f"{went_on.seq})")
         if not rec.domain:
             return actions
         # under the session lock: no verb of it is running
@@ -276,15 +311,45 @@ class Recovery:
         return True
 
     def _removal_begun(self, session: str) -> Any:
-        """The ``session.removing`` event of a removal that was killed: the session is still
-        listed and no ``session.remove_failed`` (a removal that failed and said so, after which
-        the session is the user's again) came after it. Other events after it (a model call the
-        guest finished as it went) do not count."""
-        last = None
-        for ev in self.ledger.events(session):
-            if ev.type in ("session.removing", "session.remove_failed"):
-                last = ev
-        return last if last is not None and last.type == "session.removing" else None
+        """The ``session.removing`` event of a removal that was killed and is still to be
+        finished: the session is still listed, no ``session.remove_failed`` (a removal that
+        failed and said so, after which the session is the user's again) came after it, and,
+        for a plain removal, no event of a user's verb on the session either (USER_VERB_EVENTS:
+        the user went on with it, see ``_removal_abandoned``). A release (``--release``) cut
+        short is finished whatever came after: its disks may be the user's files already.
+        Other events after it (a model call the guest finished as it went) do not count. Read
+        from the end of the log back to the last removal event."""
+        found = self._removal_scan(session)
+        return found[0] if found is not None and found[1] is None else None
+
+    def _removal_abandoned(self, session: str) -> tuple[Any, Any] | None:
+        """(the ``session.removing``, the first later event of a user's verb) of a plain
+        removal cut short that the user went on from, not yet said abandoned; else None."""
+        found = self._removal_scan(session)
+        return found if found is not None and found[1] is not None else None
+
+    def _removal_scan(self, session: str) -> tuple[Any, Any] | None:
+        used = None
+        for ev in self.ledger.events_backward(session):
+            if ev.type == "session.remove_failed":
+                return None
+            if ev.type == "session.removing":
+                if ev.body.get("release") is not None:
+                    return ev, None
+                return ev, used
+            if _user_verb(ev):
+                used = ev  # (going back: the first one after the removal, at the end)
+        return None
+
+    def _went_on_after(self, session: str, seq: int) -> Any:
+        """The last event of a user's verb after ``seq`` (the machine went on from what it was
+        then), or None."""
+        for ev in self.ledger.events_backward(session):
+            if ev.seq <= seq:
+                return None
+            if _user_verb(ev):
+                return ev
+        return None
 
     def _unreconciled_fork(self, rec: Any) -> bool:
         """A fork whose log has no reconcile yet (a fork writes it before its machine runs)."""
@@ -297,12 +362,12 @@ class Recovery:
         return first is not None and first.type == "session.adopted"
 
     def _paused_by_user(self, session: str) -> bool:
-        """True when the session's last pause/resume event is a ``pause``."""
-        last = None
-        for ev in self.ledger.events(session):
+        """True when the session's last pause/resume event is a ``pause`` (read from the end
+        of the log back)."""
+        for ev in self.ledger.events_backward(session):
             if ev.type in ("pause", "resume"):
-                last = ev.type
-        return last == "pause"
+                return ev.type == "pause"
+        return False
 
     def _last_good(self, session: str) -> str | None:
         """The checkpoint to bring a dead machine back to: the one its disks last were at (its
