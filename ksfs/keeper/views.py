@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ksfs.errors import IntegrityError, KsfsError
+from ksfs.errors import IntegrityError, KsfsError, NotFound
 from ksfs.keeper.activity import Activity
 from ksfs.keeper.holdings import ChunkHolders
 from ksfs.keeper.offline import is_disk_image
@@ -157,9 +157,33 @@ class Views:
             "seq": self.ledger.last_seq(session),
             "last_checkpoint": latest.name if latest else None,
             "running_from": held,
+            # (QA: running_from named a checkpoint deleted since, as if it were there)
+            "running_from_deleted": self._held_deleted(session, held),
             "parent": rec.parent.to_dict() if rec.parent else None,
             "doing": self.activity.of(session),
         }
+
+    def _held_deleted(self, session: str, held: str | None) -> bool | None:
+        """Whether the checkpoint ``held`` (running_from) was deleted since, or its name is now
+        a later checkpoint's; None when nothing is held."""
+        if held is None:
+            return None
+        from ksfs.keeper.machine import parse_label
+
+        try:
+            label = getattr(self.vm, "held_label", lambda s: None)(session)
+        except KsfsError:
+            label = None
+        parsed = parse_label(label) or parse_label(held)
+        if parsed is None:
+            return None
+        owner, name, lineage, seq = parsed
+        try:
+            rec = self.ledger.checkpoint(owner, name)
+            now = self.ledger.session(owner).lineage
+        except NotFound:  # the checkpoint, or its whole session, is gone
+            return True
+        return (seq is not None and rec.seq != seq) or (lineage is not None and now != lineage)
 
     def status_bytes(self, session: str) -> bytes:
         return _json_bytes(self.status(session))
