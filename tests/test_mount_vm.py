@@ -257,7 +257,12 @@ def test_resume_in_pieces_restores_once_and_a_stopped_machine_is_a_rejected_save
     begun = [e for e in events(mnt, s)[n_events:] if e["type"].startswith("restore.")]
     assert [e["type"] for e in begun] == ["restore.begin", "restore.done"], begun
     assert begun[0]["body"]["checkpoint"] == "p10", begun
-    assert json.loads((sess / "status").read_text())["running_from"] == f"{s}/p10"
+    status = json.loads((sess / "status").read_text())
+    assert status["running_from"] == f"{s}/p10" and status["running_from_deleted"] is False
+    # QA: running_from named a checkpoint deleted since as if it were there
+    os.rmdir(sess / "checkpoints" / "p10")
+    status = json.loads((sess / "status").read_text())
+    assert status["running_from"] == f"{s}/p10" and status["running_from_deleted"] is True
     # the shell hears of a name that is not there
     res = subprocess.run(["bash", "-c", f"echo nosuch > '{sess}/resume'"], capture_output=True,
                          text=True, timeout=60)
