@@ -258,6 +258,9 @@ def test_a_request_is_reckoned_within_bounds() -> None:
     assert estimated_tokens({"max_completion_tokens": 50, "n": 2}, 40) == (10, 100)
     assert estimated_tokens({"max_tokens": True}, 40) == (10, None)  # a bool is no cap
     assert estimated_tokens({}, 40) == (10, None)
+    # the gateway's completion reserve stands for a cap not given, times n too (QA F2)
+    assert estimated_tokens({"n": 3}, 40, 4096) == (10, 3 * 4096)
+    assert estimated_tokens({"max_tokens": 7}, 40, 4096) == (10, 7)
 
 
 def test_stream_usage_is_read_from_whole_events() -> None:

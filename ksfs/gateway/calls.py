@@ -139,17 +139,20 @@ CAP_MAX = 10**7  # a cap or n beyond any model's is reckoned at this (and never 
 USAGE_MAX = 10**9
 
 
-def estimated_tokens(obj: dict[str, Any], body_bytes: int) -> tuple[int, int | None]:
+def estimated_tokens(obj: dict[str, Any], body_bytes: int, default_cap: int | None = None
+                     ) -> tuple[int, int | None]:
     """(prompt, completion) tokens a call may cost, reckoned from its request before it is
-    bought: the prompt from the body's size, the completion from its own cap (times ``n``);
-    completion None when the request sets no cap (it may generate any number). Only for
+    bought: the prompt from the body's size, the completion from its own cap, else
+    ``default_cap`` (the gateway's completion reserve), times ``n``; completion None when the
+    request sets no cap and there is no default (it may generate any number). Only for
     holding back purchases; never counted as usage."""
     prompt = body_bytes // BYTES_PER_TOKEN
 
     def whole(v: Any) -> int | None:
         return min(v, CAP_MAX) if isinstance(v, int) and not isinstance(v, bool) else None
 
-    cap = next((c for k in COMPLETION_CAPS if (c := whole(obj.get(k))) is not None), None)
+    cap = next((c for k in COMPLETION_CAPS if (c := whole(obj.get(k))) is not None),
+               default_cap)
     if cap is None:
         return prompt, None
     n = whole(obj.get("n")) or 1

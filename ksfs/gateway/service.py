@@ -333,9 +333,9 @@ class Gateway:
         # and in the store: GatewayStore.begin_purchase): its prompt, reckoned from the JSON
         # request's size, and its completion cap, or the default reserve when it sets none
         # (QA F2: its prompt alone, no bound of what it may generate, let concurrent calls
-        # spend about 5x the budget).
-        prompt, completion = estimated_tokens(obj, prompt_bytes)
-        if completion is None:
+        # spend about 5x the budget); either times its "n".
+        prompt, completion = estimated_tokens(obj, prompt_bytes, self.completion_reserve)
+        if completion is None:  # (never: there is a default cap)
             completion = self.completion_reserve
         est_usd, priced = self.prices.cost(model, prompt, completion)
         order = Order(route, headers, body, model, stream, digest,
