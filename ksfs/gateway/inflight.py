@@ -127,7 +127,7 @@ class StreamThrough:
             with trio.CancelScope(shield=True), trio.move_on_after(STOP_SEND_S):
                 try:
                     await send({"type": "http.response.body", "more_body": False,
-                                "body": b"data: " + stopped_reply().body + b"\n\n"})
+                                "body": _stop_event(call.chunks[:sent])})
                 except Exception:  # noqa: BLE001 - the connection is going: nothing to add
                     pass
             raise
@@ -136,7 +136,7 @@ class StreamThrough:
             # event, not cut off mid-way with nothing said (QA F12). The withheld chunk is
             # not sent: it is not stored.
             await send({"type": "http.response.body", "more_body": False,
-                        "body": b"data: " + stopped_reply().body + b"\n\n"})
+                        "body": _stop_event(call.chunks[:sent])})
             return
         done = b"".join(call.chunks[:sent])
         if call.stored is not None and call.stored.body.startswith(done):
@@ -191,3 +191,12 @@ def stopped_reply() -> Reply:
 
 
 STOP_SEND_S = 0.5  # how long a stream cut by a stop may take to be told so
+
+
+def _stop_event(sent: list[bytes]) -> bytes:
+    """The gateway's stop as a stream's last event, after a blank line when what was sent
+    did not end with one (a piece may end mid-event)."""
+    event = b"data: " + stopped_reply().body + b"\n\n"
+    if sent and not sent[-1].endswith((b"\n\n", b"\r\n\r\n")):
+        event = b"\n\n" + event
+    return event
