@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Container, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -56,19 +56,22 @@ _UNSET: Any = object()
 
 
 _TYPE_KEY = b',"type":"'
+_SCAN = 4096  # events looked at in one read transaction (at most _BATCH of them kept)
 
 
-def _typed(raw: bytes, types: Container[str]) -> bool:
-    """Whether a stored event is of one of ``types``, read from the end of its value: values
-    are compact JSON with sorted keys, so ``"type"`` is the last key (body, time, type), and
-    an event type is plain text. True (decode it) when the value is not of that form."""
-    i = raw.rfind(_TYPE_KEY)
-    if i < 0 or not raw.endswith(b'"}'):
-        return True
-    try:
-        return raw[i + len(_TYPE_KEY):-2].decode("ascii") in types
-    except UnicodeDecodeError:
-        return True
+class _Types:
+    """Which stored events a scan decodes, told from the end of their value: values are
+    compact JSON with sorted keys, so ``"type"`` is the last key (body, time, type) and a value
+    of type T ends with ``,"type":"T"}``. One that does not end like any event's is kept too
+    (decoded, it raises when damaged). The scans test it inline (it runs for every event)."""
+
+    def __init__(self, types: Iterable[str]) -> None:
+        self.ends = tuple(b',"type":"' + t.encode() + b'"}' for t in types)
+
+    @classmethod
+    def of(cls, types: Iterable[str] | None) -> _Types | None:
+        return None if types is None else cls(types)
+
 
 
 def _check_seq(seq: Any, what: str) -> None:
@@ -442,7 +445,7 @@ class Ledger(CheckpointMethods):
             yield decode_event(seq, raw)
 
     def events_backward(self, session: str, before: int | None = None,
-                        types: Container[str] | None = None) -> Iterator[Event]:
+                        types: Iterable[str] | None = None) -> Iterator[Event]:
         """The session's events with seq < ``before`` (all when None), newest first, in
         batches of short read txns: for readers that want the last event of a kind and stop
         there, without reading a long log from its start. ``types``: only events of these
@@ -450,68 +453,94 @@ class Ledger(CheckpointMethods):
         if before is not None:
             _check_seq(before, "before")
         lin = K.lineage_bytes(self.session(session).lineage)
-        for seq, raw in self._raw_backward(lin, before):
-            if types is None or _typed(raw, types):
-                yield decode_event(seq, raw)
+        for seq, raw in self._raw_backward(lin, before, _Types.of(types)):
+            yield decode_event(seq, raw)
 
-    def events_of(self, session: str, types: Container[str], since: int = 0
+    def events_of(self, session: str, types: Iterable[str], since: int = 0
                   ) -> Iterator[Event]:
         """The session's events of the given types with seq >= ``since``, in order. Only those
-        are decoded: the others' types are read from the end of their stored value (its last
+        are decoded: the others' types are read off the end of their stored value (its last
         key), so a log of 300,000 model calls is looked through for a few restores in a
         fraction of the time decoding it takes. A value whose type cannot be read so is
         decoded (and raises when damaged)."""
         _check_seq(since, "--since")
         lin = K.lineage_bytes(self.session(session).lineage)
-        for seq, raw in self._raw_events(lin, since):
-            if _typed(raw, types):
-                yield decode_event(seq, raw)
+        for seq, raw in self._raw_events(lin, since, types=_Types.of(types)):
+            yield decode_event(seq, raw)
 
-    def _raw_events(self, lin: bytes, since: int = 0, until: int | None = None
-                    ) -> Iterator[tuple[int, bytes]]:
+    def _raw_events(self, lin: bytes, since: int = 0, until: int | None = None,
+                    types: _Types | None = None) -> Iterator[tuple[int, bytes]]:
         """(seq, stored value) of a lineage's events with since <= seq (<= until), in order,
-        in batches of short read txns."""
+        in batches of short read txns; with ``types``, only the values it keeps."""
         nxt = since
-        while until is None or nxt <= until:
+        end = K.prefix_end(lin)
+        ends = None if types is None else types.ends
+        last = None if until is None else K.event_key_raw(lin, until)
+        while True:
             batch: list[tuple[int, bytes]] = []
+            scanned = 0
+            key = None
             with self._read(None) as t:
                 cur = t.cursor(db=self._events)
-                if cur.set_range(K.event_key_raw(lin, nxt)):
-                    for k, v in cur:
-                        klin, seq = K.split_event_key(bytes(k))
-                        if klin != lin or (until is not None and seq > until):
-                            break
-                        batch.append((seq, bytes(v)))
-                        if len(batch) >= _BATCH:
-                            break
+                if not cur.set_range(K.event_key_raw(lin, nxt)):
+                    return
+                for k, v in cur:
+                    if (end is not None and k >= end) or k[: K.LINEAGE_BYTES] != lin \
+                            or (last is not None and k > last):
+                        key = None
+                        break
+                    key = k
+                    # of these types, or not of the form (another type's: its type key near
+                    # the end, the value closed after it)
+                    if ends is None or v.endswith(ends) or not (
+                            v.endswith(b'"}') and v.rfind(_TYPE_KEY, -120) >= 0):
+                        batch.append((K.split_event_key(k)[1], v))
+                    scanned += 1
+                    if scanned >= _SCAN or len(batch) >= _BATCH:
+                        break
+                else:
+                    key = None
             yield from batch
-            if len(batch) < _BATCH:
+            if key is None:
                 return
-            nxt = batch[-1][0] + 1
+            nxt = K.split_event_key(key)[1] + 1
 
-    def _raw_backward(self, lin: bytes, before: int | None) -> Iterator[tuple[int, bytes]]:
+    def _raw_backward(self, lin: bytes, before: int | None, types: _Types | None = None
+                      ) -> Iterator[tuple[int, bytes]]:
         """(seq, stored value) of a lineage's events with seq < ``before`` (all when None),
-        newest first, in batches of short read txns."""
+        newest first, in batches of short read txns; with ``types``, only those it keeps."""
         hi = before
+        ends = None if types is None else types.ends
         while hi is None or hi > 0:
             batch: list[tuple[int, bytes]] = []
+            scanned = 0
+            key = None
             with self._read(None) as t:
                 cur = t.cursor(db=self._events)
                 bound = K.prefix_end(lin) if hi is None else K.event_key_raw(lin, hi)
                 # the last key below the bound: the one before it, or the db's last
                 moved = cur.prev() if bound is not None and cur.set_range(bound) else cur.last()
-                while moved:
-                    k = bytes(cur.key())
+                if not moved:
+                    return
+                for k, v in cur.iterprev():
                     if k[: K.LINEAGE_BYTES] != lin:
+                        key = None
                         break
-                    batch.append((K.split_event_key(k)[1], bytes(cur.value())))
-                    if len(batch) >= _BATCH:
+                    key = k
+                    # of these types, or not of the form (another type's: its type key near
+                    # the end, the value closed after it)
+                    if ends is None or v.endswith(ends) or not (
+                            v.endswith(b'"}') and v.rfind(_TYPE_KEY, -120) >= 0):
+                        batch.append((K.split_event_key(k)[1], v))
+                    scanned += 1
+                    if scanned >= _SCAN or len(batch) >= _BATCH:
                         break
-                    moved = cur.prev()
+                else:
+                    key = None
             yield from batch
-            if len(batch) < _BATCH:
+            if key is None:
                 return
-            hi = batch[-1][0]
+            hi = K.split_event_key(key)[1]
 
     def stats(self, txn: lmdb.Transaction | None = None) -> dict[str, int]:
         """Counts: sessions, lineages (removed ones too), events, checkpoints."""
