@@ -196,6 +196,19 @@ async def test_a_provider_header_with_no_latin1_form_reaches_the_guest(store, le
     assert (u["paid_calls"], u["replays"]) == (2, 2) and odd.count == 2
 
 
+async def test_a_guest_header_with_no_ascii_form_goes_upstream_as_sent(gw, provider, nursery):
+    """The same on the way up: httpx encodes a text header value as ASCII, so a guest's UTF-8
+    header (its bytes, each a Latin-1 character here) failed the purchase with a 500."""
+    port = await nursery.start(gw.serve_session, "s1")
+    note = "café 東京".encode()
+    r = await call(port, chat_body("a note", model="test-model"), headers={"x-note": note})
+    assert r.status_code == 200, r.text
+    async with client(port) as c:
+        assert (await c.get("/v1/models", headers={"x-note": note})).status_code == 200
+    # (http.server reads header bytes as Latin-1)
+    assert [q.headers["x-note"].encode("latin-1") for q in provider.requests] == [note] * 2
+
+
 # --- F3: the key echoed in headers -------------------------------------------------------------
 
 

@@ -150,7 +150,9 @@ class Upstream:
         return self.base_url + path + (("?" + query.decode("latin-1")) if query else "")
 
     def outgoing(self, guest: Iterable[tuple[str, str]], identity: bool = False) -> Headers:
-        """The headers sent upstream: the guest's, less hop-by-hop and secrets, plus our key."""
+        """The headers sent upstream: the guest's, less hop-by-hop and secrets, plus our key.
+        They go as bytes (``encode_headers``): the guest's as it sent them (httpx would encode
+        a text value as ASCII, and a guest's UTF-8 header was a 500)."""
         drop = HOP_BY_HOP | GUEST_ONLY | ({"accept-encoding"} if identity else frozenset())
         out = keep_headers(guest, drop)
         if identity:
@@ -176,7 +178,7 @@ class Upstream:
             with trio.fail_after(self.timeout):
                 async with self.client.stream(
                     method, self.url(path, query),
-                    headers=self.outgoing(guest_headers, identity=True),
+                    headers=encode_headers(self.outgoing(guest_headers, identity=True)),
                     content=body,
                 ) as resp:
                     # The key masked wherever it could travel back: what the guest gets,
@@ -219,7 +221,8 @@ class Upstream:
                           body: bytes, send) -> None:
         """Forward one request and stream the answer back to the ASGI ``send`` unchanged."""
         req = self.client.build_request(method, self.url(path, query),
-                                        headers=self.outgoing(guest_headers), content=body)
+                                        headers=encode_headers(self.outgoing(guest_headers)),
+                                        content=body)
         try:
             resp = await self.client.send(req, stream=True)
         except httpx.TimeoutException:
