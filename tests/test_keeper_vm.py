@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from ksfs.keeper.machine import label_name  # SESSION/NAME of a root's SESSION/NAME/LINEAGE:SEQ
 from tests.cli_helpers import KSFS, guest_dir, ksfs, ksfs_on_terminal, remove_sessions, virsh
 
 pytestmark = pytest.mark.vm
@@ -526,7 +527,7 @@ def test_saves_of_a_paused_machine_keep_it_paused(env, agent: str) -> None:
             assert virsh("domstate", dom).stdout.strip() == "paused"
             # flattened as after any save: the root, holding this checkpoint, under one overlay
             state = json.loads((vmdir / "state.json").read_text())["disks"]["vda"]
-            assert state["base_checkpoint"] == f"{agent}/{name}"
+            assert label_name(state["base_checkpoint"]) == f"{agent}/{name}"
             chain = chain_of(dom)
             assert chain[1:] == [state["root"]], chain
             assert [str(p) for p in vmdir.glob("*.qcow2")] == chain[:1]
@@ -1027,7 +1028,7 @@ def test_restore_killed_after_libvirt_took_its_files_is_finished_by_recover(
     # hundreds of MB of a killed verb's staging stayed until the next save or restore)
     assert not list((Path(store) / "vm" / agent / "staging").glob("restore-*"))
     roots = {d["root"] for d in state["disks"].values()}
-    assert {d["base_checkpoint"] for d in state["disks"].values()} == {f"{agent}/{cp}"}
+    assert {label_name(d["base_checkpoint"]) for d in state["disks"].values()} == {f"{agent}/{cp}"}
     persistent = virsh("dumpxml", "--inactive", f"ksfs-{agent}").stdout
     for root in roots:  # the definition names the overlays on the new roots, not the old
         assert Path(root).exists()
@@ -1521,7 +1522,7 @@ def test_a_save_killed_after_its_commit_leaves_later_checkpoints_whole(env, agen
               env=dict(e, KSFS_CRASH_AT="vm.flatten.done"))
     assert res.returncode == -signal.SIGKILL
     state = json.loads((store / "vm" / agent / "state.json").read_text())
-    assert state["disks"]["vda"]["committing"]["label"] == f"{agent}/folded"
+    assert label_name(state["disks"]["vda"]["committing"]["label"]) == f"{agent}/folded"
     time.sleep(3)
     run(store, "pause", agent, env=e)
     try:
@@ -1541,7 +1542,7 @@ def test_a_save_killed_after_its_commit_leaves_later_checkpoints_whole(env, agen
     finally:
         run(store, "resume", agent, env=e)
     state = json.loads((store / "vm" / agent / "state.json").read_text())
-    assert state["disks"]["vda"]["base_checkpoint"] == f"{agent}/after-fold"
+    assert label_name(state["disks"]["vda"]["base_checkpoint"]) == f"{agent}/after-fold"
     assert not state["disks"]["vda"].get("committing")
 
 
