@@ -698,3 +698,35 @@ def test_a_call_in_flight_when_the_gateway_is_killed_is_counted_at_the_next_star
 def post_raw(port: int, body: dict) -> httpx.Response:
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as c:
         return c.post(CHAT, json=body)
+
+
+async def test_two_gateways_on_one_store_see_each_others_calls_in_flight(
+        store, ledger, provider, prices_file, nursery):
+    """QA F2, the rest of it: the gate was per process, so the daemon and a standalone gateway
+    on one store each spent up to the budget beside the other. Each now counts what the other
+    recorded in flight (GatewayStore.begin_purchase) as in flight too."""
+    gws = [Gateway(store, ledger, provider.url, prices_file, api_key=MARKER_KEY, timeout=10)
+           for _ in range(2)]
+    ports = [await nursery.start(g.serve_session, "s1") for g in gws]
+    gws[0].set_budget("s1", tokens=300)
+    provider.words = ["long"] * 100  # 2 + 100 tokens a call; reserved at 4096 uncapped
+    provider.delay = 1.0
+    replies: list[httpx.Response] = []
+
+    async def one(port: int, text: str) -> None:
+        replies.append(await call(port, chat_body(text, model="test-model")))
+
+    async with trio.open_nursery() as calls:
+        calls.start_soon(one, ports[0], "first, through one")
+        with trio.fail_after(5):
+            while provider.active == 0:
+                await trio.sleep(0.01)
+        # The other gateway's call waits for the first to land, then goes: 102 + 102 < 300.
+        calls.start_soon(one, ports[1], "second, through the other")
+        await trio.sleep(0.5)
+        assert provider.active == 1 and provider.count() == 1
+    assert [r.status_code for r in replies] == [200, 200]
+    assert provider.most_active == 1 and provider.count() == 2
+    # Nothing is left recorded in flight once both landed.
+    assert gws[0].db.pending() == [] and gws[1].db.reserved_elsewhere(
+        ledger.session("s1").lineage) == (0, 0, 0.0, 0)

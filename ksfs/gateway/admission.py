@@ -17,11 +17,14 @@ which is no bound of what it may generate: concurrent calls spent about 5x the b
 is promised is exactly: spending ends past a budget only by (1) the one call that started alone,
 nothing else of its lineage in flight, with less than its reservation left (by at most its own
 cost), and (2) what a call costs beyond its reservation (a call with no cap that generates more
-than the default reserve, a prompt of more than one token per 4 bytes of request). The gate is
-per process: a standalone ``ksfs gateway`` beside the daemon does not see the daemon's calls in
-flight. Without a budget nothing is held back. A purchase held back waits (the guest's request
-stays open) until one in flight ends, then is checked again, and refused with 402 if the budget
-is then used up.
+than the default reserve, a prompt of more than one token per 4 bytes of request). Other
+gateways on the same store (the daemon and a standalone ``ksfs gateway``) are seen through the
+purchases they record before making them (``GatewayStore.begin_purchase``): what those reserve
+counts as in flight here too (``Elsewhere``), and a purchase that does not fit beside them
+waits, looking again every ELSEWHERE_POLL_S; only a purchase recorded in the moment
+(milliseconds) between another gateway's admission and its record is not seen. Without a budget
+nothing is held back. A purchase held back waits (the guest's request stays open) until one in
+flight ends, then is checked again, and refused with 402 if the budget is then used up.
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ class Reckoning:
 
     tokens: int | None
     usd: float | None
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """Purchases of a lineage that other gateways on the store (another process: the daemon
+    beside a standalone ``ksfs gateway``) have recorded in flight, and what they reserved."""
+
+    calls: int = 0
+    tokens: int = 0
+    usd: float = 0.0
 
 
 @dataclass
@@ -77,14 +90,18 @@ class BudgetGate:
         return Reckoning(t, u)
 
     def may_start(self, lineage: str, budget: dict[str, Any] | None,
-                  used: dict[str, Any], new: Reckoning) -> bool:
-        """Whether a new purchase fits beside those in flight (``used`` is what is spent)."""
-        state = self._lineages.get(lineage)
-        if budget is None or state is None or state.flying == 0:
+                  used: dict[str, Any], new: Reckoning,
+                  elsewhere: Elsewhere | None = None) -> bool:
+        """Whether a new purchase fits beside those in flight (``used`` is what is spent):
+        this gateway's, and ``elsewhere``, those other gateways on the store recorded."""
+        state = self._lineages.get(lineage) or _Lineage()
+        others = elsewhere or Elsewhere()
+        if budget is None or (state.flying == 0 and others.calls == 0):
             return True
         for kind, reckoned, flying, unknown in (
-                ("tokens", new.tokens, state.flying_tokens, state.unknown_tokens),
-                ("usd", new.usd, state.flying_usd, state.unknown_usd)):
+                ("tokens", new.tokens, state.flying_tokens + others.tokens,
+                 state.unknown_tokens),
+                ("usd", new.usd, state.flying_usd + others.usd, state.unknown_usd)):
             if budget.get(kind) is None:
                 continue
             if reckoned is None or unknown:
@@ -92,6 +109,10 @@ class BudgetGate:
             if used[kind] + flying + reckoned > budget[kind]:
                 return False
         return True
+
+    def flying(self, lineage: str) -> int:
+        state = self._lineages.get(lineage)
+        return state.flying if state is not None else 0
 
     async def wait_for_landing(self, lineage: str) -> None:
         """Until a purchase of ``lineage`` in flight ends (at once when none is)."""

@@ -27,7 +27,7 @@ import hypercorn.trio
 import trio
 
 from ksfs.errors import BadInput
-from ksfs.gateway.admission import BudgetGate, Reckoning
+from ksfs.gateway.admission import BudgetGate, Elsewhere, Reckoning
 from ksfs.gateway.app import asgi_app
 from ksfs.gateway.calls import (
     CAP_MAX,
@@ -93,6 +93,7 @@ KEEP_ALIVE_S = 5.0  # hypercorn's own default
 MAX_CONNECTIONS = 256
 DEFAULT_TIMEOUT = 300.0
 DRAIN_POLL_S = 0.02
+ELSEWHERE_POLL_S = 0.25  # how often a purchase held back by another gateway's looks again
 STOP_DRAIN_S = 30.0  # how long a stop waits for calls in flight to be stored
 API_KEY_ENV = ("KSFS_UPSTREAM_API_KEY", "OPENAI_API_KEY")
 
@@ -197,6 +198,7 @@ class Gateway:
         self._inflight: dict[bytes, Call] = {}
         self._gate = BudgetGate()
         self.stopping = False  # set by drain(): no new purchase starts
+        self._settling = False  # a settle_lost under way
         self.answering = 0  # paid requests being answered (the app counts them)
 
     def __repr__(self) -> str:  # never show the key
@@ -252,6 +254,17 @@ class Gateway:
         for call in list(self._inflight.values()):
             call.abort()
 
+    async def _settle_lost(self) -> None:
+        """Count the purchases gateways killed under them left recorded (QA F7)."""
+        self._settling = True
+        try:
+            lost = await trio.to_thread.run_sync(self.db.settle_lost)
+        finally:
+            self._settling = False
+        if lost:
+            log.warning("counted %d call(s) a gateway that stopped under them had made, at "
+                        "what each was reserved at", lost)
+
     async def serve_session(self, session: str, port: int = 0, host: str = "127.0.0.1", *,
                             token: str | None = None,
                             task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
@@ -269,10 +282,7 @@ class Gateway:
                            "free one")
         self.db.view(session)  # NoSuchSession now, not on the first call
         # Purchases a gateway killed under them left recorded: counted now (QA F7).
-        lost = await trio.to_thread.run_sync(self.db.settle_lost)
-        if lost:
-            log.warning("counted %d call(s) a gateway that stopped under them had made, at "
-                        "what each was reserved at", lost)
+        await self._settle_lost()
         if session in self.ports:
             raise BadInput(f"session {session!r} is already served on port {self.ports[session]}")
         config = hypercorn.config.Config()
@@ -366,9 +376,24 @@ class Gateway:
                             ksfs_headers(key, "refused"))
                 held = self._gate.reckon(view.lineage, prompt + completion,
                                          est_usd if priced else None)
-                if not self._gate.may_start(view.lineage, budget, used, held):
+                elsewhere = Elsewhere()
+                if budget is not None:
+                    # Other gateways' purchases in flight on this lineage (QA F2: the gate saw
+                    # only its own process's), and any a dead one left, to be counted now.
+                    calls, tokens, usd, lost = self.db.reserved_elsewhere(view.lineage)
+                    elsewhere = Elsewhere(calls, tokens, usd)
+                    if lost and not self._settling:
+                        served.nursery.start_soon(self._settle_lost)
+                if not self._gate.may_start(view.lineage, budget, used, held, elsewhere):
                     # Calls in flight may spend what is left: wait for one, then look again.
-                    await self._gate.wait_for_landing(view.lineage)
+                    if elsewhere.calls:  # (another gateway's end is not signalled here)
+                        with trio.move_on_after(ELSEWHERE_POLL_S):
+                            if self._gate.flying(view.lineage):
+                                await self._gate.wait_for_landing(view.lineage)
+                            else:
+                                await trio.sleep_forever()
+                    else:
+                        await self._gate.wait_for_landing(view.lineage)
                     continue
                 call = self._inflight[ikey] = Call(digest=digest)
                 mine = True

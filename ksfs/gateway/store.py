@@ -175,6 +175,9 @@ class GatewayStore:
         # counted since without an event of their own): see record_refusal
         self._refused: dict[tuple[str, bytes, str], tuple[float, int]] = {}
         self._refused_lock = threading.Lock()
+        # This gateway's own name in the purchases it records: another GatewayStore (another
+        # gateway, in this process or another) tells them from its own by it.
+        self.instance = secrets.token_hex(8)
 
     def _open_dbs(self, create: bool) -> None:
         if create and self.env.flags().get("readonly"):
@@ -454,7 +457,8 @@ class GatewayStore:
         rec = {"session": session, "model": _cut(model, MODEL_CHARS),
                "path": _cut(path, PATH_CHARS), "prompt_tokens": prompt_tokens,
                "completion_tokens": completion_tokens, "cost_usd": cost, "priced": priced,
-               "owner": _this_process(), "created": time.time()}
+               "owner": {**_this_process(), "gateway": self.instance},
+               "created": time.time()}
         with self._write() as txn:
             txn.put(lineage_bytes(lineage) + key + purchase,
                     json.dumps(rec, separators=(",", ":")).encode("utf-8"), db=self._pending)
@@ -475,6 +479,39 @@ class GatewayStore:
                 out.append((k[:LINEAGE_BYTES].hex(), k[LINEAGE_BYTES:-PURCHASE_ID_BYTES],
                             k[-PURCHASE_ID_BYTES:], rec))
             return out
+
+    def reserved_elsewhere(self, lineage: str) -> tuple[int, int, float, int]:
+        """(calls, tokens, USD, lost) of the purchases of ``lineage`` other gateways recorded
+        and have not settled: those of live processes counted, ``lost`` those whose process
+        is gone (for ``settle_lost``). Synchronous and small: read on the gateway's loop
+        like ``spending``."""
+        if not self._ready() or self._pending is None:
+            return 0, 0, 0.0, 0
+        prefix = lineage_bytes(lineage)
+        calls = tokens = lost = 0
+        usd = 0.0
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self._pending)
+            if not cur.set_range(prefix):
+                return 0, 0, 0.0, 0
+            for k, v in cur:
+                if not bytes(k).startswith(prefix):
+                    break
+                try:
+                    rec = json.loads(bytes(v).decode("utf-8"))
+                    owner = rec.get("owner")
+                    if isinstance(owner, dict) and owner.get("gateway") == self.instance:
+                        continue  # this gateway's own: its gate counts them
+                    if not _alive(owner):
+                        lost += 1
+                        continue
+                    calls += 1
+                    tokens += int(rec.get("prompt_tokens", 0)) + int(
+                        rec.get("completion_tokens", 0))
+                    usd += float(rec.get("cost_usd", 0.0))
+                except (ValueError, TypeError, AttributeError):
+                    lost += 1  # (damaged: settle_lost says so)
+        return calls, tokens, usd, lost
 
     def settle_lost(self) -> int:
         """Count every purchase recorded by a process that is gone, at its reservation: a
