@@ -50,8 +50,10 @@ class GuestNode(Node):
     ino_from_key = True
 
     def __init__(self, cp: CheckpointDir, st: Any) -> None:
-        # Node's own constructor: StoredFile's (a later base of GuestFile) takes other arguments.
-        Node.__init__(self, cp.keeper, ("guest", cp.lineage, cp.seq, st.ino), cp.session)
+        # What Node's own constructor sets (StoredFile's, a later base of GuestFile, takes other
+        # arguments), by hand: one is made for every entry of a listing.
+        self.keeper, self.session = cp.keeper, cp.session
+        self.key = ("guest", cp.lineage, cp.seq, st.ino)
         self.cp, self.st = cp, st
         self.mtime = st.mtime_ns / 1e9
 
@@ -77,11 +79,14 @@ class GuestNode(Node):
         return self.fs.getxattr_ino(self.st.ino, name)
 
     def attr(self) -> Attr:
+        # made for every entry of a listing: the bits by hand, blocks as blocks() says them
         st = self.st
-        return Attr(stat.S_ISDIR(st.mode), stat.S_IMODE(st.mode), st.size, self.blocks(st.size),
-                    self.mtime, self.entry_timeout, self.attr_timeout, kind=stat.S_IFMT(st.mode),
-                    uid=st.uid, gid=st.gid, nlink=st.nlink,
-                    times_ns=(st.atime_ns, st.mtime_ns, st.ctime_ns), rdev=st.rdev)
+        kind = st.mode & 0o170000
+        size = st.size
+        return Attr(kind == stat.S_IFDIR, st.mode & 0o7777, size,
+                    (1 if size > 0 else 0) if kind == stat.S_IFREG else 0,
+                    self.mtime, self.entry_timeout, self.attr_timeout, kind,
+                    st.uid, st.gid, st.nlink, (st.atime_ns, st.mtime_ns, st.ctime_ns), st.rdev)
 
 
 class GuestDir(GuestNode, Dir):

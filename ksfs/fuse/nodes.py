@@ -26,8 +26,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ksfs.errors import (
     BadInput,
@@ -50,9 +49,12 @@ DIR_MODE = 0o755
 FILE_MODE = 0o444
 RESUME_MODE = 0o644
 
-@dataclass(frozen=True)
-class Attr:
-    """What the kernel is told about a node; the FUSE layer turns it into EntryAttributes."""
+class Attr(NamedTuple):
+    """What the kernel is told about a node; the FUSE layer turns it into EntryAttributes.
+
+    A NamedTuple, not a frozen dataclass: one is made for every entry of a listing (a guest
+    directory may hold millions), and a frozen dataclass's __init__ sets each of its twelve
+    fields through object.__setattr__ (about 3x the cost)."""
 
     is_dir: bool
     mode: int

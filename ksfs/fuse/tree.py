@@ -27,8 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ksfs.errors import (
     AlreadyExists,
@@ -73,9 +72,8 @@ REFUSALS_EVERY = 1.0  # seconds between input.rejected events of one checkpoint'
 _REJECTIONS = (BadInput, NotFound, AlreadyExists, NotPermitted, ReadOnly, NotRunning)
 
 
-@dataclass
-class Entry:
-    """A directory entry as listed: name, inode and attributes."""
+class Entry(NamedTuple):
+    """A directory entry as listed: name, inode and attributes (one per entry of a listing)."""
 
     name: str
     ino: int
@@ -238,22 +236,26 @@ class CheckpointTree:
         self._lock = threading.Lock()
         self._ino_of: dict[tuple, int] = {}
         self._nodes: dict[int, Node] = {}
+        # Names from the root of ksfs's own nodes; a guest file (forgettable: a disk may hold
+        # millions) keeps only its parent's inode and its name, its path made when asked.
         self._paths: dict[int, tuple[str, ...]] = {}
+        self._parent_of: dict[int, tuple[int, str]] = {}
         self._lookups: dict[int, int] = {}  # forgettable inode -> times the kernel was told
         self._next_ino = ROOT_INODE
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._readers: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._told: dict[tuple[str, str], float] = {}  # (session, checkpoint) -> last fs/ refusal
-        self._intern(Root(keeper), ())
+        self._intern(Root(keeper), None, "")
 
     # --- inodes -------------------------------------------------------------------------------
 
-    def _intern(self, node: Node, path: tuple[str, ...], counted: bool = False) -> int:
-        """The inode of ``node`` (a new number for a node not known yet). ``counted``: the
-        kernel is being told of it (a lookup's or readdir's reply): one more it must forget."""
+    def _intern(self, node: Node, parent: int | None, name: str, counted: bool = False) -> int:
+        """The inode of ``node``, named ``name`` in directory ``parent`` (None: the root), a new
+        number for a node not known yet. ``counted``: the kernel is being told of it (a
+        lookup's or readdir's reply): one more it must forget."""
         with self._lock:
-            ino = self._intern_locked(node, path)
+            ino = self._intern_locked(node, parent, name)
             if counted:
                 self._count_locked(ino, node)
             return ino
@@ -276,16 +278,20 @@ class CheckpointTree:
                 return
             del self._nodes[ino]
             self._paths.pop(ino, None)
+            self._parent_of.pop(ino, None)
             if self._ino_of.get(node.key) == ino:
                 del self._ino_of[node.key]
 
-    def _intern_locked(self, node: Node, path: tuple[str, ...]) -> int:
+    def _intern_locked(self, node: Node, parent: int | None, name: str) -> int:
         ino = self._ino_of.get(node.key)
         if ino is None:
             ino = self._new_ino(node)
             self._ino_of[node.key] = ino
             self._nodes[ino] = node
-            self._paths[ino] = path
+            if node.forgettable and parent is not None:
+                self._parent_of[ino] = (parent, name)
+            else:
+                self._paths[ino] = () if parent is None else self._path(parent) + (name,)
         else:
             old = self._nodes[ino]
             # Keep the node already known (it holds what was loaded for it), adding a record
@@ -328,8 +334,24 @@ class CheckpointTree:
             # not guest files (a StoredFile subclass): their blocks are the guest's own
             return [ino for ino, node in self._nodes.items() if type(node) is StoredFile]
 
+    def _path(self, ino: int) -> tuple[str, ...]:
+        """The names from the root to ``ino`` (empty for the root, and for an inode not known)."""
+        path = self._paths.get(ino)
+        if path is not None:
+            return path
+        names: list[str] = []
+        while True:
+            link = self._parent_of.get(ino)
+            if link is None:
+                return ()
+            ino, name = link
+            names.append(name)
+            path = self._paths.get(ino)
+            if path is not None:
+                return path + tuple(reversed(names))
+
     def path(self, ino: int) -> str:
-        return "/".join(self._paths.get(ino, ()))
+        return "/".join(self._path(ino))
 
     def _dir(self, ino: int) -> Dir:
         node = self.node(ino)
@@ -345,7 +367,7 @@ class CheckpointTree:
             if name == ".":
                 entry = Entry(name, parent, self.attr(parent))
             else:
-                entry = self._walk(self._paths.get(parent, ())[:-1], name)
+                entry = self._walk(self._path(parent)[:-1], name)
             if counted:
                 with self._lock:
                     node = self._nodes.get(entry.ino)
@@ -360,7 +382,7 @@ class CheckpointTree:
                 # Nothing the ledger keeps has such a name (a guest's own files may: fs/).
                 raise NoSuchFile(what="entry", name=repr(name)) from None
         node = pdir.lookup(name)
-        ino = self._intern(node, self._paths[parent] + (name,), counted)
+        ino = self._intern(node, parent, name, counted)
         try:
             # the node already known holds what was loaded for it (a forgotten one: this one)
             return Entry(name, ino, self._nodes.get(ino, node).attr())
@@ -380,10 +402,9 @@ class CheckpointTree:
         ``dots``, ``.`` and ``..`` first, as ``ls -a`` and ``readdir(3)`` users expect; without
         ``children``, only those."""
         parent = self._dir(ino)
-        base = self._paths[ino]
         out = [Entry(".", ino, parent.attr()), self.lookup(ino, "..")] if dots else []
         for name, node in parent.children() if children else ():
-            child = self._intern(node, base + (name,))
+            child = self._intern(node, ino, name)
             try:
                 attr = self._nodes[child].attr()
             except NotFound as exc:
@@ -409,25 +430,31 @@ class CheckpointTree:
         once). Each is counted as told to the kernel: give back with ``forget(ino, 1)`` those
         not sent."""
         d = self._dir(ino)
-        base = self._paths[ino]
-        out: list[tuple[Entry, int]] = []
+        read: list[tuple[str, Node, int]] = []
+        for name, node, cookie in d.children_from(after):  # type: ignore[attr-defined]
+            read.append((name, node, cookie))
+            if len(read) >= limit:
+                break
+        # one lock for the step, not one for each entry
+        told: list[tuple[str, int, Node, int]] = []
+        with self._lock:
+            for name, node, cookie in read:
+                child = self._intern_locked(node, ino, name)
+                self._count_locked(child, node)
+                told.append((name, child, node, cookie))
         try:
-            for name, node, cookie in d.children_from(after):  # type: ignore[attr-defined]
-                child = self._intern(node, base + (name,), counted=True)
-                out.append((Entry(name, child, node.attr()), cookie))
-                if len(out) >= limit:
-                    break
+            return [(Entry(name, child, node.attr()), cookie)
+                    for name, child, node, cookie in told]
         except BaseException:
-            for e, _ in out:  # none of them reaches the kernel
-                self.forget(e.ino, 1)
+            for _, child, _, _ in told:  # none of them reaches the kernel
+                self.forget(child, 1)
             raise
-        return out
 
     # --- verbs --------------------------------------------------------------------------------
 
     def _session_file(self, parent: int, name: str) -> tuple[str | None, str]:
         """The session a path names and the path below it, for input.rejected events."""
-        parts = self._paths.get(parent, ()) + (name,)
+        parts = self._path(parent) + (name,)
         if len(parts) >= 2 and parts[0] == "sessions":
             return parts[1], "/".join(parts[2:]) or parts[1]
         return None, "/".join(parts)
@@ -466,7 +493,7 @@ class CheckpointTree:
         if isinstance(pdir, SessionsDir) and name in self._safe_session_names():
             session = name  # mkdir of an existing session names that session
         node = self._rejecting(session, file, name, lambda: pdir.mkdir(name))
-        ino = self._intern(node, self._paths[parent] + (name,))
+        ino = self._intern(node, parent, name)
         return Entry(name, ino, self._nodes[ino].attr())
 
     def _safe_session_names(self) -> list[str]:
@@ -495,7 +522,7 @@ class CheckpointTree:
         node = self.node(ino)
         if isinstance(node, ResumeFile) and truncate_only:
             return node.attr()
-        parts = self._paths.get(ino, ())
+        parts = self._path(ino)
         session = parts[1] if len(parts) >= 2 and parts[0] == "sessions" else None
 
         def no() -> None:
@@ -518,7 +545,7 @@ class CheckpointTree:
                 appending=bool(flags & os.O_APPEND),
             )
         elif writing:
-            parts = self._paths.get(ino, ())
+            parts = self._path(ino)
             session = parts[1] if len(parts) >= 2 and parts[0] == "sessions" else None
 
             def no() -> None:
