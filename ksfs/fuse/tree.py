@@ -188,6 +188,10 @@ class ResumeHandle(DynamicHandle):
         self.written = bytearray()
         self.start: int | None = None if appending else 0  # offset of the name's first byte
         self.acted = False  # the name was acted on (restored, or refused)
+        # What refused this open's name: every later write answers it again, without another
+        # event (a writer retries what failed: Python's close flushes its buffer once more,
+        # and took "one name per open" for the answer to a name that does not exist)
+        self.refusal: KsfsError | None = None
         self.lock = threading.Lock()
 
     def take(self, offset: int, data: bytes) -> bytes | None:
@@ -619,6 +623,8 @@ class CheckpointTree:
         handle = self.handle(fh)
         if isinstance(handle, ResumeHandle):
             with handle.lock:
+                if handle.refusal is not None:
+                    raise handle.refusal
                 name = self._resume_step(handle, lambda: handle.take(offset, data),
                                          bytes(handle.written) + data)
                 if name is not None:
@@ -629,7 +635,11 @@ class CheckpointTree:
     def _resume_step(self, handle: ResumeHandle, fn: Callable[[], Any], value: bytes) -> Any:
         text = value.decode("utf-8", "replace")
         text = text[:-1] if text.endswith("\n") else text  # as restore reads it
-        return self._rejecting(handle.node.session, "resume", text, fn)
+        try:
+            return self._rejecting(handle.node.session, "resume", text, fn)
+        except KsfsError as exc:
+            handle.refusal = exc
+            raise
 
     def pending(self, fh: int) -> bool:
         """Whether ``fh`` is ``resume`` with a name written and not yet acted on (one written
