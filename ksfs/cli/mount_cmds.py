@@ -86,8 +86,6 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
     if not is_dir:
         raise BadInput(f"mount point {mountpoint} is not a directory")
     there = _mount_type(mountpoint)
-    if there is None:
-        _warn_if_not_empty(mountpoint)
     # Busy, as mount(2)'s EBUSY and as a store already mounted elsewhere (QA: exit 2 here
     # and 8 there for one situation)
     if there == KSFS_FSTYPE:
@@ -100,6 +98,7 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
     # Make (or check) the store before the daemon's log file lands in its directory.
     ctx.store(create=True)
     ctx.close()
+    _warn_if_not_empty(mountpoint)  # (once nothing else refuses it: one line then)
     extra = (["--allow-other"] if allow_other else []) + (
         ["--upstream", upstream] if upstream else [])
     mountpoint = os.path.realpath(mountpoint)  # as the kernel's mount table will name it
