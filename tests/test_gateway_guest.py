@@ -156,3 +156,52 @@ def test_umount_stores_the_calls_in_flight_first(tmp_path_factory) -> None:
             assert calls and calls[0]["stored"] is True and "error" not in calls[0], calls
     finally:
         up.stop()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")  # a zombie is gone too
+    except OSError:
+        return True
+
+
+def test_a_second_signal_stops_the_daemon_at_once_and_its_calls_are_recorded(
+        tmp_path_factory) -> None:
+    """QA F12, in the daemon: the first SIGTERM unmounts and waits for the purchases in flight;
+    a second one found the default handler back and killed the daemon, its guests' answers cut
+    off and the purchase left unrecorded until the next start. Now the second signal ends the
+    waiting answers with the gateway's error and the daemon stops at once, recording the call
+    it stopped under (gateway_stopped)."""
+    import signal
+    import subprocess
+
+    from ksfs.daemon.client import daemon_pid
+
+    base = tmp_path_factory.mktemp("gwsig")
+    env = dict(os.environ, KSFS_GUEST=str(calling_guest(base)))
+    up = FakeProvider(delay=120.0).start()  # the purchase outlives the drain's wait
+    s = f"gs-{uuid.uuid4().hex[:6]}"
+    mnt = base / "mnt"
+    try:
+        with daemon_mount(base, env, "--upstream", up.url) as (store, mnt):
+            os.mkdir(mnt / "sessions" / s)
+            wait(lambda: calls_asked(up, 0) == 1, "the guest's first model call")
+            pid = daemon_pid(store)
+            assert pid is not None
+            os.kill(pid, signal.SIGTERM)
+            log = store / "daemon.log"
+            wait(lambda: b"waiting up to" in log.read_bytes(), "the daemon's drain", 30)
+            begun = time.monotonic()
+            os.kill(pid, signal.SIGTERM)
+            wait(lambda: _gone(pid), "the daemon's end", 20)
+            assert time.monotonic() - begun < 10
+            events = [json.loads(x) for x in ksfs(store, env, "events", s, "--json")
+                      .stdout.splitlines() if x]
+            calls = [e["body"] for e in events if e["type"] == "gateway.call"]
+            assert calls and calls[0].get("error") == "gateway_stopped", calls
+            assert b"again: stopping at once" in log.read_bytes()
+    finally:
+        up.stop()
+        if os.path.ismount(mnt):  # the old code's daemon died with its mount in place
+            subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)

@@ -21,7 +21,6 @@ from ksfs.errors import BadInput, NoSuchSession
 
 DEFAULT_SESSION = "default"
 BIND_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
-ABORT_WRITE_S = 1.0  # after a second signal, how long the answers still open have to end
 
 
 @main.group()
@@ -191,10 +190,7 @@ async def _serve(gw: Any, session: str, host: str, port: int, upstream: str,
                     async for _ in signals:
                         # At once, but every answer still open ends with the gateway's error
                         # (a stream with its error event) rather than cut off (QA F12).
-                        gw.abort()
-                        with trio.move_on_after(ABORT_WRITE_S):
-                            while gw.answering:
-                                await trio.sleep(0.02)
+                        await gw.stop_now()
                         draining.cancel_scope.cancel()
                         return
 

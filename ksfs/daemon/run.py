@@ -69,6 +69,10 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
                 os.write(ready_fd, b"ready\n")
                 os.close(ready_fd)
 
+        import trio
+
+        draining = trio.CancelScope()  # what a signal during the drain cancels
+
         async def drain_gateway() -> None:
             # Unmounted or signalled: purchases in flight are stored (and their answers
             # written) before the servers stop, as `ksfs gateway serve` does on SIGTERM (QA: an
@@ -79,11 +83,20 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
             if gw.inflight_count():
                 log.info("stopping: waiting up to %g s for %d gateway call(s) in flight",
                          gw.stop_wait, gw.inflight_count())
-            await gw.drain(gw.stop_wait)
+            with draining:
+                await gw.drain(gw.stop_wait)
+
+        async def stop_gateway_now() -> None:
+            # A signal while draining: every answer still waiting ends with the gateway's
+            # error, as a second signal does to `ksfs gateway serve` (QA F12).
+            gw = keeper.gateway
+            if gw is not None:
+                await gw.stop_now()
+            draining.cancel()
 
         try:
             run_mount(keeper, mountpoint, foreground=True, allow_other=allow_other, ready=ready,
-                      extra_tasks=tasks, before_stop=drain_gateway)
+                      extra_tasks=tasks, before_stop=drain_gateway, stop_now=stop_gateway_now)
         except BaseExceptionGroup as group:  # a task of the mount's nursery failed
             raise _first_failure(group) from group
         except Exception as exc:

@@ -155,12 +155,24 @@ def _invalidate_attrs(inodes: list[int]) -> None:
             pass  # the kernel has already forgotten it: nothing cached to drop
 
 
-async def _stop_on_signals() -> None:
+async def _stop_on_signals(stopping: trio.Event,
+                           again: Callable[[], Awaitable[Any]] | None) -> None:
+    """The first SIGTERM or SIGINT unmounts; one that comes while the stop is under way (its
+    ``before_stop``: the gateway storing its purchases in flight) awaits ``again``, which stops
+    at once. The receiver stays open until the mount ends: closed after the first signal, it
+    gave the second back to the default handler, which killed the daemon in the middle of its
+    stop (QA F12: its guests' answers were cut off with no error, their purchases left for the
+    next start to count)."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
-            log.info("signal %d: unmounting", signum)
-            pyfuse3.terminate()
-            return
+            if not stopping.is_set():
+                log.info("signal %d: unmounting", signum)
+                stopping.set()
+                pyfuse3.terminate()
+            elif again is not None:
+                log.info("signal %d again: stopping at once", signum)
+                await again()
+                again = None
 
 
 async def _serve(
@@ -168,15 +180,18 @@ async def _serve(
     ready: Callable[[], Any] | None,
     extra_tasks: Iterable[Callable[[], Awaitable[Any]]],
     before_stop: Callable[[], Awaitable[Any]] | None = None,
+    stop_now: Callable[[], Awaitable[Any]] | None = None,
 ) -> None:
+    stopping = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signals, name="signals")
+        nursery.start_soon(_stop_on_signals, stopping, stop_now, name="signals")
         nursery.start_soon(_stop_when_unmounted, mountpoint, name="unmount-watch")
         for task in extra_tasks:
             nursery.start_soon(task, name=getattr(task, "__name__", repr(task)))
         # When the FUSE loop ends (unmounted, or terminate() on a signal) the other tasks stop.
         async def fuse_main() -> None:
             await pyfuse3.main()
+            stopping.set()  # (a signal from now on is a second one: see _stop_on_signals)
             if before_stop is not None:
                 await before_stop()  # the other tasks still run (the gateway's purchases)
             nursery.cancel_scope.cancel()
@@ -202,13 +217,15 @@ def run_mount(
     extra_tasks: Iterable[Callable[[], Awaitable[Any]]] = (),
     tree: CheckpointTree | None = None,
     before_stop: Callable[[], Awaitable[Any]] | None = None,
+    stop_now: Callable[[], Awaitable[Any]] | None = None,
 ) -> None:
     """Mount ``keeper``'s tree on ``mountpoint`` and serve it until unmounted or signalled.
 
     ``ready`` is called once, when the mount is in place; ``extra_tasks`` run in the same trio
     nursery and are cancelled when the mount ends, after ``before_stop`` (awaited once the
-    mount is gone) returns. ``foreground`` is the caller's business (see
-    the module docstring); it is accepted so the CLI can pass its flag through.
+    mount is gone) returns; ``stop_now`` is awaited on a signal that comes while
+    ``before_stop`` runs, and should make it return at once. ``foreground`` is the caller's
+    business (see the module docstring); it is accepted so the CLI can pass its flag through.
     """
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: dump every stack
@@ -243,7 +260,7 @@ def run_mount(
     stop_listening = keeper.on_checkpoint_change(forget_entry)
     try:
         trio.run(_serve, mnt, ready, [refresh_stored_blocks, _trim_heap, *extra_tasks],
-                 before_stop)
+                 before_stop, stop_now)
     except BaseException:
         # Unmounted too: a mount whose daemon is gone answers every request with ENOTCONN
         # and stays in the way of the next mount (as root libfuse detaches it lazily).

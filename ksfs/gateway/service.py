@@ -95,6 +95,7 @@ DEFAULT_TIMEOUT = 300.0
 DRAIN_POLL_S = 0.02
 ELSEWHERE_POLL_S = 0.25  # how often a purchase held back by another gateway's looks again
 STOP_DRAIN_S = 30.0  # how long a stop waits for calls in flight to be stored
+ABORT_WRITE_S = 1.0  # after a second signal, how long the answers still open have to end
 API_KEY_ENV = ("KSFS_UPSTREAM_API_KEY", "OPENAI_API_KEY")
 
 
@@ -244,6 +245,15 @@ class Gateway:
             while self._inflight or self.answering:
                 await trio.sleep(DRAIN_POLL_S)
         return len(self._inflight)
+
+    async def stop_now(self, write_s: float = ABORT_WRITE_S) -> None:
+        """``abort``, then give the answers it ended up to ``write_s`` seconds to be written
+        out before the caller cancels the servers (a second signal to `ksfs gateway serve`
+        or to the daemon)."""
+        self.abort()
+        with trio.move_on_after(write_s):
+            while self.answering:
+                await trio.sleep(0.02)
 
     def abort(self) -> None:
         """Stop at once (a second signal): every answer still waiting on a purchase in flight
