@@ -73,3 +73,29 @@ def test_a_big_guest_directory_through_the_mount(store: Path) -> None:
                   (mnt / "sessions" / "s" / "events").read_text().splitlines()]
         refused = [e["body"] for e in events if e["type"] == "input.rejected"]
         assert refused[-1]["file"] == "checkpoints/c1/fs/big/sub/deep.txt", refused
+
+
+def test_a_deleted_checkpoints_guest_files_are_gone_for_a_shell_sitting_in_them(
+        store: Path) -> None:
+    """QA: after a checkpoint was deleted, a shell sitting in a directory under its fs/ still
+    looked up (and read) its files, and listed it as empty, where the checkpoint directory
+    itself answers ENOENT. Deleted here by another process that tells no one (as a script
+    with its own Keeper would), so the kernel drops nothing by itself."""
+    with Keeper(store) as k:
+        k.import_files("s", "c2", [store.parent / "c1" / "disk.raw"])
+    with mounted(store) as mnt:
+        big = mnt / "sessions" / "s" / "checkpoints" / "c2" / "fs" / "big"
+        fd = os.open(big, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            here = f"/proc/self/fd/{fd}"
+            assert len(os.listdir(here)) == N + 1
+            with Keeper(store) as k:
+                k.delete_checkpoint("s", "c2")
+            with pytest.raises(FileNotFoundError):
+                os.listdir(here)
+            with pytest.raises(FileNotFoundError):
+                os.stat(f"{here}/sub/deep.txt")  # (sub: listed, not looked up yet)
+        finally:
+            os.close(fd)
+        assert (mnt / "sessions" / "s" / "checkpoints" / "c1" / "fs" / "big" / "sub"
+                / "deep.txt").read_text() == "deep\n"  # the other checkpoint's are there

@@ -175,11 +175,23 @@ class CheckpointDir(Dir):
         self.seq = seq
         self.mtime = created
         self.record: CheckpointRecord | None = None
+        self._checked_at: int | None = None  # the LMDB txn id still_published last looked at
 
     def load(self) -> CheckpointRecord:
         if self.record is None:
             self.record = self._published()
         return self.record
+
+    def still_published(self) -> None:
+        """NoSuchCheckpoint once this checkpoint was deleted (or its name or session taken
+        again). Asked by every lookup and listing step under its ``fs/``: a shell sitting in a
+        guest directory of a deleted checkpoint found its files still (QA: stale entries after
+        a delete). Read again only when the store's LMDB environment has committed since the
+        last look (one cheap call otherwise: guest lookups are many)."""
+        txn = self.keeper.store.env.info()["last_txnid"]
+        if txn != self._checked_at:
+            self.record = self._published()
+            self._checked_at = txn
 
     def _published(self) -> CheckpointRecord:
         """The record, read again; NoSuchCheckpoint once the checkpoint was deleted, its name

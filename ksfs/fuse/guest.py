@@ -96,13 +96,19 @@ class GuestDir(GuestNode, Dir):
     def children(self) -> list[tuple[str, Node]]:
         return [(name, node) for name, node, _ in self.children_from(0)]
 
+    def check(self) -> None:
+        """NotFound once its checkpoint was deleted (asked at opendir)."""
+        self.cp.still_published()
+
     def children_from(self, after: int) -> Iterator[tuple[str, Node, int]]:
         """(name, node, cookie) of the entries past cookie ``after``, read block by block; an
         entry whose inode cannot be read is left out (GuestFS.listdir_stats_from)."""
+        self.cp.still_published()  # (a deleted checkpoint's guest directories are gone too)
         for name, st, cookie in self.fs.listdir_stats_from(self.st.ino, after):
             yield name, node_of(self.cp, st), cookie
 
     def lookup(self, name: str) -> Node:
+        self.cp.still_published()
         fs = self.fs
         return node_of(self.cp, fs.stat_ino(fs.lookup(self.st.ino, name)))
 

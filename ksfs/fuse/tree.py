@@ -426,7 +426,12 @@ class CheckpointTree:
         return out
 
     def lists_lazily(self, ino: int) -> bool:
-        return self._dir(ino).lists_lazily
+        """Whether ``ino`` is listed part by part (opendir asks, so a directory gone since it
+        was looked up, a deleted checkpoint's guest directory, is ENOENT there)."""
+        d = self._dir(ino)
+        if d.lists_lazily:
+            d.check()  # type: ignore[attr-defined]
+        return d.lists_lazily
 
     def entries_from(self, ino: int, after: int, limit: int) -> list[tuple[Entry, int]]:
         """Up to ``limit`` entries of the lazily listed directory ``ino`` past cookie ``after``,
