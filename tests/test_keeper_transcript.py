@@ -95,3 +95,46 @@ def test_a_damaged_disk_gives_an_integrity_error_not_an_empty_transcript(
                           "c1", "transcript"], capture_output=True, text=True)
     assert res.returncode == 6 and res.stdout == "", (res.returncode, res.stderr)
     assert "damaged" in res.stderr, res.stderr
+
+
+def test_ksfs_cat_streams_a_large_transcript(tmp_path: Path) -> None:
+    """QA: `ksfs cat S C transcript` held the whole transcript three times over (285 MB of
+    memory for an 80 MB one). It reads the guest's file a piece at a time: its peak memory
+    stays near that of cat-ing meta.json, and its bytes are the file's."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    (root / "agent").mkdir(parents=True)
+    line = {"seq": 0, "text": "y" * 400}
+    lines = "".join(json.dumps(dict(line, seq=i)) + "\n" for i in range(1, 120_001))
+    (root / "agent" / "transcript.jsonl").write_text(lines)  # about 49 MB
+    build_ext4(root, tmp_path / "disk.raw", 96)
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "c1", [tmp_path / "disk.raw"])
+
+    # The child says its own peak (VmHWM: ru_maxrss would count this process's, inherited
+    # across fork and exec).
+    said = ("import atexit, runpy, sys\n"
+            "def hwm():\n"
+            "    for x in open('/proc/self/status'):\n"
+            "        if x.startswith('VmHWM:'):\n"
+            "            sys.stderr.write('HWM ' + x.split()[1] + '\\n')\n"
+            "atexit.register(hwm)\n"
+            "sys.argv = ['ksfs'] + sys.argv[1:]\n"
+            "runpy.run_module('ksfs.cli', run_name='__main__')\n")
+
+    def cat(name: str) -> tuple[bytes, int]:
+        out = tmp_path / f"out-{name}"
+        with out.open("wb") as f:
+            res = subprocess.run([sys.executable, "-c", said, "--store", str(store), "cat",
+                                  "s", "c1", name], stdout=f, stderr=subprocess.PIPE,
+                                 text=True)
+        assert res.returncode == 0, (name, res.stderr)
+        return out.read_bytes(), int(res.stderr.split("HWM ")[-1]) * 1024
+
+    got, peak = cat("transcript")
+    assert got == lines.encode()
+    _, baseline = cat("meta.json")
+    assert peak < baseline + 24 * 2**20, (peak, baseline, len(got))

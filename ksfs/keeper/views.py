@@ -270,19 +270,34 @@ class Views:
         """The guest's transcript file as of the checkpoint, read out of its disk image: empty
         when the disk holds none (or nothing this can read); a damaged chunk raises (EIO),
         never an empty file that would say the guest did no work (QA)."""
-        from ksfs.errors import GuestFSUnreadable, IntegrityError, KsfsError
+        from ksfs.errors import GuestFSUnreadable
 
         try:
-            fs = self.guest_fs(record)
-            if fs is None:
-                return b""
-            path = self.transcript_path(record.session)
-            st = fs.stat(path)
-            return fs.read(path, 0, st.size)
+            reader = self.transcript_reader(record)
+            return reader.read(0, reader.size)
         except KsfsError as exc:
             if isinstance(exc, IntegrityError) and not isinstance(exc, GuestFSUnreadable):
                 raise
             return b""
+
+    def transcript_reader(self, record: CheckpointRecord) -> Any:
+        """transcript_bytes as a reader (``size``, ``read``, ``stream``) that reads the guest's
+        file a piece at a time. Empty when the disk holds none or nothing this can read, found
+        when it is opened; an error of a later read raises, whatever it is, rather than end the
+        bytes short."""
+        from ksfs.errors import GuestFSUnreadable
+        from ksfs.keeper.offline import BytesReader, GuestFileReader
+
+        try:
+            fs = self.guest_fs(record)
+            if fs is None:
+                return BytesReader(b"")
+            ino = fs.resolve(self.transcript_path(record.session))
+            return GuestFileReader(fs, ino, fs.stat_ino(ino).size)
+        except KsfsError as exc:
+            if isinstance(exc, IntegrityError) and not isinstance(exc, GuestFSUnreadable):
+                raise
+            return BytesReader(b"")
 
     def resume_result(self, session: str) -> bytes:
         """What reading ``resume`` tells: the last restore's outcome, one line."""
