@@ -138,3 +138,28 @@ def test_ksfs_cat_streams_a_large_transcript(tmp_path: Path) -> None:
     assert got == lines.encode()
     _, baseline = cat("meta.json")
     assert peak < baseline + 24 * 2**20, (peak, baseline, len(got))
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink"])
+def test_a_transcript_path_that_is_no_file_cats_empty_as_the_mount_shows_it(
+        tmp_path: Path, kind: str) -> None:
+    """Review of the streamed cat: a transcript path that is a directory was 'guest inode 13
+    is not a regular file', exit 2, where the mount's record file (and cat before) is empty."""
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    (root / "agent").mkdir(parents=True)
+    if kind == "directory":
+        (root / "agent" / "transcript.jsonl").mkdir()
+    else:
+        os.symlink("elsewhere.jsonl", root / "agent" / "transcript.jsonl")
+    build_ext4(root, tmp_path / "disk.raw", 8)
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "c1", [tmp_path / "disk.raw"])
+        assert k.transcript_bytes(k.ledger.checkpoint("s", "c1")) == b""
+    res = subprocess.run([sys.executable, "-m", "ksfs.cli", "--store", str(store), "cat", "s",
+                          "c1", "transcript"], capture_output=True)
+    assert (res.returncode, res.stdout, res.stderr) == (0, b"", b"")
