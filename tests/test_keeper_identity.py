@@ -61,3 +61,56 @@ def test_the_fork_point_recover_reconciles_to_is_that_very_checkpoint(tmp_path: 
         assert k._fork_point(child) is None
         k.import_files("p", "base", [tmp_path / "a.txt"])  # another 'base'
         assert k._fork_point(child) is None
+
+
+class HeldAt:
+    """A controller whose machine's chain root holds ``label`` (the keeper's own says the
+    name alone through holds_checkpoint and the whole label through held_label)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def held_label(self, session: str) -> str:
+        return self.label
+
+    def holds_checkpoint(self, session: str) -> str | None:
+        return label_name(self.label)
+
+
+def test_recover_brings_a_machine_back_to_its_very_checkpoint_never_an_import(
+        tmp_path: Path) -> None:
+    """Review of QA 5's fix: _last_good found the checkpoint the chain root holds by name, so
+    after `rm base; import base` it chose that import (no domain XML: recover saved the disks,
+    then failed), and saves after the real base were passed over."""
+    import dataclasses
+
+    from ksfs.ledger import keys as K
+    from ksfs.ledger.records import checkpoint_dict
+
+    (tmp_path / "memory").write_text("pages\n")
+    (tmp_path / "a.txt").write_text("one\n")
+
+    def machine_checkpoint(k: Keeper, name: str, *files: Path):
+        rec = k.import_files("s", name, list(files))
+        rec = dataclasses.replace(k.ledger.checkpoint("s", rec.name), domain_xml="<domain/>")
+        lineage = K.lineage_bytes(k.ledger.session("s").lineage)
+        with k.store.env.begin(write=True) as txn:  # as a save would have published it
+            txn.put(K.ckpt_name_key(lineage, name), K.dumps(checkpoint_dict(rec)),
+                    db=k.ledger._ckpts)
+        return rec
+
+    with Keeper(tmp_path / "store", create=True) as k:
+        machine_checkpoint(k, "old", tmp_path / "memory")
+        base = machine_checkpoint(k, "base", tmp_path / "a.txt")
+        k._vm = HeldAt(checkpoint_label(k.ledger.session("s").lineage, base))
+        assert k._last_good("s") == "base"
+        machine_checkpoint(k, "later", tmp_path / "a.txt")
+        k.import_files("s", "notes", [tmp_path / "a.txt"])  # an import: no machine
+        assert k._last_good("s") == "later"
+        k.delete_checkpoint("s", "later")
+        k.delete_checkpoint("s", "base")
+        k.import_files("s", "base", [tmp_path / "a.txt"])  # an import took the name
+        assert k._last_good("s") == "old"  # the newest with a machine and its memory
+        # an older ksfs's label (the name alone) is still taken by name, but never an import
+        k._vm = HeldAt("s/base")
+        assert k._last_good("s") == "old"

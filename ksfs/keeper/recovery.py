@@ -18,7 +18,7 @@ from typing import Any
 
 from ksfs.errors import KsfsError, NotFound, VMError
 from ksfs.keeper.locks import drop_session_lock, session_lock
-from ksfs.keeper.machine import MEMORY_FILE
+from ksfs.keeper.machine import MEMORY_FILE, label_name, parse_label
 from ksfs.ledger import auto_checkpoint_name
 
 OPENERS = {"checkpoint.begin": ("checkpoint.published", "checkpoint.failed"),
@@ -382,20 +382,31 @@ class Recovery:
         was restored to an earlier checkpoint is not put back on the timeline the user left
         (the restore's save-first is newer), even one without memory (then booted); else the
         newest with memory of the session."""
-        held = self.vm.holds_checkpoint(session)
+        # The whole label (its lineage and seq), not the name alone: a checkpoint that took
+        # the name since (rm base; import base) is not where the disks are (review of QA 5:
+        # recover chose such an import and failed on its missing domain XML).
+        label = getattr(self.vm, "held_label", self.vm.holds_checkpoint)(session)
+        held, parsed = label_name(label), parse_label(label)
         since, found = 0, None
-        if held and held.partition("/")[0] == session:
+        if parsed is not None and parsed[0] == session:
+            _, name, lineage, seq = parsed
             try:
-                found = self.ledger.checkpoint(session, held.partition("/")[2])
-                since = found.seq + 1
+                record = self.ledger.checkpoint(session, name)
+                owner = self.ledger.session(session).lineage
             except NotFound:
-                pass  # deleted since
+                record, owner = None, None  # deleted since
+            if lineage is not None and lineage == owner:
+                since = seq + 1  # saves after it count even when it is gone or renamed
+                if record is not None and record.seq == seq:
+                    found = record
+            elif lineage is None and record is not None:  # an older label: by name
+                found, since = record, record.seq + 1
         # A save published after it whose layers were never folded into the root (a flatten
         # that failed, or was cut off with the machine): the machine ran on from that save,
         # not from the root's checkpoint, and going back there would lose it (QA). So does a
         # restore done since. The newest of them that still exists.
         later: list[str] = []
-        if found is not None or not held:
+        if since or not held:
             for ev in self.ledger.events_of(session, ("checkpoint.published", "restore.done"),
                                             since):
                 if ev.type == "checkpoint.published" and ev.body.get("name"):
@@ -409,7 +420,7 @@ class Recovery:
                 continue
             if record.domain_xml:  # an import has no machine to restore (QA)
                 return record.name
-        if found is not None:
+        if found is not None and found.domain_xml:
             return found.name
         for name in reversed(self.ledger.checkpoint_names(session)):
             record = self.ledger.checkpoint(session, name)
