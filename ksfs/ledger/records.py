@@ -177,6 +177,14 @@ def _need_fields(d: Any, names: tuple[str, ...]) -> dict[str, Any]:
 _SHAPE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, BadInput)
 
 
+def _need_types(d: dict, types: dict[str, tuple[type, ...]]) -> None:
+    """TypeError naming the first of ``types``' fields present in ``d`` with another type (a
+    bool is no number here)."""
+    for key, allowed in types.items():
+        if key in d and (not isinstance(d[key], allowed) or isinstance(d[key], bool)):
+            raise TypeError(f"its {key} is a JSON {type(d[key]).__name__}")
+
+
 def decode_session(name: str, raw: bytes) -> SessionRecord:
     """The session record stored under ``name``; RecordCorrupt when it does not decode into
     one (QA: ``{"name": "demo"}`` was a TypeError traceback from every verb listing sessions)."""
@@ -184,7 +192,12 @@ def decode_session(name: str, raw: bytes) -> SessionRecord:
         d = _need_fields(K.loads(raw), ("name", "lineage", "created"))
         if not isinstance(d["name"], str):
             raise TypeError(f"its name is a JSON {type(d['name']).__name__}")
+        if d["name"] != name:  # (review: every verb then said there was no such session)
+            raise ValueError(f"it names another session, {d['name'][:80]!r}")
         K.lineage_bytes(d["lineage"])  # BadInput when it is no lineage id
+        # (review: a domain that was a number reached libvirt, a traceback from session rm)
+        _need_types(d, {"created": (int, float), "domain": (str, type(None)),
+                        "config": (dict,), "removed": (int, float, type(None))})
         rec = SessionRecord.from_dict(d)
         if rec.parent is not None and not isinstance(rec.parent.session, str):
             raise TypeError("its fork point names no session")
