@@ -69,8 +69,18 @@ class Recovery:
         """What was done, per session that needed anything; ``failed`` marks a session that
         could not be brought back (the CLI then exits non-zero)."""
         report = []
-        for rec in self.ledger.sessions():
-            with session_lock(self.store_path, rec.name):
+        for listed in self.ledger.sessions():
+            with session_lock(self.store_path, listed.name):
+                # Read again under the lock: a session rm that finished while this waited for
+                # it leaves nothing to mend, and one removed and made again is mended as it is
+                # now, never by the record of the one before (review: 'could not recover: no
+                # session named b', exit 10; a fork's rollback acting on the old record).
+                try:
+                    rec = self.ledger.session(listed.name)
+                except NotFound:
+                    continue
+                if rec.removed is not None:
+                    continue
                 done: list[str] = []
                 failed = False
                 try:
