@@ -197,3 +197,22 @@ def test_a_machine_directory_planted_as_a_symlink_is_refused(tmp_path: Path) -> 
     assert list((store / "guest-tokens").iterdir()) == []
     listed = json.loads(ksfs(store, None, "session", "list", "--json").stdout)
     assert [s["session"] for s in listed] == ["x"], listed
+
+
+def test_the_help_names_every_exit_code_of_the_error_family(tmp_path: Path) -> None:
+    """`ksfs --help` lists the exit codes scripts lean on: each class of the one error family
+    has its code there (14, DaemonTimeout's, was left out when it came)."""
+    import re
+
+    import ksfs.errors as errors
+
+    def family(cls):
+        yield cls
+        for sub in cls.__subclasses__():
+            yield from family(sub)
+
+    codes = {c.exit_code for c in family(errors.KsfsError)}
+    text = " ".join(ksfs(tmp_path / "store", None, "--help").stdout.split())
+    listed = text.split("Exit codes:", 1)[1]
+    said = {int(n) for n in re.findall(r"(?:^|, )(\d+) ", listed.split(".", 1)[0])}
+    assert codes <= said, sorted(codes - said)
