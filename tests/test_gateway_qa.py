@@ -730,3 +730,39 @@ async def test_two_gateways_on_one_store_see_each_others_calls_in_flight(
     # Nothing is left recorded in flight once both landed.
     assert gws[0].db.pending() == [] and gws[1].db.reserved_elsewhere(
         ledger.session("s1").lineage) == (0, 0, 0.0, 0)
+
+
+def _dead_owner() -> dict:
+    """The owner record of a process that has exited (and was reaped)."""
+    import subprocess
+
+    from ksfs.gateway import store as gwstore
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return {"pid": child.pid, "start": 1, "boot": gwstore._boot_id()}
+
+
+async def test_a_lost_record_is_counted_before_the_next_call_is_admitted(
+        store, ledger, provider, prices_file, nursery, monkeypatch):
+    """Review of 77f4122/5081c60: a record a dead gateway left was settled in the background
+    while the call that met it went through alone, so spending ended past the budget (6110 of
+    5000 tokens) and only the next call was refused. It is counted first: that call is 402."""
+    from ksfs.gateway import store as gwstore
+
+    gw = Gateway(store, ledger, provider.url, prices_file, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    gw.set_budget("s1", tokens=5000)
+    other = type(gw.db)(store, ledger)  # another gateway on the store, then killed
+    owner = _dead_owner()
+    monkeypatch.setattr(gwstore, "_this_process", lambda: owner)
+    lineage = ledger.session("s1").lineage
+    other.begin_purchase("s1", lineage, b"k" * 32, "test-model", CHAT, 100, 6000, 0.0, True)
+    monkeypatch.undo()
+    r = await call(port, dict(chat_body("after the lost one", model="test-model"),
+                              max_tokens=50))
+    assert r.status_code == 402, r.text
+    assert provider.count() == 0
+    u = gw.usage("s1")
+    assert u["paid_calls"] == 1 and u["prompt_tokens"] + u["completion_tokens"] == 6100, u
+    assert gw.db.pending() == []

@@ -363,6 +363,7 @@ class Gateway:
                       prompt_bytes=prompt_bytes, reserved=(prompt, completion, est_usd, priced))
         ikey = lineage_bytes(view.lineage) + key
         mine = False
+        settled_once = False  # lost records met are settled at most once per call
         while True:
             call = self._inflight.get(ikey)
             if call is None:
@@ -389,11 +390,25 @@ class Gateway:
                 elsewhere = Elsewhere()
                 if budget is not None:
                     # Other gateways' purchases in flight on this lineage (QA F2: the gate saw
-                    # only its own process's), and any a dead one left, to be counted now.
+                    # only its own process's), and any a dead one left, counted before this
+                    # call is admitted (review: settled in the background, the call went
+                    # through alone beside them, past the budget): then looked at again.
                     calls, tokens, usd, lost = self.db.reserved_elsewhere(view.lineage)
-                    elsewhere = Elsewhere(calls, tokens, usd)
-                    if lost and not self._settling:
-                        served.nursery.start_soon(self._settle_lost)
+                    if lost and not settled_once:
+                        settled_once = True
+                        if self._settling:  # another request's settle: wait for it
+                            while self._settling:
+                                await trio.sleep(DRAIN_POLL_S)
+                        else:
+                            try:
+                                await self._settle_lost()
+                            except Exception as exc:  # noqa: BLE001 - then counted in flight
+                                log.error("could not count the calls lost gateways left: %s",
+                                          exc)
+                        continue
+                    # A lost record that could not be settled (a removed session, a full
+                    # disk) still counts as in flight: its reservation may have been spent.
+                    elsewhere = Elsewhere(calls + lost, tokens, usd)
                 if not self._gate.may_start(view.lineage, budget, used, held, elsewhere):
                     # Calls in flight may spend what is left: wait for one, then look again.
                     if elsewhere.calls:  # (another gateway's end is not signalled here)

@@ -482,8 +482,8 @@ class GatewayStore:
 
     def reserved_elsewhere(self, lineage: str) -> tuple[int, int, float, int]:
         """(calls, tokens, USD, lost) of the purchases of ``lineage`` other gateways recorded
-        and have not settled: those of live processes counted, ``lost`` those whose process
-        is gone (for ``settle_lost``). Synchronous and small: read on the gateway's loop
+        and have not settled: ``calls`` those of live processes, ``lost`` those whose process
+        is gone (for ``settle_lost``); tokens and USD what all of them reserved. Synchronous and small: read on the gateway's loop
         like ``spending``."""
         if not self._ready() or self._pending is None:
             return 0, 0, 0.0, 0
@@ -502,13 +502,17 @@ class GatewayStore:
                     owner = rec.get("owner")
                     if isinstance(owner, dict) and owner.get("gateway") == self.instance:
                         continue  # this gateway's own: its gate counts them
+                    size = int(rec.get("prompt_tokens", 0)) + int(
+                        rec.get("completion_tokens", 0))
+                    cost = float(rec.get("cost_usd", 0.0))
                     if not _alive(owner):
+                        # Not a call in flight, but what it reserved is counted until it is
+                        # settled (``settle_lost``): it may have been spent.
                         lost += 1
+                        tokens, usd = tokens + size, usd + cost
                         continue
                     calls += 1
-                    tokens += int(rec.get("prompt_tokens", 0)) + int(
-                        rec.get("completion_tokens", 0))
-                    usd += float(rec.get("cost_usd", 0.0))
+                    tokens, usd = tokens + size, usd + cost
                 except (ValueError, TypeError, AttributeError):
                     lost += 1  # (damaged: settle_lost says so)
         return calls, tokens, usd, lost
