@@ -105,8 +105,13 @@ def test_a_damaged_session_record_is_one_line_from_every_verb(tmp_path: Path, va
     path = demo_store(tmp_path / "store")
     put_raw(path, b"sessions", b"demo", value)
     for verb in (["session", "list"], ["events", "demo"], ["checkpoints", "demo"], ["stats"],
-                 ["gc"], ["recover"]):
+                 ["gc"]):
         assert_one_line(ksfs(path, *verb), "session record 'demo'")
+    # recover goes on past it to the other sessions, and says it could not mend this one
+    res = ksfs(path, "recover")
+    assert (res.returncode, res.stderr) == (10, "ksfs: error: could not recover demo\n")
+    assert res.stdout.startswith("demo: could not recover: a ledger record is damaged")
+    assert "session record 'demo'" in res.stdout
     res = ksfs(path, "ledger", "verify", "--json")
     assert res.returncode == IntegrityError.exit_code and "Traceback" not in res.stderr
     problems = json.loads(res.stdout)["problems"]
@@ -175,3 +180,22 @@ def test_a_new_ledger_gets_its_marker_with_its_databases(tmp_path: Path) -> None
         assert led.verify(store) == []
     finally:
         store.close()
+
+
+def test_recover_mends_the_other_sessions_past_a_damaged_record(tmp_path: Path) -> None:
+    """Review: one session record that did not decode stopped recover (and the mount's at its
+    start) for every session of the store."""
+    path = demo_store(tmp_path / "store")
+    store = open_store(path)
+    led = Ledger(store)
+    with store.env.begin(write=True) as txn:
+        led.create_session(txn, "zed")
+    led.record("zed", "checkpoint.begin", {"name": None})  # an unfinished save to mend
+    store.close()
+    put_raw(path, b"sessions", b"demo", b'{"name":"demo"}')
+    res = ksfs(path, "recover", "--json")
+    assert res.returncode == 10 and "Traceback" not in res.stderr, res.stderr
+    report = {r["session"]: r for r in json.loads(res.stdout)}
+    assert report["demo"]["failed"] is True
+    assert report["zed"] == {"session": "zed", "failed": False,
+                             "actions": ["checkpoint c_0001 begun at seq 1 marked failed"]}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ksfs.errors import KsfsError, NotFound, VMError
+from ksfs.errors import KsfsError, NotFound, RecordCorrupt, VMError
 from ksfs.keeper.locks import drop_session_lock, session_lock
 from ksfs.keeper.machine import MEMORY_FILE, label_name, parse_label
 from ksfs.ledger import auto_checkpoint_name
@@ -69,15 +69,20 @@ class Recovery:
         """What was done, per session that needed anything; ``failed`` marks a session that
         could not be brought back (the CLI then exits non-zero)."""
         report = []
-        for listed in self.ledger.sessions():
-            with session_lock(self.store_path, listed.name):
+        for name in self.ledger.session_names():
+            with session_lock(self.store_path, name):
                 # Read again under the lock: a session rm that finished while this waited for
                 # it leaves nothing to mend, and one removed and made again is mended as it is
                 # now, never by the record of the one before (review: 'could not recover: no
                 # session named b', exit 10; a fork's rollback acting on the old record).
                 try:
-                    rec = self.ledger.session(listed.name)
+                    rec = self.ledger.session(name)
                 except NotFound:
+                    continue
+                except RecordCorrupt as exc:  # the others are still mended (review: one
+                    # damaged record stopped recover, and the mount's at start, for all)
+                    report.append({"session": name, "actions": [f"could not recover: {exc}"],
+                                   "failed": True})
                     continue
                 if rec.removed is not None:
                     continue

@@ -267,6 +267,13 @@ class Ledger(CheckpointMethods):
         with self._read(txn) as t:
             return self._need(t, name)
 
+    def session_names(self) -> list[str]:
+        """The names of every session record, removed-but-kept ones too, none decoded: a
+        caller that must go on past a damaged record reads each with ``session``."""
+        with self._read(None) as t:
+            return [bytes(k).decode("utf-8", "replace")
+                    for k in t.cursor(db=self._sessions).iternext(keys=True, values=False)]
+
     def sessions(
         self, txn: lmdb.Transaction | None = None, include_removed: bool = False
     ) -> list[SessionRecord]:
