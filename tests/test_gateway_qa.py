@@ -766,3 +766,53 @@ async def test_a_lost_record_is_counted_before_the_next_call_is_admitted(
     u = gw.usage("s1")
     assert u["paid_calls"] == 1 and u["prompt_tokens"] + u["completion_tokens"] == 6100, u
     assert gw.db.pending() == []
+
+
+async def test_a_call_held_back_by_a_stuck_gateways_record_is_answered_429_in_time(
+        store, ledger, provider, prices_file, nursery):
+    """Review of 77f4122: a record of a live but stuck gateway (SIGSTOPped, or one whose
+    settle failed) held a call that does not fit beside it back for ever, polled every 0.25 s
+    with no answer. It waits admission_wait, then 429 naming the other gateway's pid."""
+    import os
+
+    gw = Gateway(store, ledger, provider.url, prices_file, api_key=MARKER_KEY, timeout=10,
+                 admission_wait=1.0)
+    port = await nursery.start(gw.serve_session, "s1")
+    gw.set_budget("s1", tokens=5000)
+    other = type(gw.db)(store, ledger)  # another gateway on the store: this process, stuck
+    lineage = ledger.session("s1").lineage
+    other.begin_purchase("s1", lineage, b"k" * 32, "test-model", CHAT, 100, 4950, 0.0, True)
+    body = dict(chat_body("held back", model="test-model"), max_tokens=50)
+    with trio.fail_after(8):
+        r = await call(port, body)
+    assert r.status_code == 429, r.text
+    err = r.json()["error"]
+    assert err["type"] == "held_back_by_calls_in_flight" and err["holders"] == [os.getpid()]
+    assert str(os.getpid()) in err["message"]
+    assert r.headers["x-ksfs-replay"] == "refused" and r.headers["x-ksfs-key"]
+    assert provider.count() == 0
+
+
+async def test_a_call_held_back_whose_guest_hung_up_is_never_bought(
+        store, ledger, provider, prices_file, nursery):
+    """A request queued in admission whose client disconnected was bought once room came."""
+    gw = Gateway(store, ledger, provider.url, prices_file, api_key=MARKER_KEY, timeout=10,
+                 admission_wait=30.0)
+    port = await nursery.start(gw.serve_session, "s1")
+    gw.set_budget("s1", tokens=5000)
+    other = type(gw.db)(store, ledger)
+    lineage = ledger.session("s1").lineage
+    purchase = other.begin_purchase("s1", lineage, b"k" * 32, "test-model", CHAT, 100, 4950,
+                                    0.0, True)
+    body = dict(chat_body("hung up", model="test-model"), max_tokens=50)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", trust_env=False,
+                                 timeout=0.6) as c:
+        with pytest.raises(httpx.TimeoutException):
+            await c.post(CHAT, json=body)
+    await trio.sleep(0.3)
+    with other.env.begin(write=True) as txn:  # the other gateway's call ends, uncounted
+        from ksfs.ledger.keys import lineage_bytes
+        assert txn.delete(lineage_bytes(lineage) + b"k" * 32 + purchase, db=other._pending)
+    await trio.sleep(1.0)  # past a few polls: room now
+    assert provider.count() == 0
+    assert gw.usage("s1")["paid_calls"] == 0

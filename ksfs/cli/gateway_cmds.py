@@ -49,6 +49,9 @@ def gateway() -> None:
 @click.option("--read-timeout", type=float, default=60.0, show_default=True, metavar="S",
               help="Seconds a request's body may take to arrive whole before the client gets "
                    "a 408.")
+@click.option("--admission-wait", type=float, default=60.0, show_default=True, metavar="S",
+              help="Seconds a call held back by calls in flight that may spend what is left of "
+                   "the budget waits for room before it gets a 429.")
 @click.option("--max-connections", type=click.IntRange(1, None), default=256,
               show_default=True, metavar="N",
               help="Requests read or answered at once; past it a new one gets a 503 at once.")
@@ -64,8 +67,8 @@ def gateway() -> None:
                    "API key) with TOKEN read from this file; others get 401.")
 @pass_ctx
 def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | None,
-          timeout: float, read_timeout: float, max_connections: int, completion_reserve: int,
-          api_key_file: str | None, token_file: str | None) -> None:
+          timeout: float, read_timeout: float, admission_wait: float, max_connections: int,
+          completion_reserve: int, api_key_file: str | None, token_file: str | None) -> None:
     """Serve one session's model calls on HOST:PORT until interrupted (Ctrl-C or SIGTERM).
 
     Prints one line `ksfs gateway: session S on http://HOST:PORT -> UPSTREAM` once listening.
@@ -89,6 +92,9 @@ def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | 
     check_upstream(upstream, timeout)
     if not 0 < read_timeout < float("inf"):
         raise BadInput(f"--read-timeout must be a number of seconds > 0, not {read_timeout!r}")
+    if not 0 < admission_wait < float("inf"):
+        raise BadInput(f"--admission-wait must be a number of seconds > 0, not "
+                       f"{admission_wait!r}")
     table = load_prices(prices)
     if host != "localhost":
         try:
@@ -112,7 +118,7 @@ def serve(ctx, upstream: str, session: str, port: int, host: str, prices: str | 
                    "it can spend this session's budget", err=True)
     gw = Gateway(store, ledger, upstream, table, api_key=api_key, timeout=timeout,
                  completion_reserve=completion_reserve, read_timeout=read_timeout,
-                 max_connections=max_connections)
+                 max_connections=max_connections, admission_wait=admission_wait)
     keeper.gateway = gw
     try:
         trio.run(_serve, gw, session, host, port, upstream, token)

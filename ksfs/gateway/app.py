@@ -104,12 +104,21 @@ async def _answer(gw: Any, served: Any, scope: dict, receive, send) -> None:
     if is_paid(method, body):
         gw.answering += 1  # a stop waits for this answer to be written (Gateway.drain)
         try:
+            gone = trio.Event()  # the guest hung up: a call held back is then not bought
             try:
-                answer, extra = await gw.paid_call(served, method, path,
-                                                   scope.get("query_string", b""), headers,
-                                                   body, wire=wire)
+                async with trio.open_nursery() as watch:
+                    watch.start_soon(_watch_hangup, receive, gone)
+                    try:
+                        answer, extra = await gw.paid_call(
+                            served, method, path, scope.get("query_string", b""), headers,
+                            body, wire=wire, gone=gone)
+                    finally:
+                        watch.cancel_scope.cancel()
             except KsfsError as exc:
                 answer, extra = ksfs_error_reply(exc), []
+            if gone.is_set() and not isinstance(answer, StreamThrough) \
+                    and answer.status == 499:
+                return  # nobody to answer
             if isinstance(answer, StreamThrough):
                 await answer.send_to(send)
             else:
@@ -119,6 +128,16 @@ async def _answer(gw: Any, served: Any, scope: dict, receive, send) -> None:
         return
     await served.upstream.passthrough(method, wire, scope.get("query_string", b""), headers,
                                       body, send)
+
+
+async def _watch_hangup(receive, gone: trio.Event) -> None:
+    """Set ``gone`` when the client disconnects (the body is read whole: what comes next on
+    ``receive`` is only the disconnect)."""
+    while True:
+        msg = await receive()
+        if msg.get("type") == "http.disconnect":
+            gone.set()
+            return
 
 
 def wire_path(scope: dict) -> str | None:

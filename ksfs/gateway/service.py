@@ -93,6 +93,9 @@ KEEP_ALIVE_S = 5.0  # hypercorn's own default
 MAX_CONNECTIONS = 256
 DEFAULT_TIMEOUT = 300.0
 DRAIN_POLL_S = 0.02
+# How long a purchase the budget gate holds back (calls in flight may spend what is left)
+# waits for room before it is answered 429 held_back_by_calls_in_flight.
+ADMISSION_WAIT = 60.0
 ELSEWHERE_POLL_S = 0.25  # how often a purchase held back by another gateway's looks again
 STOP_DRAIN_S = 30.0  # how long a stop waits for calls in flight to be stored
 ABORT_WRITE_S = 1.0  # after a second signal, how long the answers still open have to end
@@ -168,7 +171,8 @@ class Gateway:
                  *, timeout: float = DEFAULT_TIMEOUT, max_body: int = MAX_BODY,
                  completion_reserve: int = DEFAULT_COMPLETION_RESERVE,
                  read_timeout: float = READ_TIMEOUT,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS,
+                 admission_wait: float = ADMISSION_WAIT) -> None:
         check_upstream(upstream_url, timeout)
         if not (isinstance(read_timeout, int | float) and 0 < read_timeout < float("inf")):
             raise BadInput(f"the read timeout must be a number of seconds > 0, not "
@@ -177,6 +181,11 @@ class Gateway:
                 or max_connections < 1:
             raise BadInput(f"the connection limit must be a whole number >= 1, not "
                            f"{max_connections!r}")
+        if not (isinstance(admission_wait, int | float) and not isinstance(admission_wait, bool)
+                and 0 < admission_wait < float("inf")):
+            raise BadInput(f"the admission wait must be a number of seconds > 0, not "
+                           f"{admission_wait!r}")
+        self.admission_wait = float(admission_wait)
         self.read_timeout = float(read_timeout)
         self.max_connections = max_connections
         self.open_requests = 0  # requests being read or answered, all sessions together
@@ -323,13 +332,15 @@ class Gateway:
     # --- one paid call ------------------------------------------------------------------------
 
     async def paid_call(self, served: Served, method: str, path: str, query: bytes,
-                        headers: Headers, body: bytes, wire: str | None = None
+                        headers: Headers, body: bytes, wire: str | None = None,
+                        gone: trio.Event | None = None
                         ) -> tuple[Reply | StreamThrough, Headers]:
         """The answer to one call that may cost money, and the ksfs headers that go with it.
 
         Chat completions and every other paid route take the same path (store, budget, buy
         once), so no endpoint can spend past a budget or go uncounted; the route is part of the
-        key, so one body sent to two endpoints is two calls.
+        key, so one body sent to two endpoints is two calls. ``gone`` is set when the guest
+        hangs up: a call still held back by the budget gate is then not bought.
         """
         route = Route(method, path, query, wire or path)
         # Other routes are keyed by the path as sent upstream: /v1/files/a%2Fb and /v1/files/a/b
@@ -364,6 +375,7 @@ class Gateway:
         ikey = lineage_bytes(view.lineage) + key
         mine = False
         settled_once = False  # lost records met are settled at most once per call
+        deadline: float | None = None  # when a call held back by calls in flight gives up
         while True:
             call = self._inflight.get(ikey)
             if call is None:
@@ -410,15 +422,21 @@ class Gateway:
                     # disk) still counts as in flight: its reservation may have been spent.
                     elsewhere = Elsewhere(calls + lost, tokens, usd)
                 if not self._gate.may_start(view.lineage, budget, used, held, elsewhere):
-                    # Calls in flight may spend what is left: wait for one, then look again.
-                    if elsewhere.calls:  # (another gateway's end is not signalled here)
-                        with trio.move_on_after(ELSEWHERE_POLL_S):
-                            if self._gate.flying(view.lineage):
-                                await self._gate.wait_for_landing(view.lineage)
-                            else:
-                                await trio.sleep_forever()
-                    else:
-                        await self._gate.wait_for_landing(view.lineage)
+                    # Calls in flight may spend what is left: wait for one, then look again,
+                    # for at most admission_wait (review: a record of a stopped gateway held
+                    # a call back for ever, with no answer).
+                    if deadline is None:
+                        deadline = trio.current_time() + self.admission_wait
+                    await self._wait_for_room(view.lineage, bool(elsewhere.calls), deadline,
+                                              gone)
+                    if gone is not None and gone.is_set():
+                        # The guest hung up while held back: nothing is bought for it.
+                        return (error_reply(499, "client_closed",
+                                            "the client closed the request while it waited"),
+                                ksfs_headers(key, "error"))
+                    if trio.current_time() >= deadline:
+                        return (self._held_back(view, elsewhere),
+                                ksfs_headers(key, "refused"))
                     continue
                 call = self._inflight[ikey] = Call(digest=digest)
                 mine = True
@@ -447,6 +465,44 @@ class Gateway:
             if mine and call.stored is not None:
                 return reply_of(call.stored), ksfs_headers(key, "false")
             # A duplicate: the buyer's response is committed now; loop to replay it.
+
+    async def _wait_for_room(self, lineage: str, poll: bool, deadline: float,
+                             gone: trio.Event | None) -> None:
+        """Until a purchase of ``lineage`` in flight here lands, ``deadline``, the guest hangs
+        up (``gone``), or, when other gateways hold purchases in flight (``poll``: their end
+        is not signalled here), ELSEWHERE_POLL_S."""
+        limit = min(deadline, trio.current_time() + ELSEWHERE_POLL_S) if poll else deadline
+        with trio.move_on_at(limit):
+            async with trio.open_nursery() as waits:
+                async def landing() -> None:
+                    if self._gate.flying(lineage):
+                        await self._gate.wait_for_landing(lineage)
+                    elif poll:
+                        await trio.sleep_forever()
+                    waits.cancel_scope.cancel()
+
+                async def hung_up() -> None:
+                    assert gone is not None
+                    await gone.wait()
+                    waits.cancel_scope.cancel()
+
+                waits.start_soon(landing)
+                if gone is not None:
+                    waits.start_soon(hung_up)
+
+    def _held_back(self, view: View, elsewhere: Elsewhere) -> Reply:
+        """429: the call waited admission_wait for calls in flight to leave room in the
+        budget, and they did not (one of a stopped gateway, a settle that failed)."""
+        pids = self.db.holders(view.lineage) if elsewhere.calls else []
+        where = (f"calls in flight by another gateway on the store (pid "
+                 f"{', '.join(map(str, pids))})" if pids else
+                 "calls in flight elsewhere" if elsewhere.calls else
+                 "this gateway's calls in flight")
+        return error_reply(
+            429, "held_back_by_calls_in_flight",
+            f"session {view.session!r}: this call was held back {self.admission_wait:g} s by "
+            f"{where}, which may spend what is left of its budget; nothing was sent upstream; "
+            "retry later", session=view.session, holders=pids)
 
     async def _replay(self, view: View, key: bytes, stored: StoredResponse, digest: str
                       ) -> tuple[Reply, Headers]:

@@ -483,8 +483,8 @@ class GatewayStore:
     def reserved_elsewhere(self, lineage: str) -> tuple[int, int, float, int]:
         """(calls, tokens, USD, lost) of the purchases of ``lineage`` other gateways recorded
         and have not settled: ``calls`` those of live processes, ``lost`` those whose process
-        is gone (for ``settle_lost``); tokens and USD what all of them reserved. Synchronous and small: read on the gateway's loop
-        like ``spending``."""
+        is gone (for ``settle_lost``); tokens and USD what all of them reserved. Synchronous
+        and small: read on the gateway's loop like ``spending``."""
         if not self._ready() or self._pending is None:
             return 0, 0, 0.0, 0
         prefix = lineage_bytes(lineage)
@@ -516,6 +516,16 @@ class GatewayStore:
                 except (ValueError, TypeError, AttributeError):
                     lost += 1  # (damaged: settle_lost says so)
         return calls, tokens, usd, lost
+
+    def holders(self, lineage: str) -> list[int]:
+        """The pids of the other live gateways holding purchases of ``lineage`` in flight."""
+        pids = set()
+        for lin, _key, _purchase, rec in self.pending():
+            owner = rec.get("owner")
+            if lin == lineage and isinstance(owner, dict) and \
+                    owner.get("gateway") != self.instance and isinstance(owner.get("pid"), int):
+                pids.add(owner["pid"])
+        return sorted(pids)
 
     def settle_lost(self) -> int:
         """Count every purchase recorded by a process that is gone, at its reservation: a
