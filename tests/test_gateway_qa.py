@@ -816,3 +816,54 @@ async def test_a_call_held_back_whose_guest_hung_up_is_never_bought(
     await trio.sleep(1.0)  # past a few polls: room now
     assert provider.count() == 0
     assert gw.usage("s1")["paid_calls"] == 0
+
+
+def _post_head(length: int) -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json"
+            b"\r\nConnection: close\r\nContent-Length: " + str(length).encode() + b"\r\n\r\n")
+
+
+async def test_a_steady_slow_body_is_read_and_a_trickle_still_ends(
+        gw, store, ledger, provider, nursery):
+    """Review of 8e90d0d: the read timeout bounded the whole body, so a steady slow upload was
+    cut (3 KB in 20 pieces over 2.3 s with read_timeout=2: 408; 16 MiB needed 280 KB/s). It is
+    now a stall timeout: no byte for read_timeout; the whole body is bound by the body limit
+    at MIN_BODY_RATE, so a trickle still ends."""
+    gw.read_timeout = 0.5
+    port = await nursery.start(gw.serve_session, "s1")
+    body = json.dumps(chat_body("slow " * 600, model="test-model")).encode()
+    assert len(body) > 3000
+    with trio.fail_after(10):
+        stream = await open_raw(port, _post_head(len(body)))
+        step = len(body) // 20 + 1
+        for i in range(0, len(body), step):  # 20 pieces over about 1.2 s: > read_timeout
+            await trio.sleep(0.06)
+            await stream.send_all(body[i:i + step])
+        answer = await read_all(stream)
+    await stream.aclose()
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert provider.count() == 1
+    # A trickle: a byte every 0.2 s never stalls, but the whole body has its bound.
+    from ksfs.gateway.app import body_deadline
+
+    gw.max_body = 4096
+    assert body_deadline(gw.read_timeout, gw.max_body) == 0.75
+    with trio.fail_after(10):
+        stream = await open_raw(port, _post_head(200))
+        got = b""
+        with trio.move_on_after(5):
+            async with trio.open_nursery() as n:
+                async def trickle() -> None:
+                    for _ in range(40):
+                        await trio.sleep(0.2)
+                        try:
+                            await stream.send_all(b" ")
+                        except trio.BrokenResourceError:
+                            return
+
+                n.start_soon(trickle)
+                got = await read_all(stream)
+                n.cancel_scope.cancel()
+    await stream.aclose()
+    assert got.startswith(b"HTTP/1.1 408 "), got
+    assert provider.count() == 1

@@ -47,8 +47,8 @@ def gateway() -> None:
 @click.option("--timeout", type=float, default=300.0, show_default=True,
               help="Seconds one upstream call may take before the guest gets a 504.")
 @click.option("--read-timeout", type=float, default=60.0, show_default=True, metavar="S",
-              help="Seconds a request's body may take to arrive whole before the client gets "
-                   "a 408.")
+              help="Seconds a request's body may go without a byte arriving before the client "
+                   "gets a 408 (the whole body also has a bound: the body limit at 16 KiB/s).")
 @click.option("--admission-wait", type=float, default=60.0, show_default=True, metavar="S",
               help="Seconds a call held back by calls in flight that may spend what is left of "
                    "the budget waits for room before it gets a 429.")

@@ -67,16 +67,22 @@ async def _answer(gw: Any, served: Any, scope: dict, receive, send) -> None:
             401, "invalid_api_key",
             f"this gateway serves session {served.session!r}; give its token as the API key"))
         return
+    # (QA F4: a client that never finished its body held its connection for ever) A body may
+    # go read_timeout without a byte (review: a bound on the whole body cut a steady slow
+    # upload, 16 MiB needed 280 KB/s), and take as long as the body limit needs at
+    # MIN_BODY_RATE in all, so that a trickle of a byte now and then still ends.
+    whole = body_deadline(gw.read_timeout, gw.max_body)
     try:
-        with trio.fail_after(gw.read_timeout):
-            body = await read_body(receive, gw.max_body)
+        with trio.fail_after(whole):
+            body = await read_body(receive, gw.max_body, gw.read_timeout)
     except ClientGone:
         return  # a body cut short is no request: nothing is sent upstream or bought
-    except trio.TooSlowError:
-        # (QA F4: a client that never finished its body held its connection for ever)
+    except (trio.TooSlowError, Stalled) as exc:
         await send_reply(send, error_reply(
             408, "request_timeout",
-            f"the request body did not arrive whole within {gw.read_timeout:g} s"))
+            f"no byte of the request body arrived for {gw.read_timeout:g} s"
+            if isinstance(exc, Stalled) else
+            f"the request body did not arrive whole within {whole:g} s"))
         return
     if body is None:
         await send_reply(send, error_reply(413, "request_too_large",
@@ -173,11 +179,31 @@ class ClientGone(Exception):
     connections mid-upload)."""
 
 
-async def read_body(receive, limit: int) -> bytes | None:
-    """The request body; None when it is over ``limit``; ClientGone when it never ended."""
+class Stalled(Exception):
+    """No byte of the request body arrived for the read timeout."""
+
+
+# The slowest a body may arrive on the whole (bytes/s): with the read timeout, the bound of a
+# whole body's time (``body_deadline``): 16 MiB at 16 KiB/s is 1024 s.
+MIN_BODY_RATE = 16 * 1024
+
+
+def body_deadline(read_timeout: float, max_body: int) -> float:
+    return read_timeout + max_body / MIN_BODY_RATE
+
+
+async def read_body(receive, limit: int, idle: float | None = None) -> bytes | None:
+    """The request body; None when it is over ``limit``; ClientGone when it never ended;
+    Stalled when ``idle`` seconds went by with nothing of it."""
     parts, size = [], 0
     while True:
-        msg = await receive()
+        if idle is None:
+            msg = await receive()
+        else:
+            with trio.move_on_after(idle) as waited:
+                msg = await receive()
+            if waited.cancelled_caught:
+                raise Stalled
         if msg["type"] == "http.disconnect":
             raise ClientGone
         chunk = msg.get("body", b"")

@@ -86,8 +86,9 @@ MAX_BODY = 16 * 1024 * 1024
 # The completion tokens reserved, while it is in flight, for a request that sets no cap of its
 # own (max_tokens, max_completion_tokens, max_output_tokens): admission.BudgetGate.
 DEFAULT_COMPLETION_RESERVE = 4096
-# How long a request's body may take to arrive whole (then 408), and how many requests one
-# gateway reads and answers at once, all its sessions together (past it, 503): QA F4.
+# How long a request's body may go without a byte arriving (then 408; its whole time is bound
+# too: app.body_deadline), and how many requests one gateway reads and answers at once, all
+# its sessions together (past it, 503): QA F4.
 READ_TIMEOUT = 60.0
 KEEP_ALIVE_S = 5.0  # hypercorn's own default
 MAX_CONNECTIONS = 256
