@@ -114,3 +114,23 @@ def test_recover_brings_a_machine_back_to_its_very_checkpoint_never_an_import(
         # an older ksfs's label (the name alone) is still taken by name, but never an import
         k._vm = HeldAt("s/base")
         assert k._last_good("s") == "old"
+
+
+def test_a_restore_is_taken_for_done_only_on_its_very_checkpoint(tmp_path: Path) -> None:
+    """Review: recover's finishing of a killed restore, and a restore's 'left paused' check,
+    compared the name the chain root holds with the target's: a root still labelled with a
+    checkpoint deleted and saved again under that name passed for the restore's."""
+    (tmp_path / "a.txt").write_text("one\n")
+    with Keeper(tmp_path / "store", create=True) as k:
+        base = k.import_files("s", "base", [tmp_path / "a.txt"])
+        k._vm = HeldAt(checkpoint_label(k.ledger.session("s").lineage, base))
+        assert k._holds_exactly("s", "base")
+        assert not k._holds_exactly("s", "other")
+        k.delete_checkpoint("s", "base")
+        assert not k._holds_exactly("s", "base")  # gone
+        k.import_files("s", "base", [tmp_path / "a.txt"])
+        assert not k._holds_exactly("s", "base")  # another took the name
+        k._vm = HeldAt("s/base")  # an older ksfs's label: the name is all there is
+        assert k._holds_exactly("s", "base")
+        k._vm = HeldAt("restore-3")
+        assert not k._holds_exactly("s", "base")

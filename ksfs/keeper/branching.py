@@ -309,7 +309,7 @@ class RestoreVerbs:
         """Whether the machine is paused on ``checkpoint``'s chain (a running one was resumed:
         what failed after that is no resume)."""
         try:
-            return (self.vm.holds_checkpoint(rec.name) == f"{rec.name}/{checkpoint}"
+            return (self._holds_exactly(rec.name, checkpoint)
                     and self.vm.state(rec.domain) == "paused")
         except KsfsError:
             return False

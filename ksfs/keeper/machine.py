@@ -855,6 +855,20 @@ class MachineVerbs:
             return f"{rec.parent.session}/{rec.parent.checkpoint}"
         return last
 
+    def _holds_exactly(self, session: str, checkpoint: str) -> bool:
+        """Whether ``session``'s machine's chain root holds its checkpoint ``checkpoint`` itself,
+        not one that had the name before (a label of an older ksfs, a name alone, by name)."""
+        parsed = parse_label(getattr(self.vm, "held_label", self.vm.holds_checkpoint)(session))
+        if parsed is None or parsed[:2] != (session, checkpoint):
+            return False
+        if parsed[2] is None:
+            return True
+        try:
+            record = self.ledger.checkpoint(session, checkpoint)
+            return (parsed[2], parsed[3]) == (self.ledger.session(session).lineage, record.seq)
+        except NotFound:
+            return False
+
     def _base_checkpoint(self, label: str | None) -> CheckpointRecord | None:
         """The checkpoint a frozen disk's changed ranges are relative to, when it is still
         stored and is the very one the label names (its session's lineage and its seq), else

@@ -313,7 +313,8 @@ class Recovery:
         # marked failed while it may have taken effect; the session is reported failed instead.
         self.vm.settle_restore(rec.name, rec.domain)
         try:
-            if self.vm.holds_checkpoint(rec.name) != f"{rec.name}/{target}" \
+            # (the very checkpoint: one that had its name before is not the restore's)
+            if not self._holds_exactly(rec.name, target) \
                     or self.vm.state(rec.domain) not in ("running", "paused"):
                 return False
             record = self.ledger.checkpoint(rec.name, target)
