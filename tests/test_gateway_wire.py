@@ -493,3 +493,25 @@ async def test_a_stream_the_gateway_stops_under_is_counted(store, ledger, provid
         "gateway_stopped", False, False)
     assert cut.body["total_tokens"] > len(json.dumps(chat_body("stopped under", stream=True))) // 4
     assert gw.usage("s1")["paid_calls"] == 1
+
+
+async def test_only_codings_the_gateway_can_decode_are_asked_for_upstream(store, ledger,
+                                                                         provider, nursery):
+    """Review: the passthrough forwarded the guest's Accept-Encoding, and this httpx cannot
+    decode br: a br answer went to the guest raw with its content-encoding dropped
+    (undecodable bytes, and key masking could not see inside). Upstream is asked only for
+    codings httpx decodes (identity when none is left), on every path."""
+    gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    decodable_here = {"identity", "gzip", "deflate", "zstd"}  # this venv's httpx: no br
+    async with client(port) as c:
+        for asked in ("br", "gzip, br;q=1.0, deflate", "*"):
+            r = await c.get("/v1/models", headers={"accept-encoding": asked})
+            assert r.status_code == 200
+            sent = provider.requests[-1].headers["accept-encoding"]
+            assert {x.split(";")[0].strip() for x in sent.split(",")} <= decodable_here, sent
+        assert provider.requests[-1].headers["accept-encoding"] == "identity"
+        assert provider.requests[-2].headers["accept-encoding"] == "gzip, deflate"
+    r = await call(port, chat_body("paid"), headers={"accept-encoding": "br"})
+    assert r.status_code == 200
+    assert provider.requests[-1].headers["accept-encoding"] == "identity"

@@ -152,12 +152,16 @@ class Upstream:
     def outgoing(self, guest: Iterable[tuple[str, str]], identity: bool = False) -> Headers:
         """The headers sent upstream: the guest's, less hop-by-hop and secrets, plus our key.
         They go as bytes (``encode_headers``): the guest's as it sent them (httpx would encode
-        a text value as ASCII, and a guest's UTF-8 header was a 500)."""
-        drop = HOP_BY_HOP | GUEST_ONLY | ({"accept-encoding"} if identity else frozenset())
-        out = keep_headers(guest, drop)
-        if identity:
-            # Stored bodies must be plain so usage can be read and replays need no decoding.
-            out.append(("accept-encoding", "identity"))
+        a text value as ASCII, and a guest's UTF-8 header was a 500). The guest's
+        Accept-Encoding keeps only what httpx can decode (``decodable``): every answer is
+        decoded here (key masking reads it) and handed on without its content-encoding, so a
+        br answer httpx cannot decode reached the guest as undecodable bytes (review)."""
+        guest = list(guest)
+        out = keep_headers(guest, HOP_BY_HOP | GUEST_ONLY | {"accept-encoding"})
+        # Stored bodies must be plain so usage can be read and replays need no decoding.
+        asked = None if identity else ", ".join(
+            v for k, v in guest if k.lower() == "accept-encoding")
+        out.append(("accept-encoding", decodable(asked) if asked else "identity"))
         if self._api_key:
             out.append(("authorization", f"Bearer {self._api_key}"))
         return out
@@ -262,6 +266,28 @@ class Upstream:
             await send({"type": "http.response.body", "body": mask.end(), "more_body": False})
         finally:
             await resp.aclose()
+
+
+def _decoders() -> frozenset[str]:
+    try:
+        from httpx._decoders import SUPPORTED_DECODERS  # what this httpx decodes (br when
+        return frozenset(SUPPORTED_DECODERS)  # brotli is installed, zstd with zstandard)
+    except ImportError:  # (a private name: the codings every httpx decodes)
+        return frozenset({"identity", "gzip", "deflate"})
+
+
+DECODABLE = _decoders()
+
+
+def decodable(accept_encoding: str) -> str:
+    """A guest's Accept-Encoding less the codings httpx cannot decode (and ``*``, which would
+    let the provider choose one); ``identity`` when nothing is left."""
+    kept = []
+    for item in accept_encoding.split(","):
+        coding = item.split(";")[0].strip().lower()
+        if coding and coding in DECODABLE:
+            kept.append(item.strip())
+    return ", ".join(kept) or "identity"
 
 
 def raw_headers(resp: httpx.Response) -> Headers:
