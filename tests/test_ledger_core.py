@@ -496,3 +496,25 @@ def test_events_backward_and_events_of_types(ledger):
     assert list(ledger.events_of("b", {"pause"})) == pauses
     assert list(ledger.events_backward("b", types={"pause"})) == pauses[::-1]
     assert list(ledger.events_of("b", {"pause"}, since=pauses[1].seq)) == pauses[1:]
+
+
+def test_scans_by_type_read_a_value_not_written_as_ksfs_writes_it_by_decoding_it(ledger):
+    """Review: a value with a key after its type ('..."type":"pause","v":"1"}', a foreign
+    writer's or damage) was passed over by a scan for pauses, while `events` read it as one;
+    a value decoded to be sure is yielded only when it is of a type asked for."""
+    from ksfs.ledger import keys as K
+
+    new_session(ledger, "s")
+    ledger.record("s", "resume", {})
+    ledger.record("s", "pause", {})
+    lin = K.lineage_bytes(ledger.session("s").lineage)
+    with ledger.env.begin(write=True) as txn:
+        txn.put(K.event_key_raw(lin, 3), b'{"body":{},"time":1.0,"type":"pause","v":"1"}',
+                db=ledger._events)
+        txn.put(K.event_key_raw(lin, 4), b'{"body":{},"time":1.0,"type":"resume","v":"1"}',
+                db=ledger._events)
+    pauses = [e.seq for e in ledger.events("s") if e.type == "pause"]
+    assert pauses == [2, 3]
+    assert [e.seq for e in ledger.events_of("s", {"pause"})] == pauses
+    assert [e.seq for e in ledger.events_backward("s", types={"pause"})] == pauses[::-1]
+    assert [e.seq for e in ledger.events_of("s", {"resume"})] == [1, 4]
