@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -83,6 +83,24 @@ def _another_type(value: bytes) -> bool:
     for pauses while ``events`` read it as one)."""
     at = value.rfind(_TYPE_KEY, -120)
     return at >= 0 and value.endswith(b'"}') and b'"' not in value[at + len(_TYPE_KEY):-2]
+
+
+def _take_batch(pairs: Iterable[tuple[bytes, bytes]], inside: Callable[[bytes], bool],
+                ends: tuple[bytes, ...] | None, batch: list[tuple[int, bytes]]) -> bytes | None:
+    """Append to ``batch`` the (seq, value) of the events ``pairs`` walks (a cursor, either
+    way) while ``inside`` holds for their keys, with ``ends`` (``_Types.ends``) only those of
+    these types or not of the form ksfs writes (decoded to be sure); stop after _SCAN looked at
+    or _BATCH kept. The last key looked at when stopped so (more may follow), else None."""
+    scanned = 0
+    for k, v in pairs:
+        if not inside(k):
+            return None
+        if ends is None or v.endswith(ends) or not _another_type(v):
+            batch.append((K.split_event_key(k)[1], v))
+        scanned += 1
+        if scanned >= _SCAN or len(batch) >= _BATCH:
+            return k
+    return None
 
 
 def _check_seq(seq: Any, what: str) -> None:
@@ -502,27 +520,12 @@ class Ledger(CheckpointMethods):
         last = None if until is None else K.event_key_raw(lin, until)
         while True:
             batch: list[tuple[int, bytes]] = []
-            scanned = 0
-            key = None
             with self._read(None) as t:
                 cur = t.cursor(db=self._events)
                 if not cur.set_range(K.event_key_raw(lin, nxt)):
                     return
-                for k, v in cur:
-                    if (end is not None and k >= end) or k[: K.LINEAGE_BYTES] != lin \
-                            or (last is not None and k > last):
-                        key = None
-                        break
-                    key = k
-                    # of these types, or not of the form (another type's: its type key near
-                    # the end, then nothing but the type and the value's close)
-                    if ends is None or v.endswith(ends) or not _another_type(v):
-                        batch.append((K.split_event_key(k)[1], v))
-                    scanned += 1
-                    if scanned >= _SCAN or len(batch) >= _BATCH:
-                        break
-                else:
-                    key = None
+                key = _take_batch(cur, lambda k: k[: K.LINEAGE_BYTES] == lin and (
+                    end is None or k < end) and (last is None or k <= last), ends, batch)
             yield from batch
             if key is None:
                 return
@@ -536,8 +539,6 @@ class Ledger(CheckpointMethods):
         ends = None if types is None else types.ends
         while hi is None or hi > 0:
             batch: list[tuple[int, bytes]] = []
-            scanned = 0
-            key = None
             with self._read(None) as t:
                 cur = t.cursor(db=self._events)
                 bound = K.prefix_end(lin) if hi is None else K.event_key_raw(lin, hi)
@@ -545,20 +546,8 @@ class Ledger(CheckpointMethods):
                 moved = cur.prev() if bound is not None and cur.set_range(bound) else cur.last()
                 if not moved:
                     return
-                for k, v in cur.iterprev():
-                    if k[: K.LINEAGE_BYTES] != lin:
-                        key = None
-                        break
-                    key = k
-                    # of these types, or not of the form (another type's: its type key near
-                    # the end, then nothing but the type and the value's close)
-                    if ends is None or v.endswith(ends) or not _another_type(v):
-                        batch.append((K.split_event_key(k)[1], v))
-                    scanned += 1
-                    if scanned >= _SCAN or len(batch) >= _BATCH:
-                        break
-                else:
-                    key = None
+                key = _take_batch(cur.iterprev(), lambda k: k[: K.LINEAGE_BYTES] == lin, ends,
+                                  batch)
             yield from batch
             if key is None:
                 return
