@@ -467,3 +467,47 @@ async def test_by_model_keeps_at_most_100_names(gw, provider, nursery):
     assert len(by_model) == 101 and by_model["(other)"]["calls"] == 4
     assert by_model["(other)"]["priced"] is False  # one priced among unpriced ones
     assert sum(m["calls"] for m in by_model.values()) == 104
+
+
+def test_anthropic_usage_counts_message_start_and_cache_tokens() -> None:
+    """Review: a /v1/messages stream's usage was its last usage event alone (message_delta:
+    output_tokens only), so message_start's input_tokens=50000 counted as prompt 0, and the
+    cache's input tokens (cache_read_input_tokens, cache_creation_input_tokens) never counted.
+    message_start's usage is merged with message_delta's; cache tokens count as prompt, in the
+    stream and in the JSON answer."""
+    from ksfs.gateway.calls import usage_of_json
+    from ksfs.gateway.sse import usage_of_sse
+
+    def event(name: str, obj: dict) -> bytes:
+        return f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode()
+
+    start_usage = {"input_tokens": 50000, "cache_creation_input_tokens": 2000,
+                   "cache_read_input_tokens": 30000, "output_tokens": 1}
+    stream = b"".join([
+        event("message_start", {"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
+            "content": [], "stop_reason": None, "usage": start_usage}}),
+        event("content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}}),
+        event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                      "delta": {"type": "text_delta", "text": "hi"}}),
+        event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                "usage": {"output_tokens": 15}}),
+        event("message_stop", {"type": "message_stop"}),
+    ])
+    u = usage_of_sse(stream, "claude-x")
+    assert (u.prompt_tokens, u.completion_tokens) == (82000, 15), u
+    assert u.total_tokens == 82015 and u.known and u.model == "claude-x"
+    whole = json.dumps({"id": "msg_1", "type": "message", "model": "claude-x", "content": [],
+                        "usage": dict(start_usage, output_tokens=15)}).encode()
+    j = usage_of_json(whole, "claude-x")
+    assert (j.prompt_tokens, j.completion_tokens, j.total_tokens) == (82000, 15, 82015), j
+    # OpenAI's own streams and answers are read as before: the last usage whole.
+    chat = b"".join([
+        b'data: {"choices": [{"delta": {"content": "a"}}], "usage": null}\n\n',
+        b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, '
+        b'"total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 4}}}\n\n',
+        b"data: [DONE]\n\n"])
+    c = usage_of_sse(chat, "gpt-4o-mini")
+    assert (c.prompt_tokens, c.completion_tokens, c.total_tokens) == (9, 3, 12)

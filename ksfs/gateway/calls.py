@@ -234,12 +234,8 @@ def usage_from(obj: Any, model: str | None) -> Usage | None:
     ``response`` it wraps (the events of a streamed /v1/responses call). Chat completions and
     embeddings count prompt_tokens/completion_tokens; /v1/responses says input_tokens/
     output_tokens for the same two things."""
-    if not isinstance(obj, dict):
-        return None
-    u = obj.get("usage")
-    if not isinstance(u, dict) and isinstance(obj.get("response"), dict):
-        u = obj["response"].get("usage")
-    if not isinstance(u, dict):
+    u = raw_usage(obj)
+    if u is None:
         return None
 
     clamped = False
@@ -257,13 +253,30 @@ def usage_from(obj: Any, model: str | None) -> Usage | None:
         return v
 
     if not any(num(n) for n in ("prompt_tokens", "input_tokens", "completion_tokens",
-                                "output_tokens", "total_tokens")):
+                                "output_tokens", "total_tokens", *ANTHROPIC_CACHE)):
         return None  # {} or nulls: no figure, so the answer is counted at an estimate
-    prompt = num("prompt_tokens") or num("input_tokens")
+    # Anthropic's input_tokens leave out the prompt read from or written to its cache
+    # (review: a cached prompt counted nothing): counted as prompt, at the input price.
+    prompt = num("prompt_tokens") or (num("input_tokens") + sum(map(num, ANTHROPIC_CACHE)))
     completion = num("completion_tokens") or num("output_tokens")
     # A total below its parts is no total: the parts were counted by the provider too.
     total = max(num("total_tokens"), prompt + completion)
     return Usage(model, prompt, completion, total, True, clamped=clamped)
+
+
+ANTHROPIC_CACHE = ("cache_creation_input_tokens", "cache_read_input_tokens")
+
+
+def raw_usage(obj: Any) -> dict[str, Any] | None:
+    """The usage object an answer or event carries: its own ``usage``, else that of the
+    ``response`` (a /v1/responses event) or ``message`` (Anthropic's message_start) it wraps."""
+    if not isinstance(obj, dict):
+        return None
+    u = obj.get("usage")
+    for holder in ("response", "message"):
+        if not isinstance(u, dict) and isinstance(obj.get(holder), dict):
+            u = obj[holder].get("usage")
+    return u if isinstance(u, dict) else None
 
 
 def model_of(obj: Any) -> str | None:

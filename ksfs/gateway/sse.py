@@ -17,7 +17,15 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from ksfs.gateway.calls import Usage, is_chat, json_bytes, model_of, text_bytes, usage_from
+from ksfs.gateway.calls import (
+    Usage,
+    is_chat,
+    json_bytes,
+    model_of,
+    raw_usage,
+    text_bytes,
+    usage_from,
+)
 
 RESPONSES_PATH = "/v1/responses"
 # Terminal events of a Responses API stream that carry a whole response.
@@ -111,15 +119,21 @@ def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
     does not end a line.
     """
     model = request_model
-    found: Usage | None = None
+    merged: dict[str, Any] = {}
     for raw in split_events(body):
         if b"{" not in raw:
             continue
         obj = _json_of(parse_event(raw)[1])
         model = model_of(obj) or model
-        u = usage_from(obj, model)
+        u = raw_usage(obj)
         if u is not None:
-            found = u
+            # Merged, later figures over earlier ones (review: the last usage alone was
+            # taken, and an Anthropic stream's message_delta says only output_tokens, so
+            # message_start's input_tokens and cache tokens counted 0). A 0 or null never
+            # replaces a figure already given.
+            merged.update({k: v for k, v in u.items()
+                           if v is not None and (v != 0 or k not in merged)})
+    found = usage_from({"usage": merged}, model) if merged else None
     if found is None:
         return Usage(model)
     return replace(found, model=model)
