@@ -867,3 +867,31 @@ async def test_a_steady_slow_body_is_read_and_a_trickle_still_ends(
     await stream.aclose()
     assert got.startswith(b"HTTP/1.1 408 "), got
     assert provider.count() == 1
+
+
+async def test_one_session_cannot_take_every_connection(gw, store, ledger, provider, nursery):
+    """Review of 8e90d0d: max_connections counts the requests of every session of a gateway,
+    so one guest's slow bodies (4 of max_connections=4) made every other session's call a
+    503. A session may hold all but a quarter of them while others are served."""
+    gw.read_timeout, gw.max_connections = 30.0, 4
+    port1 = await nursery.start(gw.serve_session, "s1")
+    port2 = await nursery.start(gw.serve_session, "s2")
+    held = [await open_raw(port1, HALF_A_BODY) for _ in range(4)]
+    try:
+        with trio.fail_after(5):
+            while gw.open_requests < 3:
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)
+        r = await call(port2, chat_body("the other session", model="test-model"))
+        assert r.status_code == 200, r.text
+        assert gw.open_by_session["s1"] == 3 and gw.session_connections() == 3
+        r = await call(port1, chat_body("past its share", model="test-model"))
+        assert r.status_code == 503 and "its share (3 of 4)" in r.json()["error"]["message"]
+    finally:
+        for stream in held:
+            await stream.aclose()
+    with trio.fail_after(5):
+        while gw.open_requests:
+            await trio.sleep(0.01)
+    assert gw.open_by_session == {}
+    assert provider.count() == 1

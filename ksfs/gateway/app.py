@@ -53,11 +53,26 @@ async def asgi_app(gw: Any, served: Any, scope: dict, receive, send) -> None:
             f"this gateway is answering {gw.open_requests} requests, its limit "
             f"({gw.max_connections}); retry shortly"))
         return
+    mine = gw.open_by_session.get(served.session, 0)
+    if mine >= gw.session_connections():
+        # One session's guest may not take every connection: the others keep a share
+        # (review: four slow bodies of one session made every other session's call a 503).
+        await send_reply(send, error_reply(
+            503, "too_many_connections",
+            f"session {served.session!r} has {mine} requests open on this gateway, its share "
+            f"({gw.session_connections()} of {gw.max_connections}); retry shortly"))
+        return
     gw.open_requests += 1
+    gw.open_by_session[served.session] = mine + 1
     try:
         await _answer(gw, served, scope, receive, send)
     finally:
         gw.open_requests -= 1
+        left = gw.open_by_session[served.session] - 1
+        if left:
+            gw.open_by_session[served.session] = left
+        else:
+            del gw.open_by_session[served.session]
 
 
 async def _answer(gw: Any, served: Any, scope: dict, receive, send) -> None:

@@ -190,6 +190,7 @@ class Gateway:
         self.read_timeout = float(read_timeout)
         self.max_connections = max_connections
         self.open_requests = 0  # requests being read or answered, all sessions together
+        self.open_by_session: dict[str, int] = {}  # the same, per session
         if isinstance(completion_reserve, bool) or not isinstance(completion_reserve, int) \
                 or not 0 < completion_reserve <= CAP_MAX:
             raise BadInput(f"the completion reserve must be a whole number of tokens from 1 "
@@ -234,6 +235,14 @@ class Gateway:
         return self.db.set_budget(session, tokens=tokens, usd=usd)
 
     # --- serving ------------------------------------------------------------------------------
+
+    def session_connections(self) -> int:
+        """How many of max_connections one session's requests may hold: all of them when it
+        is the only session served, else all but a quarter (at least one), kept for the
+        others."""
+        if len(self.ports) <= 1:
+            return self.max_connections
+        return max(1, self.max_connections - max(1, self.max_connections // 4))
 
     def inflight_count(self) -> int:
         return len(self._inflight)
