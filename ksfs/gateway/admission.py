@@ -24,7 +24,11 @@ counts as in flight here too (``Elsewhere``), and a purchase that does not fit b
 waits, looking again every ELSEWHERE_POLL_S; only a purchase recorded in the moment
 (milliseconds) between another gateway's admission and its record is not seen. Without a budget
 nothing is held back. A purchase held back waits (the guest's request stays open) until one in
-flight ends, then is checked again, and refused with 402 if the budget is then used up.
+flight ends, then is checked again, and refused with 402 if the budget is then used up; it waits
+at most the gateway's admission wait, then gets 429 (``Gateway.paid_call``). A record a dead
+gateway left is counted in the store before the call that meets it is admitted; a gateway in
+another pid namespace is taken for dead (counted twice, never less). Admission is not in order:
+a call larger than what is left may wait while smaller ones are admitted past it.
 """
 
 from __future__ import annotations
