@@ -85,6 +85,10 @@ def remove_sessions(store: Path, env: dict | None, extra: list[str] = ()) -> Non
     listing = ksfs(store, env, "session", "list", "--json", check=False)
     names = [s["session"] for s in json.loads(listing.stdout or "[]")] \
         if listing.returncode == 0 else []
+    # and every machine the store made a directory for: a listing that failed (a daemon that
+    # stopped under a failed test) left its domain defined for the next run to trip on
+    vm = Path(store) / "vm"
+    names += [d.name for d in vm.iterdir() if d.is_dir()] if vm.is_dir() else []
     for name in set(names) | set(extra):
         ksfs(store, env, "session", "rm", name, check=False)
         virsh("destroy", f"ksfs-{name}")
