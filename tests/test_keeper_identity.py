@@ -107,8 +107,9 @@ def test_recover_brings_a_machine_back_to_its_very_checkpoint_never_an_import(
         machine_checkpoint(k, "later", tmp_path / "a.txt")
         k.import_files("s", "notes", [tmp_path / "a.txt"])  # an import: no machine
         assert k._last_good("s") == "later"
-        k.delete_checkpoint("s", "later")
         k.delete_checkpoint("s", "base")
+        assert k._last_good("s") == "later"  # saves after a deleted root's checkpoint count
+        k.delete_checkpoint("s", "later")
         k.import_files("s", "base", [tmp_path / "a.txt"])  # an import took the name
         assert k._last_good("s") == "old"  # the newest with a machine and its memory
         # an older ksfs's label (the name alone) is still taken by name, but never an import

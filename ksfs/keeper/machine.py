@@ -863,11 +863,20 @@ class MachineVerbs:
             return False
         if parsed[2] is None:
             return True
+        record, owner = self._labelled(session, checkpoint)
+        return record is not None and (parsed[2], parsed[3]) == (owner, record.seq)
+
+    def _labelled(self, session: str, name: str) -> tuple[CheckpointRecord | None, str | None]:
+        """What a chain root's label is checked against: the checkpoint now named ``name`` in
+        ``session`` and the lineage the session has now, each None when gone."""
         try:
-            record = self.ledger.checkpoint(session, checkpoint)
-            return (parsed[2], parsed[3]) == (self.ledger.session(session).lineage, record.seq)
+            owner = self.ledger.session(session).lineage
         except NotFound:
-            return False
+            return None, None
+        try:
+            return self.ledger.checkpoint(session, name), owner
+        except NotFound:
+            return None, owner
 
     def _base_checkpoint(self, label: str | None) -> CheckpointRecord | None:
         """The checkpoint a frozen disk's changed ranges are relative to, when it is still
@@ -881,11 +890,7 @@ class MachineVerbs:
         if parsed is None:
             return None
         session, name, lineage, seq = parsed
-        try:
-            record = self.ledger.checkpoint(session, name)
-            owner = self.ledger.session(session).lineage
-        except NotFound:
-            record = None  # deleted since
+        record, owner = self._labelled(session, name)
         if record is not None and lineage == owner and record.seq == seq:
             return record
         log.info("the disks were last at checkpoint %s/%s%s, which %s: the save reads them "

@@ -406,11 +406,7 @@ class Recovery:
         since, found = 0, None
         if parsed is not None and parsed[0] == session:
             _, name, lineage, seq = parsed
-            try:
-                record = self.ledger.checkpoint(session, name)
-                owner = self.ledger.session(session).lineage
-            except NotFound:
-                record, owner = None, None  # deleted since
+            record, owner = self._labelled(session, name)  # (record None: deleted since)
             if lineage is not None and lineage == owner:
                 since = seq + 1  # saves after it count even when it is gone or renamed
                 if record is not None and record.seq == seq:

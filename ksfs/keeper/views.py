@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ksfs.errors import IntegrityError, KsfsError, NotFound
+from ksfs.errors import IntegrityError, KsfsError
 from ksfs.keeper.activity import Activity
 from ksfs.keeper.holdings import ChunkHolders
 from ksfs.keeper.offline import is_disk_image
@@ -178,10 +178,8 @@ class Views:
         if parsed is None:
             return None
         owner, name, lineage, seq = parsed
-        try:
-            rec = self.ledger.checkpoint(owner, name)
-            now = self.ledger.session(owner).lineage
-        except NotFound:  # the checkpoint, or its whole session, is gone
+        rec, now = self._labelled(owner, name)
+        if rec is None:  # the checkpoint, or its whole session, is gone
             return True
         return (seq is not None and rec.seq != seq) or (lineage is not None and now != lineage)
 
