@@ -80,6 +80,16 @@ def guest_dir() -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[-1][0] != "Z"
+
+
 def remove_sessions(store: Path, env: dict | None, extra: list[str] = ()) -> None:
     """Remove every session of the store (and so its domain), plus domains named in ``extra``."""
     listing = ksfs(store, env, "session", "list", "--json", check=False)

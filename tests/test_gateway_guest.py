@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_helpers import daemon_mount, guest_dir, ksfs
+from tests.cli_helpers import alive, daemon_mount, guest_dir, ksfs
 from tests.fake_provider import FakeProvider
 
 pytestmark = pytest.mark.vm
@@ -158,14 +158,6 @@ def test_umount_stores_the_calls_in_flight_first(tmp_path_factory) -> None:
         up.stop()
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1].startswith("Z")  # a zombie is gone too
-    except OSError:
-        return True
-
-
 def test_a_second_signal_stops_the_daemon_at_once_and_its_calls_are_recorded(
         tmp_path_factory) -> None:
     """QA F12, in the daemon: the first SIGTERM unmounts and waits for the purchases in flight;
@@ -194,7 +186,7 @@ def test_a_second_signal_stops_the_daemon_at_once_and_its_calls_are_recorded(
             wait(lambda: b"waiting up to" in log.read_bytes(), "the daemon's drain", 30)
             begun = time.monotonic()
             os.kill(pid, signal.SIGTERM)
-            wait(lambda: _gone(pid), "the daemon's end", 20)
+            wait(lambda: not alive(pid), "the daemon's end", 20)
             assert time.monotonic() - begun < 10
             events = [json.loads(x) for x in ksfs(store, env, "events", s, "--json")
                       .stdout.splitlines() if x]

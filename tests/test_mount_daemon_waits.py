@@ -11,7 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.cli_helpers import KSFS
+from ksfs.daemon import client
+from tests.cli_helpers import KSFS, alive
 
 ENV = dict(os.environ, KSFS_GUEST="")
 
@@ -23,18 +24,9 @@ def ksfs(store: Path, *args: str, env: dict | None = None,
 
 
 def daemon_pid(store: Path) -> int:
-    import json
-
-    return json.loads((store / "daemon.lock").read_text())["pid"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[-1][0] != "Z"
+    pid = client.daemon_pid(store)
+    assert pid is not None, f"{store}/daemon.lock names no pid"
+    return pid
 
 
 def wait_gone(pid: int, within: float = 30) -> None:
@@ -109,8 +101,6 @@ def test_a_verb_asked_of_a_stopped_daemon_says_it_waits_then_gives_up(tmp_path: 
     without a word. Now stderr says once, after 2 s, that it waits for the daemon and which
     pid; after 30 s of silence it gives up with exit 14. A verb that runs long is not taken
     for silence: the daemon says it is alive every few seconds."""
-    from ksfs.daemon import client
-
     store, mnt, pid = mounted_store(tmp_path)
     try:
         os.kill(pid, signal.SIGSTOP)
@@ -150,7 +140,7 @@ def test_a_verb_the_daemon_runs_long_is_waited_for_without_a_word(tmp_path: Path
     import pytest
     import trio
 
-    from ksfs.daemon import client, server
+    from ksfs.daemon import server
     from ksfs.errors import DaemonTimeout
 
     class SlowKeeper:

@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.cli_helpers import KSFS
+from tests.cli_helpers import KSFS, alive
 
 ENV = dict(os.environ, KSFS_GUEST="")
 
@@ -18,15 +18,6 @@ ENV = dict(os.environ, KSFS_GUEST="")
 def ksfs(store: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True,
                           text=True, env=ENV, timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[-1][0] != "Z"
 
 
 def test_a_mount_point_through_a_symlink_stays_mounted_and_unmounts(tmp_path: Path) -> None:
