@@ -19,6 +19,12 @@ from ksfs.model import CheckpointRecord, ForkPoint
 
 CHAT = "/v1/chat/completions"
 MARKER_KEY = "sk-ksfs-test-MARKER-7f3a9c1e5b"  # the API key the secrecy test looks for
+# The price table of the budget tests: test-model at $1000 / $2000 per million tokens.
+PRICES = """
+[models."test-model"]
+input = 1000.0
+output = 2000.0
+"""
 
 
 def open_store(path: str | os.PathLike[str]) -> ChunkStore:

@@ -26,6 +26,7 @@ from test_gateway_cli import served  # a `ksfs gateway serve` in a subprocess
 from test_gateway_helpers import (  # the shared fixtures, by name
     CHAT,
     MARKER_KEY,
+    PRICES,
     call,
     chat_body,
     client,
@@ -38,11 +39,6 @@ from test_gateway_helpers import (  # the shared fixtures, by name
 
 from ksfs.gateway import Gateway
 
-PRICES = """
-[models."test-model"]
-input = 1000.0
-output = 2000.0
-"""
 # An operator's key no pattern of a provider's key format would catch: only the key itself.
 PLAIN_KEY = "provider-key-QA-4b1d9e7c20aa51f3"
 

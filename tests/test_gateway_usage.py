@@ -11,6 +11,7 @@ import pytest
 import trio
 from test_gateway_helpers import (  # with the shared fixtures, by name
     MARKER_KEY,
+    PRICES,
     call,
     chat_body,
     client,
@@ -23,12 +24,6 @@ from test_gateway_helpers import (  # with the shared fixtures, by name
 
 from ksfs.errors import BadInput
 from ksfs.gateway import Gateway, load_prices, parse_prices
-
-PRICES = """
-[models."test-model"]
-input = 1000.0
-output = 2000.0
-"""
 
 
 @pytest.fixture
