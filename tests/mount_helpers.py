@@ -109,6 +109,7 @@ def mounted(store_path: Path, env: dict[str, str] | None = None,
         raise
     try:
         wait_for_mount(proc, mnt, log=log)
+        mounted.last_pid = proc.pid
         yield mnt
     finally:
         try:
@@ -119,6 +120,7 @@ def mounted(store_path: Path, env: dict[str, str] | None = None,
 
 
 mounted.last_log = ""  # type: ignore[attr-defined]
+mounted.last_pid = 0  # type: ignore[attr-defined]  # the server of the innermost open block
 
 # --- source files and an offline store ------------------------------------------------------
 

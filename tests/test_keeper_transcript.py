@@ -7,6 +7,7 @@ reconciled "unrecorded"."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -138,6 +139,45 @@ def test_ksfs_cat_streams_a_large_transcript(tmp_path: Path) -> None:
     assert got == lines.encode()
     _, baseline = cat("meta.json")
     assert peak < baseline + 24 * 2**20, (peak, baseline, len(got))
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def test_the_mount_reads_a_large_transcript_a_piece_at_a_time(tmp_path: Path) -> None:
+    """The mount's transcript file was built whole at every open (a 49 MB one held once per
+    open handle, and built again at each open, being past the record files' 32 MiB cache). It
+    reads the guest's file a piece at a time: two handles at once read the file's bytes, and
+    the mount server's peak memory grows by far less than the file."""
+    from tests.mount_helpers import mounted
+
+    root = tmp_path / "root"
+    (root / "agent").mkdir(parents=True)
+    line = {"seq": 0, "text": "z" * 400}
+    lines = "".join(json.dumps(dict(line, seq=i)) + "\n" for i in range(1, 120_001)).encode()
+    (root / "agent" / "transcript.jsonl").write_bytes(lines)  # about 49 MB
+    build_ext4(root, tmp_path / "disk.raw", 96)
+    store = tmp_path / "store"
+    with Keeper(store, create=True) as k:
+        k.import_files("s", "c1", [tmp_path / "disk.raw"])
+    with mounted(store) as mnt:
+        pid = mounted.last_pid
+        assert os.listdir(mnt / "sessions" / "s" / "checkpoints") == ["c1"]
+        before = _peak_rss(pid)
+        path = mnt / "sessions" / "s" / "checkpoints" / "c1" / "transcript"
+        assert path.stat().st_size == len(lines)
+        middle = len(lines) // 2 + 5
+        with open(path, "rb") as whole, open(path, "rb") as piece:
+            piece.seek(middle)
+            assert piece.read(5000) == lines[middle:middle + 5000]
+            got = whole.read()
+        grew = _peak_rss(pid) - before
+    assert got == lines
+    assert grew < 24 * 2**20, (grew, len(lines))
 
 
 @pytest.mark.parametrize("kind", ["directory", "symlink"])

@@ -277,7 +277,10 @@ class RecordFile(Node):
 
     Its bytes are built on first need and kept in a cache of bounded size shared by every
     record file (nodes live as long as the mount: each keeping its own bytes, a walk over
-    every checkpoint's transcript kept them all); its size is kept for ever.
+    every checkpoint's transcript kept them all); its size is kept for ever. The transcript is
+    not built: it is as large as the guest made it, so an open reads the guest's file out of
+    the checkpoint's disk a piece at a time, as ``ksfs cat`` does (built whole, an 80 MB one
+    was held once per open handle and built again at every open, past the cache's bound).
     """
 
     needs_io = True
@@ -307,8 +310,26 @@ class RecordFile(Node):
         self._size = len(data)
         return data
 
+    def reader(self) -> bytes | Any:
+        """What an open reads: a record's bytes, or a reader (``size``, ``read``) of the
+        guest's transcript. A transcript that reads as another size than it first did (its
+        disk unreadable now) is EIO, never other bytes than the kernel may hold already."""
+        if self.name != "transcript":
+            return self.data()
+        reader = self.keeper.transcript_reader(self.checkpoint)
+        if self._size is not None and reader.size != self._size:
+            raise KsfsError(f"transcript of checkpoint {self.checkpoint.name} reads as "
+                            f"{reader.size} bytes where it was {self._size}")
+        self._size = reader.size
+        return reader
+
     def size(self) -> int:
-        return self._size if self._size is not None else len(self.data())
+        if self._size is None and self.name == "transcript":
+            self.reader()
+        elif self._size is None:
+            self.data()
+        assert self._size is not None
+        return self._size
 
     def blocks(self, size: int) -> int:
         # 1 (not 0: blocks_for): records are small, and a transcript is a view of disk.raw,

@@ -566,7 +566,9 @@ class CheckpointTree:
             handle = ReaderHandle(self._reader(node), inline=node.reads_inline,
                                   explain=node.explain_missing)
         elif isinstance(node, RecordFile):
-            handle = BytesHandle(node.data())
+            what = node.reader()
+            handle = BytesHandle(what) if isinstance(what, bytes) else \
+                ReaderHandle(what, inline=False)
         elif isinstance(node, DynamicFile):
             handle = DynamicHandle(node)
         else:
