@@ -224,7 +224,9 @@ def usage(ctx, session: str, as_json: bool) -> None:
 
     Replays (calls served from the store) cost nothing and are counted apart. A call whose
     answer carried no usage is counted at an estimate from the sizes of its request and of
-    the text it generated.
+    the text it generated. Prompt tokens read from or written to the provider's prompt cache
+    are counted among the tokens in and said apart; they cost the model's cache prices when
+    the price table gives them, else its input price.
 
     Example: ksfs usage demo --json
     """
@@ -240,8 +242,13 @@ def usage(ctx, session: str, as_json: bool) -> None:
     click.echo(f"replays          {u['replays']}  (free)")
     click.echo(f"refused          {u['refused']}  (over budget)")
     click.echo(f"upstream errors  {u['upstream_errors']}")
-    click.echo(f"tokens           {u['prompt_tokens']} in, {u['completion_tokens']} out, "
-               f"{u['total_tokens']} total")
+    cached = ""
+    if u["cache_read_tokens"] or u["cache_write_tokens"]:
+        # (parts of the tokens in, priced at the model's cache prices)
+        cached = (f" ({u['cache_read_tokens']} read from the cache, "
+                  f"{u['cache_write_tokens']} written to it)")
+    click.echo(f"tokens           {u['prompt_tokens']} in{cached}, "
+               f"{u['completion_tokens']} out, {u['total_tokens']} total")
     notes = []
     if u["unpriced_calls"]:
         notes.append(f"{u['unpriced_calls']} call(s) of models with no price, counted as 0")

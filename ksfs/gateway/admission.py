@@ -8,9 +8,11 @@ is reserved for the purchases in flight and its own reservation fit the budget, 
 else of its lineage is in flight. A purchase is reserved at its prompt, reckoned from its
 request's size, plus its completion: its own cap (``max_tokens`` and the like, times ``n``) when
 it sets one, else the gateway's default completion reserve (``DEFAULT_COMPLETION_RESERVE``),
-priced by the table at the model's input and output prices; and at least the largest cost a
-completed call of this gateway has had on that lineage. The reservation is released when the
-purchase ends, and what it cost is counted in the store then (settled).
+priced by the table (``PriceTable.reservation``: the prompt at the model's input price, or at its
+cache-write price when that is higher, since a prompt written to the provider's cache costs more
+and which part is cached is not known before; the completion at the output price); and at least
+the largest cost a completed call of this gateway has had on that lineage. The reservation is
+released when the purchase ends, and what it cost is counted in the store then (settled).
 
 QA F2: a request without a cap was reckoned at its prompt alone (or the largest call before),
 which is no bound of what it may generate: concurrent calls spent about 5x the budget. So what

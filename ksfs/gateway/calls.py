@@ -171,6 +171,10 @@ class Usage:
     known: bool = False
     estimated: bool = False  # not known: counted at ``estimated_usage``'s reckoning
     clamped: bool = False  # a figure past USAGE_MAX was reported, and counted as USAGE_MAX
+    # Parts of prompt_tokens (their sum never above it) the provider read from or wrote to its
+    # prompt cache, priced at the model's cache prices (``PriceTable.cost``).
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
 
     @property
     def unattributed(self) -> int:
@@ -233,16 +237,23 @@ def usage_from(obj: Any, model: str | None) -> Usage | None:
     """The usage an OpenAI-style object carries: its own ``usage``, else that of the
     ``response`` it wraps (the events of a streamed /v1/responses call). Chat completions and
     embeddings count prompt_tokens/completion_tokens; /v1/responses says input_tokens/
-    output_tokens for the same two things."""
+    output_tokens for the same two things.
+
+    Cached prompt tokens: OpenAI counts them inside the prompt and says how many were read from
+    its cache in ``prompt_tokens_details.cached_tokens`` (``input_tokens_details`` in the
+    Responses API); Anthropic leaves them out of ``input_tokens`` and says them apart
+    (``cache_read_input_tokens``, ``cache_creation_input_tokens``), and they are added to the
+    prompt. Either way the prompt counts them, and ``cache_read_tokens``/
+    ``cache_write_tokens`` say which part of it they were."""
     u = raw_usage(obj)
     if u is None:
         return None
 
     clamped = False
 
-    def num(name: str) -> int:
+    def num(name: str, within: dict[str, Any] | None = None) -> int:
         nonlocal clamped
-        v = u.get(name)
+        v = (u if within is None else within).get(name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             return 0
         if v > USAGE_MAX:
@@ -256,15 +267,25 @@ def usage_from(obj: Any, model: str | None) -> Usage | None:
                                 "output_tokens", "total_tokens", *ANTHROPIC_CACHE)):
         return None  # {} or nulls: no figure, so the answer is counted at an estimate
     # Anthropic's input_tokens leave out the prompt read from or written to its cache
-    # (review: a cached prompt counted nothing): counted as prompt, at the input price.
+    # (review: a cached prompt counted nothing): counted as prompt, at the cache prices.
     prompt = num("prompt_tokens") or (num("input_tokens") + sum(map(num, ANTHROPIC_CACHE)))
     completion = num("completion_tokens") or num("output_tokens")
     # A total below its parts is no total: the parts were counted by the provider too.
     total = max(num("total_tokens"), prompt + completion)
-    return Usage(model, prompt, completion, total, True, clamped=clamped)
+    # Which part of the prompt was the cache's: never more than the prompt (a figure past it
+    # is no part of it; what is left over is priced at the input price, never below).
+    cache_write = min(num("cache_creation_input_tokens"), prompt)
+    cached = max((num("cached_tokens", d) for name in OPENAI_CACHE
+                  if isinstance(d := u.get(name), dict)), default=0)
+    cache_read = min(num("cache_read_input_tokens") or cached, prompt - cache_write)
+    return Usage(model, prompt, completion, total, True, clamped=clamped,
+                 cache_read_tokens=cache_read, cache_write_tokens=cache_write)
 
 
 ANTHROPIC_CACHE = ("cache_creation_input_tokens", "cache_read_input_tokens")
+# Where OpenAI says how many of the prompt's tokens were read from its cache (``cached_tokens``
+# inside): chat completions, and the Responses API.
+OPENAI_CACHE = ("prompt_tokens_details", "input_tokens_details")
 
 
 def raw_usage(obj: Any) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""The gateway's price table: USD per million input and output tokens, per model, from TOML.
+"""The gateway's price table: USD per million input and output tokens, per model, from TOML,
+and optionally per million prompt tokens read from or written to the provider's prompt cache.
 
 It turns a response's token counts into a cost. It must never guess a price: a model with no
 entry costs 0 and is reported as unpriced, so a missing price shows up in the usage instead of
@@ -19,10 +20,20 @@ from ksfs.errors import BadInput
 
 @dataclass(frozen=True)
 class Price:
-    """USD per 1,000,000 tokens."""
+    """USD per 1,000,000 tokens. ``cache_read``/``cache_write``: prompt tokens read from or
+    written to the provider's prompt cache; None when the table gives none, and then such tokens
+    cost ``input`` (a discount is never guessed)."""
 
     input: float
     output: float
+    cache_read: float | None = None
+    cache_write: float | None = None
+
+    @property
+    def prompt_ceiling(self) -> float:
+        """The most one prompt token may cost: ``input``, or a cache write's price when that is
+        higher (Anthropic's, about 1.25x input), which a reservation must not be below."""
+        return max(self.input, self.cache_write if self.cache_write is not None else 0.0)
 
 
 # What may follow a priced name for the same model: a dated snapshot (gpt-4o-2024-08-06,
@@ -54,21 +65,46 @@ class PriceTable:
         return None
 
     def cost(self, model: str | None, prompt_tokens: int, completion_tokens: int,
-             other_tokens: int = 0) -> tuple[float, bool]:
+             other_tokens: int = 0, cache_read_tokens: int = 0,
+             cache_write_tokens: int = 0) -> tuple[float, bool]:
         """(cost in USD, whether the model had a price). ``other_tokens``: tokens a usage
         counts in its total but as neither prompt nor completion (a usage of ``total_tokens``
         alone), priced at the higher of the two prices, since which they were is not said
-        (QA F8: they cost 0)."""
+        (QA F8: they cost 0). ``cache_read_tokens``/``cache_write_tokens`` are parts of
+        ``prompt_tokens`` (never more than it), priced at the model's cache prices, or at its
+        input price when the table gives none."""
         p = self.price(model)
         if p is None:
             return 0.0, False
-        usd = (prompt_tokens * p.input + completion_tokens * p.output
+        write = min(max(0, cache_write_tokens), prompt_tokens)
+        read = min(max(0, cache_read_tokens), prompt_tokens - write)
+        usd = ((prompt_tokens - read - write) * p.input
+               + read * (p.input if p.cache_read is None else p.cache_read)
+               + write * (p.input if p.cache_write is None else p.cache_write)
+               + completion_tokens * p.output
                + other_tokens * max(p.input, p.output)) / 1_000_000
         return round(usd, 12), True
 
+    def reservation(self, model: str | None, prompt_tokens: int,
+                    completion_tokens: int) -> tuple[float, bool]:
+        """(USD, priced) a purchase is reserved at before it is made: its prompt at the most a
+        prompt token may cost (``Price.prompt_ceiling``: a cache write may cost more than
+        input, and which tokens the provider caches is not known before), its completion at
+        the output price. Never below what ``cost`` gives for the same tokens."""
+        p = self.price(model)
+        if p is None:
+            return 0.0, False
+        usd = (prompt_tokens * p.prompt_ceiling + completion_tokens * p.output) / 1_000_000
+        return round(usd, 12), True
+
+
+PRICE_FIELDS = ("input", "output", "cache_read", "cache_write")
+OPTIONAL_FIELDS = frozenset({"cache_read", "cache_write"})
+
 
 def parse_prices(text: str, source: str = "<text>") -> PriceTable:
-    """A PriceTable from TOML text ``[models."NAME"] input = X, output = Y``; BadInput if not."""
+    """A PriceTable from TOML text ``[models."NAME"] input = X, output = Y`` and, optionally,
+    ``cache_read = R, cache_write = W``; BadInput if not."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -80,17 +116,20 @@ def parse_prices(text: str, source: str = "<text>") -> PriceTable:
     for name, entry in models.items():
         if not isinstance(entry, dict):
             raise BadInput(f"price table {source}: models.{name} is not a table")
-        vals = []
-        for field in ("input", "output"):
+        vals: dict[str, float | None] = {}
+        for field in PRICE_FIELDS:
             v = entry.get(field)
+            if v is None and field in OPTIONAL_FIELDS:
+                vals[field] = None  # cache tokens then cost the input price
+                continue
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
                     or v < 0:
                 raise BadInput(
                     f"price table {source}: models.{name}.{field} must be a number >= 0 "
                     "(USD per 1M tokens)"
                 )
-            vals.append(float(v))
-        out[name] = Price(*vals)
+            vals[field] = float(v)
+        out[name] = Price(**vals)
     return PriceTable(out, source)
 
 

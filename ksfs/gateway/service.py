@@ -378,7 +378,9 @@ class Gateway:
         prompt, completion = estimated_tokens(obj, prompt_bytes, self.completion_reserve)
         if completion is None:  # (never: there is a default cap)
             completion = self.completion_reserve
-        est_usd, priced = self.prices.cost(model, prompt, completion)
+        # (its prompt at the higher of the input and cache-write prices: a prompt the provider
+        # writes to its cache costs more than input, and which part it caches is not known yet)
+        est_usd, priced = self.prices.reservation(model, prompt, completion)
         order = Order(route, headers, body, model, stream, digest,
                       ask_usage=is_chat(path) and wants_usage_added(obj),
                       prompt_bytes=prompt_bytes, reserved=(prompt, completion, est_usd, priced))
@@ -777,7 +779,8 @@ class Gateway:
         "gpt-4o-mini"), a proxy an alias or a deployment: counted as nothing, such answers
         spent past any USD budget (QA, eighteenth session). A model with a price of its own
         is counted at it, whatever was asked for (review, eleventh session)."""
-        figures = (usage.prompt_tokens, usage.completion_tokens, usage.unattributed)
+        figures = (usage.prompt_tokens, usage.completion_tokens, usage.unattributed,
+                   usage.cache_read_tokens, usage.cache_write_tokens)
         cost, priced = self.prices.cost(usage.model, *figures)
         if not priced and request_model:
             cost, priced = self.prices.cost(request_model, *figures)

@@ -102,6 +102,10 @@ class Totals:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # Parts of prompt_tokens read from and written to the provider's prompt cache (priced at
+    # the model's cache prices); a record from before they were counted has neither: 0.
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
     cost_usd: float = 0.0
     unpriced_calls: int = 0
     unknown_usage_calls: int = 0
@@ -129,6 +133,8 @@ class Totals:
         self.prompt_tokens += usage.prompt_tokens
         self.completion_tokens += usage.completion_tokens
         self.total_tokens += usage.total_tokens
+        self.cache_read_tokens += usage.cache_read_tokens
+        self.cache_write_tokens += usage.cache_write_tokens
         self.cost_usd = round(self.cost_usd + cost, 12)
         self.unpriced_calls += 0 if priced else 1
         self.unknown_usage_calls += 0 if usage.known else 1
@@ -144,6 +150,11 @@ class Totals:
         m["priced"] = m["priced"] and priced  # ("(other)" holds several models)
         m["prompt_tokens"] += usage.prompt_tokens
         m["completion_tokens"] += usage.completion_tokens
+        if usage.cache_read_tokens or usage.cache_write_tokens or "cache_read_tokens" in m:
+            # (only once a model's calls used the cache: an entry of a model that never did
+            # reads as it did before these were counted, 0 each)
+            for name in ("cache_read_tokens", "cache_write_tokens"):
+                m[name] = m.get(name, 0) + getattr(usage, name)
         m["cost_usd"] = round(m["cost_usd"] + cost, 12)
 
 
@@ -395,6 +406,7 @@ class GatewayStore:
         body = {"key": key.hex(), "model": _cut(model, MODEL_CHARS), "status": status,
                 "error": _cut(error, ERROR_CHARS),
                 "stored": False, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                "cache_read_tokens": 0, "cache_write_tokens": 0,
                 "cost_usd": 0.0, "path": _cut(path, PATH_CHARS)}
         with self._write() as txn:
             event = self.ledger.append(txn, session, "gateway.call", body)
@@ -656,7 +668,9 @@ def _paid_call_body(key: bytes, usage: Usage, cost: float, priced: bool, status:
         more["usage_clamped"] = True  # a figure past calls.USAGE_MAX, counted as that
     return {"key": key.hex(), "model": _cut(usage.model, MODEL_CHARS), "status": status,
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "usage_known": usage.known, "cost_usd": cost,
+            "total_tokens": usage.total_tokens, "cache_read_tokens": usage.cache_read_tokens,
+            "cache_write_tokens": usage.cache_write_tokens,
+            "usage_known": usage.known, "cost_usd": cost,
             "priced": priced, "path": _cut(path, PATH_CHARS), **more}
 
 
