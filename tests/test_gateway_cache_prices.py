@@ -294,6 +294,10 @@ def test_cache_prices_in_the_table_are_read_and_checked(table):
             parse_prices(bad, "bad.toml")
         said = str(info.value)
         assert f"models.m.{field} must be a number >= 0" in said and "\n" not in said, said
+    # a mistyped field is refused, not passed over (cached tokens would cost the input price)
+    with pytest.raises(BadInput) as info:
+        parse_prices(head + "cached_input = 0.5\n", "bad.toml")
+    assert "models.m has no field 'cached_input'" in str(info.value), info.value
     zero = parse_prices(head + "cache_read = 0\ncache_write = 0\n").price("m")
     assert (zero.cache_read, zero.cache_write) == (0.0, 0.0)  # free is a price, not "none"
     # the shipped table: OpenAI's published cached-input prices, no write price (OpenAI bills

@@ -116,6 +116,11 @@ def parse_prices(text: str, source: str = "<text>") -> PriceTable:
     for name, entry in models.items():
         if not isinstance(entry, dict):
             raise BadInput(f"price table {source}: models.{name} is not a table")
+        unknown = sorted(set(entry) - set(PRICE_FIELDS))
+        if unknown:  # a mistyped cache_read would price cached tokens at input, unseen
+            raise BadInput(
+                f"price table {source}: models.{name} has no field {unknown[0]!r} (its fields: "
+                f"{', '.join(PRICE_FIELDS)})")
         vals: dict[str, float | None] = {}
         for field in PRICE_FIELDS:
             v = entry.get(field)

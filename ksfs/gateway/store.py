@@ -150,11 +150,8 @@ class Totals:
         m["priced"] = m["priced"] and priced  # ("(other)" holds several models)
         m["prompt_tokens"] += usage.prompt_tokens
         m["completion_tokens"] += usage.completion_tokens
-        if usage.cache_read_tokens or usage.cache_write_tokens or "cache_read_tokens" in m:
-            # (only once a model's calls used the cache: an entry of a model that never did
-            # reads as it did before these were counted, 0 each)
-            for name in ("cache_read_tokens", "cache_write_tokens"):
-                m[name] = m.get(name, 0) + getattr(usage, name)
+        for name in ("cache_read_tokens", "cache_write_tokens"):  # (0 in a record from before)
+            m[name] = m.get(name, 0) + getattr(usage, name)
         m["cost_usd"] = round(m["cost_usd"] + cost, 12)
 
 
