@@ -116,8 +116,10 @@ async def _handle(keeper: Any, stream: trio.abc.Stream) -> None:
 REPLY_TIMEOUT = 10
 # At most this many progress lines a second, besides every change of step.
 PROGRESS_RATE = 10
-# A caller that asks "alive" hears from the daemon at least this often while its verb runs.
-ALIVE_EVERY = 5.0
+# A caller that asks "alive" hears from the daemon at least this often while its verb runs:
+# well inside client.NOTICE_AFTER, the silence after which a caller says it is waiting (at 5 s,
+# every verb of over 2 s, a save of a big machine, printed that warning on success).
+ALIVE_EVERY = 0.5
 
 
 class _ProgressSink:
