@@ -377,3 +377,28 @@ main()
     script = (Path(sys.executable).parent / "ksfs")
     if script.exists():  # the installed command goes through it
         assert "ksfs._entry" in script.read_text(), script.read_text()
+
+
+def test_status_says_what_the_mounts_status_file_says(store: Path, tmp_path: Path) -> None:
+    """QA (twenty-second session): a session's status was only a file of the mount; `ksfs
+    status SESSION` says the same, in words or as the file's JSON, with or without a mount
+    (with one, through its daemon), and an unknown session is one line, exit 3."""
+    from cli_helpers import daemon_mount
+    from mount_helpers import skip_without_fuse
+
+    res = ksfs(store, "status", "s", "--json")
+    offline = json.loads(res.stdout)
+    assert offline["session"] == "s" and offline["state"] == "offline", offline
+    assert offline["last_checkpoint"] == "c1" and offline["doing"] is None, offline
+    words = ksfs(store, "status", "s").stdout.decode().splitlines()
+    assert words[:2] == ["session          s", "state            offline"], words
+    assert "last checkpoint  c1" in words, words
+    gone = subprocess.run(KSFS + ["--store", str(store), "status", "nosuch"],
+                          capture_output=True, text=True, timeout=120)
+    assert gone.returncode == 3 and gone.stdout == "", gone
+    assert one_line(gone) == "ksfs: error: no session named 'nosuch'"
+    skip_without_fuse()
+    assert store == tmp_path / "store"  # the store daemon_mount mounts
+    with daemon_mount(tmp_path, dict(os.environ, KSFS_GUEST="")) as (_, mnt):
+        shown = json.loads((mnt / "sessions" / "s" / "status").read_text())
+        assert json.loads(ksfs(store, "status", "s", "--json").stdout) == shown == offline

@@ -107,6 +107,12 @@ def test_lifecycle_through_the_mount(mounted) -> None:
     assert "taking the snapshot" in steps and any(
         d["total"] and 0 <= d["done"] <= d["total"] for d in seen), seen
     assert json.loads((sess / "status").read_text())["doing"] is None  # done: nothing in hand
+    # `ksfs status` says the same through the daemon (its seq may have moved on meanwhile)
+    said = json.loads(ksfs(mounted["store"], mounted["env"], "status", s, "--json").stdout)
+    shown = json.loads((sess / "status").read_text())
+    assert said["state"] == "running" and said["last_checkpoint"] == watched, said
+    assert {k: v for k, v in said.items() if k != "seq"} == \
+        {k: v for k, v in shown.items() if k != "seq"}, (said, shown)
 
     # rmdir deletes a checkpoint.
     os.rmdir(sess / "checkpoints" / watched)

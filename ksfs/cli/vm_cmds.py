@@ -1,4 +1,4 @@
-"""Machine verbs: session new/adopt/list/rm, save, restore, fork, pause, resume.
+"""Machine verbs: session new/adopt/list/rm, save, restore, fork, pause, resume, status.
 
 Each goes through the running daemon when there is one (so the mount and the CLI share one
 keeper and its locks), else does the work here under the same locks.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import click
 
@@ -277,6 +278,55 @@ def resume(ctx, session_name, as_json) -> None:
         click.echo(f"{session_name} running (woken from its suspend to RAM)")
     else:
         click.echo(f"{session_name} running")
+
+
+@main.command()
+@click.argument("session_name", metavar="SESSION")
+@_json_option
+@pass_ctx
+def status(ctx, session_name, as_json) -> None:
+    """What SESSION's machine is doing: its state, seq, last checkpoint, the checkpoint it
+    runs from, its parent and the verb in progress (as MNT/sessions/SESSION/status).
+
+    Asked of the mount's daemon when one runs (it knows the verb in progress), else read here.
+
+    Example: ksfs status agent --json
+    """
+    st = run_verb(ctx, "status", session=session_name)
+    if as_json:
+        emit_json(st)
+        return
+    held = st.get("running_from")
+    if held and st.get("running_from_deleted"):
+        held += " (deleted since)"
+    parent = st.get("parent")
+    rows = [
+        ("session", st["session"]),
+        ("state", st["state"]),
+        ("domain", st.get("domain") or "-"),
+        ("seq", st["seq"]),
+        ("last checkpoint", st.get("last_checkpoint") or "-"),
+        ("running from", held or "-"),
+        ("forked from", f"{parent['session']} at {parent['checkpoint']} (its seq "
+                        f"{parent['seq']})" if parent else "-"),
+        ("doing", _doing(st.get("doing"))),
+    ]
+    for key, value in rows:
+        click.echo(f"{key:16} {value}")
+
+
+def _doing(doing: dict | None) -> str:
+    """The verb in progress (keeper.activity's entry) in words: "save, ingest 3/8, for 2 s"."""
+    if not doing:
+        return "-"
+    out = str(doing.get("verb"))
+    if doing.get("step"):
+        out += f", {doing['step']}"
+        if doing.get("total"):
+            out += f" {doing.get('done') or 0}/{doing['total']}"
+    if doing.get("since"):
+        out += f", for {max(0.0, time.time() - doing['since']):.0f} s"
+    return out
 
 
 @main.command()

@@ -43,6 +43,7 @@ VERBS = {
     "session_adopt": "adopt_session",
     "session_rm": "remove_session",
     "session_list": "list_sessions",
+    "status": "status",
     "save": "save",
     "restore": "restore",
     "fork": "fork",
@@ -57,7 +58,7 @@ VERBS = {
 }
 
 # Verbs that change nothing: a caller that stops waiting for one leaves nothing going on.
-READING_VERBS = frozenset({"ping", "session_list"})
+READING_VERBS = frozenset({"ping", "session_list", "status"})
 
 
 def to_jsonable(value: Any) -> Any:
