@@ -52,8 +52,9 @@ TRANSCRIPT_HELP = ("Where the guest writes its transcript, a path in its filesys
 @click.option("--cmdline", metavar="TEXT",
               help="Kernel command line (default: a guest.json's \"cmdline\", else "
                    "\"console=ttyS0 panic=-1 quiet\" plus \"root=/dev/vda rw\" when the disk is "
-                   "one ext filesystem, or \"root=/dev/vdaN rw\" for the partition holding the "
-                   "root).")
+                   "a root filesystem (ext with /etc, xfs or btrfs), or \"root=/dev/vdaN rw\" "
+                   "for the partition holding it; with none found, no root= and a warning: an "
+                   "initrd that is the whole guest needs none).")
 @click.option("--transcript", metavar="PATH", help=TRANSCRIPT_HELP + " (default: a guest.json's "
               "\"transcript\", else /agent/transcript.jsonl).")
 @_json_option
