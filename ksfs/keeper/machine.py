@@ -80,6 +80,10 @@ def _check_guest_values(spec: dict[str, Any], where: str) -> None:
             if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
                 raise BadInput(f"{where} {key} must be a whole number from {low} to {high}, "
                                f"not {json.dumps(v)}")
+    if "disk_format" in spec and spec["disk_format"] not in ("raw", "qcow2"):
+        # (said, not probed past: a disk's stated format is the one it is taken in)
+        raise BadInput(f"{where} disk_format must be \"raw\" or \"qcow2\", not "
+                       f"{json.dumps(spec['disk_format'])[:80]}")
     for key in ("cmdline", "transcript"):
         if key in spec:
             v = spec[key]
@@ -136,7 +140,7 @@ def root_device(plan: Any) -> str | None:
         else:
             from ksfs.vm import ChainSource
 
-            opened = ChainSource(Path(plan.source), f"reading the disk {plan.source}")
+            opened = ChainSource(Path(plan.source), f"reading the disk {plan.source}", "qcow2")
             reader = _SourceReader(opened)
         with contextlib.closing(opened):
             parts = find_filesystems(reader)
@@ -303,8 +307,14 @@ class MachineVerbs:
         vcpus: int | None = None,
         cmdline: str | None = None,
         transcript: str | None = None,
+        disk_format: str | None = None,
     ) -> SessionRecord:
-        """Define and start domain ``ksfs-NAME`` from a guest directory or kernel/initrd/disk."""
+        """Define and start domain ``ksfs-NAME`` from a guest directory or kernel/initrd/disk.
+
+        The disk is taken in the format ``disk_format`` or guest.json's ``disk_format`` give,
+        never in one qemu-img guesses from its first bytes (a raw disk holds what its guest
+        wrote: QA, a qcow2 header naming a host file made that file the session's disk); it
+        is probed only when nothing states it."""
         validate_name(name, "session name", new=True)
         self._refuse_taken_session(name)  # before the guest is looked for: the likelier slip
         if transcript is not None:
@@ -314,15 +324,22 @@ class MachineVerbs:
         vcpus = int(vcpus or spec.get("vcpus") or 1)
         if not 16 <= memory <= 1 << 20 or not 1 <= vcpus <= 64:
             raise BadInput("memory must be 16 MiB to 1 TiB and vcpus 1 to 64")
-        from ksfs.vm.files import inspect_disk
+        from ksfs.vm.files import FORMATS, begins_like_qcow2, inspect_disk
 
         domain = domain_name_for(name)
-        plan = inspect_disk(spec["disk"])  # an encrypted or foreign disk: refused before a record
-        if "disk_format" in spec and spec["disk_format"] != plan.fmt:
-            # The format is read from the disk itself: a guest.json copied and given another
-            # disk keeps working, but is told its key is wrong rather than silently ignored.
-            log.warning("guest.json says disk_format %s, but the disk %s is %s: taken as %s",
-                        json.dumps(spec["disk_format"]), spec["disk"], plan.fmt, plan.fmt)
+        said, stated = "the disk format given", disk_format
+        if stated is None and "disk_format" in spec:
+            said, stated = "guest.json's disk_format", spec["disk_format"]
+        if stated is not None and stated not in FORMATS:
+            raise BadInput(f"{said} must be raw or qcow2, not {json.dumps(stated)[:80]}")
+        # an encrypted or foreign disk: refused before a record
+        plan = inspect_disk(spec["disk"], stated)
+        if stated == "raw" and begins_like_qcow2(spec["disk"]):
+            # Taken as raw all the same, as qemu takes a disk whose format is given: a guest
+            # may have written those bytes. Said, for a guest.json copied beside a qcow2 disk.
+            log.warning("%s is \"raw\", so the disk %s is taken as raw, though it begins "
+                        "like a qcow2 image: its guest sees those bytes as its disk (say "
+                        "\"qcow2\" if it is one)", said, spec["disk"])
         if cmdline is not None and (not cmdline.strip() or "\n" in cmdline or "\0" in cmdline):
             raise BadInput("--cmdline must be one non-empty line")
         if cmdline is None and "cmdline" in spec:

@@ -4,6 +4,14 @@ A frozen layer is read through its whole backing chain with ``qemu-img map`` of 
 file, at which host offset, holds each guest range) and plain ``pread`` on those files, so an
 incremental checkpoint reads only the clusters it needs and never converts a whole image.
 Must never write to a layer it reads, and never import libvirt (that is controller.py's job).
+
+Must never let qemu-img guess the format of an image whose format is known (``fmt``: the
+domain XML's driver type, the format ksfs recorded for a file it made, guest.json's
+``disk_format``): a raw disk holds whatever its guest writes, and a guest that writes a qcow2
+header naming a host file as its backing file into its raw disk would have that host file read
+as its disk (QA: a checkpoint stored it, and a restore gave it to the guest). ``fmt=None``
+probes, for a file nothing states the format of. Overlays ksfs makes record their backing
+file's format (``-F``), so nothing below them is probed either.
 """
 
 from __future__ import annotations
@@ -42,20 +50,32 @@ def qemu_img(*args: str, what: str, timeout: float = 120, cwd: Path | None = Non
     return res.stdout
 
 
-def image_info(path: Path | str, what: str = "reading image info") -> dict:
+def format_args(fmt: str | None) -> list[str]:
+    """``-f FMT`` for a qemu-img command on an image whose format is known; nothing (a probe)
+    only when nothing states it."""
+    return [] if fmt is None else ["-f", fmt]
+
+
+def image_info(path: Path | str, what: str = "reading image info",
+               fmt: str | None = None) -> dict:
     """qemu-img info of a file alone (force-shared: the running QEMU may hold it open)."""
-    return json.loads(qemu_img("info", "-U", "--output=json", str(path), what=what))
+    return json.loads(qemu_img("info", "-U", *format_args(fmt), "--output=json", str(path),
+                               what=what))
 
 
-def backing_chain(path: Path | str, what: str = "reading backing chain") -> list[dict]:
-    """[top, its backing, ...] as qemu-img info --backing-chain reports them."""
-    out = qemu_img("info", "-U", "--backing-chain", "--output=json", str(path), what=what)
+def backing_chain(path: Path | str, what: str = "reading backing chain",
+                  fmt: str | None = None) -> list[dict]:
+    """[top, its backing, ...] as qemu-img info --backing-chain reports them; ``fmt``: the
+    top's format (see the module)."""
+    out = qemu_img("info", "-U", *format_args(fmt), "--backing-chain", "--output=json",
+                   str(path), what=what)
     return json.loads(out)
 
 
-def chain_files(path: Path | str, what: str = "reading backing chain") -> list[str]:
+def chain_files(path: Path | str, what: str = "reading backing chain",
+                fmt: str | None = None) -> list[str]:
     """The files of ``path``'s chain, top first, as their headers name them."""
-    return [c["filename"] for c in backing_chain(path, what)]
+    return [c["filename"] for c in backing_chain(path, what, fmt)]
 
 
 def data_file_of(info: dict) -> str | None:
@@ -63,13 +83,14 @@ def data_file_of(info: dict) -> str | None:
     return ((info.get("format-specific") or {}).get("data") or {}).get("data-file")
 
 
-def compressed_files(path: Path | str, what: str, chain: list | None = None) -> list[str]:
+def compressed_files(path: Path | str, what: str, chain: list | None = None,
+                     fmt: str | None = None) -> list[str]:
     """The files of ``path``'s chain holding compressed (or encrypted) clusters: data that
     ``qemu-img map`` gives no host offset for, so it cannot be read in place. ``chain``: its
-    ``backing_chain``, when the caller has it already."""
-    chain = backing_chain(path, what) if chain is None else chain
-    raw = json.loads(qemu_img("map", "-U", "--output=json", str(path), what=what,
-                              timeout=600))
+    ``backing_chain``, when the caller has it already; ``fmt``: the top's format."""
+    chain = backing_chain(path, what, fmt) if chain is None else chain
+    raw = json.loads(qemu_img("map", "-U", *format_args(fmt), "--output=json", str(path),
+                              what=what, timeout=600))
     depths = sorted({e.get("depth", 0) for e in raw
                      if e.get("data") and not e.get("zero", False) and e.get("offset") is None})
     return [chain[min(d, len(chain) - 1)]["filename"] for d in depths]
@@ -98,11 +119,14 @@ class ChainSource:
     """The guest-visible bytes of a frozen image: ``.size`` and ``.pread(offset, n)``.
 
     Built from one ``qemu-img map`` of the full chain at ``top``; the chain must not change while
-    this is read (the controller guarantees that until ``finish``). Thread-safe.
+    this is read (the controller guarantees that until ``finish``). ``fmt``: the format of
+    ``top`` (never probed when known: an adopted raw disk is the frozen top of its first save,
+    and its guest writes its first bytes). Thread-safe.
     """
 
-    def __init__(self, top: Path, what: str = "mapping frozen disk") -> None:
-        chain = backing_chain(top, what)
+    def __init__(self, top: Path, what: str = "mapping frozen disk",
+                 fmt: str | None = None) -> None:
+        chain = backing_chain(top, what, fmt)
         self.files = [Path(c["filename"]) for c in chain]
         self.formats = [c["format"] for c in chain]
         self.size = int(chain[0]["virtual-size"])
@@ -111,7 +135,8 @@ class ChainSource:
             if data_file:  # qemu-img map's offsets are then offsets into that other file
                 raise VMError(f"{what}: {c['filename']} keeps its data in an external file "
                               f"({data_file}), which ksfs cannot read in place")
-        raw = json.loads(qemu_img("map", "-U", "--output=json", str(top), what=what))
+        raw = json.loads(qemu_img("map", "-U", *format_args(fmt), "--output=json", str(top),
+                                  what=what))
         self.extents = [
             Extent(e["start"], e["length"], e.get("depth", 0),
                    bool(e.get("data")) and not e.get("zero", False) and e.get("present", True),

@@ -309,7 +309,9 @@ def _frozen_chain(state: SessionState, disks: list[domxml.DiskInfo]
 
 def _frozen_disk(disk: domxml.DiskInfo, tracked: object) -> FrozenDisk:
     top = disk.source
-    source = ChainSource(Path(top), f"mapping frozen disk {disk.target}")
+    # (in the format the definition gives it: the first save of an adopted raw disk has that
+    # disk itself as its frozen top, and a probe would read what its guest wrote as a header)
+    source = ChainSource(Path(top), f"mapping frozen disk {disk.target}", disk.fmt)
     names = [str(f) for f in source.files]
     root = getattr(tracked, "root", None)
     # (the root below at least one layer: a root that became the top itself, pivoted by an
@@ -465,7 +467,7 @@ def settle_commits(ctl: DomainController, session: str, domain: str) -> bool:
     dom = ctl.lookup(domain)
     with step(domain, "reading its disks"):
         active = dom.isActive()
-    tops = {d.target: d.source for d in domxml.disks(ctl.xml(domain))}
+    tops = {d.target: d for d in domxml.disks(ctl.xml(domain))}
     for target, ds in open_commits.items():
         chain = None
         if target in tops:
@@ -475,7 +477,8 @@ def settle_commits(ctl: DomainController, session: str, domain: str) -> bool:
             # as the qcow2 headers say (a stopped domain's definition may not list its
             # backing chain)
             with contextlib.suppress(VMError):
-                chain = chain_files(tops[target], f"reading the chain of {target}")
+                chain = chain_files(tops[target].source, f"reading the chain of {target}",
+                                    tops[target].fmt)
         if chain is None or ds.root not in chain[1:]:
             # cannot tell (a disk gone, a chain unreadable, or the root no longer below a
             # layer: something outside ksfs pivoted it): the next save reads the whole disk

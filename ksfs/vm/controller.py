@@ -241,7 +241,7 @@ class DomainController:
             if disk.fmt not in ("raw", "qcow2"):
                 raise BadInput(f"disk {disk.target} of {domain_name} is {disk.fmt}; ksfs keeps "
                                f"raw or qcow2 disks")
-            files.check_adoptable(disk.target, disk.source, domain_name)
+            files.check_adoptable(disk.target, disk.source, domain_name, disk.fmt)
         self._make_session_dir(session)
         state = SessionState(domain_name, {d.target: DiskState(d.source, d.fmt) for d in disks},
                              adopted=True,

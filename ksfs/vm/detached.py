@@ -21,7 +21,8 @@ refused and nothing removed; ``session rm`` without ``--release`` drops the writ
 
 A definition that still names the layer (a detach of the running machine only) is pointed at
 where its bytes went. Files are written under a temporary name and renamed when whole. Sessions
-ksfs made are left as they are: their disks are ksfs's own. No libvirt here.
+ksfs made are left as they are: their disks are ksfs's own. A layer is always one of ksfs's
+qcow2 overlays, and qemu-img is told so (``-f qcow2``), never left to guess. No libvirt here.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def _ids(paths: set[Path] | list[Path]) -> set[tuple[int, int]]:
 def _chains(xml: str) -> set[Path]:
     """Every file of every disk chain ``xml`` names (unreadable: the top alone)."""
     out: set[Path] = set()
-    for f in domxml.file_sources(xml):
-        out |= chain_file_set(Path(f))
+    for f, fmt in domxml.formatted_sources(xml):
+        out |= chain_file_set(Path(f), fmt=fmt)
     return out
 
 
@@ -117,7 +118,7 @@ def hand_back(ctl: DomainController, session: str, domain: str,
         # Only now, the bytes being where the event says: the session's files of it that no
         # chain of the machine uses.
         users = _ids([Path(f) for f, _fmt in state.origins.values()])  # never theirs
-        for f in dict.fromkeys([str(top), *chain_file_set(top)]):
+        for f in dict.fromkeys([str(top), *chain_file_set(top, fmt="qcow2")]):
             if inside(f, sdir) and not _ids([Path(f)]) & (used | users):
                 Path(f).unlink(missing_ok=True)
     return done
@@ -145,7 +146,7 @@ def _top(ds: DiskState, sdir: Path, used: set) -> Path | None:
         if _ids([p]) & used:
             continue
         try:
-            files = chain_files(p, f"reading the chain of {p.name}")
+            files = chain_files(p, f"reading the chain of {p.name}", "qcow2")  # ksfs's own
         except VMError:
             continue
         at = next((k for k, f in enumerate(files) if same_file(f, base)), None)
@@ -185,7 +186,7 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
         _check_dir(dest, target, domain, top)
         intend("copy", dest)
         _write_whole(dest, lambda tmp: qemu_img(
-            "convert", "-q", "-O", origin[1], str(top), str(tmp), what=what,
+            "convert", "-q", "-f", "qcow2", "-O", origin[1], str(top), str(tmp), what=what,
             timeout=CONVERT_TIMEOUT))
         like_the_users(state, {target: str(dest)})
         return {"how": "copy", "file": str(dest)}
@@ -202,7 +203,7 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
             and not _ids([root]) & used:
         intend("commit")
         try:
-            qemu_img("commit", "-q", "-b", str(root), str(top), what=what,
+            qemu_img("commit", "-q", "-f", "qcow2", "-b", str(root), str(top), what=what,
                      timeout=CONVERT_TIMEOUT)
         # Another machine holds it (its write lock): not ours to write. Or no room (NoSpace):
         # what the commit wrote into it is in the layer too, which goes on top of it.
@@ -216,12 +217,12 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
             return {"how": "commit", "file": str(root)}
     # Changed since (or in use, or unknown): the layer itself, squashed into one file on root.
     try:
-        order = chain_files(top, f"reading the chain of {top.name}")  # top first
+        order = chain_files(top, f"reading the chain of {top.name}", "qcow2")  # top first
     except VMError:
         order = [str(top)]  # (its backing file gone: the layer alone)
     ours = [Path(f) for f in order if inside(f, sdir) and not same_file(f, root)]
     if len(ours) > 1:
-        qemu_img("commit", "-q", "-b", str(ours[-1]), str(top), what=what,
+        qemu_img("commit", "-q", "-f", "qcow2", "-b", str(ours[-1]), str(top), what=what,
                  timeout=CONVERT_TIMEOUT)
     dest = _free_name(root, "ksfs-layer", ".qcow2")
     intend("layer", dest)

@@ -158,6 +158,19 @@ def file_sources(xml: str) -> list[str]:
             if src.get("file")]
 
 
+def formatted_sources(xml: str) -> list[tuple[str, str]]:
+    """(file, format) of every disk the domain names, kept by ksfs or not, as ``file_sources``:
+    the format its driver gives (libvirt takes a disk without one as raw, and so does ksfs:
+    a format known is never left to qemu-img to guess)."""
+    out = []
+    for disk in _parse(xml).iterfind("devices/disk"):
+        source, driver = disk.find("source"), disk.find("driver")
+        if source is not None and source.get("file"):
+            out.append((source.get("file"),
+                        driver.get("type", "raw") if driver is not None else "raw"))
+    return out
+
+
 def files_to_start(xml: str, kept: set[str], from_memory: bool) -> list[tuple[str, str]]:
     """(what, path) for each host file a start of ``xml`` needs that is not one of the disks
     in ``kept`` (which the caller makes): cdrom and read-only images, the firmware loader.

@@ -48,16 +48,38 @@ class DiskPlan:
     convert: str | None  # why it is converted instead of copied (None: copied)
 
 
-def inspect_disk(path: Path | str) -> DiskPlan:
+QCOW2_MAGIC = b"QFI\xfb"
+FORMATS = ("raw", "qcow2")
+
+
+def begins_like_qcow2(path: Path | str) -> bool:
+    """Whether the file's first bytes are a qcow2 header's magic (False when unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(QCOW2_MAGIC)) == QCOW2_MAGIC
+    except OSError:
+        return False
+
+
+def inspect_disk(path: Path | str, fmt: str | None = None) -> DiskPlan:
     """Check a disk given to ``session new``; BadInput for one ksfs cannot take.
 
-    qcow2 images with compressed clusters, an external data file or a backing file are
-    converted (``qemu-img convert -O qcow2``, which flattens the chain and expands the
-    clusters); encrypted ones are refused.
+    ``fmt``: its format when something states it (guest.json's ``disk_format``): then it is
+    taken so, never probed, as qemu takes a disk whose format is given (a raw disk holds
+    whatever its guest wrote, a qcow2 header naming a host file as backing file too). Only a
+    disk nothing states the format of is probed. qcow2 images with compressed clusters, an
+    external data file or a backing file are converted (``qemu-img convert -O qcow2``, which
+    flattens the chain and expands the clusters); encrypted ones are refused.
     """
     path = Path(path)
     what = f"inspecting the disk {path}"
-    info = image_info(path, what)
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise BadInput(f"the disk format {fmt!r} is not one ksfs takes: raw or qcow2")
+        if fmt == "qcow2" and not begins_like_qcow2(path):
+            raise BadInput(f"the disk {path} is not a qcow2 image (its format is given as "
+                           f"qcow2)")
+    info = image_info(path, what, fmt)
     fmt = info["format"]
     data = data_file_of(info)
     for used in (path, data and path.parent / data):  # a relative data file: beside its image
@@ -65,11 +87,12 @@ def inspect_disk(path: Path | str) -> DiskPlan:
             raise Busy(f"the disk {path} is in use: a running QEMU may write {used} (it holds "
                        f"its write lock), so a copy would be torn; shut that machine down "
                        f"first, or take it under ksfs as it runs with `ksfs session adopt`")
-    if fmt not in ("raw", "qcow2"):
+    if fmt not in FORMATS:
         raise BadInput(f"the disk {path} is {fmt}; ksfs takes raw or qcow2 disks")
     if fmt == "raw":
         return DiskPlan(path, "raw", None)
-    chain = backing_chain(path, what)  # fails clearly on a backing file that cannot be opened
+    # fails clearly on a backing file that cannot be opened
+    chain = backing_chain(path, what, "qcow2")
     for info in chain:
         if info.get("encrypted"):
             raise BadInput(f"the disk {path} is encrypted ({info['filename']}); ksfs cannot "
@@ -79,7 +102,7 @@ def inspect_disk(path: Path | str) -> DiskPlan:
     if data_file_of(chain[0]):
         return DiskPlan(path, "qcow2", f"it has an external data file "
                                        f"({data_file_of(chain[0])})")
-    if compressed_files(path, what, chain):
+    if compressed_files(path, what, chain, "qcow2"):
         return DiskPlan(path, "qcow2", "it has compressed clusters")
     return DiskPlan(path, "qcow2", None)
 
@@ -126,7 +149,7 @@ def make_disk(plan: DiskPlan, dest: Path, what: str) -> None:
     qemu_img("convert", "-q", "-f", "qcow2", "-O", "qcow2", str(src), str(dest.resolve()),
              what=f"{what} (converting it: {plan.convert})", timeout=CONVERT_TIMEOUT,
              cwd=src.parent)
-    info = image_info(dest, what)
+    info = image_info(dest, what, "qcow2")
     if info.get("backing-filename") or data_file_of(info):
         raise VMError(f"{what}: the converted copy {dest} still depends on another file")
 
@@ -219,10 +242,11 @@ def own_nvram(xml: str, session_dir: Path, domain: str) -> str:
     return domxml.set_nvram(xml, own)
 
 
-def check_adoptable(target: str, source: str, domain: str) -> None:
+def check_adoptable(target: str, source: str, domain: str, fmt: str) -> None:
     """Refuse, before anything is written, an adopted disk whose chain ksfs could not snapshot
     and read in place: encrypted, compressed clusters, or an external data file. (A backing
-    chain is fine: an adopted disk stays where the user keeps it.)"""
+    chain is fine: an adopted disk stays where the user keeps it.) ``fmt``: its format as the
+    domain's definition gives it, never probed."""
     # The domain as the user gives it: what ksfs cannot take is bad input (exit 2) and a disk
     # file that is not there is not found (3), as for `session new --disk` (QA, eighteenth
     # session: both were "VM errors", exit 10, the second as qemu-img's own failure).
@@ -231,7 +255,7 @@ def check_adoptable(target: str, source: str, domain: str) -> None:
            "it with `ksfs session new --disk`")
     if not os.path.exists(source):
         raise NotFound(f"disk {target} of domain {domain} is {source}, which does not exist")
-    chain = backing_chain(source, what)
+    chain = backing_chain(source, what, fmt)
     for info in chain:
         if info.get("encrypted"):
             raise BadInput(f"disk {target} of {domain} ({info['filename']}) is encrypted; ksfs "
@@ -240,7 +264,7 @@ def check_adoptable(target: str, source: str, domain: str) -> None:
             raise BadInput(f"disk {target} of {domain} ({info['filename']}) keeps its data in "
                            f"an external file ({data_file_of(info)}), which ksfs cannot read in "
                            f"place{how}")
-    bad = compressed_files(source, what, chain)
+    bad = compressed_files(source, what, chain, fmt)
     if bad:
         raise BadInput(f"disk {target} of {domain} ({bad[0]}) has compressed clusters, which "
                        f"ksfs cannot read in place{how}")

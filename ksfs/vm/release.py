@@ -50,8 +50,13 @@ def inside(path: str | Path, directory: Path) -> bool:
     return Path(path).resolve().is_relative_to(directory.resolve())
 
 
-def _chain(top: str) -> list[str]:
-    return chain_files(top, f"reading the chain of {top}")
+def _chain(disk: domxml.DiskInfo) -> list[str]:
+    """The files of the chain a disk runs on, its top read in the format its driver gives."""
+    return chain_files(disk.source, f"reading the chain of {disk.source}", disk.fmt)
+
+
+def _disks(xml: str) -> dict[str, domxml.DiskInfo]:
+    return {d.target: d for d in domxml.disks(xml)}
 
 
 RELEASED = re.compile(r"\.released(-\d+)?$")  # the stem of a copy a release made
@@ -88,14 +93,14 @@ def plan(ctl: DomainController, session: str, domain: str) -> dict[str, dict[str
             raise VMError(f"domain {domain} boots from ksfs's copy of its {tag} ({path}); "
                           f"point it at your own {tag} (virsh edit) first")
     kept = {d.source for d in domxml.disks(xml)}
-    for f in domxml.file_sources(xml):
-        if f not in kept and any(inside(g, sdir) for g in chain_file_set(Path(f))):
+    for f, fmt in domxml.formatted_sources(xml):
+        if f not in kept and any(inside(g, sdir) for g in chain_file_set(Path(f), fmt=fmt)):
             raise VMError(f"a read-only disk or cdrom of domain {domain} runs on {f}, a layer "
                           f"an older ksfs made; point it back at its own file (virsh edit, "
                           f"with the domain shut off) first")
     out: dict[str, dict[str, Any]] = {}
     for disk in domxml.disks(xml):
-        chain = _chain(disk.source)
+        chain = _chain(disk)
         if not any(inside(f, sdir) for f in chain):
             continue
         ds = state.disks.get(disk.target)
@@ -134,14 +139,14 @@ def release(ctl: DomainController, session: str, domain: str,
     dom = ctl.lookup(domain)
     with step(domain, "reading its state"):
         active = dom.isActive()
-    tops = {d.target: d.source for d in domxml.disks(ctl.xml(domain))}
+    tops = _disks(ctl.xml(domain))
     try:
         for target, how in disks.items():
             if target not in tops:
                 raise VMError(f"domain {domain} has no disk {target} any more")
             if active:
                 _finish_job(dom, domain, target)  # a killed release's own job
-                tops[target] = ctl.disk_files(domain)[target]
+                tops[target] = _disks(ctl.xml(domain))[target]
             if any(inside(f, sdir) for f in _chain(tops[target])):
                 if active:
                     _live(dom, domain, target, how, tops[target])
@@ -167,11 +172,12 @@ def _record_handed_back(ctl: DomainController, session: str, domain: str, sdir: 
     file), every disk's, those an earlier attempt handed back too; the disks that run on no
     file of the session's leave its state and get the user's mode, and a running domain is
     defined on them."""
-    done = ctl.disk_files(domain)
+    disks = _disks(ctl.xml(domain))
+    done = {t: d.source for t, d in disks.items()}
     state = ctl.load_state(session)
     like_the_users(state, done)
     for target in [t for t in state.disks if t in done]:
-        if not any(inside(f, sdir) for f in _chain(done[target])):
+        if not any(inside(f, sdir) for f in _chain(disks[target])):
             # handed back: the user's now, whatever becomes of the rest of the release (QA:
             # after one that failed later, recover took these for detached disks and copied
             # them out again)
@@ -191,7 +197,7 @@ def handed_back(ctl: DomainController, session: str, disks: dict[str, Any]) -> l
 
 
 def _live(dom: libvirt.virDomain, domain: str, target: str, how: dict[str, Any],
-          top: str) -> None:
+          top: domxml.DiskInfo) -> None:
     dest = how["dest"]
     if how["how"] == "commit":
         with step(domain, f"committing {target} into {dest}"):
@@ -236,8 +242,8 @@ def like_the_users(state: Any, done: dict[str, str]) -> None:
                 os.chown(path, st.st_uid, st.st_gid)
 
 
-def _top_of(dom: libvirt.virDomain, target: str) -> str:
-    return next(d.source for d in domxml.disks(dom.XMLDesc(0)) if d.target == target)
+def _top_of(dom: libvirt.virDomain, target: str) -> domxml.DiskInfo:
+    return _disks(dom.XMLDesc(0))[target]
 
 
 def _finish_job(dom: libvirt.virDomain, domain: str, target: str) -> None:
@@ -263,15 +269,15 @@ def _finish_job(dom: libvirt.virDomain, domain: str, target: str) -> None:
 
 
 def _offline(ctl: DomainController, domain: str, target: str, how: dict[str, Any],
-             top: str) -> None:
+             top: domxml.DiskInfo) -> None:
     dest = how["dest"]
     if how["how"] == "commit":
         # commits every layer between top and dest into dest
-        qemu_img("commit", "-q", "-b", dest, top, what=f"committing {target} into {dest}",
-                 timeout=CONVERT_TIMEOUT)
+        qemu_img("commit", "-q", "-f", top.fmt, "-b", dest, top.source,
+                 what=f"committing {target} into {dest}", timeout=CONVERT_TIMEOUT)
     else:
         Path(dest).unlink(missing_ok=True)  # a killed copy's output (no chain holds it)
-        qemu_img("convert", "-q", "-O", how["fmt"], top, dest,
+        qemu_img("convert", "-q", "-f", top.fmt, "-O", how["fmt"], top.source, dest,
                  what=f"copying {target} to {dest}", timeout=CONVERT_TIMEOUT)
     xml = domxml.set_disk_sources(ctl.xml(domain, inactive=True), {target: (dest, how["fmt"])})
     with step(domain, f"defining it on {dest}"):
@@ -301,7 +307,8 @@ def _check_released(ctl: DomainController, domain: str, sdir: Path) -> None:
             if not Path(disk.source).exists():
                 raise VMError(f"disk {disk.target} of domain {domain} names {disk.source}, "
                               "which does not exist, after its release")
-            for f in chain_file_set(Path(disk.source)):  # unreadable: the top alone
+            # (unreadable: the top alone)
+            for f in chain_file_set(Path(disk.source), fmt=disk.fmt):
                 if inside(f, sdir):
                     raise VMError(f"disk {disk.target} of domain {domain} still uses {f} after "
                                   f"its release")

@@ -270,10 +270,10 @@ def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
     ctl.save_state(session, state)
     keep = set(bases.values()) | set(overlays.values())
     ours = {str(p) for p in overlays.values()}
-    for f in domxml.file_sources(xml):
+    for f, fmt in domxml.formatted_sources(xml):
         if f not in ours:  # an older ksfs layered read-only disks: such a layer is in use
             # (only files that are there: one to keep that cannot be looked at keeps all)
-            keep |= {p for p in chain_file_set(Path(f)) if p.exists()}
+            keep |= {p for p in chain_file_set(Path(f), fmt=fmt) if p.exists()}
     # memory images of restores that died staging (verbs on a session are serialized)
     for p in (ctl.session_dir(session) / "staging").glob("restore-*.image*"):
         p.unlink(missing_ok=True)
@@ -293,13 +293,13 @@ def _users_disks(state: SessionState, old_roots: set[Path]) -> set[Path]:
     return {r for r in old_roots if not re.fullmatch(r".+-base-\d+\.raw", r.name)}
 
 
-def chain_file_set(top: Path, strict: bool = False) -> set[Path]:
-    """The files of the qcow2/raw chain whose top is ``top`` (just ``top`` when it cannot be
-    read: a file in doubt is kept; with ``strict`` the VMError is raised)."""
+def chain_file_set(top: Path, strict: bool = False, fmt: str | None = None) -> set[Path]:
+    """The files of the qcow2/raw chain whose top is ``top`` in format ``fmt`` (just ``top``
+    when it cannot be read: a file in doubt is kept; with ``strict`` the VMError is raised)."""
     from ksfs.vm.chain import chain_files
 
     try:
-        return {Path(f) for f in chain_files(top, "reading a disk chain")} | {top}
+        return {Path(f) for f in chain_files(top, "reading a disk chain", fmt)} | {top}
     except VMError:
         if strict:
             raise
@@ -322,11 +322,11 @@ def files_in_use(ctl: DomainController, domain: str, strict: bool = False
     for x in xmls:
         kept = {d.source for d in domxml.disks(x)}
         # every disk's, kept or not: an older ksfs layered read-only disks too
-        for f in domxml.file_sources(x):
+        for f, fmt in domxml.formatted_sources(x):
             if f in kept:
-                in_use |= chain_file_set(Path(f), strict)
+                in_use |= chain_file_set(Path(f), strict, fmt)
             else:  # a cdrom's image may be gone: no use of a file that is not there
-                in_use |= {p for p in chain_file_set(Path(f)) if p.exists()}
+                in_use |= {p for p in chain_file_set(Path(f), fmt=fmt) if p.exists()}
     return in_use, live_xml
 
 

@@ -1,0 +1,205 @@
+"""The QA report on guests other than the project's test guest (second VM round), through the
+command line against a real libvirtd and QEMU.
+
+- A raw disk is never taken for the format its first bytes look like: a guest that wrote a
+  qcow2 header naming a host file as backing file into its raw disk got that host file stored
+  as its checkpoint's disk and given back to it by restore (adopt), and `session new` took a
+  raw disk so even when guest.json said raw.
+
+The domains are tiny BIOS machines (a 512-byte boot sector, or none: a disk that does not boot
+leaves SeaBIOS waiting, which is a running machine all the same), so nothing here boots a
+kernel but the `session new` case. One store per module; every domain and session made here
+is removed at the end, even on failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ksfs.vm.chain import ChainSource, create_overlay
+from ksfs.vm.files import inspect_disk
+from tests.cli_helpers import KSFS, guest_dir, ksfs, remove_sessions, virsh
+
+pytestmark = pytest.mark.vm
+
+MiB = 1 << 20
+# cli; 1: hlt; jmp 1b ... 0x55aa: a machine that boots and halts
+BOOT_SECTOR = b"\xfa\xf4\xeb\xfd".ljust(510, b"\0") + b"\x55\xaa"
+
+
+def run(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return ksfs(env["store"], env["env"], *args, check=check)
+
+
+def cat(env: dict, session: str, checkpoint: str, name: str) -> bytes:
+    res = subprocess.run([*KSFS, "--store", str(env["store"]), "cat", session, checkpoint, name],
+                         capture_output=True, env=env["env"], timeout=300)
+    assert res.returncode == 0, res.stderr.decode()
+    return res.stdout
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    guest = guest_dir()  # libvirtd up (and the test guest built, for session new)
+    base = tmp_path_factory.mktemp("vmqa2")
+    base.chmod(0o755)
+    store = base / "store"
+    e = dict(os.environ, KSFS_GUEST=str(guest))
+    sessions: list[str] = []
+    domains: list[str] = []
+    yield {"store": store, "env": e, "tag": uuid.uuid4().hex[:6], "sessions": sessions,
+           "domains": domains, "base": base, "guest": guest,
+           "spec": json.loads((guest / "guest.json").read_text())}
+    remove_sessions(store, e, sessions)
+    for dom in domains:
+        virsh("destroy", dom)
+        virsh("undefine", dom)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def new_dir(env: dict, name: str) -> Path:
+    d = env["base"] / name
+    d.mkdir()
+    d.chmod(0o755)
+    return d
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def define(env: dict, name: str, devices: str, boot: str = "hd") -> str:
+    """Define a user's BIOS domain (TCG, 32 MiB) with ``devices``; removed at the end."""
+    dom = f"qa2-{name}-{env['tag']}"
+    xml = (f"<domain type='qemu'><name>{dom}</name><memory unit='MiB'>32</memory>"
+           f"<vcpu>1</vcpu><os><type arch='x86_64' machine='pc'>hvm</type>"
+           f"<boot dev='{boot}'/></os><devices>{devices}<memballoon model='none'/>"
+           f"</devices></domain>")
+    path = env["base"] / f"{dom}.xml"
+    path.write_text(xml)
+    env["domains"].append(dom)
+    virsh("define", str(path), check=True)
+    return dom
+
+
+def file_disk(path: Path, fmt: str, target: str = "hda", extra: str = "",
+              device: str = "disk", bus: str = "ide") -> str:
+    return (f"<disk type='file' device='{device}'><driver name='qemu' type='{fmt}'/>"
+            f"<source file='{path}'/><target dev='{target}' bus='{bus}'/>{extra}</disk>")
+
+
+def planted_raw_disk(d: Path, size: int) -> tuple[Path, Path]:
+    """(a host file the guest must never see, a raw disk whose first bytes are a qcow2
+    header naming that file as its backing file, as a guest writing sector 0 makes it)."""
+    secret = d / "secret.txt"
+    secret.write_bytes(b"HOST-SECRET-" + uuid.uuid4().hex.encode() + b"\n")
+    os.truncate(secret, MiB)
+    payload = d / "payload.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512",
+                    "-b", str(secret), "-F", "raw", str(payload), "1M"], check=True)
+    disk = d / "disk.raw"
+    with open(disk, "wb") as f:
+        f.write(payload.read_bytes())
+        f.seek(size // 2)
+        f.write(b"GUEST-OWN-DATA")  # what the guest's disk holds past the header
+        f.truncate(size)
+    disk.chmod(0o644)
+    return secret, disk
+
+
+def test_chain_helpers_read_a_raw_disk_as_raw_whatever_it_begins_with(tmp_path) -> None:
+    """No libvirt: a raw file holding a qcow2 header is read as the raw file when its format
+    is given, and so is it under one of ksfs's overlays (made with -F)."""
+    secret, disk = planted_raw_disk(tmp_path, 4 * MiB)
+    own = disk.read_bytes()
+    src = ChainSource(disk, "raw disk", fmt="raw")
+    try:
+        assert src.size == 4 * MiB and src.files == [disk]
+        assert src.pread(0, src.size) == own
+    finally:
+        src.close()
+    plan = inspect_disk(disk, "raw")
+    assert (plan.fmt, plan.convert) == ("raw", None)
+    overlay = tmp_path / "hda-1.qcow2"
+    create_overlay(overlay, disk, "raw", "overlay", 4096)
+    src = ChainSource(overlay, "overlay", fmt="qcow2")
+    try:
+        assert src.files == [overlay, disk] and src.formats == ["qcow2", "raw"]
+        assert src.pread(0, src.size) == own
+    finally:
+        src.close()
+
+
+def test_adopted_raw_disk_with_a_qcow2_header_is_kept_as_its_own_bytes(env) -> None:
+    """QA (critical): the first save of an adopted raw disk whose guest wrote a qcow2 header
+    naming a host file stored that host file as the disk (1 MiB of it, not the 8 MiB disk), and
+    restore gave it to the guest. Save, restore and release now keep the raw disk's bytes."""
+    d = new_dir(env, "probe")
+    secret, disk = planted_raw_disk(d, 8 * MiB)
+    own = disk.read_bytes()
+    dom = define(env, "probe", file_disk(disk, "raw"))
+    s = f"qa2-probe-{env['tag']}"
+    env["sessions"].append(s)
+    run(env, "session", "adopt", s, dom)
+    run(env, "save", s, "p1")
+    stored = cat(env, s, "p1", "disk.raw")
+    assert b"HOST-SECRET" not in stored
+    assert len(stored) == len(own) and sha(stored) == sha(own)
+    assert disk.read_bytes() == own  # the commit into the user's raw file changed nothing
+
+    run(env, "restore", s, "p1")
+    info = virsh("domblkinfo", dom, "hda", check=True).stdout
+    assert f"Capacity:       {8 * MiB}" in info, info
+    (base,) = (env["store"] / "vm" / s).glob("hda-base-*.raw")
+    assert base.read_bytes() == own
+    run(env, "save", s, "p2")
+    assert sha(cat(env, s, "p2", "disk.raw")) == sha(own)
+
+    # handed back after the restore: a copy of the restored disk, raw, beside the user's
+    run(env, "session", "rm", s, "--release")
+    env["sessions"].remove(s)
+    released = d / "disk.released.raw"
+    assert released.read_bytes() == own
+    xml = virsh("dumpxml", dom, check=True).stdout
+    assert str(released) in xml and "type='raw'" in xml, xml
+    assert secret.read_bytes().startswith(b"HOST-SECRET")
+
+
+def test_session_new_follows_guest_json_disk_format(env) -> None:
+    """QA (critical): `session new` took a raw disk that begins with a qcow2 header for qcow2
+    against guest.json's "disk_format": "raw" (a warning only), and flattened its backing host
+    file into the session's disk. The stated format wins; one that is not raw or qcow2, or
+    qcow2 for a disk that is not one, is refused before anything is made."""
+    d = new_dir(env, "newraw")
+    secret, disk = planted_raw_disk(d, 16 * MiB)
+    own = disk.read_bytes()
+    spec = dict(env["spec"], disk=str(disk), disk_format="raw")
+    (d / "guest.json").write_text(json.dumps(spec))
+    s = f"qa2-newraw-{env['tag']}"
+    env["sessions"].append(s)
+    made = run(env, "session", "new", s, "--guest", str(d))
+    assert "taken as raw" in made.stderr and "qcow2" in made.stderr, made.stderr
+    vmdir = env["store"] / "vm" / s
+    assert (vmdir / "vda-0.raw").read_bytes() == own
+    run(env, "save", s, "n1")
+    stored = cat(env, s, "n1", "disk.raw")
+    assert b"HOST-SECRET" not in stored and sha(stored) == sha(own)
+
+    (d / "plain.raw").write_bytes(bytes(MiB))
+    bad = f"qa2-newbad-{env['tag']}"
+    for name, fmt, words in (("plain.raw", "qcow2", "not a qcow2 image"),
+                             ("disk.raw", "vmdk", "disk_format")):
+        (d / "guest.json").write_text(json.dumps(dict(spec, disk=name, disk_format=fmt)))
+        res = run(env, "session", "new", bad, "--guest", str(d), check=False)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and words in lines[0], res.stderr
+        assert not (env["store"] / "vm" / bad).exists()
+        assert virsh("domstate", f"ksfs-{bad}").returncode != 0
