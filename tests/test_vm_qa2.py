@@ -77,16 +77,19 @@ def sha(data: bytes) -> str:
 
 
 def define(env: dict, name: str, devices: str, boot: str = "hd") -> str:
-    """Define a user's BIOS domain (TCG, 32 MiB) with ``devices``; removed at the end."""
+    """Define a user's BIOS domain (TCG, 32 MiB) with ``devices`` (again: redefined, its UUID
+    being its name's); removed at the end."""
     dom = f"qa2-{name}-{env['tag']}"
-    xml = (f"<domain type='qemu'><name>{dom}</name><memory unit='MiB'>32</memory>"
+    xml = (f"<domain type='qemu'><name>{dom}</name>"
+           f"<uuid>{uuid.uuid5(uuid.NAMESPACE_URL, dom)}</uuid><memory unit='MiB'>32</memory>"
            f"<vcpu>1</vcpu><os><type arch='x86_64' machine='pc'>hvm</type>"
            f"<boot dev='{boot}'/></os><devices>{devices}<memballoon model='none'/>"
            f"</devices></domain>")
     path = env["base"] / f"{dom}.xml"
     path.write_text(xml)
     env["domains"].append(dom)
-    virsh("define", str(path), check=True)
+    res = virsh("define", str(path))
+    assert res.returncode == 0, res.stderr
     return dom
 
 
@@ -203,3 +206,46 @@ def test_session_new_follows_guest_json_disk_format(env) -> None:
         assert res.returncode == 2 and len(lines) == 1 and words in lines[0], res.stderr
         assert not (env["store"] / "vm" / bad).exists()
         assert virsh("domstate", f"ksfs-{bad}").returncode != 0
+
+
+def assert_refused(env: dict, res: subprocess.CompletedProcess, code: int, session: str,
+                   dom: str, *words: str) -> None:
+    """One error line with ``words``, exit ``code``; no session, no files, the domain left
+    shut off."""
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == code, (res.returncode, res.stderr)
+    assert len(lines) == 1 and lines[0].startswith("ksfs: error: "), res.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert virsh("domstate", dom).stdout.strip() == "shut off"
+    assert not (env["store"] / "vm" / session).exists()
+    if env["store"].exists():  # (else the refused verb was the first: it made no store)
+        listed = run(env, "session", "list", "--json")
+        assert session not in [s["session"] for s in json.loads(listed.stdout)]
+
+
+def test_adopt_refuses_a_writable_floppy(env) -> None:
+    """QA: a floppy without <readonly/> was left out of checkpoints as if the guest could not
+    change it: a restore left it holding later writes, and a fork failed on QEMU's write lock.
+    Adopt refuses it, naming the floppy and the fix; a read-only floppy is still taken."""
+    d = new_dir(env, "floppy")
+    floppy, hd = d / "floppy.img", d / "hd.raw"
+    floppy.write_bytes(BOOT_SECTOR)
+    os.truncate(floppy, 1474560)
+    hd.write_bytes(bytes(4 * MiB))
+    before = floppy.read_bytes()
+    fd = file_disk(floppy, "raw", "fda", device="floppy", bus="fdc")
+    dom = define(env, "floppy", fd + file_disk(hd, "raw"), boot="fd")
+    s = f"qa2-floppy-{env['tag']}"
+    res = run(env, "session", "adopt", s, dom, check=False)
+    assert_refused(env, res, 2, s, dom, f"floppy fda of domain {dom} ({floppy}) is writable",
+                   "<readonly/>", "attach the image as a disk")
+    assert floppy.read_bytes() == before
+
+    # read-only: the guest cannot change it, so leaving it out of checkpoints is right
+    fd = file_disk(floppy, "raw", "fda", "<readonly/>", device="floppy", bus="fdc")
+    dom = define(env, "floppy", fd + file_disk(hd, "raw"), boot="fd")
+    env["sessions"].append(s)
+    run(env, "session", "adopt", s, dom, "--no-start")
+    run(env, "session", "rm", s)
+    env["sessions"].remove(s)

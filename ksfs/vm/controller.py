@@ -231,9 +231,11 @@ class DomainController:
                            f"{domain_name}.xml && virsh define {domain_name}.xml` defines it")
         try:
             disks = domxml.disks(xml)
+            domxml.refuse_unkept_writable(xml)
         except VMError as exc:
-            # a block, network or shareable disk: the domain given is not one ksfs can keep,
-            # which is the caller's input, not a fault of the machine (QA, eighteenth session)
+            # a block, network or shareable disk, or a writable floppy: the domain given is
+            # not one ksfs can keep, which is the caller's input, not a fault of the machine
+            # (QA, eighteenth session)
             raise BadInput(str(exc)) from None
         if not disks:
             raise BadInput(f"domain {domain_name} has no writable file-backed disk to keep")

@@ -116,8 +116,9 @@ def disks(xml: str) -> list[DiskInfo]:
     """The disks ksfs keeps, in definition order: every writable disk (or lun), which must be a
     file. Cdroms, floppies and read-only disks are left out (the guest cannot change
     them: snapshots mark them ``snapshot='no'`` and restores attach the file the checkpoint
-    named); a writable disk that is not a file, or that other machines write too
-    (``<shareable/>``), cannot be snapshotted and is refused with what to do about it."""
+    named; a writable floppy is refused at adoption, ``refuse_unkept_writable``); a writable
+    disk that is not a file, or that other machines write too (``<shareable/>``), cannot be
+    snapshotted and is refused with what to do about it."""
     root = _parse(xml)
     out = []
     for disk in root.iterfind("devices/disk"):
@@ -149,6 +150,29 @@ def disks(xml: str) -> list[DiskInfo]:
             node = node.find("backingStore")
         out.append(DiskInfo(dev, source.get("file", ""), fmt, tuple(chain)))
     return out
+
+
+def refuse_unkept_writable(xml: str) -> None:
+    """VMError naming the first device the guest can write that no checkpoint would hold: a
+    floppy without ``<readonly/>`` (``disks`` leaves floppies out, as images the guest cannot
+    change; a writable one it can: a restore would not roll it back, and a fork would open the
+    parent's file for writing beside it, which QEMU's image lock refuses). Said at adoption:
+    a definition ksfs makes has none."""
+    root = _parse(xml)
+    name = root.findtext("name") or "?"
+    for disk in root.iterfind("devices/disk"):
+        if disk.get("device") != "floppy" or disk.find("readonly") is not None:
+            continue
+        source = disk.find("source")
+        path = source.get("file") or source.get("dev") if source is not None else None
+        if not path:
+            continue  # an empty drive: nothing to write
+        target = disk.find("target")
+        dev = target.get("dev", "") if target is not None else ""
+        raise VMError(f"floppy {dev} of domain {name} ({path}) is writable: ksfs keeps no "
+                      f"floppy in its checkpoints, so a restore would not roll it back; make "
+                      f"it read-only (<readonly/> in its <disk>, virsh edit {name}) or attach "
+                      f"the image as a disk")
 
 
 def file_sources(xml: str) -> list[str]:
