@@ -681,3 +681,58 @@ def test_check_looks_chunks_up_by_id_as_reads_do(tmp_path: Path) -> None:
         assert "lookup by its id does not find it" in res.stdout, res.stdout
         for c in unreadable:
             assert f"s/{c}/memory: unreadable" in res.stdout, res.stdout
+
+
+# --- a lock file in another shape -------------------------------------------------------------
+
+
+def _lock_shapes(path: Path, shape: str, elsewhere: Path) -> None:
+    path.unlink(missing_ok=True)
+    if shape == "directory":
+        path.mkdir()
+    elif shape == "dangling symlink":  # O_CREAT would follow it and make the file it names
+        elsewhere.mkdir(exist_ok=True)
+        path.symlink_to(elsewhere / "made-here")
+    else:
+        os.mkfifo(path)
+
+
+@pytest.mark.parametrize("shape", ["directory", "dangling symlink", "fifo"])
+def test_a_store_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Path],
+                                                           tmp_path: Path, shape: str) -> None:
+    """QA (twenty-second session): STORE/lock as a directory was 'open the store lock failed:
+    Is a directory', exit 1; as a dangling symlink, 'open the store lock not found', exit 3,
+    and followed: the file it named was made. Now: one line naming it, exit 6, nothing made
+    or changed, whatever the verb."""
+    store, src = made
+    elsewhere = tmp_path / "elsewhere"
+    _lock_shapes(store / "lock", shape, elsewhere)
+    before = packs_of(store)
+    kind = {"directory": "a directory", "dangling symlink": "a symbolic link",
+            "fifo": "not a regular file"}[shape]
+    for args in (["check"], ["import", "s", "b", str(src)], ["gc"]):  # (rm takes no store lock)
+        one_line(ksfs(store, *args), 6, f"its lock file {store / 'lock'} is {kind}")
+    assert packs_of(store) == before
+    assert not (elsewhere / "made-here").exists()
+
+
+@pytest.mark.parametrize("shape", ["directory", "dangling symlink", "fifo", "locks a file"])
+def test_a_session_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Path],
+                                                             tmp_path: Path, shape: str) -> None:
+    """QA: a session's lock file as a directory, or locks/ as a plain file, made import and rm
+    exit 1. Now exit 6, one line, the checkpoint still there."""
+    store, src = made
+    locks = store / "locks"
+    if shape == "locks a file":
+        shutil.rmtree(locks)
+        locks.write_text("")
+        words = f"{locks} is not a directory"
+    else:
+        (lock,) = locks.glob("*.lock")
+        _lock_shapes(lock, shape, tmp_path / "elsewhere")
+        words = f"its lock file {lock} is"
+    for args in (["import", "s", "b", str(src)], ["rm", "s", "a"]):
+        one_line(ksfs(store, *args), 6, words)
+    listed = ksfs(store, "checkpoints", "s", "--json")
+    assert [c["name"] for c in json.loads(listed.stdout)] == ["a"], listed
+    assert not (tmp_path / "elsewhere" / "made-here").exists()

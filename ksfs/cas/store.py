@@ -29,6 +29,7 @@ import lmdb
 import zstandard
 
 from ksfs.cas import format as fmt
+from ksfs.cas.lockfile import open_lock_file
 from ksfs.cas.packs import PackHandles, decode_payload, fsync_dir
 from ksfs.errors import (
     Busy,
@@ -345,7 +346,7 @@ class ChunkStore:
         try:
             # 0600: flock needs only an open file, so a lock file others may open is one any
             # local user can hold, stalling every ingest and gc (QA, fifteenth session).
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = open_lock_file(lock_path, self.path, os.O_RDWR, 0o600)
             _close_to_others(fd)
         except OSError as exc:
             if exclusive or exc.errno != errno.EROFS:

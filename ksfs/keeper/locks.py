@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ksfs.cas.lockfile import open_lock_file
 from ksfs.errors import Busy, translate
 
 # Times a waiter takes the lock again after finding its file unlinked by a session removal
@@ -42,7 +43,7 @@ def session_lock(store_path: Path, session: str, timeout: float | None = None) -
         # access, so a lock file another user made (root running one verb on a user's store)
         # still serves the store's owner instead of refusing every later verb of the session.
         with translate(f"open the lock of session {session!r}", path):
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_lock_file(path, store_path, os.O_RDONLY, 0o644)
         try:
             while True:
                 try:

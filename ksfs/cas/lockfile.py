@@ -1,0 +1,53 @@
+"""Opening the store's lock files (``lock``, ``seal.lock``, ``locks/*.lock``).
+
+A lock file in another shape than a regular file is damage, said in one line: a directory gave
+"open the store lock failed: Is a directory" (exit 1), and a dangling symbolic link "not found"
+(exit 3), where the store's other damage is exit 6. A symbolic link is never followed: O_CREAT
+would make a file wherever it points (as root, anywhere). O_NONBLOCK: a FIFO in its place must
+not hold the open until some writer comes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from ksfs.errors import StoreDamaged
+
+_NOT_A_FILE = {errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENXIO}
+
+
+def open_lock_file(path: str | os.PathLike, store: str | os.PathLike, flags: int,
+                   mode: int) -> int:
+    """A descriptor of the lock file at ``path`` (made when missing, ``mode``), opened with
+    ``flags`` (O_RDONLY or O_RDWR); StoreDamaged when something else is in its place. Any
+    other OSError is the caller's to translate."""
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                     mode)
+    except OSError as exc:
+        if exc.errno not in _NOT_A_FILE:
+            raise
+        raise StoreDamaged(path=store, why=_why(Path(path))) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreDamaged(path=store, why=_why(Path(path)))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _why(path: Path) -> str:
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return (f"{path.parent} is not a directory, so its lock file {path.name} cannot be made "
+                f"there: remove {path.parent} (ksfs makes it again)")
+    except OSError as exc:
+        return f"its lock file {path} cannot be opened: {exc.strerror}"
+    kind = ("a directory" if stat.S_ISDIR(st.st_mode) else
+            "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file")
+    return f"its lock file {path} is {kind}: remove it (ksfs makes it again)"
