@@ -249,3 +249,47 @@ def test_adopt_refuses_a_writable_floppy(env) -> None:
     run(env, "session", "adopt", s, dom, "--no-start")
     run(env, "session", "rm", s)
     env["sessions"].remove(s)
+
+
+def bios_qcow2(d: Path) -> Path:
+    """A qcow2 disk that boots a machine which halts."""
+    raw, disk = d / "boot.raw", d / "disk.qcow2"
+    raw.write_bytes(BOOT_SECTOR)
+    os.truncate(raw, 4 * MiB)
+    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(disk)],
+                   check=True)
+    raw.unlink()
+    return disk
+
+
+def test_adopt_refuses_a_domain_another_store_keeps(env) -> None:
+    """QA: a domain store A keeps was adopted by store B too; B's saves then moved A's layers
+    into A's session directory, and B's `session rm` destroyed the domain A's session ran on.
+    A domain whose disk chain holds a file under another store is refused (exit 4, naming that
+    store), whether A adopted it (and saved) or made it (a fork); A goes on as before."""
+    d = new_dir(env, "cross")
+    disk = bios_qcow2(d)
+    dom = define(env, "cross", file_disk(disk, "qcow2"))
+    a, f, b = (f"qa2-cross{x}-{env['tag']}" for x in "afb")
+    store_b = env["base"] / "storeB"
+    env["sessions"] += [a, f]
+    run(env, "session", "adopt", a, dom)
+    run(env, "save", a, "a1")
+    try:
+        for target in (dom, f"ksfs-{f}"):
+            if target != dom:
+                run(env, "fork", a, "a1", f)  # a domain store A made
+            res = ksfs(store_b, env["env"], "session", "adopt", b, target, check=False)
+            lines = res.stderr.strip().splitlines()
+            assert res.returncode == 4, (res.returncode, res.stderr)
+            assert len(lines) == 1 and lines[0].startswith("ksfs: error: "), res.stderr
+            assert f"a file of the ksfs store {env['store']}" in lines[0], lines[0]
+            assert f"domain '{target}' runs on {env['store']}/vm/" in lines[0], lines[0]
+            assert not (store_b / "vm" / b).exists()
+            assert virsh("domstate", target).stdout.strip() == "running"
+        run(env, "save", a, "a2")  # store A's session undisturbed
+        assert sorted(p.name for p in (env["store"] / "vm" / a).iterdir()
+                      if p.suffix == ".qcow2" and "layer" in p.name) == []
+    finally:
+        remove_sessions(store_b, env["env"], [b])
+    assert virsh("domstate", dom).stdout.strip() == "running"

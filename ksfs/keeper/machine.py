@@ -107,6 +107,25 @@ def transcript_in_guest(path: str, what: str = "--transcript") -> str:
 BASE_CMDLINE = "console=ttyS0 panic=-1 quiet"
 
 
+def store_holding(path: Path | str) -> Path | None:
+    """The ksfs store ``path`` lies under (a directory with the store's marker), as the path
+    is named or once its links are resolved (a store's ``vm/`` may be a link to another
+    disk), else None."""
+    from ksfs.cas.store import FORMAT, MARKER
+
+    path = Path(path)
+    for where in (path, path.resolve()):
+        for d in where.parents:
+            try:
+                with open(d / MARKER, encoding="utf-8") as f:
+                    marker = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(marker, dict) and marker.get("format") == FORMAT:
+                return d
+    return None
+
+
 def default_cmdline(plan: Any, named: Path | str | None = None) -> str:
     """The kernel command line of a guest that names none: the serial console and, when the
     disk says where its root filesystem is, ``root=/dev/vda`` (one bare filesystem, as tools
@@ -469,6 +488,7 @@ class MachineVerbs:
         if not self.vm.exists(domain):
             raise NotFound(f"no libvirt domain named {domain!r}")
         self._refuse_kept_domain(domain)
+        self._refuse_domain_of_a_store(domain)
         with new_session_lock(self.store_path, name, self._session_made(name)):
             if not self.vm.exists(domain):
                 raise NotFound(f"no libvirt domain named {domain!r}")
@@ -491,6 +511,26 @@ class MachineVerbs:
         holder = next((s.name for s in self.ledger.sessions(txn) if s.domain == domain), None)
         if holder is not None:
             raise AlreadyExists(f"domain {domain!r} is already kept by session {holder!r}")
+
+    def _refuse_domain_of_a_store(self, domain: str) -> None:
+        """AlreadyExists when a disk chain of ``domain`` holds a file under a ksfs store's
+        directory (this one's too: a file of its ``vm/`` no session of it keeps): the domain
+        is that store's (made by it, or adopted and saved by it), and two stores on one
+        domain move each other's layers, and either's ``session rm`` destroys the other's
+        machine (QA). A domain's name says nothing here: ``ksfs-NAME`` is a name any user may
+        give, and a domain ksfs made runs on its store's files, which this finds."""
+        for f in sorted(self.vm.chain_files(domain)):
+            store = store_holding(f)
+            if store is not None and store.resolve() == Path(self.store_path).resolve():
+                raise AlreadyExists(
+                    f"domain {domain!r} runs on {f}, a file of this store's machines that no "
+                    f"session of it keeps; point the domain at files of its own first")
+            if store is not None:
+                raise AlreadyExists(
+                    f"domain {domain!r} runs on {f}, a file of the ksfs store {store}, which "
+                    f"keeps it (`ksfs --store {store} session list` names its session); a "
+                    f"domain is kept by one store at a time: `session rm --release` there "
+                    f"hands it back first")
 
     def _session_made(self, name: str) -> Any:
         """Whether session ``name`` exists (for new_session_lock: a refused verb that made

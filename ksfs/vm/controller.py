@@ -677,3 +677,11 @@ class DomainController:
     def disk_files(self, domain: str) -> dict[str, str]:
         """target -> current top file of each file-backed disk."""
         return {d.target: d.source for d in domxml.disks(self.xml(domain))}
+
+    def chain_files(self, domain: str) -> set[Path]:
+        """Every file of every disk chain the domain runs on or is defined on (cdroms and
+        read-only disks too), as the images' headers name them (a chain that cannot be read:
+        its top alone)."""
+        from ksfs.vm.restore import files_in_use
+
+        return files_in_use(self, domain)[0]
