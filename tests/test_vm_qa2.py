@@ -293,3 +293,15 @@ def test_adopt_refuses_a_domain_another_store_keeps(env) -> None:
     finally:
         remove_sessions(store_b, env["env"], [b])
     assert virsh("domstate", dom).stdout.strip() == "running"
+
+
+def test_adopt_refuses_a_transient_disk(env) -> None:
+    """QA: a domain with a <transient/> disk was adopted, then every save failed (libvirt runs
+    no block job on a transient disk). Adopt refuses it, naming the disk and the fix."""
+    d = new_dir(env, "transient")
+    disk = bios_qcow2(d)
+    dom = define(env, "transient", file_disk(disk, "qcow2", extra="<transient/>"))
+    s = f"qa2-transient-{env['tag']}"
+    res = run(env, "session", "adopt", s, dom, check=False)
+    assert_refused(env, res, 2, s, dom, f"disk hda of domain {dom} is transient",
+                   "remove <transient/>")

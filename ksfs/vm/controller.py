@@ -239,6 +239,11 @@ class DomainController:
             raise BadInput(str(exc)) from None
         if not disks:
             raise BadInput(f"domain {domain_name} has no writable file-backed disk to keep")
+        for dev in domxml.transient_disks(xml):
+            raise BadInput(f"disk {dev} of domain {domain_name} is transient (<transient/>): "
+                           f"QEMU drops its writes when the machine stops and libvirt takes no "
+                           f"snapshot of it, so ksfs could save none; remove <transient/> from "
+                           f"it (virsh edit {domain_name}) or detach it")
         for disk in disks:
             if disk.fmt not in ("raw", "qcow2"):
                 raise BadInput(f"disk {disk.target} of {domain_name} is {disk.fmt}; ksfs keeps "

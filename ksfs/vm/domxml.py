@@ -175,6 +175,20 @@ def refuse_unkept_writable(xml: str) -> None:
                       f"the image as a disk")
 
 
+def transient_disks(xml: str) -> list[str]:
+    """Targets of the disks ksfs would keep (writable) that are ``<transient/>``: QEMU throws
+    their writes away when the machine stops, and libvirt runs no snapshot or block job on
+    them, so every save of such a domain fails (QA). Refused at adoption."""
+    out = []
+    for disk in _parse(xml).iterfind("devices/disk"):
+        if disk.get("device") in ("cdrom", "floppy") or disk.find("readonly") is not None:
+            continue
+        target = disk.find("target")
+        if disk.find("transient") is not None and target is not None:
+            out.append(target.get("dev", ""))
+    return out
+
+
 def file_sources(xml: str) -> list[str]:
     """The file of every disk the domain names, kept by ksfs or not (cdroms, read-only disks):
     what must not be deleted while the domain uses it."""
