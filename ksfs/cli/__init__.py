@@ -90,17 +90,9 @@ def run_verb(ctx: Context, verb: str, steps: str | None = None, **args: Any) -> 
         if result is not NO_DAEMON:
             return result
         create = verb in ("session_new", "session_adopt", "import")
-        with _unmade_on_failure(ctx) if create else contextlib.nullcontext():
-            keeper = ctx.open_keeper(create=create)
-            # held shared while the verb runs: a store another such verb is making something
-            # in is never taken for one made for nothing (_unmade_on_failure)
-            held = keeper.store.lock(exclusive=False) if create else None
-            try:
-                with progress.reporting(line):
-                    return to_jsonable(getattr(keeper, VERBS[verb])(**args))
-            finally:
-                if held is not None:
-                    os.close(held)
+        with making_store(ctx) if create else contextlib.nullcontext(ctx.open_keeper()) \
+                as keeper, progress.reporting(line):
+            return to_jsonable(getattr(keeper, VERBS[verb])(**args))
     finally:
         if line is not None:
             line.close()
@@ -121,6 +113,21 @@ def _unused(ctx: Context) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def making_store(ctx: Context) -> Iterator[Any]:
+    """The keeper of the store for a verb that makes it when missing (session new, adopt,
+    import): held shared while the block runs, so a store another such verb is making
+    something in is never taken for one made for nothing, and removed again when the block
+    fails having made it (_unmade_on_failure)."""
+    with _unmade_on_failure(ctx):
+        keeper = ctx.open_keeper(create=True)
+        held = keeper.store.lock(exclusive=False)
+        try:
+            yield keeper
+        finally:
+            os.close(held)
 
 
 @contextlib.contextmanager

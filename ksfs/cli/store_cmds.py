@@ -13,6 +13,7 @@ from ksfs.cli import (
     emit_json,
     human_bytes,
     main,
+    making_store,
     pass_ctx,
     run_verb,
     steps_on_terminal,
@@ -21,8 +22,9 @@ from ksfs.errors import ChunkMissing, IntegrityError, KsfsError
 
 
 def progress_bar(label: str):
-    """A callback(done, total) drawing a bar on a terminal; None when stderr is piped."""
-    if not sys.stderr.isatty():
+    """A callback(done, total) drawing a bar on a terminal; None when stderr is piped (or
+    closed: QA, `ksfs import ... 2>&-` failed with exit 1 and no word)."""
+    if sys.stderr is None or not sys.stderr.isatty():
         return None, lambda: None
     state: dict = {}
 
@@ -58,21 +60,23 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
     (FastCDC). Chunks that changed since the file of the same name in SESSION's latest
     checkpoint are stored as deltas against their old versions where that saves bytes. The
     names a checkpoint directory shows of its own (domain.xml, meta.json, transcript, forks, fs)
-    cannot be imported.
+    cannot be imported. A file named twice is refused, unless once as FILE and once with
+    --disk: then it is stored once, as a disk.
 
     Example: ksfs import demo c1 disk.raw memory
     """
     from ksfs.keeper.offline import import_paths
 
     import_paths(session, checkpoint, files, disks)  # bad input makes no store
-    keeper = ctx.open_keeper(create=True)
     update, finish = progress_bar(f"import {checkpoint}")
-    try:
-        # this process is only this import: disk images may be mapped (ksfs/cas/chunking.py)
-        record = keeper.import_files(session, checkpoint, files, disks=disks, progress=update,
-                                     map_files=True)
-    finally:
-        finish()
+    # (a store it makes is removed again when it fails: QA, a file cut while it was read)
+    with making_store(ctx) as keeper:
+        try:
+            # this process is only this import: disk images may be mapped (cas/chunking.py)
+            record = keeper.import_files(session, checkpoint, files, disks=disks,
+                                         progress=update, map_files=True)
+        finally:
+            finish()
     # committed: a report that cannot be written must not read as if the import failed
     click.get_current_context().meta[DONE_NOTE] = f"checkpoint {session}/{record.name} was stored"
     tell_daemon(ctx, session, record.name)
