@@ -686,7 +686,10 @@ class DomainController:
     def chain_files(self, domain: str) -> set[Path]:
         """Every file of every disk chain the domain runs on or is defined on (cdroms and
         read-only disks too), as the images' headers name them (a chain that cannot be read:
-        its top alone)."""
-        from ksfs.vm.restore import files_in_use
+        its top alone). Asks nothing of the disks but their files: a disk ksfs cannot keep
+        is for ``adopt`` to refuse."""
+        from ksfs.vm.restore import chain_file_set
 
-        return files_in_use(self, domain)[0]
+        xmls = {self.xml(domain), self.xml(domain, inactive=True)}
+        return {f for x in xmls for src, fmt in domxml.formatted_sources(x)
+                for f in chain_file_set(Path(src), fmt=fmt)}
