@@ -305,3 +305,41 @@ def test_adopt_refuses_a_transient_disk(env) -> None:
     res = run(env, "session", "adopt", s, dom, check=False)
     assert_refused(env, res, 2, s, dom, f"disk hda of domain {dom} is transient",
                    "remove <transient/>")
+
+
+def test_session_new_disk_format_option_and_no_initrd(env) -> None:
+    """QA: `session new --kernel K --disk D` with no initrd was refused (a kernel that mounts
+    its root itself needs none; guest.json without "initrd" said 'initrd missing'), and only
+    guest.json could state a disk's format. Now --disk-format raw keeps a raw disk raw, whatever
+    it begins with, and a session without an initrd is defined with none, runs and saves."""
+    d = new_dir(env, "noinitrd")
+    _, disk = planted_raw_disk(d, 16 * MiB)
+    own = disk.read_bytes()
+    kernel = str(env["guest"] / "vmlinuz")
+    s = f"qa2-noinitrd-{env['tag']}"
+    env["sessions"].append(s)
+    run(env, "session", "new", s, "--kernel", kernel, "--disk", str(disk),
+        "--disk-format", "raw", "--memory", "128")
+    dumped = virsh("dumpxml", f"ksfs-{s}").stdout
+    assert "<kernel>" in dumped and "<initrd>" not in dumped, dumped
+    assert (env["store"] / "vm" / s / "vda-0.raw").read_bytes() == own
+    run(env, "save", s, "n1")
+    assert sha(cat(env, s, "n1", "disk.raw")) == sha(own)
+    run(env, "restore", s, "n1")  # restores and forks boot QEMU from the files it names
+    f = f"qa2-noinitrdf-{env['tag']}"
+    env["sessions"].append(f)
+    run(env, "fork", s, "n1", f)
+    assert "<initrd>" not in virsh("dumpxml", f"ksfs-{f}").stdout
+    # the same from a guest.json without an initrd
+    spec = {k: v for k, v in env["spec"].items() if k != "initrd"}
+    (d / "guest.json").write_text(json.dumps(dict(spec, kernel=kernel, disk="disk.raw",
+                                                  disk_format="raw", memory_mib=128)))
+    g = f"qa2-noinitrdg-{env['tag']}"
+    env["sessions"].append(g)
+    run(env, "session", "new", g, "--guest", str(d))
+    assert "<initrd>" not in virsh("dumpxml", f"ksfs-{g}").stdout
+    # a kernel is still needed, and --disk-format takes raw or qcow2 only
+    for args, code in ((["--disk", str(disk)], 2),
+                       (["--kernel", kernel, "--disk", str(disk), "--disk-format", "vmdk"], 2)):
+        bad = run(env, "session", "new", f"qa2-bad-{env['tag']}", *args, check=False)
+        assert bad.returncode == code and "Traceback" not in bad.stderr, bad.stderr

@@ -45,8 +45,13 @@ TRANSCRIPT_HELP = ("Where the guest writes its transcript, a path in its filesys
 @click.argument("name")
 @click.option("--guest", type=click.Path(file_okay=False), help="A guest directory (guest.json).")
 @click.option("--kernel", type=click.Path(dir_okay=False), help="Kernel to boot directly.")
-@click.option("--initrd", type=click.Path(dir_okay=False), help="Initramfs for --kernel.")
+@click.option("--initrd", type=click.Path(dir_okay=False),
+              help="Initramfs for --kernel (none: a kernel that mounts its root itself).")
 @click.option("--disk", type=click.Path(dir_okay=False), help="Disk image (raw or qcow2).")
+@click.option("--disk-format", type=click.Choice(["raw", "qcow2"]),
+              help="The disk's format (default: a guest.json's \"disk_format\", else read "
+                   "from its header). A raw disk given so is never taken for another format, "
+                   "whatever its guest wrote at its start.")
 @click.option("--memory", type=click.IntRange(16, 1 << 20), help="Memory in MiB.")
 @click.option("--vcpus", type=click.IntRange(1, 64), help="Virtual CPUs.")
 @click.option("--cmdline", metavar="TEXT",
@@ -59,8 +64,8 @@ TRANSCRIPT_HELP = ("Where the guest writes its transcript, a path in its filesys
               "\"transcript\", else /agent/transcript.jsonl).")
 @_json_option
 @pass_ctx
-def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, cmdline, transcript,
-                as_json) -> None:
+def session_new(ctx, name, guest, kernel, initrd, disk, disk_format, memory, vcpus, cmdline,
+                transcript, as_json) -> None:
     """Define and start domain ksfs-NAME as session NAME.
 
     Without --guest or --kernel/--initrd/--disk the default guest template is used
@@ -76,7 +81,9 @@ def session_new(ctx, name, guest, kernel, initrd, disk, memory, vcpus, cmdline, 
         guest = os.path.abspath(os.environ["KSFS_GUEST"])
     rec = run_verb(ctx, "session_new", steps=f"session new {name}", name=name, guest=guest,
                    kernel=kernel, initrd=initrd, disk=disk, memory=memory, vcpus=vcpus,
-                   cmdline=cmdline, transcript=transcript)
+                   cmdline=cmdline, transcript=transcript,
+                   # sent only when given: a daemon started before it existed still serves
+                   **({"disk_format": disk_format} if disk_format else {}))
     emit_json(_as_session(rec)) if as_json else click.echo(
         f"session {name} running as {rec['domain']}")
 

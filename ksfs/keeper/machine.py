@@ -374,7 +374,7 @@ class MachineVerbs:
             if self.vm.exists(domain):  # (again under the lock: one defined meanwhile)
                 raise AlreadyExists(what="libvirt domain", name=domain)
             config = {
-                "guest": {k: spec[k] for k in ("kernel", "initrd", "disk") if k in spec},
+                "guest": {k: spec[k] for k in ("kernel", "initrd", "disk") if spec.get(k)},
                 "memory_mib": memory,
                 "vcpus": vcpus,
                 "transcript_path": transcript or transcript_in_guest(
@@ -435,8 +435,9 @@ class MachineVerbs:
         a guest.json are relative to its directory; those given as options to the current
         directory. Refuses a bad spec before anything is made."""
         if kernel or initrd or disk:
-            if guest or not (kernel and initrd and disk):
-                raise BadInput("give --guest DIR, or all three of --kernel, --initrd and --disk")
+            if guest or not (kernel and disk):
+                raise BadInput("give --guest DIR, or --kernel and --disk (and --initrd, unless "
+                               "the kernel mounts its root itself)")
             spec: Any = {"kernel": kernel, "initrd": initrd, "disk": disk}
             base = Path.cwd()
             where = "the guest's"
@@ -455,16 +456,21 @@ class MachineVerbs:
                 raise BadInput(f"{gdir}/guest.json is not a JSON object")
             base = gdir.resolve()
             where = f"{gdir}/guest.json:"
-            missing = [k for k in ("kernel", "initrd", "disk") if spec.get(k) in (None, "")]
+            missing = [k for k in ("kernel", "disk") if spec.get(k) in (None, "")]
             if missing:
                 raise BadInput(f"{where} {', '.join(missing)} missing (each must name a file; "
                                f"a relative path is relative to {gdir})")
-            wrong = [k for k in ("kernel", "initrd", "disk") if not isinstance(spec[k], str)]
+            if spec.get("initrd") in (None, ""):  # a kernel that mounts its root itself
+                spec["initrd"] = None
+            wrong = [k for k in ("kernel", "initrd", "disk")
+                     if spec[k] is not None and not isinstance(spec[k], str)]
             if wrong:
                 raise BadInput(f"{where} {', '.join(wrong)} must be a string naming a file, "
                                f"not {json.dumps(spec[wrong[0]])}")
             _check_guest_values(spec, where)
         for key in ("kernel", "initrd", "disk"):
+            if key == "initrd" and not spec[key]:
+                continue
             path = base / Path(spec[key]).expanduser()  # an absolute path stays as it is
             if path.exists() and not path.is_file():
                 raise BadInput(f"{where} {key} {path} is not a regular file")

@@ -157,7 +157,8 @@ class DomainController:
 
     # --- creating and adopting ---------------------------------------------------------------
 
-    def create(self, session: str, domain_name: str, kernel: Path | str, initrd: Path | str,
+    def create(self, session: str, domain_name: str, kernel: Path | str,
+               initrd: Path | str | None,
                disk: Path | str | files.DiskPlan, memory_mib: int = 256, vcpus: int = 1,
                cmdline: str | Callable[[files.DiskPlan], str] = "console=ttyS0 panic=-1 quiet",
                extra_cmdline: str = "",
@@ -179,7 +180,8 @@ class DomainController:
         files.make_disk(plan, copy, f"making the disk of {domain_name}")
         # The domain names no file outside the session's directory: the guest's kernel and
         # initrd may move or go, and restores and forks boot QEMU from them again.
-        boot = {"kernel": Path(kernel), "initrd": Path(initrd)}
+        # (no initrd: a kernel that mounts its root itself)
+        boot = {"kernel": Path(kernel), **({"initrd": Path(initrd)} if initrd else {})}
         for tag, src in boot.items():
             boot[tag] = d / files.BOOT_NAMES[tag]
             files.copy_boot_file(src.resolve(), boot[tag], self.workdir)
@@ -195,7 +197,7 @@ class DomainController:
                            f"ksfs's own parameters ({extra_cmdline or 'ksfs.lineage'}); the "
                            f"kernel takes at most {MAX_CMDLINE}")
         xml = domxml.new_domain_xml(domain_name, self.domain_type, boot["kernel"],
-                                    boot["initrd"], copy, fmt, memory_mib, vcpus, full,
+                                    boot.get("initrd"), copy, fmt, memory_mib, vcpus, full,
                                     d / "console.log")
         if fw_cfg:
             xml = domxml.set_fw_cfg(xml, fw_cfg)

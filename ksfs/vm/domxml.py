@@ -35,7 +35,7 @@ def new_domain_xml(
     name: str,
     domain_type: str,
     kernel: Path,
-    initrd: Path,
+    initrd: Path | None,
     disk: Path,
     disk_format: str,
     memory_mib: int,
@@ -45,6 +45,7 @@ def new_domain_xml(
 ) -> str:
     """The definition of a fresh direct-kernel-boot guest: one virtio disk, user-mode virtio net."""
     mac = random_mac()
+    initrd_line = f"\n    <initrd>{escape(str(initrd))}</initrd>" if initrd else ""
     return f"""<domain type={quoteattr(domain_type)}>
   <name>{escape(name)}</name>
   <uuid>{uuidlib.uuid4()}</uuid>
@@ -53,8 +54,7 @@ def new_domain_xml(
   <vcpu>{int(vcpus)}</vcpu>
   <os>
     <type arch='x86_64' machine='pc'>hvm</type>
-    <kernel>{escape(str(kernel))}</kernel>
-    <initrd>{escape(str(initrd))}</initrd>
+    <kernel>{escape(str(kernel))}</kernel>{initrd_line}
     <cmdline>{escape(cmdline)}</cmdline>
   </os>
   <features><acpi/></features>
