@@ -89,6 +89,23 @@ def _refuse_if_changed(src: Any) -> None:
                        "nothing writes to it, or import a copy")
 
 
+def _refuse_oversized(batches: Iterator[list[tuple[int, bytes]]], src: Any
+                      ) -> Iterator[list[tuple[int, bytes]]]:
+    """The chunker's batches, but a chunk longer than any the store reads back
+    (``format.MAX_STORED_LEN``) is an error before it is hashed or written: stored, it would
+    make a checkpoint whose file no read, check or GC can use. No chunker cuts one (the page
+    cutter stops at ``pagecut.CHUNK_MAX``); this is the guard behind them."""
+    for batch in batches:
+        for off, data in batch:
+            if len(data) > fmt.MAX_STORED_LEN:
+                what = getattr(src, "path", None) or "a source"
+                raise IntegrityError(
+                    f"{what}: its chunker cut a chunk of {len(data)} bytes at byte {off}, more "
+                    f"than the store reads back ({fmt.MAX_STORED_LEN}): refused before anything "
+                    "is published (a ksfs bug: please report it)")
+        yield batch
+
+
 @dataclass(frozen=True)
 class IngestedFile:
     """One ingested file. ``stored``: compressed record bytes it was first to bring, as added
@@ -222,7 +239,7 @@ class Ingest:
         stored = 0
         done = 0
         base_read = 0
-        pipeline = self._pipeline(batches, ref)
+        pipeline = self._pipeline(_refuse_oversized(batches, src), ref)
         try:
             for results in pipeline:
                 for off, cid, length, payload in results:

@@ -11,6 +11,13 @@ of each aligned group of GROUP_PAGES guest pages holding data, and merges runs o
 It only decides where chunks end: any byte sequence is cut into chunks that cover it exactly, so a
 stream it misreads is stored correctly, only less compactly. When it cannot find page records it
 hands the rest of the file to FastCDC. It never hashes, compresses or writes.
+
+Whatever the input, no chunk it makes is longer than CHUNK_MAX (the store reads back none over
+format.MAX_STORED_LEN), and it holds at most one batch and one chunk: a group that never closes
+(every record for one address) is cut at a record boundary before it passes CHUNK_MAX, a libvirt
+header longer than that is cut every CHUNK_MAX, and a libvirt header whose data area runs past
+the file (or past HEADER_DATA_MAX) is not trusted: the whole file goes to FastCDC. A well-formed
+stream never comes near the cap, so its cuts are what they were.
 """
 
 from __future__ import annotations
@@ -24,6 +31,15 @@ from ksfs.cas.chunking import BATCH_BYTES, Batch, Source, iter_cdc, read_exact
 PAGE = 4096
 GROUP_PAGES = 8  # 32 KiB of guest RAM per chunk: tuned by tools/bench-store (4 and 16 lose)
 PENDING_MAX = 64 * 1024  # merged zero-page groups and stray bytes never exceed this
+# No chunk is longer. Well-formed streams never reach it: their chunks are a group (8 records,
+# about 32 KiB), a pending run (under PENDING_MAX + RESYNC) or a libvirt header (92 bytes and a
+# data area libvirt pads to some 64 KiB). 1 MiB is far under the 64 MiB the store reads back
+# (format.MAX_STORED_LEN) and an eighth of a batch, so what a batch carries over stays small.
+CHUNK_MAX = 1024 * 1024
+# A libvirt data area (domain XML, cookie, padding) beyond this is no save image (the bound
+# ksfs.vm.saveimage.MAX_DATA puts on what it reads): the file goes to FastCDC.
+HEADER_DATA_MAX = 64 << 20
+LIBVIRT_HEADER = 92
 RESYNC = 8192  # bytes searched for page records again after something else
 F_ZERO, F_PAGE, F_CONT = 0x02, 0x08, 0x20
 PAGE_FLAGS = {F_ZERO, F_PAGE, F_ZERO | F_CONT, F_PAGE | F_CONT}
@@ -42,10 +58,10 @@ def stream_start(head: bytes) -> int | None:
     """Offset of the QEMU stream in a libvirt save image or a raw stream; None if neither."""
     if head.startswith(QEMU_MAGIC):
         return 0
-    if head.startswith(LIBVIRT_MAGIC) and len(head) >= 92:
+    if head.startswith(LIBVIRT_MAGIC) and len(head) >= LIBVIRT_HEADER:
         _, data_len, _, compressed = struct.unpack_from("<4I", head, 16)
         if compressed == 0:
-            return 92 + data_len
+            return LIBVIRT_HEADER + data_len
     return None
 
 
@@ -90,8 +106,12 @@ def _resync(buf: bytes, p: int, limit: int) -> int | None:
 def iter_pages(source: Source, start: int) -> Iterator[Batch]:
     """Yield batches of chunks of a migration stream that begins at ``start``."""
     size = source.size
-    if start > 0:
-        yield [(0, read_exact(source, 0, min(start, size)))]
+    if start > size or start > LIBVIRT_HEADER + HEADER_DATA_MAX:
+        # the header's lengths run past the file, or past any libvirt writes: no save image
+        yield from iter_cdc(source)
+        return
+    for lo in range(0, start, CHUNK_MAX):  # the header: one chunk unless longer than the cap
+        yield [(lo, read_exact(source, lo, min(CHUNK_MAX, start - lo)))]
     pos = start  # absolute offset of buf[0]
     carry = b""
     while pos + len(carry) < size:
@@ -116,7 +136,10 @@ def iter_pages(source: Source, start: int) -> Iterator[Batch]:
 def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
     """Cut buf; return (chunks, bytes consumed, offset where page records stopped or None).
 
-    Unconsumed bytes (a group that may continue in the next buffer) are carried over.
+    Unconsumed bytes (a group that may continue in the next buffer) are carried over. The walk
+    keeps ``p - chunk_start <= CHUNK_MAX``: a group or zero run only grows past PENDING_MAX
+    where records stay in one group, and there ``split_group`` cuts it at a record boundary. So
+    no chunk, and no carry (but the few KiB kept to see a whole record), is longer than the cap.
     """
     out: Batch = []
     chunk_start = 0  # start of the pending run (zero groups, stray bytes) or current group
@@ -138,6 +161,17 @@ def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
         out.append((base + group_start, buf[group_start:at]))
         chunk_start = at
 
+    def split_group(at: int) -> None:
+        # The open group reached CHUNK_MAX (its records keep coming back to one group, which no
+        # real stream does): cut it here, as a close would, and go on with the same group.
+        nonlocal chunk_start, group_start, group_zero
+        if not group_zero and group_start > chunk_start:
+            out.append((base + chunk_start, buf[chunk_start:group_start]))
+            chunk_start = group_start
+        out.append((base + chunk_start, buf[chunk_start:at]))
+        chunk_start = group_start = at
+        group_zero = True
+
     size = len(buf)
     unpack = _u64.unpack_from
     group_bytes = GROUP_PAGES * PAGE
@@ -156,7 +190,10 @@ def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
             # Every record of a run starts before limit, as the walk requires. The peek at the
             # last record's flags byte skips building the pattern where data pages interleave.
             n = 0
-            if not addr % group_bytes and hdr < top:  # top: the pattern's headers fit a u64
+            # top: the pattern's headers fit a u64. The next header checked first: records
+            # that repeat one address would build both patterns at every record for nothing.
+            if (not addr % group_bytes and hdr < top and p + 17 <= limit
+                    and unpack(buf, p + 9)[0] == hdr + PAGE):
                 if (p + zrun_len <= limit and buf[p + zrun_len - 2] == F_ZERO | F_CONT
                         and buf.startswith(zrun(*range(hdr, hdr + run_bytes, PAGE)), p)):
                     n = zrun_len
@@ -175,6 +212,8 @@ def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
                             else:
                                 close_group(q)
                         group, group_start, group_zero = g, q, True
+                    elif q + zgroup_len - chunk_start > CHUNK_MAX:  # the same group again
+                        split_group(q)
                     g += 1
                 p += n
                 continue
@@ -207,6 +246,8 @@ def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
             if group is not None:
                 close_group(p)
             group, group_start, group_zero = g, p, True
+        elif end - chunk_start > CHUNK_MAX:
+            split_group(p)
         if not zero:
             group_zero = False
         p = end
