@@ -783,3 +783,21 @@ def test_a_session_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Pa
     listed = ksfs(store, "checkpoints", "s", "--json")
     assert [c["name"] for c in json.loads(listed.stdout)] == ["a"], listed
     assert not (tmp_path / "elsewhere" / "made-here").exists()
+
+
+@pytest.mark.parametrize("shape", ["directory", "dangling symlink", "fifo"])
+def test_a_seal_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Path],
+                                                          tmp_path: Path, shape: str) -> None:
+    """QA: STORE/seal.lock as a directory made every ingest seal without it, unsaid (imports
+    no longer published one at a time), and a symlink there was followed. Now the import is
+    exit 6, one line naming it, and publishes nothing."""
+    store, src = made
+    elsewhere = tmp_path / "elsewhere"
+    _lock_shapes(store / "seal.lock", shape, elsewhere)
+    kind = {"directory": "a directory", "dangling symlink": "a symbolic link",
+            "fifo": "not a regular file"}[shape]
+    one_line(ksfs(store, "import", "s", "b", str(tmp_path / "memory")), 6,
+             f"its lock file {store / 'seal.lock'} is {kind}")
+    listed = ksfs(store, "checkpoints", "s", "--json")
+    assert [c["name"] for c in json.loads(listed.stdout)] == ["a"], listed
+    assert not (elsewhere / "made-here").exists()

@@ -44,9 +44,9 @@ BASE_ID_SIZE = 32
 INDEX_VALUE = struct.Struct("<IQIIB")  # pack, record offset, stored len, plain len, codec[, base]
 INDEX_VALUE_SIZES = (INDEX_VALUE.size, INDEX_VALUE.size + BASE_ID_SIZE)  # any other is damage
 PACK_VALUE = struct.Struct("<QQ")  # committed size of the pack file, live record bytes
-# Bounds no real index value comes near (packs close at 32 MiB, chunks are at most about 64 KiB
-# plus a page group): past them an entry is damage, not something to pread (an offset past
-# 2**63 is an OverflowError, a 4 GiB length a 4 GiB allocation).
+# Bounds no real index value comes near (packs close at 32 MiB, chunks are at most 1 MiB: the
+# page cutter's cap, pagecut.CHUNK_MAX): past them an entry is damage, not something to pread
+# (an offset past 2**63 is an OverflowError, a 4 GiB length a 4 GiB allocation).
 MAX_PACK_OFFSET = 1 << 40
 MAX_STORED_LEN = 1 << 26
 

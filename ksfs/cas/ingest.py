@@ -40,6 +40,7 @@ from ksfs.cas.chunking import (
     open_source,
 )
 from ksfs.cas.flatten import release
+from ksfs.cas.lockfile import open_lock_file
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, encode_alone
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.cas.patching import Patcher
@@ -609,7 +610,9 @@ class Ingest:
         time, so each sees what the one before committed. -1 after SEAL_WAIT_S."""
         path = os.path.join(self.store.path, SEAL_LOCK)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # (a directory, symlink or FIFO in its place is damage, exit 6: QA, one there
+            # made every ingest seal alone, unsaid, and a symlink was followed)
+            fd = open_lock_file(path, self.store.path, os.O_RDWR, 0o600)
         except OSError as exc:  # no lock, no worse than before it: commit still dedups
             log.info("sealing without the seal lock %s: %s", path, exc)
             return -1
