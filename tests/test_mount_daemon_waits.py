@@ -260,3 +260,28 @@ def test_mount_says_what_it_thinks_of_its_mount_point(tmp_path: Path) -> None:
     finally:
         res = ksfs(store, "umount", str(mnt))
     assert res.returncode == 0 and (mnt / "hidden.txt").exists(), res
+
+
+def test_a_daemon_lock_that_is_a_symlink_is_never_followed(tmp_path: Path) -> None:
+    """Review (twenty-second session): the daemon's lock file was opened through a symbolic
+    link and truncated and written: a link in the store made `ksfs mount` (as root) empty
+    whatever file it named. It is damage now, one line, exit 6, the file untouched."""
+    store, mnt = tmp_path / "store", tmp_path / "mnt"
+    mnt.mkdir()
+    src = tmp_path / "notes.txt"
+    src.write_text("notes\n")
+    assert ksfs(store, "import", "s", "c1", str(src)).returncode == 0
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (store / "daemon.lock").symlink_to(victim)
+    try:
+        res = ksfs(store, "mount", str(mnt))
+    finally:
+        if os.path.ismount(mnt):
+            pid = client.daemon_pid(store)
+            subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+            if pid:
+                wait_gone(pid)
+    assert res.returncode == 6, (res.returncode, res.stderr)
+    assert "daemon.lock is a symbolic link" in res.stderr, res.stderr
+    assert victim.read_text() == "precious\n"

@@ -274,8 +274,11 @@ def run_mount(
 def acquire_daemon_lock(store_path: Path | str, mountpoint: str) -> int:
     """Hold the store's daemon lock for the life of this process, or raise Busy: one mount
     per store, whichever way it is started (`ksfs mount`, or this module run directly)."""
+    from ksfs.cas.lockfile import open_lock_file
+
     path = Path(store_path) / "daemon.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # never through a symlink: this truncates and writes the file (as root, whatever it named)
+    fd = open_lock_file(path, store_path, os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
