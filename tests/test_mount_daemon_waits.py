@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from ksfs.daemon import client
 from tests.cli_helpers import KSFS, alive
 
@@ -262,10 +264,14 @@ def test_mount_says_what_it_thinks_of_its_mount_point(tmp_path: Path) -> None:
     assert res.returncode == 0 and (mnt / "hidden.txt").exists(), res
 
 
-def test_a_daemon_lock_that_is_a_symlink_is_never_followed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name, said", [("daemon.lock", "daemon.lock is a symbolic link"),
+                                        ("daemon.log", "daemon.log is not a regular file")])
+def test_a_daemon_lock_that_is_a_symlink_is_never_followed(tmp_path: Path, name: str,
+                                                           said: str) -> None:
     """Review (twenty-second session): the daemon's lock file was opened through a symbolic
-    link and truncated and written: a link in the store made `ksfs mount` (as root) empty
-    whatever file it named. It is damage now, one line, exit 6, the file untouched."""
+    link and truncated and written, its log appended to: a link in the store made `ksfs mount`
+    (as root) empty, or write into, whatever file it named. It is damage now, one line, exit
+    6, the file untouched."""
     store, mnt = tmp_path / "store", tmp_path / "mnt"
     mnt.mkdir()
     src = tmp_path / "notes.txt"
@@ -273,7 +279,7 @@ def test_a_daemon_lock_that_is_a_symlink_is_never_followed(tmp_path: Path) -> No
     assert ksfs(store, "import", "s", "c1", str(src)).returncode == 0
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
-    (store / "daemon.lock").symlink_to(victim)
+    (store / name).symlink_to(victim)
     try:
         res = ksfs(store, "mount", str(mnt))
     finally:
@@ -283,5 +289,5 @@ def test_a_daemon_lock_that_is_a_symlink_is_never_followed(tmp_path: Path) -> No
             if pid:
                 wait_gone(pid)
     assert res.returncode == 6, (res.returncode, res.stderr)
-    assert "daemon.lock is a symbolic link" in res.stderr, res.stderr
+    assert said in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
     assert victim.read_text() == "precious\n"

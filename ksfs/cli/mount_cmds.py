@@ -110,7 +110,7 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "ksfs.daemon.run", str(store), mountpoint, "--ready-fd",
            str(write_fd), *extra]
-    with open(log_path, "ab") as log:
+    with _open_log(store, log_path) as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 pass_fds=(write_fd,), start_new_session=True)
     os.close(write_fd)
@@ -124,6 +124,30 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
         sys.exit(int(code))
     raise DaemonError(f"the daemon did not mount {mountpoint}: {answer or 'it exited'}; "
                       f"see {log_path}")
+
+
+def _open_log(store: Path, log_path: Path):
+    """The daemon's log, to append to; never through a symbolic link (as root it would write
+    into whatever file the link names), nor a directory or FIFO: damage, one line, exit 6."""
+    import errno
+
+    from ksfs.errors import StoreDamaged, translate
+
+    with translate("open the daemon's log", log_path):
+        try:
+            fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise
+            fd = -1
+        if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            if fd >= 0:
+                os.close(fd)
+            raise StoreDamaged(path=store, why=f"its daemon log {log_path} is not a regular "
+                               "file: remove it (ksfs makes it again)")
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "ab")
 
 
 def _warn_if_not_empty(mountpoint: str) -> None:
