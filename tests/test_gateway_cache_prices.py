@@ -332,6 +332,10 @@ def test_a_reservation_is_never_below_the_cost_of_a_cache_write(table):
         assert cost <= table.reservation("cache-model", prompt, completion)[0]
     assert table.reservation("test-model", 1000, 10) == table.cost("test-model", 1000, 10)
     assert table.reservation("no-such-model", 1000, 10) == (0.0, False)
+    # a table whose cache read is dearer than input (its mistake) is still reserved above
+    # the cost (review of c7b92ba: 0.001 reserved, 0.005 spent)
+    odd = parse_prices('[models."m"]\ninput = 1\noutput = 1\ncache_read = 5\n')
+    assert odd.cost("m", 1000, 0, cache_read_tokens=1000)[0] <= odd.reservation("m", 1000, 0)[0]
 
 
 async def test_a_purchase_in_flight_is_reserved_at_the_cache_write_price(gw, provider,
@@ -392,6 +396,9 @@ async def test_an_old_usage_record_reads_and_counts_on(store, ledger, gw, provid
     u = read_usage(store, ledger, "s1")
     assert (u["paid_calls"], u["prompt_tokens"], u["cost_usd"]) == (1, 3, 0.017)
     assert (u["cache_read_tokens"], u["cache_write_tokens"]) == (0, 0)
+    # one shape for scripts before the model's next call too (review of 2083af7)
+    assert u["by_model"]["cache-model"]["cache_read_tokens"] == 0
+    assert u["by_model"]["cache-model"]["cache_write_tokens"] == 0
     port = await nursery.start(gw.serve_session, "s1")
     provider.usage_as = OPENAI_USAGE
     assert (await call(port, chat_body("after", model="cache-model"))).status_code == 200

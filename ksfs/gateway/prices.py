@@ -31,9 +31,11 @@ class Price:
 
     @property
     def prompt_ceiling(self) -> float:
-        """The most one prompt token may cost: ``input``, or a cache write's price when that is
-        higher (Anthropic's, about 1.25x input), which a reservation must not be below."""
-        return max(self.input, self.cache_write if self.cache_write is not None else 0.0)
+        """The most one prompt token may cost: ``input``, or a cache price when that is higher
+        (a cache write's: Anthropic's is about 1.25x input; a cache read above input is a
+        table's mistake, but a reservation must not be below the cost all the same)."""
+        return max([self.input, *(c for c in (self.cache_write, self.cache_read)
+                                  if c is not None)])
 
 
 # What may follow a priced name for the same model: a dated snapshot (gpt-4o-2024-08-06,

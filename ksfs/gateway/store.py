@@ -121,9 +121,14 @@ class Totals:
         if raw is None:
             return cls()
         try:
-            return cls(**json.loads(bytes(raw).decode("utf-8")))
+            totals = cls(**json.loads(bytes(raw).decode("utf-8")))
         except (ValueError, TypeError) as exc:
             raise IntegrityError(f"gateway usage record does not decode: {exc}") from None
+        for m in totals.by_model.values() if isinstance(totals.by_model, dict) else ():
+            if isinstance(m, dict):  # (a record from before cache tokens were counted)
+                m.setdefault("cache_read_tokens", 0)
+                m.setdefault("cache_write_tokens", 0)
+        return totals
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode("utf-8")
