@@ -402,3 +402,23 @@ def test_status_says_what_the_mounts_status_file_says(store: Path, tmp_path: Pat
     with daemon_mount(tmp_path, dict(os.environ, KSFS_GUEST="")) as (_, mnt):
         shown = json.loads((mnt / "sessions" / "s" / "status").read_text())
         assert json.loads(ksfs(store, "status", "s", "--json").stdout) == shown == offline
+
+
+def test_status_asked_of_an_older_daemon_is_read_here(store: Path, monkeypatch) -> None:
+    """Review: a mount's daemon started by a ksfs before `status` answers 'the daemon has no
+    verb' (exit 2); the command then reads the status itself, as without a daemon."""
+    from click.testing import CliRunner
+
+    from ksfs.cli import main, vm_cmds
+    from ksfs.daemon.protocol import RemoteError
+
+    def older_daemon(ctx, verb, **args):
+        raise RemoteError({"message": f"the daemon has no verb {verb!r}", "exit_code": 2})
+
+    monkeypatch.setattr(vm_cmds, "run_verb", older_daemon)
+    res = CliRunner().invoke(main, ["--store", str(store), "status", "s", "--json"])
+    assert res.exit_code == 0, res.output
+    st = json.loads(res.output)
+    assert (st["session"], st["state"], st["last_checkpoint"]) == ("s", "offline", "c1"), st
+    gone = CliRunner().invoke(main, ["--store", str(store), "status", "nosuch"])
+    assert gone.exit_code == 3, gone.output

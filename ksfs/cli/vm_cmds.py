@@ -300,7 +300,15 @@ def status(ctx, session_name, as_json) -> None:
 
     Example: ksfs status agent --json
     """
-    st = run_verb(ctx, "status", session=session_name)
+    from ksfs.daemon.protocol import RemoteError, to_jsonable
+
+    try:
+        st = run_verb(ctx, "status", session=session_name)
+    except RemoteError as exc:
+        if "has no verb" not in str(exc):
+            raise
+        # a daemon an older ksfs started (review): read here, without the verb in progress
+        st = to_jsonable(ctx.open_keeper().status(session_name))
     if as_json:
         emit_json(st)
         return
