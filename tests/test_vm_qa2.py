@@ -343,3 +343,28 @@ def test_session_new_disk_format_option_and_no_initrd(env) -> None:
                        (["--kernel", kernel, "--disk", str(disk), "--disk-format", "vmdk"], 2)):
         bad = run(env, "session", "new", f"qa2-bad-{env['tag']}", *args, check=False)
         assert bad.returncode == code and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_adopt_refuses_what_only_the_next_boots_definition_holds(env) -> None:
+    """Review: adopt looked only at a running domain's live XML, so a <transient/> disk or a
+    writable floppy defined for its next boot was adopted, and the first save or fork after
+    a restart failed. Both are refused from the definition too; the machine keeps running."""
+    d = new_dir(env, "defined")
+    disk = bios_qcow2(d)
+    floppy = d / "floppy.img"
+    floppy.write_bytes(bytes(1474560))
+    plain = file_disk(disk, "qcow2")
+    for name, later, words in (
+            ("deftr", file_disk(disk, "qcow2", extra="<transient/>"), "is transient"),
+            ("deffl", plain + file_disk(floppy, "raw", "fda", device="floppy", bus="fdc"),
+             "is writable")):
+        dom = define(env, name, plain)
+        assert virsh("start", dom).returncode == 0
+        define(env, name, later)  # the definition changes; the running machine does not
+        s = f"qa2-{name}-{env['tag']}"
+        res = run(env, "session", "adopt", s, dom, check=False)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and words in lines[0], res.stderr
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        assert not (env["store"] / "vm" / s).exists()
+        virsh("destroy", dom)

@@ -225,6 +225,10 @@ class DomainController:
         with step(domain_name, "reading the definition"):
             xml = dom.XMLDesc(0)
             persistent = dom.isPersistent()
+            # what the next boot runs: a running domain's definition may differ from its
+            # live XML (review: a <transient/> disk or writable floppy only there was adopted,
+            # and failed the first save or fork after a restart)
+            defined = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE) if persistent else xml
         if not persistent:
             # (QA, eighteenth session) libvirt forgets a transient domain when it stops, and
             # a release would hand back a machine that vanishes at its next shutdown.
@@ -233,7 +237,9 @@ class DomainController:
                            f"{domain_name}.xml && virsh define {domain_name}.xml` defines it")
         try:
             disks = domxml.disks(xml)
-            domxml.refuse_unkept_writable(xml)
+            for each in (xml, defined):
+                domxml.disks(each)
+                domxml.refuse_unkept_writable(each)
         except VMError as exc:
             # a block, network or shareable disk, or a writable floppy: the domain given is
             # not one ksfs can keep, which is the caller's input, not a fault of the machine
@@ -241,7 +247,7 @@ class DomainController:
             raise BadInput(str(exc)) from None
         if not disks:
             raise BadInput(f"domain {domain_name} has no writable file-backed disk to keep")
-        for dev in domxml.transient_disks(xml):
+        for dev in dict.fromkeys(domxml.transient_disks(xml) + domxml.transient_disks(defined)):
             raise BadInput(f"disk {dev} of domain {domain_name} is transient (<transient/>): "
                            f"QEMU drops its writes when the machine stops and libvirt takes no "
                            f"snapshot of it, so ksfs could save none; remove <transient/> from "
