@@ -11,9 +11,7 @@ wrongly. ``ScriptedProvider`` here answers every POST with the bytes it is given
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 
 import pytest
 import test_gateway_helpers as helpers
@@ -22,6 +20,8 @@ from test_gateway_cli import ksfs  # `ksfs ...` in a subprocess
 from test_gateway_helpers import (
     MARKER_KEY,
     PRICES,
+    QuietHandler,
+    ThreadedProvider,
     call,
     chat_body,
     check_clean,
@@ -63,7 +63,7 @@ upstream, provider = helpers.upstream, helpers.provider
 store, ledger = helpers.store, helpers.ledger
 
 
-class ScriptedProvider:
+class ScriptedProvider(ThreadedProvider):
     """Answers every POST with ``answer``: (content type, body); a text/event-stream body goes
     out chunked, one event at a time. Counts what it was asked in ``count``."""
 
@@ -72,12 +72,7 @@ class ScriptedProvider:
         self.count = 0
         provider = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 provider.count += 1
@@ -98,23 +93,7 @@ class ScriptedProvider:
                         self.wfile.flush()
                 self.wfile.write(b"0\r\n\r\n")
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.05}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def __enter__(self) -> ScriptedProvider:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
+        self._serve(Handler)
 
 
 @pytest.fixture
@@ -140,25 +119,8 @@ def anthropic_json(model: str) -> bytes:
 
 
 def anthropic_stream(model: str) -> bytes:
-    """As Anthropic streams: message_start carries the input and cache tokens (output 1),
-    message_delta the cumulative output tokens alone."""
-    def event(name: str, obj: dict) -> bytes:
-        return f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode()
-
-    start = dict(ANTHROPIC_USAGE, output_tokens=1)
-    return b"".join([
-        event("message_start", {"type": "message_start", "message": {
-            "id": "msg_1", "type": "message", "role": "assistant", "model": model,
-            "content": [], "stop_reason": None, "usage": start}}),
-        event("content_block_start", {"type": "content_block_start", "index": 0,
-                                      "content_block": {"type": "text", "text": ""}}),
-        event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                      "delta": {"type": "text_delta", "text": "hi"}}),
-        event("content_block_stop", {"type": "content_block_stop", "index": 0}),
-        event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
-                                "usage": {"output_tokens": ANTHROPIC_USAGE["output_tokens"]}}),
-        event("message_stop", {"type": "message_stop"}),
-    ])
+    return helpers.anthropic_stream(model, dict(ANTHROPIC_USAGE, output_tokens=1),
+                                    ANTHROPIC_USAGE["output_tokens"])
 
 
 async def post(port: int, path: str, body: dict) -> int:

@@ -4,8 +4,10 @@ checkpoint record to fork from, and a client that talks to a served session. No 
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -118,3 +120,58 @@ def ledger(store):
     add_sessions(led, "s1", "s2")
     yield led
     check_clean(store, led)
+
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """HTTP/1.1 (keep-alive, chunked answers), and nothing logged to the test's stderr."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class ThreadedProvider:
+    """A provider stand-in on 127.0.0.1 whose subclass's __init__ ends with
+    ``self._serve(Handler)``; as a context manager it answers on a thread until the block
+    ends."""
+
+    def _serve(self, handler: type[http.server.BaseHTTPRequestHandler]) -> None:
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)
+
+
+def anthropic_stream(model: str, start_usage: dict, output_tokens: int) -> bytes:
+    """A /v1/messages stream as Anthropic sends one: message_start carries ``start_usage``
+    (the input and cache tokens, output 1), message_delta the cumulative ``output_tokens``."""
+    def event(name: str, obj: dict) -> bytes:
+        return f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode()
+
+    return b"".join([
+        event("message_start", {"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": model,
+            "content": [], "stop_reason": None, "usage": start_usage}}),
+        event("content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}}),
+        event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                      "delta": {"type": "text_delta", "text": "hi"}}),
+        event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                "usage": {"output_tokens": output_tokens}}),
+        event("message_stop", {"type": "message_stop"}),
+    ])

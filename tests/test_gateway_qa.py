@@ -27,6 +27,8 @@ from test_gateway_helpers import (  # the shared fixtures, by name
     CHAT,
     MARKER_KEY,
     PRICES,
+    QuietHandler,
+    ThreadedProvider,
     call,
     chat_body,
     client,
@@ -53,7 +55,7 @@ def prices_file(tmp_path):
 # --- a provider that does what the usual fake never does -------------------------------------
 
 
-class OddProvider:
+class OddProvider(ThreadedProvider):
     """Chat completions (JSON, or a stream when asked) with configurable oddities:
 
     - ``raw_header``: one header line written as these exact bytes (e.g. UTF-8 with no Latin-1
@@ -73,12 +75,7 @@ class OddProvider:
         self.count = 0
         provider = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def _head(self, status: int, ctype: str, length: int | None) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
@@ -134,23 +131,7 @@ class OddProvider:
                 self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 self.wfile.flush()
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.05}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def __enter__(self) -> OddProvider:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
+        self._serve(Handler)
 
 
 @pytest.fixture

@@ -470,27 +470,14 @@ def test_anthropic_usage_counts_message_start_and_cache_tokens() -> None:
     cache's input tokens (cache_read_input_tokens, cache_creation_input_tokens) never counted.
     message_start's usage is merged with message_delta's; cache tokens count as prompt, in the
     stream and in the JSON answer."""
+    from test_gateway_helpers import anthropic_stream
+
     from ksfs.gateway.calls import usage_of_json
     from ksfs.gateway.sse import usage_of_sse
 
-    def event(name: str, obj: dict) -> bytes:
-        return f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode()
-
     start_usage = {"input_tokens": 50000, "cache_creation_input_tokens": 2000,
                    "cache_read_input_tokens": 30000, "output_tokens": 1}
-    stream = b"".join([
-        event("message_start", {"type": "message_start", "message": {
-            "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
-            "content": [], "stop_reason": None, "usage": start_usage}}),
-        event("content_block_start", {"type": "content_block_start", "index": 0,
-                                      "content_block": {"type": "text", "text": ""}}),
-        event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                      "delta": {"type": "text_delta", "text": "hi"}}),
-        event("content_block_stop", {"type": "content_block_stop", "index": 0}),
-        event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
-                                "usage": {"output_tokens": 15}}),
-        event("message_stop", {"type": "message_stop"}),
-    ])
+    stream = anthropic_stream("claude-x", start_usage, 15)
     u = usage_of_sse(stream, "claude-x")
     assert (u.prompt_tokens, u.completion_tokens) == (82000, 15), u
     assert u.total_tokens == 82015 and u.known and u.model == "claude-x"
