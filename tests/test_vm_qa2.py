@@ -368,3 +368,36 @@ def test_adopt_refuses_what_only_the_next_boots_definition_holds(env) -> None:
         assert virsh("domstate", dom).stdout.strip() == "running"
         assert not (env["store"] / "vm" / s).exists()
         virsh("destroy", dom)
+
+
+def test_planted_console_log_and_kernel_links_are_not_followed(env) -> None:
+    """Security QA: a console.log link in a session's directory had libvirt (root) append the
+    guest's console to the file it named at a restore, and a kernel link had a fork copy the
+    file it named (root-only) into the fork's directory, readable by all. The link is removed
+    before the machine starts (its victim untouched), and a fork refuses a copy that is no
+    regular file, making nothing."""
+    s = f"qa2-planted-{env['tag']}"
+    env["sessions"].append(s)
+    run(env, "session", "new", s, "--memory", "128")
+    run(env, "save", s, "p1")
+    d = env["store"] / "vm" / s
+    victim = env["base"] / "victim.txt"
+    victim.write_text("precious\n")
+    victim.chmod(0o600)
+    (d / "console.log").unlink()
+    (d / "console.log").symlink_to(victim)
+    run(env, "restore", s, "p1")
+    assert victim.read_text() == "precious\n"
+    assert not (d / "console.log").is_symlink()
+
+    (d / "kernel").rename(d / "kernel.moved")
+    (d / "kernel").symlink_to(victim)
+    f = f"qa2-plantedf-{env['tag']}"
+    res = run(env, "fork", s, "p1", f, check=False)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 10 and len(lines) == 1, res.stderr
+    assert "is not a regular file" in lines[0], lines[0]
+    assert not (env["store"] / "vm" / f).exists()
+    assert virsh("domstate", f"ksfs-{f}").returncode != 0
+    (d / "kernel").unlink()
+    (d / "kernel.moved").rename(d / "kernel")

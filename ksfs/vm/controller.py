@@ -201,6 +201,7 @@ class DomainController:
                                     d / "console.log")
         if fw_cfg:
             xml = domxml.set_fw_cfg(xml, fw_cfg)
+        files.clear_planted(d / "console.log", d)
         self.save_state(session, SessionState(domain_name, {"vda": DiskState(str(copy), fmt)},
                                               uuid=domxml.uuid_of(xml)))
         with step(domain_name, "defining"):

@@ -10,10 +10,13 @@ and forks point the domain at the session's own copies (docs/vm.md). No libvirt 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import filecmp
+import logging
 import os
 import shutil
+import stat
 import struct
 import subprocess
 from dataclasses import dataclass
@@ -29,6 +32,8 @@ from ksfs.vm.chain import (
     image_info,
     qemu_img,
 )
+
+log = logging.getLogger("ksfs.vm")
 
 # os/<tag> of the domain XML -> the session directory's own copy
 BOOT_NAMES = {"kernel": "kernel", "initrd": "initrd"}
@@ -154,14 +159,34 @@ def make_disk(plan: DiskPlan, dest: Path, what: str) -> None:
         raise VMError(f"{what}: the converted copy {dest} still depends on another file")
 
 
+def clear_planted(path: Path | str, session_dir: Path) -> None:
+    """Remove what stands at ``path`` in the session's directory when it is no regular file
+    (a symbolic link, a FIFO): libvirt, as root, appends the guest's console output to the
+    file a console.log link names (security QA). Paths outside the directory are left."""
+    path = Path(os.path.abspath(path))
+    if not path.is_relative_to(Path(os.path.abspath(session_dir))):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            log.warning("removing %s: not a regular file of its own", path)
+            os.unlink(path)
+
+
 def copy_boot_file(src: Path, dest: Path, workdir: Path) -> None:
     """Put a kernel or initrd at ``dest`` (atomically): a hard link when ``src`` is another
-    session's copy in the same store (those are never written in place), else a copy."""
+    session's copy in the same store (those are never written in place), else a copy. A
+    copy in the store is always a regular file: one that is a link (planted, naming a file
+    root may read and the store's owner may not) is refused (security QA)."""
     tmp = dest.with_name(dest.name + ".part")
     tmp.unlink(missing_ok=True)
+    in_store = Path(os.path.abspath(src)).is_relative_to(Path(os.path.abspath(workdir)))
+    if in_store and not os.path.isfile(src) or in_store and os.path.islink(src):
+        raise VMError(f"the copy {src} in the store is not a regular file (a link?): ksfs "
+                      f"copies no file it names")
     try:
         linked = False
-        if src.resolve().is_relative_to(workdir.resolve()):
+        if in_store and src.resolve().is_relative_to(workdir.resolve()):
             try:
                 os.link(src, tmp)
                 linked = True

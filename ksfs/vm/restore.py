@@ -172,6 +172,8 @@ def restore(ctl: DomainController, session: str, domain: str, memory: object | N
             # (a checkpoint taken before tokens went by file has its token as text)
             new_xml = domxml.set_fw_cfg(new_xml, fw_cfg)
         new_xml = domxml.append_console_logs(new_xml)
+        if (console := domxml.console_log_path(new_xml)) is not None:
+            files.clear_planted(console, ctl.session_dir(session))
         # Before anything is stopped: the kernel and initrd QEMU boots from are the session's
         # own (a checkpoint's XML may name a parent's copy or a guest directory since gone).
         new_xml = files.own_boot_files(new_xml, ctl.session_dir(session), ctl.workdir, domain,
@@ -505,6 +507,8 @@ def fork(ctl: DomainController, new_session: str, new_domain: str, memory: objec
         src_xml = _start_xml(mem, xml, new_domain)
         _check_disks(src_xml, disks, new_domain)
         log = d / "console.log" if domxml.console_log_path(src_xml) else None
+        if log is not None:
+            files.clear_planted(log, d)
         new_xml = domxml.rename_for_fork(src_xml, new_domain, log,
                                          new_session if lineage is None else lineage, d)
         if str(domxml.SOCKET_DIR) in new_xml:  # a socket path too long for its directory
