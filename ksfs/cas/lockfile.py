@@ -1,4 +1,5 @@
-"""Opening the store's lock files (``lock``, ``seal.lock``, ``locks/*.lock``).
+"""Opening the store's lock files (``lock``, ``seal.lock``, ``locks/*.lock``), and reading its
+small files (the marker, a session's state, the config).
 
 A lock file in another shape than a regular file is damage, said in one line: a directory gave
 "open the store lock failed: Is a directory" (exit 1), and a dangling symbolic link "not found"
@@ -48,6 +49,35 @@ def _why(path: Path) -> str:
                 f"there: remove {path.parent} (ksfs makes it again)")
     except OSError as exc:
         return f"its lock file {path} cannot be opened: {exc.strerror}"
-    kind = ("a directory" if stat.S_ISDIR(st.st_mode) else
-            "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file")
-    return f"its lock file {path} is {kind}: remove it (ksfs makes it again)"
+    return f"its lock file {path} is {_kind(st.st_mode)}: remove it (ksfs makes it again)"
+
+
+def read_store_file(path: str | os.PathLike, store: str | os.PathLike) -> bytes:
+    """The bytes of the small store file at ``path`` (a marker, a state, a config), read
+    without following a symbolic link and without waiting on a FIFO; StoreDamaged when
+    something other than a regular file is there. FileNotFoundError (a missing file) and any
+    other OSError are the caller's to translate."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno not in _NOT_A_FILE:
+            raise
+        raise StoreDamaged(path=store, why=_why_file(Path(path))) from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreDamaged(path=store, why=_why_file(Path(path)))
+        return f.read()
+
+
+def _why_file(path: Path) -> str:
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path} cannot be opened: {exc.strerror}"
+    return f"{path} is {_kind(st.st_mode)}"
+
+
+def _kind(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else
+            "a symbolic link" if stat.S_ISLNK(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file")

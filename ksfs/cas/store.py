@@ -29,7 +29,7 @@ import lmdb
 import zstandard
 
 from ksfs.cas import format as fmt
-from ksfs.cas.lockfile import open_lock_file
+from ksfs.cas.lockfile import open_lock_file, read_store_file
 from ksfs.cas.packs import PackHandles, decode_payload, fsync_dir
 from ksfs.errors import (
     Busy,
@@ -81,6 +81,7 @@ def _open_env(path: str, create: bool = False) -> lmdb.Environment:
         slot = _envs.get(path)
         if slot is None:
             data = os.path.join(path, "data.mdb")
+            _require_index_files(path)
             if not create:
                 _require_index_file(data)
             try:
@@ -98,6 +99,39 @@ def _open_env(path: str, create: bool = False) -> lmdb.Environment:
             slot = _envs[path] = [env, 0]
         slot[1] += 1
         return slot[0]
+
+
+def _require_index_dir(store: str) -> None:
+    """LMDB opens index/ and the files in it following links, and writes its lock file even
+    for a reading command: a link planted there would have root write where it points."""
+    index = os.path.join(store, "index")
+    try:
+        st = os.lstat(index)
+    except FileNotFoundError:
+        return  # told as a missing directory where it is needed
+    if not stat_.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat_.S_ISLNK(st.st_mode) else "not a directory"
+        raise StoreDamaged(path=store, why=f"its index {index} is {kind}")
+
+
+def _require_index_files(index: str) -> None:
+    """data.mdb and lock.mdb, where present, are regular files of one name (see above)."""
+    store = os.path.dirname(index)
+    for name in ("data.mdb", "lock.mdb"):
+        where = os.path.join(index, name)
+        try:
+            st = os.lstat(where)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise from_os_error(exc, "open the index", where) from exc
+        if stat_.S_ISLNK(st.st_mode):
+            raise StoreDamaged(path=store, why=f"its index file {where} is a symbolic link")
+        if not stat_.S_ISREG(st.st_mode):
+            raise StoreDamaged(path=store, why=f"its index file {where} is not a regular file")
+        if st.st_nlink != 1:
+            raise StoreDamaged(path=store, why=f"its index file {where} has {st.st_nlink} "
+                               "hard links: ksfs writes it in place")
 
 
 def _on_read_only_fs(path: str) -> bool:
@@ -211,6 +245,7 @@ class ChunkStore:
         self.path = path
         self.marker = marker
         self.level = level
+        _require_index_dir(path)
         self.index_path = os.path.realpath(os.path.join(path, "index"))
         self.packs_dir = os.path.join(path, "packs")
         self.env = _open_env(self.index_path)
@@ -281,8 +316,7 @@ class ChunkStore:
             why = "it is not a directory" if os.path.lexists(path) else "no such directory"
             raise NotAStore(path=path, why=why)
         try:
-            with open(marker_path, encoding="utf-8") as f:
-                marker = json.load(f)
+            marker = json.loads(read_store_file(marker_path, path))
         except FileNotFoundError:
             raise NotAStore(path=path, why=f"it has no {MARKER} marker") from None
         except (OSError, ValueError) as exc:
@@ -606,6 +640,7 @@ def _make_layout(path: str, made: list[str]) -> None:
                 os.makedirs(where, exist_ok=True)
         _make_private(path)
         store_id = uuid.uuid4().hex
+        _require_index_dir(path)
         index = os.path.realpath(os.path.join(path, "index"))
         made.extend(f for f in (os.path.join(index, n) for n in ("data.mdb", "lock.mdb"))
                     if not os.path.lexists(f))

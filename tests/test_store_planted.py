@@ -1,0 +1,92 @@
+"""Root running ksfs on a store a user can write into: what the user planted there (a symbolic
+link, a hard link, a FIFO) must not make ksfs write to another file, read another file, or hang.
+Each planted link names a victim file under tmp_path: it must be left as it was, and no file
+made where it points. Each planted FIFO must end the command within its timeout, exit 6 (the
+store is damaged) in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KSFS = [sys.executable, "-m", "ksfs.cli"]
+VICTIM = b"ORIGINAL VICTIM\n"
+
+
+def ksfs(store: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(KSFS + ["--store", str(store), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    store = tmp_path / "store"
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(200_000))
+    res = ksfs(store, "import", "demo", "c1", str(data))
+    assert res.returncode == 0, res.stderr
+    return store
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victims" / "v"
+    victim.parent.mkdir()
+    victim.write_bytes(VICTIM)
+    return victim
+
+
+def damaged(res: subprocess.CompletedProcess, name: str) -> None:
+    """Exit 6, said in one line naming ``name``."""
+    assert res.returncode == 6, (res.returncode, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0], res.stderr
+
+
+def plant_link(where: Path, victim: Path) -> None:
+    if where.exists() or where.is_symlink():
+        where.unlink()
+    where.symlink_to(victim)
+
+
+@pytest.mark.parametrize("name", ["lock.mdb", "data.mdb"])
+def test_an_index_file_link_is_damage_and_its_target_untouched(store: Path, victim: Path,
+                                                                 name: str) -> None:
+    plant_link(store / "index" / name, victim)
+    damaged(ksfs(store, "stats"), name)
+    assert victim.read_bytes() == VICTIM
+
+
+def test_an_index_file_hard_link_is_damage(store: Path, tmp_path: Path) -> None:
+    os.link(store / "index" / "lock.mdb", tmp_path / "other")
+    damaged(ksfs(store, "stats"), "lock.mdb")
+
+
+def test_an_index_directory_link_is_damage(store: Path, tmp_path: Path) -> None:
+    """Even to the store's own index, moved: LMDB would make and write files wherever it is."""
+    moved = tmp_path / "victims" / "index"
+    moved.parent.mkdir()
+    (store / "index").rename(moved)
+    (store / "index").symlink_to(moved)
+    before = {p.name: p.read_bytes() for p in moved.iterdir()}
+    damaged(ksfs(store, "stats"), "index")
+    assert {p.name: p.read_bytes() for p in moved.iterdir()} == before
+
+
+def test_a_marker_link_is_damage_and_not_followed(store: Path, victim: Path) -> None:
+    marker = store / "ksfs.json"
+    victim.write_bytes(marker.read_bytes())  # a good marker: only the link is wrong
+    plant_link(marker, victim)
+    damaged(ksfs(store, "stats"), "ksfs.json")
+
+
+def test_a_marker_fifo_is_damage_not_a_hang(store: Path) -> None:
+    marker = store / "ksfs.json"
+    marker.unlink()
+    os.mkfifo(marker)
+    damaged(ksfs(store, "stats", timeout=30), "ksfs.json")
+
