@@ -90,3 +90,44 @@ def test_a_marker_fifo_is_damage_not_a_hang(store: Path) -> None:
     os.mkfifo(marker)
     damaged(ksfs(store, "stats", timeout=30), "ksfs.json")
 
+
+def only_pack(store: Path) -> Path:
+    [pack] = (store / "packs").iterdir()
+    return pack
+
+
+def import_more(store: Path, tmp_path: Path) -> None:
+    more = tmp_path / "more.bin"
+    more.write_bytes(os.urandom(100_000))
+    res = ksfs(store, "import", "demo", "c2", str(more))
+    assert res.returncode == 0, res.stderr
+    got = subprocess.run(KSFS + ["--store", str(store), "cat", "demo", "c2", "more.bin"],
+                         capture_output=True, timeout=60)
+    assert got.stdout == more.read_bytes(), got.stderr
+
+
+def test_a_pack_link_is_not_appended_to(store: Path, victim: Path, tmp_path: Path) -> None:
+    """A victim as long as the index says the pack is: the old reopen appended to it."""
+    pack = only_pack(store)
+    victim.write_bytes(b"A" * pack.stat().st_size)
+    before = victim.read_bytes()
+    plant_link(pack, victim)
+    import_more(store, tmp_path)
+    assert victim.read_bytes() == before
+
+
+def test_a_hard_linked_pack_is_not_appended_to(store: Path, tmp_path: Path) -> None:
+    pack = only_pack(store)
+    other = tmp_path / "victims" / "other"
+    other.parent.mkdir()
+    os.link(pack, other)
+    before = other.read_bytes()
+    import_more(store, tmp_path)
+    assert other.read_bytes() == before
+
+
+def test_a_pack_fifo_is_damage_not_a_hang(store: Path) -> None:
+    pack = only_pack(store)
+    pack.unlink()
+    os.mkfifo(pack)
+    damaged(ksfs(store, "cat", "demo", "c1", "data.bin", timeout=30), "pack")

@@ -517,7 +517,7 @@ class Ingest:
             size = fmt.decode_pack_value(fmt.pack_key(no), raw)[0] if raw else 0
             path = os.path.join(self.store.packs_dir, fmt.pack_name(no))
             with translate("read pack", path):
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
                 try:
                     while True:
                         raw_head = os.pread(fd, fmt.HEADER_SIZE, size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -134,10 +135,16 @@ class PackWriter:
         """
         path = os.path.join(packs_dir, fmt.pack_name(no))
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return None
         try:
+            # Only a file of this one name is appended to: through a symbolic or hard link
+            # planted here (in a store its user writes, root running ksfs) root would append
+            # records to whatever file it names; a FIFO would never take them.
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise OSError(errno.EINVAL, "not a pack file of one name", path)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
@@ -276,7 +283,15 @@ class PackHandles:
                 self._open.move_to_end(no)
                 h.users += 1
                 return h
-        fd = os.open(os.path.join(self.packs_dir, fmt.pack_name(no)), os.O_RDONLY | os.O_CLOEXEC)
+        path = os.path.join(self.packs_dir, fmt.pack_name(no))
+        # O_NONBLOCK: a FIFO planted as a pack must not hold the read until a writer comes
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "the pack is not a regular file", path)
+        except BaseException:
+            os.close(fd)
+            raise
         with self._lock:
             h = self._open.get(no)
             if h is None:
