@@ -131,3 +131,68 @@ def test_a_pack_fifo_is_damage_not_a_hang(store: Path) -> None:
     pack.unlink()
     os.mkfifo(pack)
     damaged(ksfs(store, "cat", "demo", "c1", "data.bin", timeout=30), "pack")
+
+
+def in_subprocess(code: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter: an open that waits on a FIFO ends with the timeout."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_state_temp_link_is_not_written_through(tmp_path: Path, victim: Path) -> None:
+    from ksfs.vm.state import SessionState, load_state, save_state
+
+    session = tmp_path / "vm" / "S"
+    session.mkdir(parents=True)
+    plant_link(session / "state.json.tmp", victim)
+    save_state(session / "state.json", SessionState("ksfs-S", {}, 3))
+    assert victim.read_bytes() == VICTIM
+    dangling = tmp_path / "victims" / "made"
+    plant_link(session / "state.json.tmp", dangling)
+    save_state(session / "state.json", SessionState("ksfs-S", {}, 4))
+    assert not dangling.exists()
+    assert load_state(session / "state.json").counter == 4
+    assert not (session / "state.json").is_symlink()
+
+
+@pytest.mark.parametrize("plant", ["link", "fifo"])
+def test_a_planted_state_is_refused_in_one_line(tmp_path: Path, victim: Path,
+                                                plant: str) -> None:
+    from ksfs.vm.state import SessionState, save_state
+
+    state = tmp_path / "vm" / "S" / "state.json"
+    state.parent.mkdir(parents=True)
+    save_state(victim, SessionState("ksfs-victim", {}, 7))  # a good state: only its place is bad
+    if plant == "link":
+        state.symlink_to(victim)
+    else:
+        os.mkfifo(state)
+    res = in_subprocess(f"from ksfs.vm.state import load_state\n"
+                        f"from ksfs.errors import VMError\n"
+                        f"try:\n    load_state(__import__('pathlib').Path({str(state)!r}))\n"
+                        f"except VMError as exc:\n    print('VMError', exc)\n")
+    assert res.stdout.startswith("VMError") and "state.json" in res.stdout, res
+    assert len(res.stdout.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("plant", ["temp-link", "cache-link", "cache-fifo"])
+def test_the_domain_type_cache_is_neither_written_through_nor_waited_on(
+        tmp_path: Path, victim: Path, plant: str) -> None:
+    """Whatever is planted, the probe runs again (a stand-in here) and its result replaces it."""
+    cache = tmp_path / "vm" / "domain-type.json"
+    cache.parent.mkdir()
+    if plant == "temp-link":
+        plant_link(cache.with_name("domain-type.json.tmp"), victim)
+    elif plant == "cache-link":
+        victim.write_text('{"version": 1, "type": "kvm"}\n')
+        plant_link(cache, victim)
+    else:
+        os.mkfifo(cache)
+    before = victim.read_bytes()
+    res = in_subprocess(f"import os, pathlib\nfrom ksfs.vm import probe\n"
+                        f"os.environ.pop('KSFS_DOMAIN_TYPE', None)\n"
+                        f"probe.probe = lambda: {{'version': 1, 'type': 'qemu'}}\n"
+                        f"print(probe.domain_type(pathlib.Path({str(cache)!r})))\n")
+    assert res.stdout.strip() == "qemu", res
+    assert victim.read_bytes() == before
+    assert not cache.is_symlink() and b'"qemu"' in cache.read_bytes()

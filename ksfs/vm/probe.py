@@ -16,6 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from ksfs.cas.lockfile import read_store_file
+from ksfs.errors import StoreDamaged
+from ksfs.vm.state import write_whole_file
+
 # cli; mov cx, 20000; l: out 0x80, al; loop l; mov al, 0; out 0xf4, al; hlt; jmp $-1
 _BOOT_CODE = bytes.fromhex("fab9204ee680e2fcb000e6f4f4ebfd")
 _CACHE_VERSION = 1
@@ -62,18 +66,18 @@ def domain_type(cache: Path | None = None) -> str:
         return forced
     if cache is not None:
         try:
-            data = json.loads(cache.read_text())
+            data = json.loads(read_store_file(cache, cache.parent))
             if data.get("version") == _CACHE_VERSION and data.get("type") in ("kvm", "qemu"):
                 return data["type"]
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):
+            pass
+        except StoreDamaged:  # a link or FIFO in its place: probed again, and replaced
             pass
     result = probe()
     if cache is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(cache.name + ".tmp")
-            tmp.write_text(json.dumps(result) + "\n")
-            os.replace(tmp, cache)
+            write_whole_file(cache, (json.dumps(result) + "\n").encode())
         except OSError:
             pass  # a cache we cannot write only costs a probe next time
     return result["type"]

@@ -8,12 +8,15 @@ label, so the next snapshot knows which clusters changed since then. Also the ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ksfs.errors import VMError
+from ksfs.cas.lockfile import read_store_file
+from ksfs.errors import StoreDamaged, VMError
 from ksfs.vm.chain import ChainSource
 
 
@@ -80,9 +83,11 @@ def file_stat(path: str | Path) -> list | None:
 
 def load_state(path: Path) -> SessionState | None:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_store_file(path, path.parent))
     except FileNotFoundError:
         return None
+    except StoreDamaged:  # a link (never followed) or a FIFO (never waited on) in its place
+        raise VMError(f"controller state {path} is not a regular file") from None
     except (OSError, ValueError) as exc:
         raise VMError(f"controller state {path} is unreadable: {exc}") from exc
     disks = {t: DiskState(**d) for t, d in data.get("disks", {}).items()}
@@ -104,12 +109,25 @@ def save_state(path: Path, state: SessionState) -> None:
         data["origins"] = state.origins
     if state.uuid is not None:
         data["uuid"] = state.uuid
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_whole_file(path, (json.dumps(data, indent=1) + "\n").encode())
+
+
+def write_whole_file(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``, fsynced, through a new temporary file beside it. The
+    temporary file is made with O_EXCL (mkstemp): a link planted at a fixed temporary name
+    in a store its user writes had root truncate and write the file it named."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 @dataclass
