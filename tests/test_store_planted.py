@@ -196,3 +196,61 @@ def test_the_domain_type_cache_is_neither_written_through_nor_waited_on(
     assert res.stdout.strip() == "qemu", res
     assert victim.read_bytes() == before
     assert not cache.is_symlink() and b'"qemu"' in cache.read_bytes()
+
+
+def guest_link(store: Path):
+    from ksfs.keeper.guestlink import GuestLink
+
+    link = GuestLink.__new__(GuestLink)  # a mixin of Keeper: the secret needs only the store
+    link.store_path = store
+    return link
+
+
+def test_a_secret_link_is_damage_not_a_key(tmp_path: Path, victim: Path) -> None:
+    from ksfs.errors import StoreDamaged
+
+    store = tmp_path / "store"
+    store.mkdir()
+    plant_link(store / "secret", victim)
+    with pytest.raises(StoreDamaged, match="secret"):
+        guest_link(store).gateway_token("ab" * 16)
+    assert victim.read_bytes() == VICTIM
+
+
+def test_a_secret_fifo_is_damage_not_a_hang(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    os.mkfifo(store / "secret")
+    res = in_subprocess(f"from ksfs.keeper.guestlink import GuestLink\n"
+                        f"from ksfs.errors import StoreDamaged\n"
+                        f"g = GuestLink.__new__(GuestLink)\n"
+                        f"g.store_path = __import__('pathlib').Path({str(store)!r})\n"
+                        f"try:\n    g.gateway_token('ab' * 16)\n"
+                        f"except StoreDamaged as exc:\n    print('StoreDamaged', exc)\n")
+    assert res.stdout.startswith("StoreDamaged") and "secret" in res.stdout, res
+
+
+def test_a_config_fifo_is_damage_not_a_hang(store: Path) -> None:
+    os.mkfifo(store / "config.json")
+    env = {k: v for k, v in os.environ.items() if k not in ("KSFS_GUEST", "KSFS_UPSTREAM")}
+    res = subprocess.run(KSFS + ["--store", str(store), "session", "new", "plq-cfg"],
+                         capture_output=True, text=True, timeout=30, env=env)
+    damaged(res, "config.json")
+    res = in_subprocess(f"import os, pathlib\nos.environ.pop('KSFS_UPSTREAM', None)\n"
+                        f"from ksfs.daemon.run import upstream_url\n"
+                        f"from ksfs.errors import StoreDamaged\n"
+                        f"try:\n    upstream_url(pathlib.Path({str(store)!r}), None)\n"
+                        f"except StoreDamaged as exc:\n    print('StoreDamaged', exc)\n")
+    assert res.stdout.startswith("StoreDamaged") and "config.json" in res.stdout, res
+
+
+def test_a_config_link_is_not_followed(store: Path, victim: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    victim.write_text('{"upstream": "http://victim.invalid/"}\n')
+    plant_link(store / "config.json", victim)
+    from ksfs.daemon.run import upstream_url
+    from ksfs.errors import StoreDamaged
+
+    monkeypatch.delenv("KSFS_UPSTREAM", raising=False)
+    with pytest.raises(StoreDamaged, match="config.json"):
+        upstream_url(store, None)

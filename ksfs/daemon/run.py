@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from ksfs.cas.lockfile import read_store_file
 from ksfs.errors import Busy, DaemonError, KsfsError
 
 log = logging.getLogger("ksfs.daemon")
@@ -28,9 +29,10 @@ def upstream_url(store_path: Path, given: str | None) -> str | None:
     if os.environ.get("KSFS_UPSTREAM"):
         return os.environ["KSFS_UPSTREAM"]
     try:
-        return json.loads((store_path / "config.json").read_text()).get("upstream")
+        settings = json.loads(read_store_file(store_path / "config.json", store_path))
     except (FileNotFoundError, ValueError):
         return None
+    return settings.get("upstream") if isinstance(settings, dict) else None
 
 
 def daemon_main(store: str, mountpoint: str, allow_other: bool = False,

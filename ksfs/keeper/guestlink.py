@@ -23,7 +23,8 @@ from typing import Any
 
 import blake3
 
-from ksfs.errors import from_os_error
+from ksfs.cas.lockfile import read_store_file
+from ksfs.errors import StoreDamaged, from_os_error
 
 GUEST_GATEWAY_HOST = "10.0.2.2"  # the host's loopback as QEMU user networking shows it
 TOKENS_DIR = "guest-tokens"
@@ -31,20 +32,25 @@ TOKENS_DIR = "guest-tokens"
 
 class GuestLink:
     def _secret(self) -> bytes:
+        # Never through a link (a secret -> /etc/shadow would key every token on its bytes)
+        # nor waiting on a FIFO: anything but a regular file there is damage.
         path = self.store_path / "secret"
         try:
-            return path.read_bytes()
+            return read_store_file(path, self.store_path)
         except FileNotFoundError:
-            key = secrets.token_bytes(32)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, key)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return key
+            pass
+        key = secrets.token_bytes(32)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
         except FileExistsError:  # pragma: no cover - a concurrent first use
-            return path.read_bytes()
+            return read_store_file(path, self.store_path)
+        try:
+            os.write(fd, key)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return key
 
     def gateway_token(self, lineage: str) -> str:
         return blake3.blake3(lineage.encode(), key=self._secret()).hexdigest()[:32]
@@ -77,13 +83,15 @@ class GuestLink:
         path = tokens / lineage
         token = self.gateway_token(lineage)
         try:
-            if path.read_text() == token:
+            if read_store_file(path, self.store_path) == token.encode():
                 return path
-        except (FileNotFoundError, UnicodeDecodeError):
-            pass
+        except (FileNotFoundError, StoreDamaged):
+            pass  # written anew below: the rename replaces a link or FIFO, never follows it
         tmp = tokens / f".{lineage}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            tmp.unlink(missing_ok=True)  # O_EXCL: a hard link planted there is not truncated
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
             try:
                 os.write(fd, token.encode())
                 os.fsync(fd)

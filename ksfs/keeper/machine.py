@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ksfs import progress
+from ksfs.cas.lockfile import read_store_file
 from ksfs.crashpoints import crash_point
 from ksfs.errors import (
     AlreadyExists,
@@ -294,7 +295,7 @@ class MachineVerbs:
         if not guest:
             where = f"default_guest in {config}"
             try:
-                settings = json.loads(config.read_text())
+                settings = json.loads(read_store_file(config, self.store_path))
             except FileNotFoundError:
                 settings = {}
             except (ValueError, UnicodeDecodeError) as exc:
