@@ -18,14 +18,15 @@ PKG = Path(__file__).resolve().parent.parent / "ksfs"
 # The layer of each top-level part of ksfs (docs/architecture.md); a part may import only parts
 # of a lower number.
 LAYER = {
-    "errors": 1, "model": 1.1, "crashpoints": 1.1, "heap": 1, "progress": 1, "lru": 1,
+    "errors": 1, "regularfile": 1.1, "model": 1.1, "crashpoints": 1.1, "heap": 1, "progress": 1,
+    "lru": 1,
     "cas": 2, "guestfs": 2.5, "ledger": 3, "vm": 4, "gateway": 5, "keeper": 6,
     "fuse": 7, "daemon": 7.5, "cli": 8, "_entry": 9,  # the command's entry point, over cli
 }
 FRAMEWORKS = ("trio", "pyfuse3", "libvirt", "click")
 NEVER = {
-    "errors": FRAMEWORKS, "model": FRAMEWORKS, "crashpoints": FRAMEWORKS, "heap": FRAMEWORKS,
-    "progress": FRAMEWORKS, "lru": FRAMEWORKS,
+    "errors": FRAMEWORKS, "regularfile": FRAMEWORKS, "model": FRAMEWORKS,
+    "crashpoints": FRAMEWORKS, "heap": FRAMEWORKS, "progress": FRAMEWORKS, "lru": FRAMEWORKS,
     "cas": FRAMEWORKS, "guestfs": FRAMEWORKS, "ledger": FRAMEWORKS,
     "vm": ("trio", "pyfuse3", "click"),
     "gateway": ("pyfuse3", "libvirt", "click"),

@@ -756,7 +756,7 @@ def test_a_store_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Path
     _lock_shapes(store / "lock", shape, elsewhere)
     before = packs_of(store)
     kind = {"directory": "a directory", "dangling symlink": "a symbolic link",
-            "fifo": "not a regular file"}[shape]
+            "fifo": "a FIFO"}[shape]
     for args in (["check"], ["import", "s", "b", str(src)], ["gc"]):  # (rm takes no store lock)
         one_line(ksfs(store, *args), 6, f"its lock file {store / 'lock'} is {kind}")
     assert packs_of(store) == before
@@ -795,7 +795,7 @@ def test_a_seal_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Path]
     elsewhere = tmp_path / "elsewhere"
     _lock_shapes(store / "seal.lock", shape, elsewhere)
     kind = {"directory": "a directory", "dangling symlink": "a symbolic link",
-            "fifo": "not a regular file"}[shape]
+            "fifo": "a FIFO"}[shape]
     one_line(ksfs(store, "import", "s", "b", str(tmp_path / "memory")), 6,
              f"its lock file {store / 'seal.lock'} is {kind}")
     listed = ksfs(store, "checkpoints", "s", "--json")

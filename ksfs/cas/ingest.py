@@ -40,7 +40,6 @@ from ksfs.cas.chunking import (
     open_source,
 )
 from ksfs.cas.flatten import release
-from ksfs.cas.lockfile import open_lock_file
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, encode_alone
 from ksfs.cas.pagecut import iter_pages, stream_start
 from ksfs.cas.patching import Patcher
@@ -54,6 +53,7 @@ from ksfs.errors import (
     KsfsError,
     translate,
 )
+from ksfs.regularfile import open_lock_file
 
 if TYPE_CHECKING:
     from ksfs.cas.store import ChunkStore

@@ -29,7 +29,6 @@ import lmdb
 import zstandard
 
 from ksfs.cas import format as fmt
-from ksfs.cas.lockfile import open_lock_file, read_store_file
 from ksfs.cas.packs import PackHandles, decode_payload, fsync_dir
 from ksfs.errors import (
     Busy,
@@ -45,6 +44,7 @@ from ksfs.errors import (
     from_os_error,
     translate,
 )
+from ksfs.regularfile import open_lock_file, read_store_file
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from ksfs.cas.lockfile import read_store_file
 from ksfs.errors import Busy, DaemonError, KsfsError
+from ksfs.regularfile import read_store_file
 
 log = logging.getLogger("ksfs.daemon")
 

@@ -274,7 +274,7 @@ def run_mount(
 def acquire_daemon_lock(store_path: Path | str, mountpoint: str) -> int:
     """Hold the store's daemon lock for the life of this process, or raise Busy: one mount
     per store, whichever way it is started (`ksfs mount`, or this module run directly)."""
-    from ksfs.cas.lockfile import open_lock_file
+    from ksfs.regularfile import open_lock_file
 
     path = Path(store_path) / "daemon.lock"
     # never through a symlink: this truncates and writes the file (as root, whatever it named)

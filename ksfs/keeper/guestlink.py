@@ -23,8 +23,8 @@ from typing import Any
 
 import blake3
 
-from ksfs.cas.lockfile import read_store_file
 from ksfs.errors import StoreDamaged, from_os_error
+from ksfs.regularfile import read_store_file
 
 GUEST_GATEWAY_HOST = "10.0.2.2"  # the host's loopback as QEMU user networking shows it
 TOKENS_DIR = "guest-tokens"

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ksfs.cas.lockfile import open_lock_file
 from ksfs.errors import Busy, translate
+from ksfs.regularfile import open_lock_file
 
 # Times a waiter takes the lock again after finding its file unlinked by a session removal
 # (bounded: a file system whose stat and fstat disagree must not loop for ever).

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ksfs import progress
-from ksfs.cas.lockfile import read_store_file
 from ksfs.crashpoints import crash_point
 from ksfs.errors import (
     AlreadyExists,
@@ -43,6 +42,7 @@ from ksfs.model import (
     TranscriptInfo,
     validate_name,
 )
+from ksfs.regularfile import read_store_file
 
 log = logging.getLogger("ksfs.keeper")
 MEMORY_FILE = "memory"

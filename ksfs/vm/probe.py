@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ksfs.cas.lockfile import read_store_file
 from ksfs.errors import StoreDamaged
+from ksfs.regularfile import read_store_file
 from ksfs.vm.state import write_whole_file
 
 # cli; mov cx, 20000; l: out 0x80, al; loop l; mov al, 0; out 0xf4, al; hlt; jmp $-1

@@ -15,8 +15,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ksfs.cas.lockfile import read_store_file
 from ksfs.errors import StoreDamaged, VMError
+from ksfs.regularfile import read_store_file
 from ksfs.vm.chain import ChainSource
 
 
