@@ -114,7 +114,10 @@ def test_importing_again_repairs_chunks_a_cut_pack_lost(store):
     assert put(store, data).stored == 0  # now every hit holds its record
 
 
-def test_two_ingests_storing_a_lost_chunk_again_index_it_once(store):
+def test_two_ingests_storing_a_lost_chunk_again_index_it_once(store, monkeypatch):
+    # one thread holds both ingests: the second seal cannot have the seal lock the first holds
+    # until its close, so it waits SEAL_WAIT_S and seals without it (120 s by default)
+    monkeypatch.setattr("ksfs.cas.ingest.SEAL_WAIT_S", 0.2)
     data = image(4)
     f = put(store, data)
     for name in os.listdir(store.packs_dir):
