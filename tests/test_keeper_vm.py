@@ -1652,6 +1652,42 @@ def test_a_users_domain_that_takes_the_name_first_is_never_removed(env, agent: s
         virsh("undefine", dom)
 
 
+def test_session_rm_acts_on_no_domain_or_file_state_json_names_alone(env, agent: str,
+                                                                    tmp_path: Path) -> None:
+    """Security QA (twenty-second session), what a store's owner writes into a session's
+    state.json made root's `session rm` act on: F4, with its UUID taken out (and another
+    domain's name put in the ledger), the domain the ledger named was destroyed and
+    undefined; F2, any file named as a killed hand-back's temporary copy was deleted. A
+    session with no UUID recorded never had a machine ksfs made: its domain is left as it is,
+    with a warning; and only a file of the name ksfs gives that copy is removed."""
+    store, e = env["store"], env["env"]
+    cp = save(store, agent, e)
+    name = f"nouuid-{env['tag']}"
+    env["made"].append(name)
+    dom = f"ksfs-{name}"
+    run(store, "fork", agent, cp, name, env=e)
+    state = store / "vm" / name / "state.json"
+    data = json.loads(state.read_text())
+    assert data.pop("uuid") == virsh("domuuid", dom, check=True).stdout.strip()
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    for disk in data["disks"].values():
+        disk["handing_back"] = {"how": "copy", "top": str(tmp_path / "top"),
+                                "dest": str(tmp_path / "dest.qcow2"), "tmp": str(victim)}
+    assert data["disks"]
+    state.write_text(json.dumps(data))
+    try:
+        res = run(store, "session", "rm", name, env=e)
+        assert f"is not the machine ksfs made for session {name}" in res.stderr, res.stderr
+        assert "it recorded no UUID" in res.stderr and "virsh undefine" in res.stderr
+        assert victim.read_text() == "keep me\n"
+        assert virsh("domstate", dom).stdout.strip() == "running"
+        assert name not in run(store, "session", "list", env=e).stdout
+    finally:
+        virsh("destroy", dom)
+        virsh("undefine", dom)
+
+
 def test_a_cold_start_by_resume_takes_a_text_token_off_the_command_line(env, agent: str,
                                                                         tmp_path: Path) -> None:
     """Re-check (fifteenth session): a session defined before the guest token went by file,

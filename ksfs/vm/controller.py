@@ -556,9 +556,14 @@ class DomainController:
 
         Given ``session``, a domain of that name whose UUID is not the one the session's
         state recorded is not the session's machine (a user's, defined while ksfs's was being
-        made or after it went): it is left alone, with a warning. ``made`` (undoing a session
-        that never started) leaves alone also a domain the session recorded nothing of: ksfs
-        records the UUID before it defines. Returns whether a domain was removed."""
+        made or after it went): it is left alone, with a warning. So is a domain the session
+        recorded no UUID of: ksfs records the UUID before it defines, so a session with none
+        never had a machine of that name, or its state.json is gone or was written by someone
+        else (security QA F4: a store's owner who took the UUID out of it and named another
+        domain in the ledger had root's `session rm` destroy and undefine that domain). Its
+        owner learns no UUID from the store: libvirt keeps domain definitions root's. ``made``
+        is kept for the callers undoing a session that never started. Returns whether a
+        domain was removed."""
         try:
             dom = self.conn.lookupByName(domain)
         except libvirt.libvirtError as exc:
@@ -571,10 +576,12 @@ class DomainController:
             recorded = state.uuid if state is not None else None
             with step(domain, "reading its UUID"):
                 actual = dom.UUIDString()
-            if (recorded is None and made) or (recorded is not None and recorded != actual):
+            if recorded != actual:
                 log.warning("domain %s (UUID %s) is not the machine ksfs made for session %s "
-                            "(%s): left as it is", domain, actual, session,
-                            f"UUID {recorded}" if recorded else "none was defined")
+                            "(%s): left as it is (`virsh destroy` and `virsh undefine` it if "
+                            "it is yours to remove)", domain, actual, session,
+                            f"UUID {recorded}" if recorded else
+                            "none was defined" if made else "it recorded no UUID")
                 return False
         with step(domain, "destroying"):
             if dom.isActive():
@@ -657,10 +664,17 @@ class DomainController:
         if d.is_symlink():  # never made so by ksfs: not followed, nor its state.json read
             d.unlink()
             return
+        from ksfs.vm.detached import tmp_for
+
         with contextlib.suppress(VMError):  # a killed hand-back's copy beside a user's disk
             for ds in (load_state(self._state_path(session)) or SessionState("")).disks.values():
-                tmp = (ds.handing_back or {}).get("tmp")
-                if tmp:
+                where = ds.handing_back if isinstance(ds.handing_back, dict) else {}
+                tmp, dest = where.get("tmp"), where.get("dest")
+                if not (isinstance(tmp, str) and isinstance(dest, str)):
+                    continue
+                # only the name ksfs gives it (security QA F2: root's `session rm` deleted
+                # any file a state.json named here, the user's store being theirs to write)
+                if tmp == str(tmp_for(Path(dest))):
                     Path(tmp).unlink(missing_ok=True)
         if not keep_boot:
             shutil.rmtree(d, ignore_errors=True)

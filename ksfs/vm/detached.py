@@ -168,7 +168,7 @@ def _give_back(ctl: DomainController, session: str, state: Any, target: str, ds:
         """Said before the work: a kill part way is then finished or cleaned up, not guessed."""
         ds.handing_back = {"how": how, "top": str(top)}
         if dest is not None:
-            ds.handing_back.update(dest=str(dest), tmp=str(_tmp_for(dest)))
+            ds.handing_back.update(dest=str(dest), tmp=str(tmp_for(dest)))
         ctl.save_state(session, state)
 
     before = ds.handing_back or {}
@@ -255,14 +255,14 @@ def _check_dir(dest: Path, target: str, domain: str, top: Path) -> None:
                       f"again and try again (`ksfs session rm` drops them instead)")
 
 
-def _tmp_for(dest: Path) -> Path:
+def tmp_for(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.ksfs-part")
 
 
 def _write_whole(dest: Path, write: Callable[[Path], object]) -> None:
     """Write ``dest`` through a temporary name beside it, so a kill leaves no partial file
     under a name the user would take for the whole (a leftover of a killed one goes first)."""
-    tmp = _tmp_for(dest)
+    tmp = tmp_for(dest)
     tmp.unlink(missing_ok=True)
     try:
         write(tmp)
