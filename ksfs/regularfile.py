@@ -77,6 +77,31 @@ def _why_file(path: Path) -> str:
     return f"{path} is {_kind(st.st_mode)}"
 
 
+def require_store_dir(path: str | os.PathLike, store: str | os.PathLike) -> None:
+    """StoreDamaged when ``path`` (a directory of the store that ksfs makes when missing:
+    ``locks``, ``guest-tokens``) is there as anything but a directory of its own. A link
+    there would have files made and deleted wherever it points (security QA F12, F17)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StoreDamaged(path=store, why=f"{path} cannot be looked at: {exc.strerror}") \
+            from None
+    if not stat.S_ISDIR(st.st_mode):
+        shape = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise StoreDamaged(path=store, why=f"{path} is {shape}: remove it (ksfs makes it "
+                           "again)")
+
+
+def is_store_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory itself, not a link to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _kind(mode: int) -> str:
     return ("a directory" if stat.S_ISDIR(mode) else
             "a symbolic link" if stat.S_ISLNK(mode) else

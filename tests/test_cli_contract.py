@@ -199,6 +199,47 @@ def test_a_machine_directory_planted_as_a_symlink_is_refused(tmp_path: Path) -> 
     assert [s["session"] for s in listed] == ["x"], listed
 
 
+def test_a_link_for_guest_tokens_is_damage_and_one_for_vm_keeps_its_mode(tmp_path: Path) -> None:
+    """Security QA (twenty-second session), root on a store its owner could plant links in:
+    F12, guest-tokens -> elsewhere had the token files made and deleted there; F11, vm ->
+    elsewhere had that directory made 0755 (vm -> /root opened /root to every user). Now a
+    guest-tokens that is no directory of its own is damage (exit 6, one line, no machine
+    left), and a vm link, the user's choice of place, keeps the mode its target has."""
+    import os
+    import stat
+    import uuid
+
+    from tests.cli_helpers import guest_dir, remove_sessions, virsh
+
+    guest = guest_dir()
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    src = tmp_path / "notes.txt"
+    src.write_text("notes\n")
+    ksfs(store, None, "import", "x", "c1", str(src))
+    name = f"tokens-{uuid.uuid4().hex[:6]}"
+    (store / "guest-tokens").symlink_to(elsewhere)
+    try:
+        res = ksfs(store, None, "session", "new", name, "--guest", str(guest), check=False)
+        assert res.returncode == 6, res
+        assert f"{store / 'guest-tokens'} is a symbolic link" in res.stderr, res.stderr
+        assert len(res.stderr.splitlines()) == 1, res.stderr
+        assert list(elsewhere.iterdir()) == []
+        assert virsh("domstate", f"ksfs-{name}").returncode != 0  # no machine left
+        listed = json.loads(ksfs(store, None, "session", "list", "--json").stdout)
+        assert [s["session"] for s in listed] == ["x"], listed
+        (store / "guest-tokens").unlink()
+        machines = store / "vm"
+        if machines.exists():
+            os.rename(machines, tmp_path / "vm-was")
+        machines.symlink_to(elsewhere)
+        ksfs(store, None, "session", "new", name, "--guest", str(guest))
+        assert (elsewhere / name / "state.json").exists()
+        assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o700
+    finally:
+        remove_sessions(store, None, [f"ksfs-{name}"])
+
+
 def test_the_help_names_every_exit_code_of_the_error_family(tmp_path: Path) -> None:
     """`ksfs --help` lists the exit codes scripts lean on: each class of the one error family
     has its code there (14, DaemonTimeout's, was left out when it came)."""

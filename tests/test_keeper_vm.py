@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -1686,6 +1687,33 @@ def test_session_rm_acts_on_no_domain_or_file_state_json_names_alone(env, agent:
     finally:
         virsh("destroy", dom)
         virsh("undefine", dom)
+
+
+def test_a_staging_link_is_refused_and_nothing_goes_where_it_points(env, agent: str,
+                                                                   tmp_path: Path) -> None:
+    """Security QA F10 (twenty-second session): a session's staging/ as a link to another
+    directory had root's saves write memory images there, delete the ``*.save`` files it
+    held and make it 0755. Now the save is refused in one line and nothing goes there."""
+    store, e = env["store"], env["env"]
+    staging = store / "vm" / agent / "staging"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (elsewhere / "important.save").write_text("keep me\n")
+    moved = tmp_path / "staging-was"
+    os.rename(staging, moved)
+    staging.symlink_to(elsewhere)
+    try:
+        res = run(store, "save", agent, check=False, env=e)
+        assert res.returncode == 10, res
+        assert f"{staging} is a symbolic link" in res.stderr, res.stderr
+        assert len(res.stderr.splitlines()) == 1, res.stderr
+        assert [p.name for p in elsewhere.iterdir()] == ["important.save"]
+        assert (elsewhere / "important.save").read_text() == "keep me\n"
+        assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o700
+    finally:
+        staging.unlink()
+        os.rename(moved, staging)
+    save(store, agent, e)  # and with its own directory back, saves go on
 
 
 def test_a_cold_start_by_resume_takes_a_text_token_off_the_command_line(env, agent: str,

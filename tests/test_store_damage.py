@@ -763,17 +763,24 @@ def test_a_store_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Path
     assert not (elsewhere / "made-here").exists()
 
 
-@pytest.mark.parametrize("shape", ["directory", "dangling symlink", "fifo", "locks a file"])
+@pytest.mark.parametrize("shape", ["directory", "dangling symlink", "fifo", "locks a file",
+                                   "locks a link"])
 def test_a_session_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Path],
                                                              tmp_path: Path, shape: str) -> None:
     """QA: a session's lock file as a directory, or locks/ as a plain file, made import and rm
-    exit 1. Now exit 6, one line, the checkpoint still there."""
+    exit 1. Now exit 6, one line, the checkpoint still there. Security QA F17: locks/ as a
+    link to a directory had lock files made and deleted there."""
     store, src = made
     locks = store / "locks"
     if shape == "locks a file":
         shutil.rmtree(locks)
         locks.write_text("")
         words = f"{locks} is not a directory"
+    elif shape == "locks a link":
+        shutil.rmtree(locks)
+        (tmp_path / "elsewhere").mkdir()
+        locks.symlink_to(tmp_path / "elsewhere")
+        words = f"{locks} is a symbolic link: remove it (ksfs makes it again)"
     else:
         (lock,) = locks.glob("*.lock")
         _lock_shapes(lock, shape, tmp_path / "elsewhere")
@@ -783,6 +790,8 @@ def test_a_session_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Pa
     listed = ksfs(store, "checkpoints", "s", "--json")
     assert [c["name"] for c in json.loads(listed.stdout)] == ["a"], listed
     assert not (tmp_path / "elsewhere" / "made-here").exists()
+    if shape == "locks a link":
+        assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 @pytest.mark.parametrize("shape", ["directory", "dangling symlink", "fifo"])

@@ -24,7 +24,7 @@ from typing import Any
 import blake3
 
 from ksfs.errors import StoreDamaged, from_os_error
-from ksfs.regularfile import read_store_file
+from ksfs.regularfile import is_store_dir, read_store_file, require_store_dir
 
 GUEST_GATEWAY_HOST = "10.0.2.2"  # the host's loopback as QEMU user networking shows it
 TOKENS_DIR = "guest-tokens"
@@ -79,6 +79,7 @@ class GuestLink:
     def _token_file(self, lineage: str) -> Path:
         """The file QEMU reads ``lineage``'s token from, written when missing or stale."""
         tokens = self.store_path / TOKENS_DIR
+        require_store_dir(tokens, self.store_path)
         tokens.mkdir(mode=0o700, exist_ok=True)
         path = tokens / lineage
         token = self.gateway_token(lineage)
@@ -105,8 +106,11 @@ class GuestLink:
 
     def drop_token_file(self, lineage: str) -> None:
         """Remove a removed session's token file (its gateway is no longer served)."""
+        tokens = self.store_path / TOKENS_DIR
+        if not is_store_dir(tokens):  # a link there: nothing of ours is where it points
+            return
         with contextlib.suppress(FileNotFoundError):
-            (self.store_path / TOKENS_DIR / lineage).unlink()
+            (tokens / lineage).unlink()
 
     def gateway_targets(self) -> dict[str, tuple[int, str]]:
         """session -> (port, token) of every live machine session (for the daemon)."""

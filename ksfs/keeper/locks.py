@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ksfs.errors import Busy, translate
-from ksfs.regularfile import open_lock_file
+from ksfs.regularfile import open_lock_file, require_store_dir
 
 # Times a waiter takes the lock again after finding its file unlinked by a session removal
 # (bounded: a file system whose stat and fstat disagree must not loop for ever).
@@ -99,6 +99,7 @@ def _make_locks_dir(store_path: Path) -> None:
         try:
             locks.mkdir(mode=0o700)
         except FileExistsError:
+            require_store_dir(locks, store_path)
             return
         if os.geteuid() == 0:
             owner = os.stat(store_path)

@@ -182,9 +182,10 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
     d = ctl.session_dir(session)
     # Verbs on one session are serialized, so any memory image still in staging was left by a
     # process that died mid-checkpoint: nothing will ever read it.
-    for stale in (d / "staging").glob("*.save"):
+    staging = ctl.staging_dir(session)
+    for stale in staging.glob("*.save"):
         stale.unlink(missing_ok=True)
-    memory = d / "staging" / f"memory-{n}.save"
+    memory = staging / f"memory-{n}.save"
     overlays = {disk.target: d / f"{disk.target}-{n}.qcow2" for disk in disks}
     skip = [t for t in _other_disks(live_xml, set(overlays)) if t]
     flags = (libvirt.VIR_DOMAIN_SNAPSHOT_CREATE_ATOMIC

@@ -14,6 +14,7 @@ import glob
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -123,11 +124,34 @@ class DomainController:
             # link the user made to put machines on another disk.)
             raise VMError(f"{d} is a symbolic link: a session's machine files are kept only "
                           "in a directory of its own; nothing was changed")
-        (d / "staging").mkdir(parents=True, exist_ok=True)
-        # QEMU runs as libvirt-qemu: it must be able to reach the files in here.
-        for p in (self.workdir, d, d / "staging"):
-            p.chmod(0o755)
+        staging = self.staging_dir(session)
+        staging.mkdir(parents=True, exist_ok=True)
+        # QEMU runs as libvirt-qemu: it must be able to reach the files in here. A vm/ that
+        # is a link is the user's choice of place, and its mode theirs (security QA F11: a
+        # store's vm -> /root had root's `session new` make /root 0755).
+        for p in (self.workdir, d, staging):
+            if not p.is_symlink():
+                p.chmod(0o755)
         return d
+
+    def staging_dir(self, session: str) -> Path:
+        """The session's directory for memory images, refused when it is a link or no
+        directory (security QA F10: a staging -> elsewhere link had root's saves write memory
+        images there, delete the ``*.save`` files it held, and make it 0755). Whether it
+        exists is the caller's business: a glob of one that is not there finds nothing."""
+        staging = self.session_dir(session) / "staging"
+        try:
+            st = os.lstat(staging)
+        except FileNotFoundError:
+            return staging
+        except OSError as exc:
+            raise VMError(f"cannot look at {staging}: {exc.strerror or exc}") from exc
+        if not stat.S_ISDIR(st.st_mode):
+            shape = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise VMError(f"{staging} is {shape}: a session's memory images are kept only in a "
+                          "directory of its own; remove it (ksfs makes it again); nothing was "
+                          "changed")
+        return staging
 
     def _state_path(self, session: str) -> Path:
         return self.session_dir(session) / "state.json"
@@ -642,7 +666,8 @@ class DomainController:
             except VMError as exc:
                 log.warning("could not settle the commits of %s yet: %s", session, exc)
         unused = unused_disk_files(self, session, domain) if domain else []
-        for p in [*(d / "staging").glob("*.save"), *(d / "staging").glob("restore-*.image*"),
+        staging = self.staging_dir(session)
+        for p in [*staging.glob("*.save"), *staging.glob("restore-*.image*"),
                   *d.glob("*.part"), *unused]:
             try:
                 size = p.stat().st_blocks * 512

@@ -51,7 +51,7 @@ def _materialize_all(ctl: DomainController, session: str, domain: str, n: int,
     a snapshot clears those from staging as leftovers of a dead process.
     """
     d = ctl.session_dir(session)
-    mem = d / "staging" / f"restore-{n}.image" if memory is not None else None
+    mem = ctl.staging_dir(session) / f"restore-{n}.image" if memory is not None else None
     bases = {t: d / f"{domxml_safe(t)}-base-{n}.raw" for t in disks}
     overlays = {t: d / f"{domxml_safe(t)}-{n}.qcow2" for t in disks}
     jobs = [(memory, mem, f"materializing the memory image of {domain}")] if mem else []
@@ -277,7 +277,7 @@ def _take_new_chain(ctl: DomainController, session: str, state: SessionState,
             # (only files that are there: one to keep that cannot be looked at keeps all)
             keep |= {p for p in chain_file_set(Path(f), fmt=fmt) if p.exists()}
     # memory images of restores that died staging (verbs on a session are serialized)
-    for p in (ctl.session_dir(session) / "staging").glob("restore-*.image*"):
+    for p in ctl.staging_dir(session).glob("restore-*.image*"):
         p.unlink(missing_ok=True)
     for p in _session_files_except(ctl, session, keep):
         if state.adopted and any(same_file(p, own) for own in _users_disks(state, old_roots)):
