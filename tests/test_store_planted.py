@@ -254,3 +254,24 @@ def test_a_config_link_is_not_followed(store: Path, victim: Path,
     monkeypatch.delenv("KSFS_UPSTREAM", raising=False)
     with pytest.raises(StoreDamaged, match="config.json"):
         upstream_url(store, None)
+
+
+@pytest.mark.parametrize("name", ["lock", "index"])
+def test_a_new_store_is_not_made_through_a_link_in_a_prepared_directory(tmp_path: Path,
+                                                                        name: str) -> None:
+    """Security QA F15 (twenty-second session): `ksfs import` into an empty directory someone
+    prepared with `lock -> elsewhere/made-by-lock` made root's 0600 file there, and with
+    `index -> elsewhere` LMDB's files there. Now no store is made: one line, exit 5, nothing
+    made where the link points."""
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    store.mkdir()
+    elsewhere.mkdir()
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(10_000))
+    (store / name).symlink_to(elsewhere / "made-by-lock" if name == "lock" else elsewhere)
+    res = ksfs(store, "import", "demo", "c1", str(data))
+    assert res.returncode == 5, (res.returncode, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"its {name} is a symbolic link" in lines[0], res.stderr
+    assert list(elsewhere.iterdir()) == []
+    assert sorted(p.name for p in store.iterdir()) == [name]

@@ -615,6 +615,13 @@ def _make_layout(path: str, made: list[str]) -> None:
         extra = {n for n in names if not n.startswith(MARKER + ".")} - (set(LAYOUT) | {"lock"})
         if extra:
             raise NotAStore(path=path, why="it is a non-empty directory without a ksfs marker")
+        # A link in a directory someone prepared would have root make the lock file or the
+        # index where it points (security QA F15); packs/ and vm/ may be links, a place the
+        # user chose (another disk), as they may in a store made already
+        links = sorted(n for n in ("index", "lock") if os.path.islink(os.path.join(path, n)))
+        if links:
+            raise NotAStore(path=path, why=f"its {links[0]} is a symbolic link, and a store's "
+                            "lock and index are made only as files of its own")
     missing = []
     up = path
     while not os.path.lexists(up) and up != os.path.dirname(up):
@@ -634,8 +641,8 @@ def _make_layout(path: str, made: list[str]) -> None:
             where = os.path.join(path, name)
             if not os.path.lexists(where):
                 made.append(where)
-            if name == "lock":
-                os.close(os.open(where, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            if name == "lock":  # (no link followed, no FIFO waited on: as the store opens it)
+                os.close(open_lock_file(where, path, os.O_WRONLY, 0o600))
             else:
                 os.makedirs(where, exist_ok=True)
         _make_private(path)
