@@ -33,12 +33,22 @@ def open_lock_file(path: str | os.PathLike, store: str | os.PathLike, flags: int
             raise
         raise StoreDamaged(path=store, why=_why(Path(path))) from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise StoreDamaged(path=store, why=_why(Path(path)))
+        if st.st_nlink != 1:  # (security QA F18: O_NOFOLLOW does not see a hard link, and
+            # the daemon's lock is truncated and written)
+            raise StoreDamaged(path=store, why=hard_linked(path, st.st_nlink, "lock file"))
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def hard_linked(path: str | os.PathLike, names: int, what: str) -> str:
+    """Why a store file ksfs writes is damage when it has more names than its own."""
+    return (f"its {what} {path} is a hard link ({names} names): it may be another file, so "
+            "ksfs leaves it alone; remove it (ksfs makes it again)")
 
 
 def _why(path: Path) -> str:

@@ -265,7 +265,9 @@ def test_mount_says_what_it_thinks_of_its_mount_point(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name, said", [("daemon.lock", "daemon.lock is a symbolic link"),
-                                        ("daemon.log", "daemon.log is not a regular file")])
+                                        ("daemon.log", "daemon.log is not a regular file"),
+                                        ("daemon.lock hard", "daemon.lock is a hard link"),
+                                        ("daemon.log hard", "daemon.log is a hard link")])
 def test_a_daemon_lock_that_is_a_symlink_is_never_followed(tmp_path: Path, name: str,
                                                            said: str) -> None:
     """Review (twenty-second session): the daemon's lock file was opened through a symbolic
@@ -279,7 +281,11 @@ def test_a_daemon_lock_that_is_a_symlink_is_never_followed(tmp_path: Path, name:
     assert ksfs(store, "import", "s", "c1", str(src)).returncode == 0
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
-    (store / name).symlink_to(victim)
+    if name.endswith(" hard"):  # security QA F18: O_NOFOLLOW does not see one
+        (store / name.split()[0]).unlink(missing_ok=True)
+        os.link(victim, store / name.split()[0])
+    else:
+        (store / name).symlink_to(victim)
     try:
         res = ksfs(store, "mount", str(mnt))
     finally:

@@ -740,11 +740,15 @@ def _lock_shapes(path: Path, shape: str, elsewhere: Path) -> None:
     elif shape == "dangling symlink":  # O_CREAT would follow it and make the file it names
         elsewhere.mkdir(exist_ok=True)
         path.symlink_to(elsewhere / "made-here")
+    elif shape == "hard link":  # (security QA F18: O_NOFOLLOW does not see one)
+        elsewhere.mkdir(exist_ok=True)
+        (elsewhere / "another").write_text("another file\n")
+        os.link(elsewhere / "another", path)
     else:
         os.mkfifo(path)
 
 
-@pytest.mark.parametrize("shape", ["directory", "dangling symlink", "fifo"])
+@pytest.mark.parametrize("shape", ["directory", "dangling symlink", "fifo", "hard link"])
 def test_a_store_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Path],
                                                            tmp_path: Path, shape: str) -> None:
     """QA (twenty-second session): STORE/lock as a directory was 'open the store lock failed:
@@ -756,7 +760,7 @@ def test_a_store_lock_that_is_no_file_is_damage_naming_it(made: tuple[Path, Path
     _lock_shapes(store / "lock", shape, elsewhere)
     before = packs_of(store)
     kind = {"directory": "a directory", "dangling symlink": "a symbolic link",
-            "fifo": "a FIFO"}[shape]
+            "fifo": "a FIFO", "hard link": "a hard link (2 names)"}[shape]
     for args in (["check"], ["import", "s", "b", str(src)], ["gc"]):  # (rm takes no store lock)
         one_line(ksfs(store, *args), 6, f"its lock file {store / 'lock'} is {kind}")
     assert packs_of(store) == before

@@ -132,6 +132,7 @@ def _open_log(store: Path, log_path: Path):
     import errno
 
     from ksfs.errors import StoreDamaged, translate
+    from ksfs.regularfile import hard_linked
 
     with translate("open the daemon's log", log_path):
         try:
@@ -141,11 +142,15 @@ def _open_log(store: Path, log_path: Path):
             if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 raise
             fd = -1
-        if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd) if fd >= 0 else None
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             if fd >= 0:
                 os.close(fd)
-            raise StoreDamaged(path=store, why=f"its daemon log {log_path} is not a regular "
-                               "file: remove it (ksfs makes it again)")
+            why = f"its daemon log {log_path} is not a regular file: remove it (ksfs makes " \
+                "it again)"
+            if st is not None and stat.S_ISREG(st.st_mode):
+                why = hard_linked(log_path, st.st_nlink, "daemon log")
+            raise StoreDamaged(path=store, why=why)
         os.set_blocking(fd, True)
     return os.fdopen(fd, "ab")
 
