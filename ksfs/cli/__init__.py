@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import click
 
-from ksfs.errors import BadInput, KsfsError, NoSpace, Terminated, from_foreign
+from ksfs.errors import BadInput, DaemonError, KsfsError, NoSpace, Terminated, from_foreign
 
 
 def default_store() -> str:
@@ -50,6 +50,7 @@ class Context:
     def __init__(self, store_path: str) -> None:
         self.store_path = store_path
         self.keeper = None
+        self.daemon_answered: str | None = None  # the verb whose result a daemon gave
 
     def open_keeper(self, create: bool = False):  # -> Keeper
         from ksfs.keeper import Keeper
@@ -88,6 +89,7 @@ def run_verb(ctx: Context, verb: str, steps: str | None = None, **args: Any) -> 
     try:
         result = call_daemon(ctx.store_path, verb, progress=line, **args)
         if result is not NO_DAEMON:
+            ctx.daemon_answered = verb  # a result of another shape is its error: see _foreign
             return result
         create = verb in ("session_new", "session_adopt", "import")
         with making_store(ctx) if create else contextlib.nullcontext(ctx.open_keeper()) \
@@ -403,9 +405,19 @@ def _terminate_like_interrupt() -> None:
 
 def _foreign(ctx: click.Context, exc: Exception) -> None:
     """An error a lower library raised past its layer: its ksfs class when it is one ksfs knows
-    (a damaged index, a full disk, a refused permission), else a bug, raised as it is."""
+    (a damaged index, a full disk, a refused permission, a daemon's result that could not be
+    read), else a bug, raised as it is."""
     obj = ctx.find_object(Context)
     known = from_foreign(exc, obj.store_path if obj is not None else "the store")
+    if known is None and obj is not None and obj.daemon_answered \
+            and isinstance(exc, (TypeError, KeyError, IndexError, AttributeError, ValueError)):
+        # What a daemon answered is read by each command as the verb's result; one of another
+        # shape (a daemon of another ksfs version, or whatever listens on a planted socket)
+        # failed reading it with a traceback (security QA F13): the daemon's error instead.
+        known = DaemonError(
+            f"the daemon of {obj.store_path} answered {obj.daemon_answered.replace('_', ' ')} "
+            f"with a result this ksfs cannot read ({type(exc).__name__}: {exc}); a daemon "
+            "another ksfs version started is replaced by `ksfs umount` and `ksfs mount`")
     if known is None:
         raise exc
     click.echo(f"ksfs: error: {one_line(str(known))}", err=True)

@@ -3,13 +3,22 @@
 ``call_daemon`` returns ``NO_DAEMON`` when no daemon listens, so the caller does the work itself
 under the same locks; a daemon that answers with an error raises it as a KsfsError with the same
 exit code.
+
+The store may be writable by a user other than the one running ksfs (root on a user's store):
+``daemon.sock`` is connected to only when it is a socket itself, never through a symbolic link
+(StoreDamaged, exit 6), and whatever answers is believed only in the protocol's shape
+(DaemonError, exit 13, one line; security QA F13: a planted socket's answer was a traceback,
+and a link to libvirtd's socket had ksfs write its request there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +32,7 @@ from ksfs.daemon.protocol import (
     encode,
     unix_address,
 )
-from ksfs.errors import DaemonError, DaemonTimeout
+from ksfs.errors import DaemonError, DaemonTimeout, StoreDamaged
 
 NO_DAEMON = object()
 log = logging.getLogger("ksfs.daemon")
@@ -52,6 +61,35 @@ class _Silent(Exception):
     pass
 
 
+class _NotAReply(Exception):
+    """What came back is not the protocol's (its argument says what it was)."""
+
+
+def _open_socket_file(store_path: str | Path, path: Path) -> int | None:
+    """An O_PATH descriptor of the control socket at ``path``, None when there is none;
+    StoreDamaged when anything but a socket is there. The descriptor is what is connected to
+    (through /proc), so a link put there after this look is not followed either."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # none, or no store to look in: the verb run here says what is wrong
+        return None
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISSOCK(mode):
+        return fd
+    os.close(fd)
+    kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a regular file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "not a socket")
+    raise StoreDamaged(path=store_path, why=f"its control socket {path} is {kind}: remove it "
+                       "(ksfs makes it again)")
+
+
+def _address(fd: int, path: Path) -> contextlib.AbstractContextManager[str]:
+    via = f"/proc/self/fd/{fd}"
+    # without /proc (never on a normal system): the path, looked at a moment ago
+    return contextlib.nullcontext(via) if os.path.exists(via) else unix_address(path)
+
+
 def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
                 progress: Callable[[str, int | None, int | None], None] | None = None,
                 **args: Any) -> Any:
@@ -63,45 +101,56 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
     the verb are handed to it as they come."""
     check_verb(verb)
     path = socket_path(store_path)
-    if not path.exists():
+    fd = _open_socket_file(store_path, path)
+    if fd is None:
         return NO_DAEMON
     limit = min(timeout, SILENCE_MAX)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(limit)
     begun = False  # the daemon took the request: it runs the verb whatever this side does
+    what = verb.replace("_", " ")
     try:
         try:
-            with unix_address(path) as address:
+            with _address(fd, path) as address:
                 sock.connect(address)
         except (ConnectionRefusedError, FileNotFoundError):
             return NO_DAEMON  # a stale socket of a daemon that died: work locally
+        finally:
+            os.close(fd)
         request: dict[str, Any] = {"verb": verb, "args": args, "alive": True}
         if progress is not None:
             request["progress"] = True
-        sock.sendall(encode(request))
 
         def notice() -> None:
             pid = daemon_pid(store_path)
             log.warning("waiting for the daemon%s to answer %s (nothing from it for %g s) ...",
-                        f" (pid {pid})" if pid else "", verb.replace("_", " "), NOTICE_AFTER)
+                        f" (pid {pid})" if pid else "", what, NOTICE_AFTER)
 
         def heard() -> None:
             nonlocal begun
             begun = True
 
         try:
+            sock.sendall(encode(request))
             reply = _read_reply(sock, progress, limit, notice, heard)
         except KeyboardInterrupt:
             # QA: Ctrl-C or SIGTERM here said "terminated" while the daemon, which has no
             # way to be called back, went on and finished the verb (a whole restore).
             if verb not in READING_VERBS:
                 log.warning("the mount daemon finishes the %s it had begun; this command only "
-                            "stops waiting for it", verb.replace("_", " "))
+                            "stops waiting for it", what)
             raise
+        except TimeoutError:
+            raise
+        except OSError as exc:  # reset or hung up on: no answer, said as one (F13)
+            raise DaemonError(f"the daemon's control socket {path} broke off when asked to "
+                              f"{what}: {exc.strerror or exc}") from None
+        why = _not_a_reply(reply)
+        if why:
+            raise _NotAReply(why)
     except (TimeoutError, _Silent):
         pid = daemon_pid(store_path)
         who = f"the daemon (pid {pid})" if pid else "the daemon"
-        what = verb.replace("_", " ")
         more = "" if verb in READING_VERBS else (
             f"; it may still finish the {what} it had begun" if begun else
             f"; the {what} was sent, and a daemon that comes back may still run it")
@@ -110,13 +159,43 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
             f"{who} of {store_path} said nothing for {limit:g} s when asked to "
             f"{what}: it is stuck or stopped{dump}; see "
             f"{Path(store_path) / 'daemon.log'}{more}") from None
+    except _NotAReply as exc:
+        raise DaemonError(f"the daemon's control socket {path} answered {what} with {exc}: "
+                          "that is no reply of a ksfs daemon") from None
     finally:
         sock.close()
     for said in reply.get("warnings") or ():  # logged here as the verb logged them there
         log.warning("%s", said)
-    if not reply.get("ok"):
+    if not reply["ok"]:
         raise RemoteError(reply)
     return reply.get("result")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _not_a_reply(reply: dict[str, Any]) -> str | None:
+    """What in the verb's reply line is not as protocol.py defines it, if anything (the
+    fields an older daemon leaves out may be missing)."""
+    if not isinstance(reply.get("ok"), bool):
+        return '"ok" neither true nor false'
+    warnings = reply.get("warnings")
+    if warnings is not None and not (isinstance(warnings, list)
+                                     and all(isinstance(w, str) for w in warnings)):
+        return "warnings that are not lines of text"
+    if reply["ok"]:
+        return None
+    for name in ("error", "message"):
+        if not isinstance(reply.get(name, ""), str):
+            return f"an error whose {name} is not text"
+    # 1..125: an error's code; never 0 (a failure said as success) nor a signal's
+    code = reply.get("exit_code", 1)
+    if not _is_int(code) or not 0 < code < 126:
+        return f"an error whose exit code is {code!r}"
+    if not _is_int(reply.get("errno", 5)) or reply.get("errno", 5) < 0:
+        return f"an error whose errno is {reply.get('errno')!r}"
+    return None
 
 
 def _read_reply(sock: socket.socket, progress: Callable[..., None] | None, limit: float,
@@ -147,11 +226,19 @@ def _read_reply(sock: socket.socket, progress: Callable[..., None] | None, limit
             last = time.monotonic()
             heard()
         line, _, buf = buf.partition(b"\n")
-        message = json.loads(line)
+        try:
+            message = json.loads(line)
+        except ValueError:  # (undecodable bytes too)
+            raise _NotAReply("a line that is not JSON") from None
+        if not isinstance(message, dict):
+            raise _NotAReply(f"JSON that is not an object ({type(message).__name__})")
         if "alive" in message:
             continue
         if "progress" not in message:
             return message
+        step = message["progress"]
+        if not (isinstance(step, dict) and isinstance(step.get("step", ""), str)
+                and all(v is None or _is_int(v) for v in (step.get("done"), step.get("total")))):
+            raise _NotAReply("a progress line of another shape")
         if progress is not None:
-            step = message["progress"]
             progress(step.get("step", ""), step.get("done"), step.get("total"))
