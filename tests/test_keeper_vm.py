@@ -1716,6 +1716,41 @@ def test_a_staging_link_is_refused_and_nothing_goes_where_it_points(env, agent: 
     save(store, agent, e)  # and with its own directory back, saves go on
 
 
+def test_a_file_put_in_place_of_a_chain_file_is_never_read(env, agent: str,
+                                                           tmp_path: Path) -> None:
+    """Security QA F3 (twenty-second session): a disk file of the session's chain renamed
+    away (QEMU keeps its open file) and a link to a root-only file put under its name, with
+    the state saying to read the disk whole: root's save stored that file's bytes in the
+    user's checkpoint. A chain file is read only when it is the file the machine runs on."""
+    store, e = env["store"], env["env"]
+    state_path = store / "vm" / agent / "state.json"
+    data = json.loads(state_path.read_text())
+    target, disk = next(iter(data["disks"].items()))
+    root, base = Path(disk["root"]), disk["base_checkpoint"]
+    secret = tmp_path / "secret"
+    with open(secret, "wb") as f:
+        f.write(b"ROOTONLY-SECRET-" * 65536)
+        f.truncate(root.stat().st_size)
+    os.chmod(secret, 0o600)
+    disk["base_checkpoint"] = None
+    state_path.write_text(json.dumps(data))
+    moved = root.with_name(root.name + ".moved")
+    os.rename(root, moved)
+    root.symlink_to(secret)
+    try:
+        res = run(store, "save", agent, check=False, env=e)
+        assert res.returncode == 10, res
+        assert f"{root} is not the file the machine runs on" in res.stderr, res.stderr
+        assert len(res.stderr.splitlines()) == 1, res.stderr
+    finally:
+        root.unlink()
+        os.rename(moved, root)
+        data = json.loads(state_path.read_text())  # (the failed save spent a number)
+        data["disks"][target]["base_checkpoint"] = base
+        state_path.write_text(json.dumps(data))
+    save(store, agent, e)  # with its own file back, saves go on
+
+
 def test_a_cold_start_by_resume_takes_a_text_token_off_the_command_line(env, agent: str,
                                                                         tmp_path: Path) -> None:
     """Re-check (fifteenth session): a session defined before the guest token went by file,

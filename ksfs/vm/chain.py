@@ -20,6 +20,7 @@ import bisect
 import errno
 import json
 import os
+import stat
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -125,7 +126,11 @@ class ChainSource:
     """
 
     def __init__(self, top: Path, what: str = "mapping frozen disk",
-                 fmt: str | None = None) -> None:
+                 fmt: str | None = None, held: set[tuple[int, int]] | None = None) -> None:
+        # ``held``: the file_key of every file the running machine's QEMU has open; a
+        # chain file read must be one of them (see _fd). None: no machine to compare with.
+        self.held = held
+        self.what = what
         chain = backing_chain(top, what, fmt)
         self.files = [Path(c["filename"]) for c in chain]
         self.formats = [c["format"] for c in chain]
@@ -167,7 +172,16 @@ class ChainSource:
         with self._lock:
             fd = self._fds.get(depth)
             if fd is None:
-                fd = os.open(self.files[depth], os.O_RDONLY)
+                fd = os.open(self.files[depth], os.O_RDONLY | os.O_CLOEXEC)
+                if self.held is not None:
+                    if file_key(os.fstat(fd)) not in self.held:
+                        os.close(fd)
+                        # A name in the chain that no longer names what the machine runs on:
+                        # a link or another file put in its place (security QA F3: root's
+                        # save read any file so planted into the user's checkpoint)
+                        raise VMError(f"{self.what}: {self.files[depth]} is not the file the "
+                                      "machine runs on (it was replaced, or a link put in its "
+                                      "place): nothing of it is read")
                 self._fds[depth] = fd
             return fd
 
@@ -202,6 +216,35 @@ class ChainSource:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def files_held_by(domain: str) -> set[tuple[int, int]] | None:
+    """The file_key of every file the QEMU process of the running ``domain`` has open, by
+    libvirt's pid file (the system daemon's, else the session daemon's); None when there is
+    no such process to look at."""
+    for run in ("/run/libvirt/qemu", os.path.expanduser("~/.cache/libvirt/qemu/run")):
+        try:
+            pid = int(Path(run, f"{domain}.pid").read_text().strip())
+            names = os.listdir(f"/proc/{pid}/fd")
+        except (OSError, ValueError):
+            continue
+        held = set()
+        for name in names:
+            try:  # (follows the descriptor's magic link: the open file, in any namespace)
+                st = os.stat(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue  # closed meanwhile
+            held.add(file_key(st))
+        return held
+    return None
+
+
+def file_key(st: os.stat_result) -> tuple[int, int]:
+    """What names one open file across processes: (st_dev, st_ino), or for a block device its
+    device number (QEMU in libvirt's mount namespace opens its own /dev's node of it)."""
+    if stat.S_ISBLK(st.st_mode):
+        return (-1, st.st_rdev)
+    return (st.st_dev, st.st_ino)
 
 
 def materialize(reader: object, path: Path, what: str, block: int = ZERO_BLOCK,

@@ -27,7 +27,7 @@ from ksfs import progress
 from ksfs.crashpoints import crash_point
 from ksfs.errors import KsfsError, NotRunning, StoppedWhileSaved, VMError
 from ksfs.vm import domxml, saveimage
-from ksfs.vm.chain import ChainSource, chain_files, create_overlay
+from ksfs.vm.chain import ChainSource, chain_files, create_overlay, files_held_by
 from ksfs.vm.state import DiskState, Frozen, FrozenDisk, SessionState, file_stat
 from ksfs.vm.steps import step
 
@@ -227,7 +227,7 @@ def snapshot(ctl: DomainController, session: str, domain: str, live: bool = True
             raise StoppedWhileSaved(session=session)
         # The XML libvirt stored in the image itself: exactly what a restore of it starts from.
         xml = saveimage.read_header(memory).xml
-        frozen_disks, base = _frozen_chain(state, disks)
+        frozen_disks, base = _frozen_chain(state, disks, files_held_by(domain))
     except BaseException:
         memory.unlink(missing_ok=True)
         raise
@@ -286,7 +286,8 @@ def _gone(ctl: DomainController, session: str, domain: str, xml: str | None) -> 
     return Frozen(session, domain, "stopped", None, xml, frozen_disks, base)
 
 
-def _frozen_chain(state: SessionState, disks: list[domxml.DiskInfo]
+def _frozen_chain(state: SessionState, disks: list[domxml.DiskInfo],
+                  held: set[tuple[int, int]] | None = None
                   ) -> tuple[list[FrozenDisk], str | None]:
     """Each disk's frozen chain as a source, and the one checkpoint their changed ranges are
     relative to (None, and every disk read whole, when the disks disagree or none has one).
@@ -294,7 +295,7 @@ def _frozen_chain(state: SessionState, disks: list[domxml.DiskInfo]
     frozen_disks: list[FrozenDisk] = []
     try:
         for disk in disks:
-            frozen_disks.append(_frozen_disk(disk, state.disks.get(disk.target)))
+            frozen_disks.append(_frozen_disk(disk, state.disks.get(disk.target), held))
     except BaseException:
         for fd in frozen_disks:
             fd.source.close()
@@ -308,11 +309,12 @@ def _frozen_chain(state: SessionState, disks: list[domxml.DiskInfo]
     return frozen_disks, base
 
 
-def _frozen_disk(disk: domxml.DiskInfo, tracked: object) -> FrozenDisk:
+def _frozen_disk(disk: domxml.DiskInfo, tracked: object,
+                 held: set[tuple[int, int]] | None = None) -> FrozenDisk:
     top = disk.source
     # (in the format the definition gives it: the first save of an adopted raw disk has that
     # disk itself as its frozen top, and a probe would read what its guest wrote as a header)
-    source = ChainSource(Path(top), f"mapping frozen disk {disk.target}", disk.fmt)
+    source = ChainSource(Path(top), f"mapping frozen disk {disk.target}", disk.fmt, held)
     names = [str(f) for f in source.files]
     root = getattr(tracked, "root", None)
     # (the root below at least one layer: a root that became the top itself, pivoted by an
