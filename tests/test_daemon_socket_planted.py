@@ -231,3 +231,33 @@ def test_a_leftover_socket_nothing_listens_on_is_no_daemon(store: Path) -> None:
         assert "last checkpoint  c1" in res.stdout, res.stdout
     finally:
         (store / "daemon.sock").unlink()
+
+
+@pytest.mark.parametrize("shape", ["dangling link", "directory"])
+def test_a_mount_clears_a_left_link_and_says_a_directory_is_damage(store: Path, tmp_path: Path,
+                                                                   shape: str) -> None:
+    """Security QA F19 (twenty-second session): `ksfs mount` with a dangling daemon.sock link
+    failed "Address already in use", exit 13, with a traceback in daemon.log; with a
+    directory there, "[Errno 21] Is a directory". A link (or a socket) a daemon before left
+    is removed, only it and never what it names; anything else is damage, exit 6."""
+    sock, mnt = store / "daemon.sock", tmp_path / "mnt"
+    mnt.mkdir()
+    if shape == "directory":
+        sock.mkdir()
+    else:
+        sock.symlink_to(tmp_path / "nowhere")
+    res = ksfs(store, "mount", str(mnt))
+    try:
+        if shape == "directory":
+            one_line(res, 6, f"its control socket {sock} is a directory")
+            assert not os.path.ismount(mnt) and sock.is_dir()
+        else:
+            assert res.returncode == 0, res
+            assert not (tmp_path / "nowhere").exists() and sock.is_socket()
+            from ksfs.daemon import client
+
+            assert client.call_daemon(store, "ping") == "pong"  # it listens there
+            assert [c["name"] for c in checkpoints(store)] == ["c1"]
+    finally:
+        if os.path.ismount(mnt):
+            assert ksfs(store, "umount", str(mnt)).returncode == 0

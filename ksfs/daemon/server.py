@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import trio
 
 from ksfs import progress
 from ksfs.daemon.protocol import check_verb, encode, error_reply, to_jsonable, unix_address
-from ksfs.errors import BadInput, KsfsError, from_foreign
+from ksfs.errors import BadInput, KsfsError, StoreDamaged, from_foreign
 
 log = logging.getLogger("ksfs.daemon")
 
@@ -53,8 +54,7 @@ _to_caller = _WarningsToCaller()
 async def serve_control(keeper: Any, path: Path, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Listen on ``path`` until cancelled; the socket file is removed on the way out."""
     path = Path(path)
-    if path.exists():
-        path.unlink()
+    _clear_socket_path(keeper, path)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     with unix_address(path) as address:
         await sock.bind(address)
@@ -72,6 +72,24 @@ async def serve_control(keeper: Any, path: Path, task_status=trio.TASK_STATUS_IG
                 path.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _clear_socket_path(keeper: Any, path: Path) -> None:
+    """Remove what a daemon before this one left at ``path`` (this one holds the daemon lock):
+    a socket, or a link (only the link goes, never what it names; a dangling one made the
+    bind fail, "Address already in use"). Anything else there is damage, not removed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISSOCK(st.st_mode) or stat.S_ISLNK(st.st_mode):
+        path.unlink()
+        return
+    kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a regular file" if \
+        stat.S_ISREG(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a socket"
+    raise StoreDamaged(path=getattr(keeper, "store_path", path.parent),
+                       why=f"its control socket {path} is {kind}: remove it (ksfs makes it "
+                       "again)")
 
 
 async def _handle(keeper: Any, stream: trio.abc.Stream) -> None:
