@@ -1689,6 +1689,13 @@ def test_session_rm_acts_on_no_domain_or_file_state_json_names_alone(env, agent:
         virsh("undefine", dom)
 
 
+def save_refused(store: Path, session: str, e: dict, words: str) -> None:
+    """A save of ``session`` fails as a VMError (exit 10) said in one line with ``words``."""
+    res = run(store, "save", session, check=False, env=e)
+    assert res.returncode == 10, res
+    assert words in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
+
+
 def test_a_staging_link_is_refused_and_nothing_goes_where_it_points(env, agent: str,
                                                                    tmp_path: Path) -> None:
     """Security QA F10 (twenty-second session): a session's staging/ as a link to another
@@ -1703,10 +1710,7 @@ def test_a_staging_link_is_refused_and_nothing_goes_where_it_points(env, agent: 
     os.rename(staging, moved)
     staging.symlink_to(elsewhere)
     try:
-        res = run(store, "save", agent, check=False, env=e)
-        assert res.returncode == 10, res
-        assert f"{staging} is a symbolic link" in res.stderr, res.stderr
-        assert len(res.stderr.splitlines()) == 1, res.stderr
+        save_refused(store, agent, e, f"{staging} is a symbolic link")
         assert [p.name for p in elsewhere.iterdir()] == ["important.save"]
         assert (elsewhere / "important.save").read_text() == "keep me\n"
         assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o700
@@ -1738,10 +1742,7 @@ def test_a_file_put_in_place_of_a_chain_file_is_never_read(env, agent: str,
     os.rename(root, moved)
     root.symlink_to(secret)
     try:
-        res = run(store, "save", agent, check=False, env=e)
-        assert res.returncode == 10, res
-        assert f"{root} is not the file the machine runs on" in res.stderr, res.stderr
-        assert len(res.stderr.splitlines()) == 1, res.stderr
+        save_refused(store, agent, e, f"{root} is not the file the machine runs on")
     finally:
         root.unlink()
         os.rename(moved, root)
