@@ -129,9 +129,11 @@ def test_a_daemon_task_that_fails_after_the_mount_takes_the_mount_down_and_says_
     t0 = time.monotonic()
     try:
         res = ksfs(store, "mount", str(mnt), "--timeout", "60", timeout=90)
-        assert res.returncode == 13, res
+        # (its class kept: a directory there is damage, exit 6; twenty-fourth session)
+        assert res.returncode == 6, res
         assert time.monotonic() - t0 < 30, "it waited for its --timeout"
-        assert "the daemon failed" in res.stderr and "daemon.sock" in res.stderr, res.stderr
+        assert f"its control socket {store / 'daemon.sock'} is a directory" in res.stderr, \
+            res.stderr
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
         assert "daemon.sock" in (store / "daemon.log").read_text()
         deadline = time.monotonic() + 10
