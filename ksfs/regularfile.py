@@ -87,19 +87,28 @@ def _why_file(path: Path) -> str:
     return f"{path} is {_kind(st.st_mode)}"
 
 
+def not_a_directory(path: str | os.PathLike) -> str | None:
+    """What stands at ``path`` instead of a directory of its own ("a symbolic link", "not a
+    directory"); None when it is one, or nothing is there. Other OSErrors are the caller's."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        return None
+    return "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+
+
 def require_store_dir(path: str | os.PathLike, store: str | os.PathLike) -> None:
     """StoreDamaged when ``path`` (a directory of the store that ksfs makes when missing:
     ``locks``, ``guest-tokens``) is there as anything but a directory of its own. A link
     there would have files made and deleted wherever it points (security QA F12, F17)."""
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
+        shape = not_a_directory(path)
     except OSError as exc:
         raise StoreDamaged(path=store, why=f"{path} cannot be looked at: {exc.strerror}") \
             from None
-    if not stat.S_ISDIR(st.st_mode):
-        shape = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+    if shape:
         raise StoreDamaged(path=store, why=f"{path} is {shape}: remove it (ksfs makes it "
                            "again)")
 

@@ -30,9 +30,10 @@ from ksfs.daemon.protocol import (
     RemoteError,
     check_verb,
     encode,
+    not_a_socket,
     unix_address,
 )
-from ksfs.errors import DaemonError, DaemonTimeout, StoreDamaged
+from ksfs.errors import DaemonError, DaemonTimeout
 
 NO_DAEMON = object()
 log = logging.getLogger("ksfs.daemon")
@@ -65,7 +66,7 @@ class _NotAReply(Exception):
     """What came back is not the protocol's (its argument says what it was)."""
 
 
-def _open_socket_file(store_path: str | Path, path: Path) -> int | None:
+def _open_socket_file(path: Path) -> int | None:
     """An O_PATH descriptor of the control socket at ``path``, None when there is none;
     StoreDamaged when anything but a socket is there. The descriptor is what is connected to
     (through /proc), so a link put there after this look is not followed either."""
@@ -77,11 +78,7 @@ def _open_socket_file(store_path: str | Path, path: Path) -> int | None:
     if stat.S_ISSOCK(mode):
         return fd
     os.close(fd)
-    kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
-            else "a regular file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-            else "not a socket")
-    raise StoreDamaged(path=store_path, why=f"its control socket {path} is {kind}: remove it "
-                       "(ksfs makes it again)")
+    raise not_a_socket(path, mode)
 
 
 def _address(fd: int, path: Path) -> contextlib.AbstractContextManager[str]:
@@ -101,7 +98,7 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
     the verb are handed to it as they come."""
     check_verb(verb)
     path = socket_path(store_path)
-    fd = _open_socket_file(store_path, path)
+    fd = _open_socket_file(path)
     if fd is None:
         return NO_DAEMON
     limit = min(timeout, SILENCE_MAX)

@@ -24,8 +24,15 @@ from typing import Any
 import trio
 
 from ksfs import progress
-from ksfs.daemon.protocol import check_verb, encode, error_reply, to_jsonable, unix_address
-from ksfs.errors import BadInput, KsfsError, StoreDamaged, from_foreign
+from ksfs.daemon.protocol import (
+    check_verb,
+    encode,
+    error_reply,
+    not_a_socket,
+    to_jsonable,
+    unix_address,
+)
+from ksfs.errors import BadInput, KsfsError, from_foreign
 
 log = logging.getLogger("ksfs.daemon")
 
@@ -54,7 +61,7 @@ _to_caller = _WarningsToCaller()
 async def serve_control(keeper: Any, path: Path, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Listen on ``path`` until cancelled; the socket file is removed on the way out."""
     path = Path(path)
-    _clear_socket_path(keeper, path)
+    _clear_socket_path(path)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     with unix_address(path) as address:
         await sock.bind(address)
@@ -74,7 +81,7 @@ async def serve_control(keeper: Any, path: Path, task_status=trio.TASK_STATUS_IG
                 pass
 
 
-def _clear_socket_path(keeper: Any, path: Path) -> None:
+def _clear_socket_path(path: Path) -> None:
     """Remove what a daemon before this one left at ``path`` (this one holds the daemon lock):
     a socket, or a link (only the link goes, never what it names; a dangling one made the
     bind fail, "Address already in use"). Anything else there is damage, not removed."""
@@ -85,11 +92,7 @@ def _clear_socket_path(keeper: Any, path: Path) -> None:
     if stat.S_ISSOCK(st.st_mode) or stat.S_ISLNK(st.st_mode):
         path.unlink()
         return
-    kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a regular file" if \
-        stat.S_ISREG(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a socket"
-    raise StoreDamaged(path=getattr(keeper, "store_path", path.parent),
-                       why=f"its control socket {path} is {kind}: remove it (ksfs makes it "
-                       "again)")
+    raise not_a_socket(path, st.st_mode)
 
 
 async def _handle(keeper: Any, stream: trio.abc.Stream) -> None:

@@ -173,15 +173,14 @@ class ChainSource:
             fd = self._fds.get(depth)
             if fd is None:
                 fd = os.open(self.files[depth], os.O_RDONLY | os.O_CLOEXEC)
-                if self.held is not None:
-                    if file_key(os.fstat(fd)) not in self.held:
-                        os.close(fd)
-                        # A name in the chain that no longer names what the machine runs on:
-                        # a link or another file put in its place (security QA F3: root's
-                        # save read any file so planted into the user's checkpoint)
-                        raise VMError(f"{self.what}: {self.files[depth]} is not the file the "
-                                      "machine runs on (it was replaced, or a link put in its "
-                                      "place): nothing of it is read")
+                if self.held is not None and file_key(os.fstat(fd)) not in self.held:
+                    os.close(fd)
+                    # A name in the chain that no longer names what the machine runs on: a
+                    # link or another file put in its place (security QA F3: root's save read
+                    # any file so planted into the user's checkpoint)
+                    raise VMError(f"{self.what}: {self.files[depth]} is not the file the "
+                                  "machine runs on (it was replaced, or a link put in its "
+                                  "place): nothing of it is read")
                 self._fds[depth] = fd
             return fd
 

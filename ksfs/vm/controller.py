@@ -14,7 +14,6 @@ import glob
 import logging
 import os
 import shutil
-import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ import libvirt
 
 from ksfs.errors import AlreadyExists, BadInput, KsfsError, NotFound, NotRunning, VMError
 from ksfs.model import validate_name
+from ksfs.regularfile import not_a_directory
 from ksfs.vm import domxml, files
 from ksfs.vm.probe import domain_type
 from ksfs.vm.state import DiskState, Frozen, Restored, SessionState, load_state, save_state
@@ -141,13 +141,10 @@ class DomainController:
         exists is the caller's business: a glob of one that is not there finds nothing."""
         staging = self.session_dir(session) / "staging"
         try:
-            st = os.lstat(staging)
-        except FileNotFoundError:
-            return staging
+            shape = not_a_directory(staging)
         except OSError as exc:
             raise VMError(f"cannot look at {staging}: {exc.strerror or exc}") from exc
-        if not stat.S_ISDIR(st.st_mode):
-            shape = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        if shape:
             raise VMError(f"{staging} is {shape}: a session's memory images are kept only in a "
                           "directory of its own; remove it (ksfs makes it again); nothing was "
                           "changed")
