@@ -11,6 +11,10 @@ the chunk as many bytes from the nearest unchanged chunk (an "anchor", found in 
 id) in the old file as the new chunk is in the new one, since both hold their pieces in order.
 Bases are always plain chunks (if the old version is itself a delta, its base is used), so a
 read never follows more than one hop, and a delta is kept only when it saves a tenth of the bytes.
+
+A base may also be a chunk new in the same ingest that holds some of the new chunk's 4 KiB pages
+(``Ingest._near``): the same bytes are often in two places of one machine at once, a file's page
+cache and the buffer it was written from, or a disk block and the page cache that wrote it back.
 """
 
 from __future__ import annotations

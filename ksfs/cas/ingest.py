@@ -21,7 +21,7 @@ import os
 import stat as stat_
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
@@ -41,12 +41,13 @@ from ksfs.cas.chunking import (
 )
 from ksfs.cas.flatten import release
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, encode_alone
-from ksfs.cas.pagecut import iter_pages, stream_start
+from ksfs.cas.pagecut import PAGE, data_pages, iter_pages, stream_start
 from ksfs.cas.patching import Patcher
 from ksfs.cas.store import list_packs_dir
 from ksfs.crashpoints import crash_point
 from ksfs.errors import (
     BadInput,
+    Busy,
     ChunkCorrupt,
     ChunkMissing,
     IntegrityError,
@@ -78,6 +79,15 @@ def _zero(n: int) -> bytes:
         if len(_zeros) < 256:
             _zeros[n] = z
     return z
+
+
+def _pages(data: bytes, fixed: bool) -> list[bytes]:
+    """A chunk's 4 KiB pages that hold data: a disk cluster's blocks, or the data pages of a
+    memory group's page records."""
+    if not fixed:
+        return data_pages(data)
+    zero = _zero(PAGE)
+    return [page for i in range(0, len(data), PAGE) if (page := data[i : i + PAGE]) != zero]
 
 
 def _refuse_if_changed(src: Any) -> None:
@@ -148,6 +158,14 @@ class Ingest:
         self._bases: dict[bytes, bytes] = {}
         self._bases_bytes = 0
         self._mutex_bases = threading.Lock()
+        # Page homes: hash of a 4 KiB page -> a chunk this ingest stores whole that holds it.
+        # A new chunk whose pages repeat pages of another new chunk (a file's page cache and
+        # the tmpfs buffer it was written from; a disk block written back and the page cache
+        # that still holds it) is stored as a delta against that chunk when that beats its old
+        # version: its base is then a chunk of this same ingest (``_local_bases``), kept in
+        # ``_bases``. Hashes are Python's own: a collision only proposes a worse base.
+        self._homes: dict[int, bytes] = {}
+        self._local_bases: set[bytes] = set()
         self._lock_fd = store.lock(exclusive=False)
         self._commits_seen = self._commits()  # after the lock: no GC runs from here on
         self._mutex = threading.Lock()  # add_file from two threads would interleave packs
@@ -240,7 +258,7 @@ class Ingest:
         stored = 0
         done = 0
         base_read = 0
-        pipeline = self._pipeline(_refuse_oversized(batches, src), ref)
+        pipeline = self._pipeline(_refuse_oversized(batches, src), ref, chunking == "fixed")
         try:
             for results in pipeline:
                 for off, cid, length, payload in results:
@@ -333,30 +351,32 @@ class Ingest:
         slots.extend([(None, 0)] * (count - len(slots)))
         return slots, ranges
 
-    def _pipeline(self, batches: Iterator[list[tuple[int, bytes]]], ref: delta.Reference | None
-                  ) -> Iterator[list[tuple[int, bytes | None, int, Any]]]:
+    def _pipeline(self, batches: Iterator[list[tuple[int, bytes]]], ref: delta.Reference | None,
+                  fixed: bool) -> Iterator[list[tuple[int, bytes | None, int, Any]]]:
         """Hash and compress batch k on the workers while batch k+1 is read."""
         pending: list[Any] | None = None
         for batch in batches:
-            futs = self._submit(batch, ref)
+            futs = self._submit(batch, ref, fixed)
             if pending is not None:
                 yield [r for f in pending for r in f.result()]
             pending = futs
         if pending is not None:
             yield [r for f in pending for r in f.result()]
 
-    def _submit(self, batch: list[tuple[int, bytes]], ref: delta.Reference | None) -> list[Any]:
+    def _submit(self, batch: list[tuple[int, bytes]], ref: delta.Reference | None,
+                fixed: bool) -> list[Any]:
         pool = self.store.pool
         if len(batch) < 2:
-            return [pool.submit(self._digest, batch, ref)]
+            return [pool.submit(self._digest, batch, ref, fixed)]
         mid = len(batch) // 2
-        return [pool.submit(self._digest, batch[:mid], ref),
-                pool.submit(self._digest, batch[mid:], ref)]
+        return [pool.submit(self._digest, batch[:mid], ref, fixed),
+                pool.submit(self._digest, batch[mid:], ref, fixed)]
 
-    def _digest(self, part: list[tuple[int, bytes]], ref: delta.Reference | None
+    def _digest(self, part: list[tuple[int, bytes]], ref: delta.Reference | None, fixed: bool
                 ) -> list[tuple[int, bytes | None, int, Any]]:
         """On a worker: hole or id, and the payload (codec, stored bytes, base bytes read) of
-        chunks nobody has yet, as a delta against their old version where that is smaller."""
+        chunks nobody has yet, as a delta against their old version or against a new chunk of
+        this ingest that holds some of its pages, where that is smaller."""
         cctx = getattr(self._local, "cctx", None)
         if cctx is None:
             cctx = self._local.cctx = zstandard.ZstdCompressor(level=self.level)
@@ -380,10 +400,39 @@ class Ingest:
                 # a chunk stored again stays plain: other deltas may name it as their base
                 diff, read_back = (None, 0) if old in (None, cid) or stale is not None else \
                     self._delta(txn, old, data, bases)
+                # Pages are looked for only in later versions of a file (a reference): a first
+                # checkpoint has few repeats, and its import stays as fast as before.
+                pages = None if ref is None or stale is not None else _pages(data, fixed)
+                if pages:
+                    near = self._near(data, pages, cid, diff)
+                    if near is not None and (diff is None or len(near[1]) < len(diff[1])):
+                        diff = near
                 if diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
                     payload = diff
+                elif pages and self._keep_base(cid, data):
+                    self._local_bases.add(cid)
+                    for page in pages:
+                        self._homes.setdefault(hash(page), cid)
                 out.append((off, cid, n, (*payload, read_back, stale)))
         return out
+
+    def _near(self, data: bytes, pages: list[bytes], cid: bytes, diff: tuple | None
+              ) -> tuple | None:
+        """(codec, stored bytes) of data as a delta against the new chunk of this ingest that
+        holds the most of its pages, or None when none holds any (or that is its old version's
+        base, already tried)."""
+        votes: dict[bytes, int] = {}
+        homes = self._homes
+        for page in pages:
+            home = homes.get(hash(page))
+            if home is not None and home != cid:
+                votes[home] = votes.get(home, 0) + 1
+        if not votes:
+            return None
+        home = max(votes, key=votes.__getitem__)
+        if diff is not None and diff[1][: fmt.BASE_ID_SIZE] == home:
+            return None
+        return fmt.CODEC_DELTA, home + delta.compress(data, self._bases[home])
 
     def _readable(self, txn: lmdb.Transaction, raw: bytes) -> bool:
         """Whether an index entry can serve as a dedup hit: its pack file (and its base's, for
@@ -458,13 +507,16 @@ class Ingest:
         self._keep_base(base_id, plain)
         return plain, loc.record_len
 
-    def _keep_base(self, base_id: bytes, plain: bytes) -> None:
-        """Remember a checked plain base chunk for later deltas and for the seal's verify."""
-        if self._bases_bytes < BASES_KEPT:
-            with self._mutex_bases:
-                if base_id not in self._bases:
-                    self._bases[base_id] = plain
-                    self._bases_bytes += len(plain)
+    def _keep_base(self, base_id: bytes, plain: bytes) -> bool:
+        """Remember a checked plain base chunk for later deltas and for the seal's verify;
+        False when the ingest keeps enough bases already."""
+        if self._bases_bytes >= BASES_KEPT:
+            return False
+        with self._mutex_bases:
+            if base_id not in self._bases:
+                self._bases[base_id] = plain
+                self._bases_bytes += len(plain)
+        return True
 
     def _base(self, base_id: bytes) -> bytes:
         plain = self._bases.get(base_id)
@@ -554,6 +606,7 @@ class Ingest:
             if locked and self._seal_fd < 0 and self._lock_fd >= 0:
                 self._seal_fd = self._take_seal_lock()
             self._drop_committed()
+            self._store_orphans_whole()
             for w in self.writers:
                 if w.written and not w.synced:
                     w.sync()
@@ -581,6 +634,7 @@ class Ingest:
                     added[loc.pack] = added.get(loc.pack, 0) + loc.record_len
                 else:
                     self.lost.add(cid)  # committed by another ingest since our seal
+            self._refuse_delta_bases(txn)
             top = 0
             for w in self.writers:
                 top = max(top, w.no)
@@ -604,6 +658,21 @@ class Ingest:
             raise _lmdb_error("commit the ingest", self.store.path, exc) from exc
         crash_point("index.commit")
         self.committed = True
+
+    def _refuse_delta_bases(self, txn: lmdb.Transaction) -> None:
+        """Busy (exit 8) where a base of this ingest's deltas was committed since the seal by
+        another ingest as a delta (only when the seal went without the lock, two imports of the
+        same new data at once): read, ours would take two hops. The caller's transaction aborts,
+        nothing is published; the import can run again."""
+        for cid, loc in self.new.items():
+            if cid in self.lost or loc.base not in self.lost:
+                continue
+            raw = txn.get(loc.base, db=self.store.db["chunks"])
+            if raw is not None and len(raw) in fmt.INDEX_VALUE_SIZES and \
+                    fmt.Location.decode(raw).codec != fmt.CODEC_DELTA:
+                continue
+            raise Busy(f"another import stored chunk {loc.base.hex()} at the same moment, in a "
+                       "form this import cannot build on: nothing was published; import again")
 
     def _take_seal_lock(self) -> int:
         """The store's seal lock (fd), held until close: ingests seal and publish one at a
@@ -653,12 +722,42 @@ class Ingest:
             return
         for w in self.writers:
             if any(cid in self.lost for cid, _ in w.written):
-                self._compact(w)
+                self._compact(w, self.lost)
         for cid in self.lost:
             self.new.pop(cid, None)
             self.replacing.pop(cid, None)
 
-    def _compact(self, w: PackWriter) -> None:
+    def _orphan(self, loc: fmt.Location) -> bool:
+        """A delta whose base was to be a chunk of this ingest that is not here as a plain
+        record: another ingest committed it first (it may be a delta there), or a copy of it
+        on another worker was stored as a delta."""
+        if loc.base is None or loc.base not in self._local_bases:
+            return False
+        here = self.new.get(loc.base)
+        return here is None or here.codec == fmt.CODEC_DELTA
+
+    def _store_orphans_whole(self) -> None:
+        """Store each orphan delta (``_orphan``) whole instead: bases are never deltas."""
+        orphans = {cid: loc for cid, loc in self.new.items() if self._orphan(loc)}
+        if not orphans:
+            return
+        plain = {}
+        for w in self.writers:
+            for cid, loc in w.written:
+                if cid in orphans:
+                    with translate("read pack", w.path):
+                        raw = os.pread(w.fd, loc.record_len, loc.offset)
+                    frame = raw[fmt.HEADER_SIZE + fmt.BASE_ID_SIZE :]
+                    plain[cid] = delta.decompress(cid, frame, self._bases[loc.base],
+                                                  loc.plain_len)
+            if any(cid in orphans for cid, _ in w.written):
+                self._compact(w, orphans.keys())
+        cctx = zstandard.ZstdCompressor(level=self.level)
+        for cid, data in plain.items():
+            codec, stored = encode_alone(cctx, data)
+            self._append(cid, stored, len(data), codec)
+
+    def _compact(self, w: PackWriter, drop: Container[bytes]) -> None:
         with translate("compact pack", w.path):
             raw = os.pread(w.fd, w.end - w.start, w.start)
             if len(raw) != w.end - w.start:
@@ -667,7 +766,7 @@ class Ingest:
             pos = w.start
             kept = []
             for cid, loc in w.written:
-                if cid in self.lost:
+                if cid in drop:
                     continue
                 if loc.offset != pos:  # pos only trails offset: the bytes read are the old ones
                     rec = raw[loc.offset - w.start : loc.offset - w.start + loc.record_len]

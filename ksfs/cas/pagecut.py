@@ -259,3 +259,19 @@ def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
         return out, len(buf), None
     # keep the open group (and pending run) for the next buffer
     return out, chunk_start, None
+
+
+def data_pages(chunk: bytes) -> list[bytes]:
+    """The 4 KiB data pages of the page records a chunk of this cutter starts with, in order;
+    zero-page records hold none. Empty for a chunk that does not start with a page record (a
+    header, device state, or FastCDC's chunk of another kind of file)."""
+    out = []
+    p = 0
+    while p < len(chunk):
+        rec = _record_end(chunk, p)
+        if rec is None:
+            break
+        p, _, zero = rec
+        if not zero:
+            out.append(chunk[p - PAGE : p])
+    return out
