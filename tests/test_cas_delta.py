@@ -404,7 +404,7 @@ def test_ksfs_import_stores_against_the_sessions_last_checkpoint(tmp_path):
     assert ksfs(store, None, "check", "--read-data").returncode == 0
 
 
-def test_a_version_1_store_is_read_and_marked_2_before_its_first_delta(tmp_path):
+def test_a_version_1_store_is_read_and_marked_current_before_its_first_delta(tmp_path):
     """Stores from before deltas open as they are; an ingest raises the marker first, so an
     older ksfs refuses the store instead of taking its deltas for damage. An unknown version is
     refused and left alone."""
@@ -421,13 +421,13 @@ def test_a_version_1_store_is_read_and_marked_2_before_its_first_delta(tmp_path)
         assert json.loads(marker.read_text())["version"] == 1  # reading changes nothing
         v1, _ = touch(rng, v0)
         put(store, v1, like=f0.manifest)
-    assert json.loads(marker.read_text()) == {**old, "version": 2}
+    assert json.loads(marker.read_text()) == {**old, "version": 3}
     assert sorted(p.name for p in path.iterdir() if p.name.startswith("ksfs.json")) == [
         "ksfs.json"]
-    marker.write_text(json.dumps({**old, "version": 3}))
-    with pytest.raises(NotAStore, match="version 3"):
+    marker.write_text(json.dumps({**old, "version": 4}))
+    with pytest.raises(NotAStore, match="version 4"):
         ChunkStore.open(path)
-    assert json.loads(marker.read_text())["version"] == 3
+    assert json.loads(marker.read_text())["version"] == 4
 
 
 def test_old_versions_are_found_by_byte_distance_across_zero_runs():

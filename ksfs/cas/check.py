@@ -369,7 +369,7 @@ def _lost_by_id(txn, db, infos: dict[bytes, fmt.ManifestInfo],
     lookup the wrong way while a cursor walk still lists every key (QA: check called a store
     clean whose files ``cat`` could not read). Chunks the walk does not list are named as
     not in the index by the manifest pass."""
-    wanted = {loc.base for _, loc in chunks if loc.base is not None}
+    wanted = {b for _, loc in chunks for b in loc.base_ids}
     for info in infos.values():
         wanted.update(cid for cid, _ in info.entries if cid is not None)
     return {cid for cid in wanted & listed if txn.get(cid, db=db) is None}
@@ -524,22 +524,24 @@ def _check_bases(chunks: list[tuple[bytes, fmt.Location]], rep: CheckReport) -> 
     """Every delta's base is indexed, not a delta itself, and sound: else the delta is lost too."""
     locs = dict(chunks)
     for cid, loc in chunks:
-        if (loc.base is None) != (loc.codec != fmt.CODEC_DELTA):
-            # GC keeps the base the index names: an entry that disagrees could lose one
+        n = len(loc.base_ids)
+        if not (n == 0 if loc.codec not in fmt.DELTA_CODECS else
+                n == 1 if loc.codec == fmt.CODEC_DELTA else n >= 2):
+            # GC keeps the bases the index names: an entry that disagrees could lose one
             rep.damaged_chunks.setdefault(cid.hex(), "its index entry's codec and base disagree")
             continue
-        if loc.base is None:
-            continue
-        base = locs.get(loc.base)
-        why = None
-        if loc.base.hex() in rep.damaged_chunks or loc.base.hex() in rep.missing_chunks:
-            why = "it is damaged or missing"
-        elif base is None:
-            why = "it is not in the index"
-        elif base.codec == fmt.CODEC_DELTA:
-            why = "it is a delta itself"
-        if why:
-            rep.damaged_chunks.setdefault(cid.hex(), f"its base chunk {loc.base.hex()}: {why}")
+        for base_id in loc.base_ids:
+            base = locs.get(base_id)
+            why = None
+            if base_id.hex() in rep.damaged_chunks or base_id.hex() in rep.missing_chunks:
+                why = "it is damaged or missing"
+            elif base is None:
+                why = "it is not in the index"
+            elif base.codec in fmt.DELTA_CODECS:
+                why = "it is a delta itself"
+            if why:
+                rep.damaged_chunks.setdefault(cid.hex(), f"its base chunk {base_id.hex()}: {why}")
+                break
 
 
 def _verify_records(store: ChunkStore, jobs: list[tuple[bytes, fmt.Location, bytes]]

@@ -12,9 +12,11 @@ id) in the old file as the new chunk is in the new one, since both hold their pi
 Bases are always plain chunks (if the old version is itself a delta, its base is used), so a
 read never follows more than one hop, and a delta is kept only when it saves a tenth of the bytes.
 
-A base may also be a chunk new in the same ingest that holds some of the new chunk's 4 KiB pages
-(``Ingest._near``): the same bytes are often in two places of one machine at once, a file's page
-cache and the buffer it was written from, or a disk block and the page cache that wrote it back.
+A delta may have several bases (codec 3, up to format.MAX_BASES), their plain bytes one after
+another as the dictionary: besides its old version, the chunks that hold its other 4 KiB pages
+(``Ingest._homes_of``), new in the same ingest or read as another chunk's old version. The same
+bytes are often in two places of one machine at once: a file's page cache and the buffer it was
+written from, a disk block and the page cache that wrote it back.
 """
 
 from __future__ import annotations
@@ -41,8 +43,32 @@ def _dict(base: bytes) -> zstandard.ZstdCompressionDict:
     return zstandard.ZstdCompressionDict(base, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
 
 
+_WIDER: dict[tuple[int, int], zstandard.ZstdCompressionParameters] = {}
+
+
+def _params(dict_len: int, data_len: int) -> zstandard.ZstdCompressionParameters:
+    """_PARAMS, with a window and hash table as wide as the dictionary asks. zstd loads only
+    the last 2 ** (hash_log + 3) bytes of a dictionary (ZSTD_loadDictionaryContent): with
+    _PARAMS's 12 that is 32 KiB, so a 64 KiB disk cluster's first half, or every base of
+    several but the last, would be out of reach. Nor is a match further back than the window
+    found."""
+    window_log = max(17, (dict_len + data_len - 1).bit_length())
+    hash_log = max(12, (dict_len - 1).bit_length() - 3)
+    if (window_log, hash_log) == (17, 12):
+        return _PARAMS
+    key = (window_log, hash_log)
+    if key not in _WIDER:
+        _WIDER[key] = zstandard.ZstdCompressionParameters(
+            window_log=window_log, hash_log=hash_log, chain_log=12, search_log=1, min_match=6,
+            strategy=zstandard.STRATEGY_FAST)
+    return _WIDER[key]
+
+
 def compress(data: bytes, base: bytes) -> bytes:
-    cctx = zstandard.ZstdCompressor(compression_params=_PARAMS, dict_data=_dict(base))
+    """A zstd frame of data with ``base`` (one base's plain bytes, or several one after
+    another) as its dictionary."""
+    cctx = zstandard.ZstdCompressor(compression_params=_params(len(base), len(data)),
+                                    dict_data=_dict(base))
     return cctx.compress(data)
 
 

@@ -56,8 +56,9 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int,
         for k, v in txn.cursor():
             if len(v) > fmt.INDEX_VALUE.size and bytes(k) in direct:
                 loc = fmt.Location.decode(v, bytes(k))
-                if loc.base not in direct:
-                    groups.setdefault(loc.base, []).append((bytes(k), loc))
+                for base in loc.base_ids:  # a delta on several bases is in each one's group
+                    if base not in direct:
+                        groups.setdefault(base, []).append((bytes(k), loc))
         base_locs = {b: fmt.Location.decode(raw, b) for b in groups
                      if (raw := txn.get(b)) is not None}
     cctx = zstandard.ZstdCompressor(level=store.level)
@@ -88,8 +89,12 @@ def flatten(store: ChunkStore, direct: set[bytes], first_no: int,
     committed = False
     try:
         moved = []
+        written: set[bytes] = set()
         for plain in plans.values():
             for cid, old, codec, stored, plain_len in plain:
+                if cid in written:  # a delta on two bases both flattened
+                    continue
+                written.add(cid)
                 new = append_to(writers, store, first_no, cid, stored, plain_len, codec)
                 moved.append((cid, old, new))
         for w in writers:

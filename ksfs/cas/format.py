@@ -11,9 +11,11 @@ The header's crc32 covers the 48 bytes before it, so a check can walk and judge 
 the index. The payload is zstd (codec 1), raw bytes (codec 0, when zstd does not shrink it), or a
 delta (codec 2): the 32-byte id of a base chunk, then zstd compressed with the base's plain bytes
 as its dictionary, so the pages a new version of a memory group or disk cluster shares with the
-old one cost almost nothing. A base is never itself a delta: a read needs at most one other chunk.
-Index values of deltas carry the base id after the fixed fields, so GC marks bases without
-reading packs.
+old one cost almost nothing; or a delta on several bases (codec 3): a count u8 (2 to
+MAX_BASES), that many base ids, then zstd with the bases' plain bytes one after another as its
+dictionary, for a chunk whose pages repeat those of several others. A base is never itself a
+delta: a read needs at most the bases' records besides its own. Index values of deltas carry
+the base ids after the fixed fields, so GC marks bases without reading packs.
 
 A manifest is ``"KSM1" | chunking u8 | pad 3 | size u64 | count u64`` then ``count`` 40-byte
 entries ``length u64 | id (32)``; the top bit of length marks a hole (id all zero). Adjacent
@@ -38,11 +40,15 @@ HEADER_SIZE = RECORD_HEADER.size  # 52
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 CODEC_DELTA = 2
-CODECS = (CODEC_RAW, CODEC_ZSTD, CODEC_DELTA)
+CODEC_DELTAS = 3
+CODECS = (CODEC_RAW, CODEC_ZSTD, CODEC_DELTA, CODEC_DELTAS)
+DELTA_CODECS = (CODEC_DELTA, CODEC_DELTAS)
 BASE_ID_SIZE = 32
+MAX_BASES = 8  # a delta's dictionary is at most this many chunks (8 x 64 KiB for disk clusters)
 
-INDEX_VALUE = struct.Struct("<IQIIB")  # pack, record offset, stored len, plain len, codec[, base]
-INDEX_VALUE_SIZES = (INDEX_VALUE.size, INDEX_VALUE.size + BASE_ID_SIZE)  # any other is damage
+INDEX_VALUE = struct.Struct("<IQIIB")  # pack, record offset, stored len, plain len, codec[, bases]
+# any other length is damage
+INDEX_VALUE_SIZES = tuple(INDEX_VALUE.size + BASE_ID_SIZE * k for k in range(MAX_BASES + 1))
 PACK_VALUE = struct.Struct("<QQ")  # committed size of the pack file, live record bytes
 # Bounds no real index value comes near (packs close at 32 MiB, chunks are at most 1 MiB: the
 # page cutter's cap, pagecut.CHUNK_MAX): past them an entry is damage, not something to pread
@@ -57,6 +63,28 @@ HOLE_BIT = 1 << 63
 NO_ID = bytes(32)
 CHUNKINGS = {"fixed": 0, "cdc": 1}
 CHUNKING_NAMES = {v: k for k, v in CHUNKINGS.items()}
+
+
+def delta_payload(base_ids: Sequence[bytes], frame: bytes) -> tuple[int, bytes]:
+    """(codec, payload) of a delta on these bases."""
+    if len(base_ids) == 1:
+        return CODEC_DELTA, base_ids[0] + frame
+    return CODEC_DELTAS, bytes([len(base_ids)]) + b"".join(base_ids) + frame
+
+
+def delta_bases(payload: bytes | memoryview, codec: int) -> tuple[bytes, int] | None:
+    """(the base ids one after another, where the zstd frame starts) of a delta record's
+    payload; None when it cannot hold them."""
+    if codec == CODEC_DELTA:
+        n, start = 1, 0
+    elif len(payload) < 1 or not 2 <= payload[0] <= MAX_BASES:
+        return None
+    else:
+        n, start = payload[0], 1
+    end = start + n * BASE_ID_SIZE
+    if len(payload) < end:
+        return None
+    return bytes(payload[start:end]), end
 
 
 def chunk_id(data: bytes | memoryview) -> bytes:
@@ -86,7 +114,8 @@ def decode_record_header(raw: bytes) -> tuple[bytes, int, int, int] | str:
 @dataclass(frozen=True, slots=True)  # an ingest holds one per new chunk until its commit
 class Location:
     """Where a chunk lives: its record starts at ``offset`` in pack ``pack``. ``base``: the id
-    of the chunk a delta (codec 2) is decoded against, None for any other codec."""
+    of the chunk a delta (codec 2) is decoded against, or the ids one after another of the
+    chunks a delta on several bases (codec 3) is; None for any other codec."""
 
     pack: int
     offset: int
@@ -94,6 +123,11 @@ class Location:
     plain_len: int
     codec: int
     base: bytes | None = None
+
+    @property
+    def base_ids(self) -> tuple[bytes, ...]:
+        b = self.base or b""
+        return tuple(b[i : i + BASE_ID_SIZE] for i in range(0, len(b), BASE_ID_SIZE))
 
     @property
     def record_len(self) -> int:
@@ -110,8 +144,9 @@ class Location:
         value has no index value's length: damage in place can leave any bytes there, and a
         struct.error would be a traceback (QA)."""
         if len(raw) not in INDEX_VALUE_SIZES:
-            short, long = INDEX_VALUE_SIZES
-            sizes = f"{len(raw)} bytes, where an entry has {short} or {long}"
+            short, long = INDEX_VALUE_SIZES[0], INDEX_VALUE_SIZES[-1]
+            sizes = (f"{len(raw)} bytes, where an entry has {short} or {short} plus 32 for each "
+                     f"base, up to {long}")
             if cid is None:
                 raise IntegrityError(f"a chunk's index entry no longer decodes ({sizes})")
             raise ChunkCorrupt(chunk=cid.hex(), why=f"its index entry no longer decodes ({sizes})")

@@ -100,8 +100,9 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
             marked.update(cid for cid, _ in info.entries if cid is not None)
         _require_indexed(store, txn, marked)
         # a live delta keeps its base (bases are never deltas: one pass marks them all)
-        bases = {bytes(v[fmt.INDEX_VALUE.size :]) for k, v in txn.cursor(db=db["chunks"])
-                 if len(v) > fmt.INDEX_VALUE.size and bytes(k) in marked}
+        bases = {b for k, v in txn.cursor(db=db["chunks"])
+                 if len(v) > fmt.INDEX_VALUE.size and bytes(k) in marked
+                 for b in fmt.Location.decode(v, bytes(k)).base_ids}
         _require_decodable(store, txn, bases)
         first_no = _first_pack_no(txn, store)
         repacked = _packs_repacked(txn, store, marked | bases, threshold)

@@ -40,7 +40,7 @@ from ksfs.cas.chunking import (
     open_source,
 )
 from ksfs.cas.flatten import release
-from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, encode_alone
+from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, decode_payload, encode_alone
 from ksfs.cas.pagecut import PAGE, data_pages, iter_pages, stream_start
 from ksfs.cas.patching import Patcher
 from ksfs.cas.store import list_packs_dir
@@ -158,12 +158,12 @@ class Ingest:
         self._bases: dict[bytes, bytes] = {}
         self._bases_bytes = 0
         self._mutex_bases = threading.Lock()
-        # Page homes: hash of a 4 KiB page -> a chunk this ingest stores whole that holds it.
-        # A new chunk whose pages repeat pages of another new chunk (a file's page cache and
-        # the tmpfs buffer it was written from; a disk block written back and the page cache
-        # that still holds it) is stored as a delta against that chunk when that beats its old
-        # version: its base is then a chunk of this same ingest (``_local_bases``), kept in
-        # ``_bases``. Hashes are Python's own: a collision only proposes a worse base.
+        # Page homes: hash of a 4 KiB page -> a plain chunk holding it that this ingest stores
+        # (``_local_bases``) or read as an old version's base, its bytes kept in ``_bases``. A
+        # new chunk whose pages repeat those of other chunks (a file's page cache and the tmpfs
+        # buffer it was written from; a disk block written back and the page cache that still
+        # holds it) is a delta on the chunks holding most of them together with its old
+        # version. Hashes are Python's own: a collision only proposes a useless base.
         self._homes: dict[int, bytes] = {}
         self._local_bases: set[bytes] = set()
         self._lock_fd = store.lock(exclusive=False)
@@ -398,15 +398,17 @@ class Ingest:
                 payload = encode_alone(cctx, data)
                 old = olds[k] if olds else None
                 # a chunk stored again stays plain: other deltas may name it as their base
-                diff, read_back = (None, 0) if old in (None, cid) or stale is not None else \
-                    self._delta(txn, old, data, bases)
+                olders, read_back = ({}, 0) if old in (None, cid) or stale is not None else \
+                    self._old_bases(txn, old, bases, fixed)
                 # Pages are looked for only in later versions of a file (a reference): a first
                 # checkpoint has few repeats, and its import stays as fast as before.
                 pages = None if ref is None or stale is not None else _pages(data, fixed)
-                if pages:
-                    near = self._near(data, pages, cid, diff)
-                    if near is not None and (diff is None or len(near[1]) < len(diff[1])):
-                        diff = near
+                chosen = {**self._homes_of(pages, cid, olders), **olders} if pages else olders
+                diff = None
+                if chosen:
+                    # the old version's bases last: most matches are there, at short distances
+                    diff = fmt.delta_payload(list(chosen), delta.compress(
+                        data, b"".join(chosen.values())))
                 if diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
                     payload = diff
                 elif pages and self._keep_base(cid, data):
@@ -416,23 +418,19 @@ class Ingest:
                 out.append((off, cid, n, (*payload, read_back, stale)))
         return out
 
-    def _near(self, data: bytes, pages: list[bytes], cid: bytes, diff: tuple | None
-              ) -> tuple | None:
-        """(codec, stored bytes) of data as a delta against the new chunk of this ingest that
-        holds the most of its pages, or None when none holds any (or that is its old version's
-        base, already tried)."""
+    def _homes_of(self, pages: list[bytes], cid: bytes, olders: dict[bytes, bytes]
+                  ) -> dict[bytes, bytes]:
+        """{id: plain bytes} of the new chunks of this ingest that hold the most of these
+        pages (not the chunk itself, nor its old version's bases), as many as may join them."""
         votes: dict[bytes, int] = {}
         homes = self._homes
         for page in pages:
             home = homes.get(hash(page))
-            if home is not None and home != cid:
+            if home is not None and home != cid and home not in olders:
                 votes[home] = votes.get(home, 0) + 1
-        if not votes:
-            return None
-        home = max(votes, key=votes.__getitem__)
-        if diff is not None and diff[1][: fmt.BASE_ID_SIZE] == home:
-            return None
-        return fmt.CODEC_DELTA, home + delta.compress(data, self._bases[home])
+        room = fmt.MAX_BASES - len(olders)
+        best = sorted(votes, key=votes.__getitem__, reverse=True)[:room]
+        return {home: self._bases[home] for home in best}
 
     def _readable(self, txn: lmdb.Transaction, raw: bytes) -> bool:
         """Whether an index entry can serve as a dedup hit: its pack file (and its base's, for
@@ -448,11 +446,12 @@ class Ingest:
             return True  # its figures cannot be trusted to release: check names it
         if not self._pack_holds(loc):
             return False
-        if loc.base is None:
-            return True
-        braw = txn.get(loc.base)
-        return braw is not None and len(braw) in fmt.INDEX_VALUE_SIZES and \
-            self._pack_holds(fmt.Location.decode(braw))
+        for base in loc.base_ids:
+            braw = txn.get(base)
+            if braw is None or len(braw) not in fmt.INDEX_VALUE_SIZES or \
+                    not self._pack_holds(fmt.Location.decode(braw)):
+                return False
+        return True
 
     def _pack_holds(self, loc: fmt.Location) -> bool:
         """Pack ``loc.pack`` is a regular file that reaches the end of ``loc``'s record; one
@@ -469,23 +468,31 @@ class Ingest:
         size = self._pack_sizes[loc.pack]
         return size is None or loc.offset + loc.record_len <= size
 
-    def _delta(self, txn: lmdb.Transaction, old: bytes, data: bytes,
-               bases: dict[bytes, tuple[bytes, int] | None]) -> tuple[tuple | None, int]:
-        """(codec, stored bytes) of data as a delta against its old version's base, or None;
-        and the stored bytes of the base read for it (each base is charged once)."""
+    def _old_bases(self, txn: lmdb.Transaction, old: bytes,
+                   bases: dict[bytes, tuple[bytes, int] | None], fixed: bool
+                   ) -> tuple[dict[bytes, bytes], int]:
+        """({id: plain bytes} of the plain chunks a new version of ``old`` may be a delta on:
+        ``old`` itself, or the bases of ``old`` if it is a delta (bases are never deltas: one
+        hop); and the stored bytes read for them (each base is charged once). Empty when one
+        cannot be read."""
         raw = txn.get(old)
         if raw is None or len(raw) not in fmt.INDEX_VALUE_SIZES:  # damage: stored alone
-            return None, 0
+            return {}, 0
         loc = fmt.Location.decode(raw)
-        base_id = loc.base or old  # bases are never deltas: follow one hop
-        if base_id not in bases:
-            bases[base_id] = self._read_base(txn, base_id, loc if loc.base is None else None)
-        got = bases[base_id]
-        if got is None:
-            return None, 0
-        plain, cost = got
-        bases[base_id] = (plain, 0)
-        return (fmt.CODEC_DELTA, base_id + delta.compress(data, plain)), cost
+        out, cost = {}, 0
+        for base_id in loc.base_ids or (old,):
+            if base_id not in bases:
+                bases[base_id] = self._read_base(txn, base_id, None if loc.base else loc)
+                if bases[base_id] is not None and base_id in self._bases:
+                    for page in _pages(bases[base_id][0], fixed):
+                        self._homes.setdefault(hash(page), base_id)
+            got = bases[base_id]
+            if got is None:
+                return {}, 0
+            out[base_id] = got[0]
+            cost += got[1]
+            bases[base_id] = (got[0], 0)
+        return out, cost
 
     def _read_base(self, txn: lmdb.Transaction, base_id: bytes, loc: fmt.Location | None
                    ) -> tuple[bytes, int] | None:
@@ -496,7 +503,7 @@ class Ingest:
             raw = txn.get(base_id)
             loc = None if raw is None or len(raw) not in fmt.INDEX_VALUE_SIZES else \
                 fmt.Location.decode(raw)
-        if loc is None or loc.codec == fmt.CODEC_DELTA:
+        if loc is None or loc.codec in fmt.DELTA_CODECS:
             return None
         try:
             plain = self.store.read_chunk(base_id, loc)
@@ -665,14 +672,18 @@ class Ingest:
         same new data at once): read, ours would take two hops. The caller's transaction aborts,
         nothing is published; the import can run again."""
         for cid, loc in self.new.items():
-            if cid in self.lost or loc.base not in self.lost:
+            if cid in self.lost:
                 continue
-            raw = txn.get(loc.base, db=self.store.db["chunks"])
-            if raw is not None and len(raw) in fmt.INDEX_VALUE_SIZES and \
-                    fmt.Location.decode(raw).codec != fmt.CODEC_DELTA:
-                continue
-            raise Busy(f"another import stored chunk {loc.base.hex()} at the same moment, in a "
-                       "form this import cannot build on: nothing was published; import again")
+            for base in loc.base_ids:
+                if base not in self.lost:
+                    continue
+                raw = txn.get(base, db=self.store.db["chunks"])
+                if raw is not None and len(raw) in fmt.INDEX_VALUE_SIZES and \
+                        fmt.Location.decode(raw).codec not in fmt.DELTA_CODECS:
+                    continue
+                raise Busy(f"another import stored chunk {base.hex()} at the same moment, in a "
+                           "form this import cannot build on: nothing was published; import "
+                           "again")
 
     def _take_seal_lock(self) -> int:
         """The store's seal lock (fd), held until close: ingests seal and publish one at a
@@ -731,10 +742,12 @@ class Ingest:
         """A delta whose base was to be a chunk of this ingest that is not here as a plain
         record: another ingest committed it first (it may be a delta there), or a copy of it
         on another worker was stored as a delta."""
-        if loc.base is None or loc.base not in self._local_bases:
-            return False
-        here = self.new.get(loc.base)
-        return here is None or here.codec == fmt.CODEC_DELTA
+        for base in loc.base_ids:
+            if base in self._local_bases:
+                here = self.new.get(base)
+                if here is None or here.codec in fmt.DELTA_CODECS:
+                    return True
+        return False
 
     def _store_orphans_whole(self) -> None:
         """Store each orphan delta (``_orphan``) whole instead: bases are never deltas."""
@@ -742,14 +755,14 @@ class Ingest:
         if not orphans:
             return
         plain = {}
+        dctx = zstandard.ZstdDecompressor()  # the store's may be in use on another thread
         for w in self.writers:
             for cid, loc in w.written:
                 if cid in orphans:
                     with translate("read pack", w.path):
                         raw = os.pread(w.fd, loc.record_len, loc.offset)
-                    frame = raw[fmt.HEADER_SIZE + fmt.BASE_ID_SIZE :]
-                    plain[cid] = delta.decompress(cid, frame, self._bases[loc.base],
-                                                  loc.plain_len)
+                    plain[cid] = decode_payload(cid, raw[fmt.HEADER_SIZE :], loc.codec,
+                                                loc.plain_len, dctx, self._base)
             if any(cid in orphans for cid, _ in w.written):
                 self._compact(w, orphans.keys())
         cctx = zstandard.ZstdCompressor(level=self.level)

@@ -58,23 +58,27 @@ def decode_payload(cid: bytes, payload: bytes | memoryview, codec: int, plain_le
                    index_base: bytes | None = None) -> bytes:
     """Decompress a record's payload and check it against its id; ChunkCorrupt if it differs.
 
-    A delta's base is fetched through ``bases``; a base that cannot be read makes the delta
-    unreadable too, reported as this chunk's damage naming the base. ``index_base``: the base
+    A delta's bases are fetched through ``bases``; a base that cannot be read makes the delta
+    unreadable too, reported as this chunk's damage naming the base. ``index_base``: the bases
     the index names for this chunk, which the record must name too (GC keeps the index's).
     """
-    if index_base is not None and payload[: fmt.BASE_ID_SIZE] != index_base:
+    named = fmt.delta_bases(payload, codec) if codec in fmt.DELTA_CODECS else None
+    if index_base is not None and (named is None or named[0] != index_base):
         raise ChunkCorrupt(chunk=cid.hex(), why="its record names another base than the index")
-    if codec == fmt.CODEC_DELTA:
-        base_id = bytes(payload[: fmt.BASE_ID_SIZE])
-        if bases is None or len(base_id) != fmt.BASE_ID_SIZE:
+    if codec in fmt.DELTA_CODECS:
+        if bases is None or named is None:
             raise ChunkCorrupt(chunk=cid.hex(), why="a delta record without its base")
-        try:
-            base = bases(base_id)
-        except (ChunkCorrupt, ChunkMissing) as exc:
-            why = exc.fields.get("why") or str(exc)
-            raise ChunkCorrupt(chunk=cid.hex(),
-                               why=f"its base chunk {base_id.hex()} is unreadable: {why}") from None
-        plain = delta.decompress(cid, payload[fmt.BASE_ID_SIZE :], base, plain_len)
+        ids, start = named
+        dictionary = []
+        for i in range(0, len(ids), fmt.BASE_ID_SIZE):
+            base_id = ids[i : i + fmt.BASE_ID_SIZE]
+            try:
+                dictionary.append(bases(base_id))
+            except (ChunkCorrupt, ChunkMissing) as exc:
+                why = exc.fields.get("why") or str(exc)
+                raise ChunkCorrupt(chunk=cid.hex(), why=f"its base chunk {base_id.hex()} is "
+                                   f"unreadable: {why}") from None
+        plain = delta.decompress(cid, payload[start:], b"".join(dictionary), plain_len)
     elif codec == fmt.CODEC_ZSTD:
         try:
             plain = dctx.decompress(payload, max_output_size=plain_len)
@@ -180,7 +184,8 @@ class PackWriter:
                 if m <= 0:
                     raise OSError(errno.EIO, "short write to pack", self.path)
                 n += m
-        base = bytes(stored[: fmt.BASE_ID_SIZE]) if codec == fmt.CODEC_DELTA else None
+        named = fmt.delta_bases(stored, codec) if codec in fmt.DELTA_CODECS else None
+        base = None if named is None else named[0]
         loc = fmt.Location(self.no, self.end, len(stored), plain_len, codec, base)
         self.end += n
         self.written.append((cid, loc))

@@ -63,7 +63,7 @@ class Patcher:
                             start, exc)
                 return read_exact(self.src, start, n)
             self.base_bytes_read += loc.record_len if loc is not None else 0
-            if self.keep is not None and loc is not None and loc.codec != fmt.CODEC_DELTA:
+            if self.keep is not None and loc is not None and loc.codec not in fmt.DELTA_CODECS:
                 self.keep(cid, base)
             buf = bytearray(base)
         for a, b in parts:

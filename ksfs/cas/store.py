@@ -50,11 +50,11 @@ log = logging.getLogger(__name__)
 
 MARKER = "ksfs.json"
 FORMAT = "ksfs-store"
-# 1: no delta chunks. 2: delta chunks (codec 2). An ingest raises a version-1 store's marker to
-# 2 before it writes anything, so a ksfs that knows only 1 refuses the store with a clear reason
-# instead of reporting every delta as damage.
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 1: no delta chunks. 2: delta chunks (codec 2). 3: deltas on several bases (codec 3). An ingest
+# raises an older store's marker to this version before it writes anything, so a ksfs that knows
+# only an older one refuses the store with a clear reason instead of reporting deltas as damage.
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 LAYOUT = ("index", "packs", "staging", "vm")
 # What holds checkpoint bytes (memory images: the guest's secrets too) is its owner's alone;
 # the files inside stay readable by all, so a pack root wrote into a user's store still reads
@@ -494,7 +494,7 @@ class ChunkStore:
         """The plain bytes of a delta's base chunk, which must not be a delta itself: one hop
         at most, so a damaged index can never send a read round a cycle."""
         loc = self.lookup(cid)
-        if loc is not None and loc.codec == fmt.CODEC_DELTA:
+        if loc is not None and loc.codec in fmt.DELTA_CODECS:
             raise ChunkCorrupt(chunk=cid.hex(), why="a delta's base is itself a delta")
         return self.read_chunk(cid, loc)
 
