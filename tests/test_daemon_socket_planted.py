@@ -130,6 +130,18 @@ def test_an_answer_not_in_the_protocol_is_a_daemon_error(store: Path, fake_daemo
     assert checkpoints(store) == before
 
 
+def test_an_answer_that_never_ends_its_line_is_not_buffered_without_end(store: Path,
+                                                                        fake_daemon) -> None:
+    """A server that sends bytes and never a newline: the client gives up at MAX_LINE."""
+    from ksfs.daemon.client import MAX_LINE
+
+    before = checkpoints(store)
+    fake_daemon(b"x" * (MAX_LINE + (1 << 20)))
+    res = ksfs(store, *SAVE)
+    one_line(res, 13, "no reply of a ksfs daemon", f"a line longer than {MAX_LINE >> 20} MiB")
+    assert checkpoints(store) == before
+
+
 NOT_A_DICT = ['"c1"', "[1, 2]", "null"]
 WITHOUT_ITS_FIELDS = ["{}", '{"files": 3}']
 

@@ -42,6 +42,9 @@ log = logging.getLogger("ksfs.daemon")
 # verb runs, so silence means its loop is stuck or stopped, not that the verb is long (a save
 # of a big machine takes minutes). Silent this long: said on stderr, once; this long: given up.
 NOTICE_AFTER = 2.0
+# No reply line of a ksfs daemon comes near this (a session list of thousands is some MB): a
+# server at daemon.sock that never ends its line is not buffered without end.
+MAX_LINE = 64 << 20
 SILENCE_MAX = 30.0
 
 
@@ -200,11 +203,15 @@ def _read_reply(sock: socket.socket, progress: Callable[..., None] | None, limit
     """The verb's reply line, handing progress lines before it to ``progress`` and skipping
     the daemon's "alive" lines. ``notice()`` once after NOTICE_AFTER seconds of silence;
     _Silent after ``limit`` seconds of it."""
-    buf = b""
+    buf = bytearray()
     last = time.monotonic()
     noticed = limit <= NOTICE_AFTER  # a caller's short wait (a courtesy call) says nothing
     while True:
-        while b"\n" not in buf:
+        scanned = 0  # the bytes of buf already looked through for the line's end
+        while (end := buf.find(b"\n", scanned)) < 0:
+            scanned = len(buf)
+            if scanned > MAX_LINE:
+                raise _NotAReply(f"a line longer than {MAX_LINE >> 20} MiB")
             silent = time.monotonic() - last
             if silent >= limit:
                 raise _Silent
@@ -222,7 +229,8 @@ def _read_reply(sock: socket.socket, progress: Callable[..., None] | None, limit
             buf += part
             last = time.monotonic()
             heard()
-        line, _, buf = buf.partition(b"\n")
+        line = bytes(buf[:end])
+        del buf[: end + 1]
         try:
             message = json.loads(line)
         except ValueError:  # (undecodable bytes too)
