@@ -260,3 +260,58 @@ def test_data_pages_reads_any_bytes_and_real_records_exactly(noise, addr):
              for i in range(12)}
     chunk = b"".join(record(a, pages[a], first=(i == 0)) for i, a in enumerate(sorted(pages)))
     assert pagecut.data_pages(chunk) == [p for _, p in sorted(pages.items()) if p is not None]
+
+
+def test_what_a_checkpoint_holds_counts_every_base_of_its_deltas(stores):
+    """Review: held_chunks (the mount's st_blocks, `du`) took a delta's bases for one id."""
+    rng = random.Random(21)
+    store = stores("pages")
+    _, (_, f1), copy = copies(rng, store)
+    loc = store.lookup(copy)
+    held = store.held_chunks([f1.manifest])
+    for base in loc.base_ids:
+        assert held[base] == store.lookup(base).record_len
+    assert loc.base not in held  # no key made of several ids
+
+
+def test_gc_frees_nothing_while_an_entry_names_fewer_bases_than_its_codec(stores):
+    """Review: an entry that lost a base id still decoded, and GC swept the base its record
+    needs; now GC stops before deleting anything, as for any entry it cannot read."""
+    from ksfs.errors import StoreDamaged
+
+    rng = random.Random(21)
+    store = stores("pages")
+    imgs, (_, f1), copy = copies(rng, store)
+    loc = store.lookup(copy)
+    live = dict(store.load_manifest(f1.manifest).entries)
+    with store.env.begin(write=True) as txn:
+        txn.put(copy, dataclasses.replace(loc, base=next(
+            b for b in loc.base_ids if b in live)).encode(), db=store.db["chunks"])
+    with pytest.raises(StoreDamaged, match="names 1 bases for codec 3"):
+        store.gc([f1.manifest], threshold=1.0)
+    assert all(store.lookup(b) is not None for b in loc.base_ids)
+    with store.env.begin(write=True) as txn:  # the entry mended: nothing was lost
+        txn.put(copy, loc.encode(), db=store.db["chunks"])
+    read_back(store, f1.manifest, imgs[1], rng)
+    assert store.check(read_data=True).ok
+
+
+def test_new_chunks_kept_as_page_homes_leave_the_old_bases_their_budget(stores, monkeypatch):
+    """Review: page homes took from the budget of old versions' bases, so after 64 MiB of new
+    data the seal read every later delta's base from its pack again."""
+    from ksfs.cas import ingest as ingest_mod
+
+    monkeypatch.setattr(ingest_mod, "BASES_KEPT", 2 << 20)  # 64 MiB at 1/32 scale
+    rng = random.Random(1)
+    store = stores("pages")
+    old = [rng.randbytes(64 << 10) for _ in range(16)]
+    # 128 clusters (8 MiB) of new data first, then the old clusters with one page changed each
+    new = [rng.randbytes(64 << 10) for _ in range(128)] + [
+        c[:PAGE] + rng.randbytes(PAGE) + c[2 * PAGE :] for c in old]
+    f0 = put(store, bytes(128 << 16) + b"".join(old))
+    reads = []
+    monkeypatch.setattr(store, "read_base", lambda cid: reads.append(cid) or 1 / 0)
+    f1 = put(store, b"".join(new), like=f0.manifest)
+    assert not reads  # the seal verified the deltas against the bases it kept
+    assert sum(store.lookup(c).codec in fmt.DELTA_CODECS
+               for c, _ in store.load_manifest(f1.manifest).entries[128:]) == 16

@@ -524,10 +524,7 @@ def _check_bases(chunks: list[tuple[bytes, fmt.Location]], rep: CheckReport) -> 
     """Every delta's base is indexed, not a delta itself, and sound: else the delta is lost too."""
     locs = dict(chunks)
     for cid, loc in chunks:
-        n = len(loc.base_ids)
-        if not (n == 0 if loc.codec not in fmt.DELTA_CODECS else
-                n == 1 if loc.codec == fmt.CODEC_DELTA else n >= 2):
-            # GC keeps the bases the index names: an entry that disagrees could lose one
+        if loc.bases_disagree():
             rep.damaged_chunks.setdefault(cid.hex(), "its index entry's codec and base disagree")
             continue
         for base_id in loc.base_ids:

@@ -9,7 +9,7 @@ The previous version is found through a reference manifest (the same file in the
 before): for fixed chunking the chunk at the same offset; for content-defined or page-cut files
 the chunk as many bytes from the nearest unchanged chunk (an "anchor", found in the reference by
 id) in the old file as the new chunk is in the new one, since both hold their pieces in order.
-Bases are always plain chunks (if the old version is itself a delta, its base is used), so a
+Bases are always plain chunks (if the old version is itself a delta, its bases are used), so a
 read never follows more than one hop, and a delta is kept only when it saves a tenth of the bytes.
 
 A delta may have several bases (codec 3, up to format.MAX_BASES), their plain bytes one after

@@ -129,6 +129,15 @@ class Location:
         b = self.base or b""
         return tuple(b[i : i + BASE_ID_SIZE] for i in range(0, len(b), BASE_ID_SIZE))
 
+    def bases_disagree(self) -> bool:
+        """Whether the codec and the number of bases the entry names disagree (none but for a
+        delta, one for codec 2, two or more for codec 3): damage, since GC keeps the bases the
+        index names and an entry that lost one would let its base go."""
+        n = len(self.base_ids)
+        if self.codec not in DELTA_CODECS:
+            return n != 0
+        return n != 1 if self.codec == CODEC_DELTA else n < 2
+
     @property
     def record_len(self) -> int:
         return HEADER_SIZE + self.stored_len

@@ -174,11 +174,16 @@ def _require_decodable(store: ChunkStore, txn, kept: set[bytes]) -> None:
         raw = txn.get(cid, db=store.db["chunks"])
         if raw is not None:
             try:
-                fmt.Location.decode(raw, cid)
+                loc = fmt.Location.decode(raw, cid)
             except IntegrityError as exc:
                 raise StoreDamaged(path=store.path, why=f"{exc}; a live checkpoint holds it, "
                                    "so gc frees nothing (run `ksfs check` to see what is "
                                    "damaged)") from None
+            if loc.bases_disagree():  # it may have lost a base GC would then free
+                raise StoreDamaged(path=store.path, why=(
+                    f"the index entry of chunk {cid.hex()} names {len(loc.base_ids)} bases "
+                    f"for codec {loc.codec}; a live checkpoint holds it, so gc frees nothing "
+                    "(run `ksfs check` to see what is damaged)"))
 
 
 def _packs_repacked(txn, store: ChunkStore, kept: set[bytes], threshold: float) -> set[int]:

@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 PAGE_CUTTER = True  # False: memory images go through plain FastCDC too (for the benchmark)
 BASES_KEPT = 64 * 1024 * 1024  # plain bytes of delta bases an ingest keeps for its seal
+# plain bytes of new chunks it keeps as page homes, apart: a save that changed much never takes
+# from the old versions' bases the budget above keeps for later deltas and the seal's verify
+HOMES_KEPT = 32 * 1024 * 1024
 SEAL_LOCK = "seal.lock"
 # How long a seal waits for another ingest's publish; then it seals without the lock (the
 # figures stay true, commit still skips what another committed; only the bytes may stay twice)
@@ -157,6 +160,7 @@ class Ingest:
         # against these instead of reading every base from its pack again
         self._bases: dict[bytes, bytes] = {}
         self._bases_bytes = 0
+        self._homes_bytes = 0
         self._mutex_bases = threading.Lock()
         # Page homes: hash of a 4 KiB page -> a plain chunk holding it that this ingest stores
         # (``_local_bases``) or read as an old version's base, its bytes kept in ``_bases``. A
@@ -411,7 +415,7 @@ class Ingest:
                         data, b"".join(chosen.values())))
                 if diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
                     payload = diff
-                elif pages and self._keep_base(cid, data):
+                elif pages and self._keep_base(cid, data, home=True):
                     self._local_bases.add(cid)
                     for page in pages:
                         self._homes.setdefault(hash(page), cid)
@@ -514,15 +518,19 @@ class Ingest:
         self._keep_base(base_id, plain)
         return plain, loc.record_len
 
-    def _keep_base(self, base_id: bytes, plain: bytes) -> bool:
-        """Remember a checked plain base chunk for later deltas and for the seal's verify;
-        False when the ingest keeps enough bases already."""
-        if self._bases_bytes >= BASES_KEPT:
+    def _keep_base(self, base_id: bytes, plain: bytes, home: bool = False) -> bool:
+        """Remember a checked plain base chunk (``home``: a new chunk of this ingest, as a page
+        home) for later deltas and for the seal's verify; False when the ingest keeps enough
+        of that kind already."""
+        if (self._homes_bytes >= HOMES_KEPT) if home else (self._bases_bytes >= BASES_KEPT):
             return False
         with self._mutex_bases:
             if base_id not in self._bases:
                 self._bases[base_id] = plain
-                self._bases_bytes += len(plain)
+                if home:
+                    self._homes_bytes += len(plain)
+                else:
+                    self._bases_bytes += len(plain)
         return True
 
     def _base(self, base_id: bytes) -> bytes:

@@ -425,7 +425,7 @@ class ChunkStore:
         return None if raw is None else fmt.Location.decode(raw, cid)
 
     def held_chunks(self, manifests: Iterable[str]) -> dict[bytes, int]:
-        """The chunks these manifests hold, each with its record's bytes in its pack; the base
+        """The chunks these manifests hold, each with its record's bytes in its pack; the bases
         of each of their deltas included, since GC keeps a base for its deltas. A chunk the
         index no longer has holds nothing. ManifestCorrupt for a manifest that is gone."""
         held: dict[bytes, int] = {}
@@ -439,8 +439,11 @@ class ChunkStore:
                 if raw is None or len(raw) < fmt.INDEX_VALUE.size:  # lost or damaged: check says
                     continue
                 held[cid] = fmt.HEADER_SIZE + fmt.INDEX_VALUE.unpack_from(raw)[2]
-                base = bytes(raw[fmt.INDEX_VALUE.size :])
-                if base and base not in held:
+                named = bytes(raw[fmt.INDEX_VALUE.size :])  # a delta's bases, one after another
+                for i in range(0, len(named) - fmt.BASE_ID_SIZE + 1, fmt.BASE_ID_SIZE):
+                    base = named[i : i + fmt.BASE_ID_SIZE]
+                    if base in held:
+                        continue
                     braw = txn.get(base)
                     if braw is not None and len(braw) >= fmt.INDEX_VALUE.size:
                         held[base] = fmt.HEADER_SIZE + fmt.INDEX_VALUE.unpack_from(braw)[2]
