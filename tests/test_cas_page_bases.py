@@ -315,3 +315,25 @@ def test_new_chunks_kept_as_page_homes_leave_the_old_bases_their_budget(stores, 
     assert not reads  # the seal verified the deltas against the bases it kept
     assert sum(store.lookup(c).codec in fmt.DELTA_CODECS
                for c, _ in store.load_manifest(f1.manifest).entries[128:]) == 16
+
+
+def test_a_stream_reads_a_base_several_deltas_share_once(stores, monkeypatch):
+    rng = random.Random(27)
+    store = stores("pages")
+    v0 = guest(rng)
+    fresh = [rng.randbytes(PAGE) for _ in range(GROUP)]
+    v1 = with_group(with_group(with_group(v0, 1, fresh), 3, fresh[::-1]), 5, fresh[2:] + fresh[:2])
+    imgs = memory_image(v0), memory_image(v1)
+    f0 = put(store, imgs[0], "cdc")
+    f1 = put(store, imgs[1], "cdc", like=f0.manifest)
+    entries = store.load_manifest(f1.manifest).entries
+    source = chunk_holding(entries, imgs[1], fresh[0])
+    copies_of = [chunk_holding(entries, imgs[1], page, second=True)
+                 for page in (fresh[-1], fresh[2])]
+    assert all(source in store.lookup(c).base_ids for c in copies_of)
+    asked: list[bytes] = []
+    read_base = store.read_base
+    monkeypatch.setattr(store, "read_base", lambda cid: asked.append(cid) or read_base(cid))
+    assert b"".join(bytes(p) for part in store.open_file(f1.manifest).stream() for p in part) \
+        == imgs[1]
+    assert asked.count(source) == 1, asked

@@ -36,6 +36,7 @@ STREAM_BATCH = 2 * 1024 * 1024  # plain bytes per task of a streamed read
 # Tasks in flight: both workers busy while the consumer writes. On the shared 2-core test box
 # they gained little over one thread for /dev/null; they matter when the consumer is a pipe.
 STREAM_AHEAD = 4
+BASES_CACHED = 32 * 1024 * 1024  # plain bytes of delta bases one stream keeps, read once each
 SPAN_MAX = 4 * 1024 * 1024  # adjacent records of one pack are read with one pread up to this
 _ZEROS = memoryview(bytes(1024 * 1024))  # holes are handed out as views of this
 
@@ -146,18 +147,19 @@ class FileReader:
         if offset >= end:
             return
         tasks = self._tasks(offset, end)
+        bases = _Bases(self.store)
         first = next(tasks)
         second = next(tasks, None)
         if second is None or not STREAM_AHEAD:  # one task: no thread to hand it to
             for t in itertools.chain((first,), () if second is None else (second,), tasks):
-                yield self._read_task(t)
+                yield self._read_task(t, bases)
             return
         tasks = itertools.chain((first, second), tasks)
         pool = self.store.pool
         pending: deque = deque()
         try:
             for t in tasks:
-                pending.append(pool.submit(self._read_task, t))
+                pending.append(pool.submit(self._read_task, t, bases))
                 if len(pending) >= STREAM_AHEAD:
                     yield pending.popleft().result()
             while pending:
@@ -186,7 +188,8 @@ class FileReader:
         if task:
             yield task
 
-    def _read_task(self, task: list[tuple[int, int, int]]) -> list[bytes | memoryview]:
+    def _read_task(self, task: list[tuple[int, int, int]], bases: _Bases
+                   ) -> list[bytes | memoryview]:
         store = self.store
         entries = self.entries
         locs: list[tuple | None] = []
@@ -236,7 +239,7 @@ class FileReader:
             for m in range(k, j):
                 i, lo, hi = task[m]
                 cid, length = entries[i]
-                data = _check_record(cid, locs[m], span, first_off, store)
+                data = _check_record(cid, locs[m], span, first_off, store, bases)
                 if data is None:
                     data = store.read_chunk(cid)
                 out.append(_piece(data, lo, hi, length))
@@ -314,8 +317,28 @@ def _read_raw_into(store: ChunkStore, cid: bytes, raw: bytes, dst: memoryview) -
             and chunk_id(dst) == cid)
 
 
+class _Bases:
+    """The plain bytes of the delta bases one stream read, up to BASES_CACHED: a base several
+    deltas share (a chunk holding pages others repeat, kept once for them all) is read from its
+    pack and checked once. Two workers may ask at once: a base read twice is the only cost."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self.kept: dict[bytes, bytes] = {}
+        self.size = 0
+
+    def __call__(self, cid: bytes) -> bytes:
+        plain = self.kept.get(cid)
+        if plain is None:
+            plain = self.store.read_base(cid)
+            if self.size < BASES_CACHED:
+                self.kept[cid] = plain
+                self.size += len(plain)
+        return plain
+
+
 def _check_record(cid: bytes, loc: tuple, span: memoryview, span_off: int,
-                  store: ChunkStore) -> bytes | None:
+                  store: ChunkStore, bases: _Bases) -> bytes | None:
     """The plain bytes of the record at loc within span, checked like ``ChunkStore._read_at``
     (header against the index, header crc, length, id); None when anything is off."""
     pack, off, stored_len, plain_len, codec, base = loc
@@ -326,7 +349,7 @@ def _check_record(cid: bytes, loc: tuple, span: memoryview, span_off: int,
         return None
     try:
         return decode_payload(cid, rec[HEADER_SIZE:], codec, plain_len, store.dctx,
-                              store.read_base, base or None)
+                              bases, base or None)
     except KsfsError:
         return None
 
