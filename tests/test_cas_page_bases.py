@@ -116,19 +116,26 @@ def test_a_disk_cluster_written_back_is_a_delta_on_the_memory_that_holds_it(stor
     assert store.check(read_data=True).ok
 
 
-def test_a_base_another_import_commits_first_as_a_delta_leaves_no_second_hop(stores):
-    rng = random.Random(9)
-    store = stores("pages")
+def racing(rng: random.Random, store) -> tuple:
+    """Two imports of the same new group: (v2, v2_other, f0, f1, the group's pages). v1's
+    group 1 is fresh but for one page: against v1, v2's group 1 is a good delta; against v0 it
+    is new, so an ingest of v2 like v0 stores it whole and builds its copy in group 3 on it.
+    v2_other has that group 1 but another group 3."""
     v0 = guest(rng)
     fresh = [rng.randbytes(PAGE) for _ in range(GROUP)]
-    # v1's group 1 is fresh but for one page: against v1, v2's group 1 is a good delta;
-    # against v0 it is new, so an ingest of v2 like v0 stores it whole and builds on it
     v1 = with_group(v0, 1, [rng.randbytes(PAGE)] + fresh[1:])
     v2 = with_group(with_group(v0, 1, fresh), 3, fresh[::-1])
     v2_other = with_group(v2, 3, [rng.randbytes(PAGE) for _ in range(GROUP)])
-    img0, img1, img2 = memory_image(v0), memory_image(v1), memory_image(v2)
-    f0 = put(store, img0, "cdc")
-    f1 = put(store, img1, "cdc", like=f0.manifest)
+    f0 = put(store, memory_image(v0), "cdc")
+    f1 = put(store, memory_image(v1), "cdc", like=f0.manifest)
+    return v2, v2_other, f0, f1, fresh
+
+
+def test_a_base_another_import_commits_first_as_a_delta_leaves_no_second_hop(stores):
+    rng = random.Random(9)
+    store = stores("pages")
+    v2, v2_other, f0, f1, fresh = racing(rng, store)
+    img2 = memory_image(v2)
     with store.ingest() as ing:
         f2 = ing.add_file(BytesSource(img2), chunking="cdc", like=f0.manifest)
         entries = fmt.decode_manifest(ing.manifests[bytes.fromhex(f2.manifest)]).entries
@@ -150,7 +157,6 @@ def test_a_base_another_import_commits_first_as_a_delta_leaves_no_second_hop(sto
     assert store.check(read_data=True).ok
 
 
-
 def test_a_base_committed_as_a_delta_between_seal_and_commit_publishes_nothing(stores,
                                                                                monkeypatch):
     from ksfs.cas import ingest as ingest_mod
@@ -159,13 +165,7 @@ def test_a_base_committed_as_a_delta_between_seal_and_commit_publishes_nothing(s
     monkeypatch.setattr(ingest_mod, "SEAL_WAIT_S", 0.2)  # the other import seals without it
     rng = random.Random(13)
     store = stores("pages")
-    v0 = guest(rng)
-    fresh = [rng.randbytes(PAGE) for _ in range(GROUP)]
-    v1 = with_group(v0, 1, [rng.randbytes(PAGE)] + fresh[1:])
-    v2 = with_group(with_group(v0, 1, fresh), 3, fresh[::-1])
-    v2_other = with_group(v2, 3, [rng.randbytes(PAGE) for _ in range(GROUP)])
-    f0 = put(store, memory_image(v0), "cdc")
-    f1 = put(store, memory_image(v1), "cdc", like=f0.manifest)
+    v2, v2_other, f0, f1, _ = racing(rng, store)
     before = store.stats()
     try:
         with store.ingest() as ing:
