@@ -424,8 +424,9 @@ class Ingest:
 
     def _homes_of(self, pages: list[bytes], cid: bytes, olders: dict[bytes, bytes]
                   ) -> dict[bytes, bytes]:
-        """{id: plain bytes} of the new chunks of this ingest that hold the most of these
-        pages (not the chunk itself, nor its old version's bases), as many as may join them."""
+        """{id: plain bytes} of the page homes (plain chunks this ingest stores, or read as old
+        versions) that hold the most of these pages, not the chunk itself nor its old version's
+        bases, as many as may join those as bases."""
         votes: dict[bytes, int] = {}
         homes = self._homes
         for page in pages:
@@ -437,7 +438,7 @@ class Ingest:
         return {home: self._bases[home] for home in best}
 
     def _readable(self, txn: lmdb.Transaction, raw: bytes) -> bool:
-        """Whether an index entry can serve as a dedup hit: its pack file (and its base's, for
+        """Whether an index entry can serve as a dedup hit: its pack file (and its bases', for
         a delta) is there and long enough to hold its record. One whose pack is gone or cut
         short is stored again, so importing the same data repairs the store instead of
         publishing a file that cannot be read. GC, the only one that deletes packs, waits for
