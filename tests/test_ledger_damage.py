@@ -5,6 +5,7 @@ leaves the events before it readable."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -199,3 +200,68 @@ def test_recover_mends_the_other_sessions_past_a_damaged_record(tmp_path: Path) 
     assert report["demo"]["failed"] is True
     assert report["zed"] == {"session": "zed", "failed": False,
                              "actions": ["checkpoint c_0001 begun at seq 1 marked failed"]}
+
+
+def test_session_rm_damaged_forgets_a_session_whose_record_no_longer_decodes(tmp_path: Path
+                                                                             ) -> None:
+    """One damaged session record stopped session list, stats and gc for the whole store, and
+    nothing could remove it (session rm said the damage, exit 6). `session rm NAME --damaged`
+    forgets it: its record, checkpoint records and events go, and gc frees its chunks."""
+    path = demo_store(tmp_path / "store")
+    lin = lineage_of(path, "demo")
+    before = json.loads(ksfs(path, "stats", "--json").stdout)
+    put_raw(path, b"sessions", b"demo", b'{"name":"demo"}')
+    assert_one_line(ksfs(path, "session", "rm", "demo"), "`ksfs session rm demo --damaged`")
+    res = ksfs(path, "session", "rm", "demo", "--damaged")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "forgot session demo (its record was damaged)\n"
+    assert "its damaged record is forgotten" in res.stderr and "Traceback" not in res.stderr
+    for verb in (["session", "list"], ["stats"], ["ledger", "verify"], ["check"]):
+        res = ksfs(path, *verb)
+        assert res.returncode == 0, (verb, res.stderr)
+    res = ksfs(path, "gc", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["chunks_freed"] >= 1, res
+    assert json.loads(ksfs(path, "stats", "--json").stdout)["checkpoints"] == \
+        before["checkpoints"] - 1
+    store = open_store(path)
+    try:
+        assert Ledger(store).lineage_info(lin.hex()).removed is not None  # kept for forks
+        with store.env.begin() as txn:
+            for db in (b"checkpoints", b"events"):
+                keys = txn.cursor(db=store.env.open_db(db, txn=txn, create=False))
+                assert not [k for k in keys.iternext(values=False) if bytes(k).startswith(lin)]
+    finally:
+        store.close()
+    assert ksfs(path, "session", "rm", "demo", "--damaged").returncode == 3  # gone now
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--damaged"], "is sound"),
+    (["--damaged", "--keep-checkpoints"], "neither --keep-checkpoints nor --release"),
+])
+def test_session_rm_damaged_refuses_a_sound_record_and_other_flags(tmp_path: Path, args: list,
+                                                                   said: str) -> None:
+    path = demo_store(tmp_path / "store")
+    before = ksfs(path, "checkpoints", "demo", "--json").stdout
+    res = ksfs(path, "session", "rm", "demo", *args)
+    assert res.returncode == 2 and said in res.stderr and len(res.stderr.splitlines()) == 1, res
+    assert ksfs(path, "checkpoints", "demo", "--json").stdout == before
+
+
+def test_session_rm_damaged_through_a_mount_leaves_its_listing_readable(tmp_path: Path) -> None:
+    """Mounted, the verb runs in the mount's daemon: the session leaves the mount's listing,
+    which the damaged record made unreadable."""
+    from tests.mount_helpers import mounted
+
+    path = demo_store(tmp_path / "store")
+    (tmp_path / "notes.txt").write_text("notes\n")
+    assert ksfs(path, "import", "other", "c1", str(tmp_path / "notes.txt")).returncode == 0
+    put_raw(path, b"sessions", b"demo", b"{garbage")
+    with mounted(path) as mnt:
+        with pytest.raises(OSError):
+            os.listdir(mnt / "sessions")
+        res = ksfs(path, "session", "rm", "demo", "--damaged", "--json")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["forgotten"] is True
+        assert "its damaged record is forgotten" in res.stderr  # said by the daemon, shown here
+        assert os.listdir(mnt / "sessions") == ["other"]

@@ -143,9 +143,14 @@ def session_list(ctx, show_all, as_json) -> None:
 @click.option("--release", is_flag=True,
               help="For an adopted session: hand the domain back instead of destroying it "
                    "(kept defined and running, on disk files of its own).")
+@click.option("--damaged", is_flag=True,
+              help="Forget a session whose record no longer decodes (every verb that lists "
+                   "sessions then stops, exit 6): its record, checkpoint records and events "
+                   "go; its machine, if it had one, is left for you to remove, since the "
+                   "record that named it is what is lost.")
 @_json_option
 @pass_ctx
-def session_rm(ctx, name, keep_checkpoints, release, as_json) -> None:
+def session_rm(ctx, name, keep_checkpoints, release, damaged, as_json) -> None:
     """Destroy and undefine the session's domain and remove the session.
 
     An adopted domain is destroyed and undefined too, unless --release: then it stays defined
@@ -156,13 +161,21 @@ def session_rm(ctx, name, keep_checkpoints, release, as_json) -> None:
 
     Example: ksfs session rm agent --keep-checkpoints
     """
-    # release only when asked: a daemon started before --release existed still serves rm
+    # release and damaged only when asked: a daemon started before they existed still serves rm
     extra = {"release": True} if release else {}
+    if damaged:
+        extra["damaged"] = True
     res = run_verb(ctx, "session_rm", steps=f"session rm {name}" if release else None,
                    name=name, keep_checkpoints=keep_checkpoints, **extra)
     click.get_current_context().meta[DONE_NOTE] = f"session {name} was removed"
     if as_json:
         emit_json(res)
+        return
+    if damaged:
+        click.echo(f"forgot session {name} (its record was damaged)")
+        if res.get("machine_files"):
+            click.echo(f"its machine is left as it was: its files are in "
+                       f"{res['machine_files']}; `virsh list --all` shows its domain")
         return
     click.echo(f"removed session {name}" + (" (its checkpoints kept)" if keep_checkpoints else ""))
     if res.get("destroyed_domain"):

@@ -28,6 +28,7 @@ from ksfs.errors import (
     NotFound,
     NotPermitted,
     NotRunning,
+    RecordCorrupt,
     StoppedWhileSaved,
 )
 from ksfs.keeper.locks import drop_session_lock, new_session_lock, session_lock
@@ -551,13 +552,23 @@ class MachineVerbs:
         return made
 
     def remove_session(self, name: str, keep_checkpoints: bool = False,
-                       release: bool = False) -> dict[str, Any]:
+                       release: bool = False, damaged: bool = False) -> dict[str, Any]:
         """Destroy and undefine the session's domain, remove its files under ``vm/NAME/`` and
         forget it (with ``keep_checkpoints``: keep its records, read-only). An adopted domain's
         disk files outside ``vm/NAME/`` stay; see docs/limits.md. With ``release`` (adopted
         sessions only) the domain is handed back instead: defined, in its state, on disk files
-        of its own outside ``vm/NAME/`` (vm.release)."""
-        rec = self.ledger.session(name)
+        of its own outside ``vm/NAME/`` (vm.release). With ``damaged``: forget a session whose
+        record no longer decodes (``forget_damaged_session``)."""
+        if damaged:
+            if keep_checkpoints or release:
+                raise BadInput("--damaged forgets a damaged record and nothing else: it takes "
+                               "neither --keep-checkpoints nor --release")
+            return self.forget_damaged_session(name)
+        try:
+            rec = self.ledger.session(name)
+        except RecordCorrupt as exc:  # the one way out of it, said where it is met
+            raise RecordCorrupt(why=f"{exc.fields.get('why')}; `ksfs session rm {name} "
+                                "--damaged` forgets it") from None
         if release and (rec.domain is None or rec.removed is not None):
             raise BadInput(f"session {name} has no machine to release")
         detached: dict[str, dict[str, str]] = {}
@@ -659,6 +670,27 @@ class MachineVerbs:
             self.ledger.remove_session(txn, rec.name, keep_checkpoints=keep_checkpoints)
         self.checkpoint_changed(rec.name, None)
         return released
+
+    def forget_damaged_session(self, name: str) -> dict[str, Any]:
+        """Forget session ``name`` whose record no longer decodes (one damaged record stops
+        every verb that lists sessions, gc included): its record goes, and with it the
+        checkpoint records and events of the lineage that names it. Its machine, if it had one,
+        is left as it is: the record that named its domain is what is lost, and a domain is
+        destroyed only on a record's word (docs/limits.md). ``machine_files``: its directory
+        under ``vm/``, left for its owner to look at and remove."""
+        with session_lock(self.store_path, name):
+            with self.store.env.begin(write=True) as txn:
+                lineage = self.ledger.forget_damaged_session(txn, name)
+        self.checkpoint_changed(name, None)
+        left = self.store_path / "vm" / name
+        left_str = str(left) if left.is_dir() and not left.is_symlink() else None
+        log.warning("session %s: its damaged record is forgotten%s%s", name,
+                    "" if lineage else " (no lineage names it: its checkpoint records and "
+                    "events, if any, are left to `ksfs ledger verify`)",
+                    f"; its machine is left as it was: its files are in {left_str}, and "
+                    "`virsh list --all` shows its domain" if left_str else "")
+        return {"session": name, "forgotten": True, "lineage": lineage,
+                "machine_files": left_str}
 
     def list_sessions(self, include_removed: bool = False) -> list[dict[str, Any]]:
         """Every live session's status; with ``include_removed`` also those removed with their

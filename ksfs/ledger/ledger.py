@@ -341,6 +341,46 @@ class Ledger(CheckpointMethods):
             txn.delete(name.encode("utf-8"), db=self._sessions)
             self._put_lineage(txn, replace(info, removed=now, kept=False))
 
+    def forget_damaged_session(self, txn: lmdb.Transaction, name: str) -> str | None:
+        """Remove the record of session ``name`` that no longer decodes, and the checkpoint
+        records and events of the one live lineage whose record names it (as ``remove_session``
+        does, the lineage record staying for forks); that lineage's id, or None when no one
+        lineage names it (then only the session record goes: nothing says which records were
+        its). NoSuchSession when there is no such record; BadInput when it decodes, since a
+        sound session is removed with its machine by ``remove_session``."""
+        validate_name(name, "session name")
+        with lmdb_errors(self.path):
+            key = name.encode("utf-8")
+            raw = txn.get(key, db=self._sessions)
+            if raw is None:
+                raise NoSuchSession(session=name)
+            try:
+                decode_session(name, raw)
+            except IntegrityError:
+                pass
+            else:
+                raise BadInput(f"the record of session {name} is sound: --damaged forgets only "
+                               f"a record that no longer decodes (`ksfs session rm {name}` "
+                               "removes this one)")
+            mine = []
+            cur = txn.cursor(db=self._meta)
+            if cur.set_range(K.LINEAGE_PREFIX):
+                for k, v in cur:
+                    if not bytes(k).startswith(K.LINEAGE_PREFIX):
+                        break
+                    with contextlib.suppress(KsfsError):  # a damaged one is verify's to name
+                        info = decode_lineage(bytes(k)[len(K.LINEAGE_PREFIX):].hex(), v)
+                        if info.session == name and info.removed is None:
+                            mine.append(info)
+            txn.delete(key, db=self._sessions)
+            if len(mine) != 1:
+                return None
+            lin = K.lineage_bytes(mine[0].lineage)
+            delete_prefix(txn, self._ckpts, lin)
+            delete_prefix(txn, self._events, lin)
+            self._put_lineage(txn, replace(mine[0], removed=time.time(), kept=False))
+            return mine[0].lineage
+
     def lineage_info(self, lineage: str, txn: lmdb.Transaction | None = None) -> LineageInfo:
         """The record of a lineage, live or removed; IntegrityError when there is none."""
         with self._read(txn) as t:
