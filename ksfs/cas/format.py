@@ -72,6 +72,13 @@ def delta_payload(base_ids: Sequence[bytes], frame: bytes) -> tuple[int, bytes]:
     return CODEC_DELTAS, bytes([len(base_ids)]) + b"".join(base_ids) + frame
 
 
+def split_base_ids(named: bytes) -> tuple[bytes, ...]:
+    """The base ids a delta's index value or record names one after another (a piece shorter
+    than an id at the end is none)."""
+    return tuple(named[i : i + BASE_ID_SIZE]
+                 for i in range(0, len(named) - BASE_ID_SIZE + 1, BASE_ID_SIZE))
+
+
 def delta_bases(payload: bytes | memoryview, codec: int) -> tuple[bytes, int] | None:
     """(the base ids one after another, where the zstd frame starts) of a delta record's
     payload; None when it cannot hold them."""
@@ -126,8 +133,7 @@ class Location:
 
     @property
     def base_ids(self) -> tuple[bytes, ...]:
-        b = self.base or b""
-        return tuple(b[i : i + BASE_ID_SIZE] for i in range(0, len(b), BASE_ID_SIZE))
+        return split_base_ids(self.base or b"")
 
     def bases_disagree(self) -> bool:
         """Whether the codec and the number of bases the entry names disagree (none but for a

@@ -379,8 +379,8 @@ class Ingest:
     def _digest(self, part: list[tuple[int, bytes]], ref: delta.Reference | None, fixed: bool
                 ) -> list[tuple[int, bytes | None, int, Any]]:
         """On a worker: hole or id, and the payload (codec, stored bytes, base bytes read) of
-        chunks nobody has yet, as a delta against their old version or against a new chunk of
-        this ingest that holds some of its pages, where that is smaller."""
+        chunks nobody has yet, as a delta against their old version and the page homes that
+        hold their other pages (``_homes_of``), where that is smaller."""
         cctx = getattr(self._local, "cctx", None)
         if cctx is None:
             cctx = self._local.cctx = zstandard.ZstdCompressor(level=self.level)
@@ -764,14 +764,13 @@ class Ingest:
         if not orphans:
             return
         plain = {}
-        dctx = zstandard.ZstdDecompressor()  # the store's may be in use on another thread
         for w in self.writers:
             for cid, loc in w.written:
                 if cid in orphans:
                     with translate("read pack", w.path):
                         raw = os.pread(w.fd, loc.record_len, loc.offset)
                     plain[cid] = decode_payload(cid, raw[fmt.HEADER_SIZE :], loc.codec,
-                                                loc.plain_len, dctx, self._base)
+                                                loc.plain_len, self.store.dctx, self._base)
             if any(cid in orphans for cid, _ in w.written):
                 self._compact(w, orphans.keys())
         cctx = zstandard.ZstdCompressor(level=self.level)

@@ -70,8 +70,7 @@ def decode_payload(cid: bytes, payload: bytes | memoryview, codec: int, plain_le
             raise ChunkCorrupt(chunk=cid.hex(), why="a delta record without its base")
         ids, start = named
         dictionary = []
-        for i in range(0, len(ids), fmt.BASE_ID_SIZE):
-            base_id = ids[i : i + fmt.BASE_ID_SIZE]
+        for base_id in fmt.split_base_ids(ids):
             try:
                 dictionary.append(bases(base_id))
             except (ChunkCorrupt, ChunkMissing) as exc:

@@ -439,9 +439,7 @@ class ChunkStore:
                 if raw is None or len(raw) < fmt.INDEX_VALUE.size:  # lost or damaged: check says
                     continue
                 held[cid] = fmt.HEADER_SIZE + fmt.INDEX_VALUE.unpack_from(raw)[2]
-                named = bytes(raw[fmt.INDEX_VALUE.size :])  # a delta's bases, one after another
-                for i in range(0, len(named) - fmt.BASE_ID_SIZE + 1, fmt.BASE_ID_SIZE):
-                    base = named[i : i + fmt.BASE_ID_SIZE]
+                for base in fmt.split_base_ids(bytes(raw[fmt.INDEX_VALUE.size :])):
                     if base in held:
                         continue
                     braw = txn.get(base)
