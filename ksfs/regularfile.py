@@ -59,7 +59,7 @@ def _why(path: Path) -> str:
                 f"there: remove {path.parent} (ksfs makes it again)")
     except OSError as exc:
         return f"its lock file {path} cannot be opened: {exc.strerror}"
-    return f"its lock file {path} is {_kind(st.st_mode)}: remove it (ksfs makes it again)"
+    return f"its lock file {path} is {file_kind(st.st_mode)}: remove it (ksfs makes it again)"
 
 
 def read_store_file(path: str | os.PathLike, store: str | os.PathLike) -> bytes:
@@ -84,7 +84,7 @@ def _why_file(path: Path) -> str:
         st = os.lstat(path)
     except OSError as exc:
         return f"{path} cannot be opened: {exc.strerror}"
-    return f"{path} is {_kind(st.st_mode)}"
+    return f"{path} is {file_kind(st.st_mode)}"
 
 
 def not_a_directory(path: str | os.PathLike) -> str | None:
@@ -121,7 +121,8 @@ def is_store_dir(path: str | os.PathLike) -> bool:
         return False
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int, otherwise: str = "not a regular file") -> str:
+    """What a store file that is not what ksfs made there is, for its damage's message."""
     return ("a directory" if stat.S_ISDIR(mode) else
             "a symbolic link" if stat.S_ISLNK(mode) else
-            "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file")
+            "a FIFO" if stat.S_ISFIFO(mode) else otherwise)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ksfs.errors import BadInput, KsfsError, StoreDamaged
+from ksfs.regularfile import file_kind
 
 SOCKET_NAME = "daemon.sock"
 SUN_PATH_MAX = 107  # bytes of a Unix socket's path, less its NUL (sockaddr_un.sun_path)
@@ -27,9 +28,7 @@ def not_a_socket(path: Path, mode: int) -> StoreDamaged:
     """The damage of something other than a socket at the control socket's ``path`` (in the
     store's own directory), for the client that would connect to it and the daemon that
     would bind there alike."""
-    kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
-            else "a regular file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-            else "not a socket")
+    kind = file_kind(mode, "a regular file" if stat.S_ISREG(mode) else "not a socket")
     return StoreDamaged(path=path.parent, why=f"its control socket {path} is {kind}: remove it "
                         "(ksfs makes it again)")
 
