@@ -363,15 +363,11 @@ class Ledger(CheckpointMethods):
                                f"a record that no longer decodes (`ksfs session rm {name}` "
                                "removes this one)")
             mine = []
-            cur = txn.cursor(db=self._meta)
-            if cur.set_range(K.LINEAGE_PREFIX):
-                for k, v in cur:
-                    if not bytes(k).startswith(K.LINEAGE_PREFIX):
-                        break
-                    with contextlib.suppress(KsfsError):  # a damaged one is verify's to name
-                        info = decode_lineage(bytes(k)[len(K.LINEAGE_PREFIX):].hex(), v)
-                        if info.session == name and info.removed is None:
-                            mine.append(info)
+            for lin, v in self._lineage_values(txn):
+                with contextlib.suppress(KsfsError):  # a damaged one is verify's to name
+                    info = decode_lineage(lin.hex(), v)
+                    if info.session == name and info.removed is None:
+                        mine.append(info)
             txn.delete(key, db=self._sessions)
             if len(mine) != 1:
                 return None
@@ -391,16 +387,20 @@ class Ledger(CheckpointMethods):
 
     def lineages(self, txn: lmdb.Transaction | None = None) -> list[LineageInfo]:
         """Every lineage record, live and removed."""
-        out = []
         with self._read(txn) as t:
-            cur = t.cursor(db=self._meta)
-            if cur.set_range(K.LINEAGE_PREFIX):
-                for k, v in cur:
-                    if not bytes(k).startswith(K.LINEAGE_PREFIX):
-                        break
-                    lin = bytes(k)[len(K.LINEAGE_PREFIX):].hex()
-                    out.append(decode_lineage(lin, v))
-        return out
+            return [decode_lineage(lin.hex(), v) for lin, v in self._lineage_values(t)]
+
+    def _lineage_values(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, bytes]]:
+        """(the key's lineage id, the value not decoded) of every lineage record, in key
+        order."""
+        cur = txn.cursor(db=self._meta)
+        if not cur.set_range(K.LINEAGE_PREFIX):
+            return
+        for k, v in cur:
+            key = bytes(k)
+            if not key.startswith(K.LINEAGE_PREFIX):
+                return
+            yield key[len(K.LINEAGE_PREFIX):], v
 
     def lineage(self, session: str, txn: lmdb.Transaction | None = None) -> list[ForkPoint]:
         """The fork points from ``session`` back to its root, nearest first ([] for a root).
@@ -599,15 +599,11 @@ class Ledger(CheckpointMethods):
             # Counted from the raw values: a damaged lineage record is verify's to name, and
             # must not keep `ledger verify --json` from printing its findings (QA).
             lineages = removed = 0
-            cur = t.cursor(db=self._meta)
-            if cur.set_range(K.LINEAGE_PREFIX):
-                for k, v in cur:
-                    if not bytes(k).startswith(K.LINEAGE_PREFIX):
-                        break
-                    lineages += 1
-                    with contextlib.suppress(KsfsError):
-                        d = K.loads(v)
-                        removed += isinstance(d, dict) and d.get("removed") is not None
+            for _, v in self._lineage_values(t):
+                lineages += 1
+                with contextlib.suppress(KsfsError):
+                    d = K.loads(v)
+                    removed += isinstance(d, dict) and d.get("removed") is not None
             return {
                 "sessions": t.stat(self._sessions)["entries"],
                 "lineages": lineages,

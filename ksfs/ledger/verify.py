@@ -75,16 +75,9 @@ def _manifest_check(ledger: Ledger, store: Any, txn: lmdb.Transaction) -> Callab
 
 def _lineages(ledger: Ledger, txn: lmdb.Transaction, problems: list[str]) -> dict[str, LineageInfo]:
     out: dict[str, LineageInfo] = {}
-    cur = txn.cursor(db=ledger._meta)
-    if not cur.set_range(K.LINEAGE_PREFIX):
-        return out
-    for k, v in cur:
-        key = bytes(k)
-        if not key.startswith(K.LINEAGE_PREFIX):
-            break
-        lin = key[len(K.LINEAGE_PREFIX):]
+    for lin, v in ledger._lineage_values(txn):
         if len(lin) != K.LINEAGE_BYTES:
-            problems.append(f"lineage record key {key!r} is malformed")
+            problems.append(f"lineage record key {K.LINEAGE_PREFIX + lin!r} is malformed")
             continue
         try:
             out[lin.hex()] = decode_lineage(lin.hex(), v)
