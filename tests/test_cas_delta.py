@@ -421,13 +421,13 @@ def test_a_version_1_store_is_read_and_marked_current_before_its_first_delta(tmp
         assert json.loads(marker.read_text())["version"] == 1  # reading changes nothing
         v1, _ = touch(rng, v0)
         put(store, v1, like=f0.manifest)
-    assert json.loads(marker.read_text()) == {**old, "version": 3}
+    assert json.loads(marker.read_text()) == {**old, "version": 4}
     assert sorted(p.name for p in path.iterdir() if p.name.startswith("ksfs.json")) == [
         "ksfs.json"]
-    marker.write_text(json.dumps({**old, "version": 4}))
-    with pytest.raises(NotAStore, match="version 4"):
+    marker.write_text(json.dumps({**old, "version": 5}))
+    with pytest.raises(NotAStore, match="version 5"):
         ChunkStore.open(path)
-    assert json.loads(marker.read_text())["version"] == 4
+    assert json.loads(marker.read_text())["version"] == 5
 
 
 def test_old_versions_are_found_by_byte_distance_across_zero_runs():

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import zstandard
 
 from ksfs import progress
+from ksfs.cas import delta
 from ksfs.cas import format as fmt
 from ksfs.cas.packs import decode_payload
 from ksfs.cas.store import index_errors, list_packs_dir
@@ -352,8 +353,9 @@ def _decode_manifests(manifests: dict[bytes, bytes], rep: CheckReport
                       ) -> dict[bytes, fmt.ManifestInfo]:
     """The manifests that are intact, decoded; the others go into ``rep`` as damaged."""
     infos = {}
-    for mid, raw in manifests.items():
+    for mid, value in manifests.items():
         try:
+            raw = delta.expand_manifest(mid.hex(), value, manifests.get)
             if fmt.manifest_id(raw) != mid:
                 raise ManifestCorrupt(manifest=mid.hex(), why="its bytes do not hash to its id")
             infos[mid] = fmt.decode_manifest(raw, mid.hex())

@@ -20,6 +20,11 @@ the base ids after the fixed fields, so GC marks bases without reading packs.
 A manifest is ``"KSM1" | chunking u8 | pad 3 | size u64 | count u64`` then ``count`` 40-byte
 entries ``length u64 | id (32)``; the top bit of length marks a hole (id all zero). Adjacent
 holes are always merged, so equal content chunked the same way gives byte-equal manifests.
+
+A manifest is stored either as those bytes or, where that is less than half their size, as a
+delta on an earlier manifest stored plain (its base, usually the same file in the first
+checkpoint of a run): ``"KSD1" | base manifest id (32) | plain len u64`` then a zstd frame with
+the base's bytes as its dictionary. A manifest's id is always the BLAKE3 of its plain bytes.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ MAX_STORED_LEN = 1 << 26
 
 MANIFEST_MAGIC = b"KSM1"
 MANIFEST_HEADER = struct.Struct("<4sB3xQQ")
+MANIFEST_DELTA_MAGIC = b"KSD1"
+MANIFEST_DELTA_HEADER = struct.Struct("<4s32sQ")  # magic, base manifest id, plain length
 MANIFEST_ENTRY = struct.Struct("<Q32s")
 HOLE_BIT = 1 << 63
 NO_ID = bytes(32)
@@ -315,6 +322,14 @@ def encode_manifest(entries: list[Entry], chunking: str) -> bytes:
 
 def manifest_id(raw: bytes) -> bytes:
     return blake3.blake3(raw).digest()
+
+
+def manifest_base(value: bytes) -> bytes | None:
+    """The id of the manifest a stored manifest value is a delta on; None for a plain one (or
+    one too short to say, which decoding then calls damaged)."""
+    if len(value) < MANIFEST_DELTA_HEADER.size or value[:4] != MANIFEST_DELTA_MAGIC:
+        return None
+    return bytes(value[4:36])
 
 
 def content_digest(raw_manifest: bytes) -> str:

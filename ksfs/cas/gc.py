@@ -9,7 +9,8 @@ GC holds the store lock exclusively, so it never runs beside an ingest (which co
 commit chunks GC sees as unreferenced). Repacking copies live chunks to a new pack, fsyncs and
 verifies it, and only then points the index at the copies and unlinks the old pack. A reader
 that had looked a chunk up in an old pack finds it again through the index, or keeps reading the
-unlinked file through its open fd. GC never deletes a manifest it was told is live, and stops
+unlinked file through its open fd. GC never deletes a manifest it was told is live; live delta
+manifests whose base it deletes are stored again on a live base (``_rebase_manifests``). It stops
 before deleting anything if a live manifest is missing or damaged, or names a chunk the index
 does not list.
 """
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 import zstandard
 
 from ksfs import progress
+from ksfs.cas import delta
 from ksfs.cas import format as fmt
 from ksfs.cas.flatten import Flattened, append_to, commit_writers, flatten, release
 from ksfs.cas.packs import PackWriter, decode_payload, fsync_dir
@@ -48,6 +50,7 @@ class GCResult:
     # the store shrank by is bytes_freed - bytes_rewritten
     bytes_rewritten: int = 0
     manifests_removed: int = 0
+    manifests_rebased: int = 0  # delta manifests whose base went, stored on a live one instead
     packs_removed: list[int] = field(default_factory=list)
     packs_repacked: list[int] = field(default_factory=list)
     packs_written: list[int] = field(default_factory=list)
@@ -122,6 +125,7 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
     # sweep, in one transaction
     progress.report("sweeping what nothing uses")
     with store.env.begin(write=True) as txn:
+        res.manifests_rebased = _rebase_manifests(txn, db["manifests"], live)
         dead_manifests = [bytes(k) for k in txn.cursor(db=db["manifests"]).iternext(values=False)
                           if bytes(k) not in live]
         for k in dead_manifests:
@@ -149,6 +153,27 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
     _drop_orphans(store, res)
     _repack(store, threshold, res)
     return res
+
+
+def _rebase_manifests(txn, mdb, live: set[bytes]) -> int:
+    """Store again the live delta manifests whose base is not live, before the sweep deletes it
+    (and the chunks it names, which a check would then call missing): for each such base, one
+    of its deltas (the lowest id: any will do) becomes plain and the others deltas on it."""
+    orphans: dict[bytes, list[bytes]] = {}
+    for mid in live:
+        base = fmt.manifest_base(txn.get(mid, b"", db=mdb))
+        if base is not None and base not in live:
+            orphans.setdefault(base, []).append(mid)
+    for mids in orphans.values():
+        mids.sort()
+        plain = {mid: delta.expand_manifest(mid.hex(), txn.get(mid, db=mdb),
+                                            lambda b: txn.get(b, db=mdb)) for mid in mids}
+        new_base = mids[0]
+        txn.put(new_base, plain[new_base], db=mdb)
+        for mid in mids[1:]:
+            txn.put(mid, delta.manifest_delta(plain[mid], new_base, plain[new_base])
+                    or plain[mid], db=mdb)
+    return sum(map(len, orphans.values()))
 
 
 def _require_indexed(store: ChunkStore, txn, marked: set[bytes]) -> None:

@@ -147,7 +147,8 @@ class Ingest:
         # as seen, which commit replaces if it is still the same (re-importing repairs)
         self.replacing: dict[bytes, bytes] = {}
         self._pack_sizes: dict[int, int | None] = {}  # pack number -> its file's size (cached)
-        self.manifests: dict[bytes, bytes] = {}
+        self.manifests: dict[bytes, bytes] = {}  # id -> plain bytes
+        self._manifest_values: dict[bytes, bytes] = {}  # id -> as stored (plain, or a delta)
         self.brought: list[list[bytes]] = []  # per add_file: the chunks it stored first
         self.lost: set[bytes] = set()  # stored here, but another ingest committed them first
         self._seal_fd = -1
@@ -299,6 +300,7 @@ class Ingest:
                                  f"{size}-byte file")
         mid = fmt.manifest_id(raw)
         self.manifests[mid] = raw
+        self._manifest_values[mid] = self._manifest_value(raw, base or like)
         self.brought.append(brought)
         crash_point("ingest.file")
         if base is not None:
@@ -663,8 +665,8 @@ class Ingest:
                         db=db["packs"])
             if top and top + 1 > fmt.next_pack(txn, db["cas_meta"]):
                 txn.put(fmt.NEXT_PACK, str(top + 1).encode(), db=db["cas_meta"])
-            for mid, raw in self.manifests.items():
-                txn.put(mid, raw, db=db["manifests"])
+            for mid, value in self._manifest_values.items():
+                self._put_manifest(txn, mid, value)
             count = txn.get(COMMITS, db=db["cas_meta"])
             txn.put(COMMITS, str(fmt.meta_int(count, "ingest_commits") + 1).encode(),
                     db=db["cas_meta"])
@@ -674,6 +676,40 @@ class Ingest:
             raise _lmdb_error("commit the ingest", self.store.path, exc) from exc
         crash_point("index.commit")
         self.committed = True
+
+    def _manifest_value(self, raw: bytes, like: str | None) -> bytes:
+        """How to store manifest ``raw``: as a delta on the plain manifest that ``like`` (the
+        same file's earlier version) is, or is a delta on; else plain."""
+        if like is None:
+            return raw
+        mdb = self.store.db["manifests"]
+        with self.store.env.begin(db=mdb) as txn:
+            try:
+                value = txn.get(bytes.fromhex(like))
+            except ValueError:
+                return raw
+            base_id = None if value is None else (fmt.manifest_base(value) or bytes.fromhex(like))
+            base = None if base_id is None else txn.get(base_id)
+            if base is None or fmt.manifest_base(base) is not None or \
+                    fmt.manifest_id(base) != base_id:
+                return raw  # damage: check names it; this manifest does not lean on it
+            return delta.manifest_delta(raw, base_id, bytes(base)) or raw
+
+    def _put_manifest(self, txn: lmdb.Transaction, mid: bytes, value: bytes) -> None:
+        """Store a manifest, unless the store holds it intact already: other manifests may be
+        deltas on that value, which must stay plain. A damaged one is replaced by the plain
+        bytes, so importing the same file again repairs it and every delta on it."""
+        mdb = self.store.db["manifests"]
+        old = txn.get(mid, db=mdb)
+        if old is not None:
+            try:
+                if fmt.manifest_id(delta.expand_manifest(mid.hex(), old,
+                                                         lambda b: txn.get(b, db=mdb))) == mid:
+                    return
+            except IntegrityError:
+                pass
+            value = self.manifests[mid]
+        txn.put(mid, value, db=mdb)
 
     def _refuse_delta_bases(self, txn: lmdb.Transaction) -> None:
         """Busy (exit 8) where a base of this ingest's deltas was committed since the seal by

@@ -28,6 +28,7 @@ from typing import Any, Self
 import lmdb
 import zstandard
 
+from ksfs.cas import delta
 from ksfs.cas import format as fmt
 from ksfs.cas.packs import PackHandles, decode_payload, fsync_dir
 from ksfs.errors import (
@@ -50,11 +51,12 @@ log = logging.getLogger(__name__)
 
 MARKER = "ksfs.json"
 FORMAT = "ksfs-store"
-# 1: no delta chunks. 2: delta chunks (codec 2). 3: deltas on several bases (codec 3). An ingest
+# 1: no delta chunks. 2: delta chunks (codec 2). 3: deltas on several bases (codec 3). 4: delta
+# manifests (format.MANIFEST_DELTA_MAGIC). An ingest
 # raises an older store's marker to this version before it writes anything, so a ksfs that knows
 # only an older one refuses the store with a clear reason instead of reporting deltas as damage.
-VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 LAYOUT = ("index", "packs", "staging", "vm")
 # What holds checkpoint bytes (memory images: the guest's secrets too) is its owner's alone;
 # the files inside stay readable by all, so a pack root wrote into a user's store still reads
@@ -509,11 +511,12 @@ class ChunkStore:
             raise ManifestCorrupt(manifest=manifest_hex, why="not a hex manifest id") from None
         if txn is None:
             with self.env.begin(db=self.db["manifests"]) as t:
-                raw = t.get(key)
-        else:
-            raw = txn.get(key, db=self.db["manifests"])
-        if raw is None:
+                return self.load_manifest(manifest_hex, t)
+        value = txn.get(key, db=self.db["manifests"])
+        if value is None:
             raise ManifestCorrupt(manifest=manifest_hex, why="not in the store")
+        raw = delta.expand_manifest(manifest_hex, value,
+                                    lambda base: txn.get(base, db=self.db["manifests"]))
         if fmt.manifest_id(raw) != key:
             raise ManifestCorrupt(manifest=manifest_hex, why="its bytes do not hash to its id")
         return fmt.decode_manifest(raw, manifest_hex)

@@ -304,6 +304,9 @@ def gc_summary(d: dict) -> list[str]:
                      f"({human_bytes(d.get('bytes_rewritten', 0))} written for them: the stored "
                      f"bytes fell by {human_bytes(freed - d.get('bytes_rewritten', 0))}; the "
                      f"disk space of packs still in use comes back as later gcs repack them)")
+    if d.get("manifests_rebased"):
+        lines.append(f"gc: {counted(d['manifests_rebased'], 'manifest')} stored again on a "
+                     "live base: the manifest they were deltas on went with its checkpoint")
     if d.get("gateway_responses_freed"):
         lines.append(f"gc: dropped {d['gateway_responses_freed']} stored model responses "
                      f"({human_bytes(d.get('gateway_bytes_freed', 0))})")
