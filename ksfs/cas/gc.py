@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import zstandard
 
 from ksfs import progress
-from ksfs.cas import delta
+from ksfs.cas import delta, hints
 from ksfs.cas import format as fmt
 from ksfs.cas.flatten import Flattened, append_to, commit_writers, flatten, release
 from ksfs.cas.packs import PackWriter, decode_payload, fsync_dir
@@ -130,6 +130,13 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
                           if bytes(k) not in live]
         for k in dead_manifests:
             txn.delete(k, db=db["manifests"])
+        meta = txn.cursor(db=db["cas_meta"])
+        if meta.set_range(hints.PREFIX):  # the page hints of manifests no longer live
+            for k in list(meta.iternext(values=False)):
+                if not bytes(k).startswith(hints.PREFIX):
+                    break
+                if bytes(k)[len(hints.PREFIX):] not in live:
+                    txn.delete(k, db=db["cas_meta"])
         res.manifests_removed = len(dead_manifests)
         freed: dict[int, int] = {}
         dead_chunks = []

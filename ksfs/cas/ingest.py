@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Self
 import lmdb
 import zstandard
 
-from ksfs.cas import delta
+from ksfs.cas import delta, hints
 from ksfs.cas import format as fmt
 from ksfs.cas.chunking import (
     FIXED_SIZE,
@@ -168,8 +168,15 @@ class Ingest:
         # new chunk whose pages repeat those of other chunks (a file's page cache and the tmpfs
         # buffer it was written from; a disk block written back and the page cache that still
         # holds it) is a delta on the chunks holding most of them together with its old
-        # version. Hashes are Python's own: a collision only proposes a useless base.
+        # version. Keyed by hints.page_key: a collision only proposes a useless base.
         self._homes: dict[int, bytes] = {}
+        # the same from the page hints of the versions files are ingested like: plain chunks of
+        # earlier checkpoints, read only when chosen (see ksfs.cas.hints)
+        self._hinted: dict[int, bytes] = {}
+        self._hints: dict[bytes, bytes] = {}  # manifest id -> its page hints, kept at commit
+        self._hints_dropped: set[bytes] = set()  # manifest ids whose hints commit deletes
+        self._page_keys: dict[bytes, bytes] = {}  # plain chunk stored -> its pages' keys
+        self._hinted_bytes = 0
         self._local_bases: set[bytes] = set()
         self._lock_fd = store.lock(exclusive=False)
         self._commits_seen = self._commits()  # after the lock: no GC runs from here on
@@ -258,6 +265,8 @@ class Ingest:
             patcher = Patcher(self.store, src, slots, keep=self._keep_base)
             batches = patcher.batches(ranges)
             ref = delta.Reference(list(slots), fixed=True)
+        if ref is not None:
+            self._load_hints(base or like)
         entries = fmt.ManifestBuilder()
         brought: list[bytes] = []
         stored = 0
@@ -301,6 +310,7 @@ class Ingest:
         mid = fmt.manifest_id(raw)
         self.manifests[mid] = raw
         self._manifest_values[mid] = self._manifest_value(raw, base or like)
+        self._keep_hints(mid, info, brought)
         self.brought.append(brought)
         crash_point("ingest.file")
         if base is not None:
@@ -409,7 +419,11 @@ class Ingest:
                 # Pages are looked for only in later versions of a file (a reference): a first
                 # checkpoint has few repeats, and its import stays as fast as before.
                 pages = None if ref is None or stale is not None else _pages(data, fixed)
-                chosen = {**self._homes_of(pages, cid, olders), **olders} if pages else olders
+                if pages:
+                    found, cost = self._homes_of(txn, pages, cid, olders)
+                    chosen, read_back = {**found, **olders}, read_back + cost
+                else:
+                    chosen = olders
                 diff = None
                 if chosen:
                     # the old version's bases last: most matches are there, at short distances
@@ -417,27 +431,73 @@ class Ingest:
                         data, b"".join(chosen.values())))
                 if diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
                     payload = diff
-                elif pages and self._keep_base(cid, data, home=True):
-                    self._local_bases.add(cid)
-                    for page in pages:
-                        self._homes.setdefault(hash(page), cid)
+                elif stale is None:
+                    # a plain new chunk: a page home here, and for the next version (hints)
+                    if pages is None:
+                        pages = _pages(data, fixed)
+                    keys = [hints.page_key(p) for p in pages]
+                    if keys and self._hinted_bytes < hints.KEPT:
+                        self._page_keys[cid] = hints.pack_keys(keys)
+                        self._hinted_bytes += 4 * len(keys)
+                    if ref is not None and keys and self._keep_base(cid, data, home=True):
+                        self._local_bases.add(cid)
+                        for key in keys:
+                            self._homes.setdefault(key, cid)
                 out.append((off, cid, n, (*payload, read_back, stale)))
         return out
 
-    def _homes_of(self, pages: list[bytes], cid: bytes, olders: dict[bytes, bytes]
-                  ) -> dict[bytes, bytes]:
-        """{id: plain bytes} of the page homes (plain chunks this ingest stores, or read as old
-        versions) that hold the most of these pages, not the chunk itself nor its old version's
-        bases, as many as may join those as bases."""
+    def _homes_of(self, txn: lmdb.Transaction, pages: list[bytes], cid: bytes,
+                  olders: dict[bytes, bytes]) -> tuple[dict[bytes, bytes], int]:
+        """({id: plain bytes} of the page homes (plain chunks this ingest stores, read as old
+        versions, or hinted) that hold the most of these pages, not the chunk itself nor its
+        old version's bases, as many as may join those as bases; stored bytes read for them)."""
         votes: dict[bytes, int] = {}
-        homes = self._homes
+        homes, hinted = self._homes, self._hinted
         for page in pages:
-            home = homes.get(hash(page))
+            key = hints.page_key(page)
+            home = homes.get(key) or hinted.get(key)
             if home is not None and home != cid and home not in olders:
                 votes[home] = votes.get(home, 0) + 1
         room = fmt.MAX_BASES - len(olders)
-        best = sorted(votes, key=votes.__getitem__, reverse=True)[:room]
-        return {home: self._bases[home] for home in best}
+        out, cost = {}, 0
+        for home in sorted(votes, key=votes.__getitem__, reverse=True)[:room]:
+            plain = self._bases.get(home)
+            if plain is None:  # hinted: read now (gone, damaged or a delta: not a base)
+                got = self._read_base(txn, home, None)
+                if got is None:
+                    continue
+                plain, read = got
+                cost += read
+            out[home] = plain
+        return out, cost
+
+    def _load_hints(self, like: str | None) -> None:
+        """Take the page hints kept with ``like`` (see ksfs.cas.hints) as page homes."""
+        try:
+            key = bytes.fromhex(like or "")
+            with self.store.env.begin(db=self.store.db["cas_meta"]) as txn:
+                raw = txn.get(hints.key(key))
+                if raw is None:
+                    return
+                entries = self.store.load_manifest(like or "", txn).entries
+                found = hints.homes(bytes(raw), entries)
+        except (ValueError, KsfsError):  # no hints to go by: the deltas are as they were
+            return
+        for page, cid in found.items():
+            self._hinted.setdefault(page, cid)
+        self._hints_dropped.add(key)
+
+    def _keep_hints(self, mid: bytes, info: fmt.ManifestInfo, brought: list[bytes]) -> None:
+        """Page hints of the plain chunks this file brought, for its next version."""
+        keys = self._page_keys
+        mine = {cid for cid in brought if cid in keys}
+        chunks = []
+        for n, (cid, _) in enumerate(info.entries):
+            if cid in mine:
+                mine.discard(cid)
+                chunks.append((n, keys[cid]))
+        if chunks:
+            self._hints[mid] = hints.encode(chunks)
 
     def _readable(self, txn: lmdb.Transaction, raw: bytes) -> bool:
         """Whether an index entry can serve as a dedup hit: its pack file (and its bases', for
@@ -492,7 +552,7 @@ class Ingest:
                 bases[base_id] = self._read_base(txn, base_id, None if loc.base else loc)
                 if bases[base_id] is not None and base_id in self._bases:
                     for page in _pages(bases[base_id][0], fixed):
-                        self._homes.setdefault(hash(page), base_id)
+                        self._homes.setdefault(hints.page_key(page), base_id)
             got = bases[base_id]
             if got is None:
                 return {}, 0
@@ -667,6 +727,10 @@ class Ingest:
                 txn.put(fmt.NEXT_PACK, str(top + 1).encode(), db=db["cas_meta"])
             for mid, value in self._manifest_values.items():
                 self._put_manifest(txn, mid, value)
+            for mid in self._hints_dropped - self._hints.keys():
+                txn.delete(hints.key(mid), db=db["cas_meta"])
+            for mid, raw in self._hints.items():
+                txn.put(hints.key(mid), raw, db=db["cas_meta"])
             count = txn.get(COMMITS, db=db["cas_meta"])
             txn.put(COMMITS, str(fmt.meta_int(count, "ingest_commits") + 1).encode(),
                     db=db["cas_meta"])
