@@ -392,8 +392,8 @@ def ksfs_breakdown(store_dir: Path, manifests: dict[tuple[str, str], str], names
                 row = out.setdefault(f"{f}:{part}", {"chunks": 0, "plain": 0, "payload": 0,
                                                      "headers": 0, "manifest": 0,
                                                      "sizes": {}})
-                row["manifest"] += fmt.MANIFEST_HEADER.size + fmt.MANIFEST_ENTRY.size * len(
-                    info.entries)
+                with st.env.begin(db=st.db["manifests"]) as txn:  # as stored: maybe a delta
+                    row["manifest"] += len(txn.get(bytes.fromhex(manifests[(n, f)])))
                 for cid, _ in info.entries:
                     if cid is None or cid in seen:
                         continue

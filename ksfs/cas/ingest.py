@@ -66,6 +66,7 @@ BASES_KEPT = 64 * 1024 * 1024  # plain bytes of delta bases an ingest keeps for 
 # plain bytes of new chunks it keeps as page homes, apart: a save that changed much never takes
 # from the old versions' bases the budget above keeps for later deltas and the seal's verify
 HOMES_KEPT = 32 * 1024 * 1024
+REDELTA_GAIN = 256  # bytes a delta made again at the seal must save to replace the first
 SEAL_LOCK = "seal.lock"
 # How long a seal waits for another ingest's publish; then it seals without the lock (the
 # figures stay true, commit still skips what another committed; only the bytes may stay twice)
@@ -177,6 +178,14 @@ class Ingest:
         self._hints_dropped: set[bytes] = set()  # manifest ids whose hints commit deletes
         self._page_keys: dict[bytes, bytes] = {}  # plain chunk stored -> its pages' keys
         self._hinted_bytes = 0
+        # Deltas whose pages a plain chunk stored after them holds too (a page cache page and
+        # the buffer it came from, the lower address first): made again at the seal with that
+        # chunk among their bases (``_redelta``). A delta's plain bytes and bases, kept while
+        # HOMES_KEPT allows; page key -> such a delta; delta -> plain chunks holding its pages.
+        self._deltas_kept: dict[bytes, tuple[bytes, list[bytes]]] = {}
+        self._deltas_bytes = 0
+        self._delta_pages: dict[int, bytes] = {}
+        self._wanted: dict[bytes, set[bytes]] = {}
         self._local_bases: set[bytes] = set()
         self._lock_fd = store.lock(exclusive=False)
         self._commits_seen = self._commits()  # after the lock: no GC runs from here on
@@ -431,6 +440,8 @@ class Ingest:
                         data, b"".join(chosen.values())))
                 if diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
                     payload = diff
+                    if pages and self._deltas_bytes < HOMES_KEPT:
+                        self._keep_delta(cid, data, list(chosen), pages)
                 elif stale is None:
                     # a plain new chunk: a page home here, and for the next version (hints)
                     if pages is None:
@@ -443,8 +454,19 @@ class Ingest:
                         self._local_bases.add(cid)
                         for key in keys:
                             self._homes.setdefault(key, cid)
+                            earlier = self._delta_pages.get(key)
+                            if earlier is not None:
+                                self._wanted.setdefault(earlier, set()).add(cid)
                 out.append((off, cid, n, (*payload, read_back, stale)))
         return out
+
+    def _keep_delta(self, cid: bytes, data: bytes, bases: list[bytes], pages: list[bytes]
+                    ) -> None:
+        with self._mutex_bases:
+            self._deltas_kept[cid] = (data, bases)
+            self._deltas_bytes += len(data)
+        for page in pages:
+            self._delta_pages.setdefault(hints.page_key(page), cid)
 
     def _homes_of(self, txn: lmdb.Transaction, pages: list[bytes], cid: bytes,
                   olders: dict[bytes, bytes]) -> tuple[dict[bytes, bytes], int]:
@@ -684,6 +706,7 @@ class Ingest:
             if locked and self._seal_fd < 0 and self._lock_fd >= 0:
                 self._seal_fd = self._take_seal_lock()
             self._drop_committed()
+            self._redelta()
             self._store_orphans_whole()
             for w in self.writers:
                 if w.written and not w.synced:
@@ -846,6 +869,34 @@ class Ingest:
         for cid in self.lost:
             self.new.pop(cid, None)
             self.replacing.pop(cid, None)
+
+    def _redelta(self) -> None:
+        """Make again, with the plain chunks stored after them that hold some of their pages
+        among their bases, the deltas (``_wanted``) that come out smaller so."""
+        redo: dict[bytes, tuple[tuple[int, bytes], int]] = {}
+        for cid, homes in self._wanted.items():
+            loc, kept = self.new.get(cid), self._deltas_kept.get(cid)
+            if loc is None or kept is None or loc.codec not in fmt.DELTA_CODECS:
+                continue
+            data, bases = kept
+            room = fmt.MAX_BASES - len(bases)
+            extra = sorted(h for h in homes if h not in bases and h in self._bases and
+                           (here := self.new.get(h)) is not None and
+                           here.codec not in fmt.DELTA_CODECS)[:room]
+            if not extra:
+                continue
+            chosen = extra + bases  # the old version's bases last, as in _digest
+            payload = fmt.delta_payload(chosen, delta.compress(
+                data, b"".join(self._base(b) for b in chosen)))
+            if fmt.HEADER_SIZE + len(payload[1]) < loc.record_len - REDELTA_GAIN:
+                redo[cid] = (payload, len(data))
+        if not redo:
+            return
+        for w in self.writers:
+            if any(cid in redo for cid, _ in w.written):
+                self._compact(w, redo.keys())
+        for cid, ((codec, stored), plain_len) in redo.items():
+            self._append(cid, stored, plain_len, codec)
 
     def _orphan(self, loc: fmt.Location) -> bool:
         """A delta whose base was to be a chunk of this ingest that is not here as a plain
