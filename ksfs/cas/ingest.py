@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Self
 import lmdb
 import zstandard
 
-from ksfs.cas import delta, hints
+from ksfs.cas import delta, hints, rework
 from ksfs.cas import format as fmt
 from ksfs.cas.chunking import (
     FIXED_SIZE,
@@ -41,7 +41,7 @@ from ksfs.cas.chunking import (
 )
 from ksfs.cas.flatten import release
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, decode_payload, encode_alone
-from ksfs.cas.pagecut import PAGE, data_pages, iter_pages, stream_start
+from ksfs.cas.pagecut import chunk_pages, iter_pages, stream_start
 from ksfs.cas.patching import Patcher
 from ksfs.cas.store import list_packs_dir
 from ksfs.crashpoints import crash_point
@@ -66,7 +66,6 @@ BASES_KEPT = 64 * 1024 * 1024  # plain bytes of delta bases an ingest keeps for 
 # plain bytes of new chunks it keeps as page homes, apart: a save that changed much never takes
 # from the old versions' bases the budget above keeps for later deltas and the seal's verify
 HOMES_KEPT = 32 * 1024 * 1024
-REDELTA_GAIN = 256  # bytes a delta made again at the seal must save to replace the first
 SEAL_LOCK = "seal.lock"
 # How long a seal waits for another ingest's publish; then it seals without the lock (the
 # figures stay true, commit still skips what another committed; only the bytes may stay twice)
@@ -83,15 +82,6 @@ def _zero(n: int) -> bytes:
         if len(_zeros) < 256:
             _zeros[n] = z
     return z
-
-
-def _pages(data: bytes, fixed: bool) -> list[bytes]:
-    """A chunk's 4 KiB pages that hold data: a disk cluster's blocks, or the data pages of a
-    memory group's page records."""
-    if not fixed:
-        return data_pages(data)
-    zero = _zero(PAGE)
-    return [page for i in range(0, len(data), PAGE) if (page := data[i : i + PAGE]) != zero]
 
 
 def _refuse_if_changed(src: Any) -> None:
@@ -178,14 +168,12 @@ class Ingest:
         self._hints_dropped: set[bytes] = set()  # manifest ids whose hints commit deletes
         self._page_keys: dict[bytes, bytes] = {}  # plain chunk stored -> its pages' keys
         self._hinted_bytes = 0
-        # Deltas whose pages a plain chunk stored after them holds too (a page cache page and
-        # the buffer it came from, the lower address first): made again at the seal with that
-        # chunk among their bases (``_redelta``). A delta's plain bytes and bases, kept while
-        # HOMES_KEPT allows; page key -> such a delta; delta -> plain chunks holding its pages.
-        self._deltas_kept: dict[bytes, tuple[bytes, list[bytes]]] = {}
+        self._base_pages: dict[bytes, set[int]] = {}  # an old base -> its pages' keys
+        # The deltas of this ingest, for the seal to make again where a page home found after
+        # them serves (ksfs.cas.rework): plain bytes, bases and kind (fixed), while HOMES_KEPT
+        # allows.
+        self._deltas_kept: dict[bytes, tuple[bytes, list[bytes], bool]] = {}
         self._deltas_bytes = 0
-        self._delta_pages: dict[int, bytes] = {}
-        self._wanted: dict[bytes, set[bytes]] = {}
         self._local_bases: set[bytes] = set()
         self._lock_fd = store.lock(exclusive=False)
         self._commits_seen = self._commits()  # after the lock: no GC runs from here on
@@ -427,10 +415,10 @@ class Ingest:
                     self._old_bases(txn, old, bases, fixed)
                 # Pages are looked for only in later versions of a file (a reference): a first
                 # checkpoint has few repeats, and its import stays as fast as before.
-                pages = None if ref is None or stale is not None else _pages(data, fixed)
+                pages = None if ref is None or stale is not None else chunk_pages(data, fixed)
                 if pages:
-                    found, cost = self._homes_of(txn, pages, cid, olders)
-                    chosen, read_back = {**found, **olders}, read_back + cost
+                    chosen, cost = self._homes_of(txn, pages, cid, olders, fixed)
+                    read_back += cost
                 else:
                     chosen = olders
                 diff = None
@@ -441,11 +429,13 @@ class Ingest:
                 if diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
                     payload = diff
                     if pages and self._deltas_bytes < HOMES_KEPT:
-                        self._keep_delta(cid, data, list(chosen), pages)
+                        with self._mutex_bases:
+                            self._deltas_kept[cid] = (data, list(chosen), fixed)
+                            self._deltas_bytes += len(data)
                 elif stale is None:
                     # a plain new chunk: a page home here, and for the next version (hints)
                     if pages is None:
-                        pages = _pages(data, fixed)
+                        pages = chunk_pages(data, fixed)
                     keys = [hints.page_key(p) for p in pages]
                     if keys and self._hinted_bytes < hints.KEPT:
                         self._page_keys[cid] = hints.pack_keys(keys)
@@ -454,35 +444,36 @@ class Ingest:
                         self._local_bases.add(cid)
                         for key in keys:
                             self._homes.setdefault(key, cid)
-                            earlier = self._delta_pages.get(key)
-                            if earlier is not None:
-                                self._wanted.setdefault(earlier, set()).add(cid)
                 out.append((off, cid, n, (*payload, read_back, stale)))
         return out
 
-    def _keep_delta(self, cid: bytes, data: bytes, bases: list[bytes], pages: list[bytes]
-                    ) -> None:
-        with self._mutex_bases:
-            self._deltas_kept[cid] = (data, bases)
-            self._deltas_bytes += len(data)
-        for page in pages:
-            self._delta_pages.setdefault(hints.page_key(page), cid)
-
     def _homes_of(self, txn: lmdb.Transaction, pages: list[bytes], cid: bytes,
-                  olders: dict[bytes, bytes]) -> tuple[dict[bytes, bytes], int]:
-        """({id: plain bytes} of the page homes (plain chunks this ingest stores, read as old
-        versions, or hinted) that hold the most of these pages, not the chunk itself nor its
-        old version's bases, as many as may join those as bases; stored bytes read for them)."""
+                  olders: dict[bytes, bytes], fixed: bool) -> tuple[dict[bytes, bytes], int]:
+        """({id: plain bytes} of the bases of a new chunk: the page homes (plain chunks this
+        ingest stores, read as old versions, or hinted) that hold the most of these pages, not
+        the chunk itself, then its old version's bases (``olders``); stored bytes read for
+        them). Past MAX_BASES the bases holding the fewest of its pages are left out, old
+        version's too: a delta's bases pass to its next versions, and would fill every place."""
         votes: dict[bytes, int] = {}
         homes, hinted = self._homes, self._hinted
-        for page in pages:
-            key = hints.page_key(page)
+        keys = [hints.page_key(page) for page in pages]
+        for key in keys:
             home = homes.get(key) or hinted.get(key)
             if home is not None and home != cid and home not in olders:
                 votes[home] = votes.get(home, 0) + 1
-        room = fmt.MAX_BASES - len(olders)
+        old = list(olders)
+        if len(old) + len(votes) > fmt.MAX_BASES:
+            mine = set(keys)
+            held = {b: len(mine & self._page_set(b, olders[b], fixed)) for b in old}
+            # the old version's bases win ties: the rest of the chunk (record headers, a
+            # changed page's unchanged bytes) is there
+            ranked = sorted([(held[b], 1, b) for b in old] + [(v, 0, h) for h, v in
+                                                             votes.items()], reverse=True)
+            keep = {b for _, _, b in ranked[:fmt.MAX_BASES]}
+            old = [b for b in old if b in keep]
+            votes = {h: v for h, v in votes.items() if h in keep}
         out, cost = {}, 0
-        for home in sorted(votes, key=votes.__getitem__, reverse=True)[:room]:
+        for home in sorted(votes, key=votes.__getitem__, reverse=True):
             plain = self._bases.get(home)
             if plain is None:  # hinted: read now (gone, damaged or a delta: not a base)
                 got = self._read_base(txn, home, None)
@@ -491,7 +482,15 @@ class Ingest:
                 plain, read = got
                 cost += read
             out[home] = plain
+        for b in old:  # the old version's bases last: most matches are there, at short distances
+            out[b] = olders[b]
         return out, cost
+
+    def _page_set(self, base: bytes, plain: bytes, fixed: bool) -> set[int]:
+        got = self._base_pages.get(base)
+        if got is None:
+            got = self._base_pages[base] = {hints.page_key(p) for p in chunk_pages(plain, fixed)}
+        return got
 
     def _load_hints(self, like: str | None) -> None:
         """Take the page hints kept with ``like`` (see ksfs.cas.hints) as page homes."""
@@ -573,7 +572,7 @@ class Ingest:
             if base_id not in bases:
                 bases[base_id] = self._read_base(txn, base_id, None if loc.base else loc)
                 if bases[base_id] is not None and base_id in self._bases:
-                    for page in _pages(bases[base_id][0], fixed):
+                    for page in chunk_pages(bases[base_id][0], fixed):
                         self._homes.setdefault(hints.page_key(page), base_id)
             got = bases[base_id]
             if got is None:
@@ -706,7 +705,7 @@ class Ingest:
             if locked and self._seal_fd < 0 and self._lock_fd >= 0:
                 self._seal_fd = self._take_seal_lock()
             self._drop_committed()
-            self._redelta()
+            rework.rework(self)
             self._store_orphans_whole()
             for w in self.writers:
                 if w.written and not w.synced:
@@ -869,34 +868,6 @@ class Ingest:
         for cid in self.lost:
             self.new.pop(cid, None)
             self.replacing.pop(cid, None)
-
-    def _redelta(self) -> None:
-        """Make again, with the plain chunks stored after them that hold some of their pages
-        among their bases, the deltas (``_wanted``) that come out smaller so."""
-        redo: dict[bytes, tuple[tuple[int, bytes], int]] = {}
-        for cid, homes in self._wanted.items():
-            loc, kept = self.new.get(cid), self._deltas_kept.get(cid)
-            if loc is None or kept is None or loc.codec not in fmt.DELTA_CODECS:
-                continue
-            data, bases = kept
-            room = fmt.MAX_BASES - len(bases)
-            extra = sorted(h for h in homes if h not in bases and h in self._bases and
-                           (here := self.new.get(h)) is not None and
-                           here.codec not in fmt.DELTA_CODECS)[:room]
-            if not extra:
-                continue
-            chosen = extra + bases  # the old version's bases last, as in _digest
-            payload = fmt.delta_payload(chosen, delta.compress(
-                data, b"".join(self._base(b) for b in chosen)))
-            if fmt.HEADER_SIZE + len(payload[1]) < loc.record_len - REDELTA_GAIN:
-                redo[cid] = (payload, len(data))
-        if not redo:
-            return
-        for w in self.writers:
-            if any(cid in redo for cid, _ in w.written):
-                self._compact(w, redo.keys())
-        for cid, ((codec, stored), plain_len) in redo.items():
-            self._append(cid, stored, plain_len, codec)
 
     def _orphan(self, loc: fmt.Location) -> bool:
         """A delta whose base was to be a chunk of this ingest that is not here as a plain

@@ -289,3 +289,15 @@ def data_pages(chunk: bytes) -> list[bytes]:
         if not zero:
             out.append(chunk[p - PAGE : p])
     return out
+
+
+_ZERO_PAGE = bytes(PAGE)
+
+
+def chunk_pages(chunk: bytes, fixed: bool) -> list[bytes]:
+    """A chunk's 4 KiB pages that hold data: a disk cluster's blocks (``fixed``), or the data
+    pages of a memory group's page records."""
+    if not fixed:
+        return data_pages(chunk)
+    return [page for i in range(0, len(chunk), PAGE)
+            if (page := chunk[i : i + PAGE]) != _ZERO_PAGE]

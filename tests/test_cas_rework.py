@@ -1,0 +1,156 @@
+"""Chunks made again at the seal (ksfs.cas.rework): a page that two new chunks of one save hold
+(a file's page cache and the buffer it was copied from) is stored once.
+
+- A delta made before the plain chunk that holds its new page existed is made again with that
+  chunk among its bases.
+- Of two plain chunks stored at once on the two workers, one becomes a delta on the other.
+- A page that two deltas hold goes into a shared-page chunk of its own, a base of both.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ksfs.cas import ChunkStore, rework
+from ksfs.cas import format as fmt
+from ksfs.cas.ingest import Ingest
+from tests.cas_helpers import put
+from tests.test_cas_delta import memory_image, read_back
+
+PAGE = 4096
+PAIRS = 24
+
+
+DATA_PAGES = 4608  # 18 MiB: the copies lie two 8 MiB batches on, so they are cut and stored
+# after the workers are done with the changed groups (chunking.BATCH_BYTES, Ingest._pipeline)
+
+
+def saves(rng: random.Random) -> list[bytes]:
+    """Two saves: the second rewrites one page of each of PAIRS page groups near the start and
+    writes the same page, among fresh ones, into a group that was free, near the end."""
+    pages: dict[int, bytes | None] = {a * PAGE: rng.randbytes(PAGE) for a in range(DATA_PAGES)}
+    pages.update({a * PAGE: None for a in range(DATA_PAGES, DATA_PAGES + 512)})
+    second = dict(pages)
+    for k in range(PAIRS):
+        changed, copy = 16 * k, DATA_PAGES + 16 * k  # group starts, 8 pages each
+        page = rng.randbytes(PAGE)
+        second[(changed + 3) * PAGE] = page
+        for a in range(copy, copy + 8):
+            second[a * PAGE] = page if a == copy + 5 else rng.randbytes(PAGE)
+    return [memory_image(pages), memory_image(second)]
+
+
+def test_a_delta_made_before_the_plain_chunk_that_holds_its_new_page_is_made_again_on_it(
+        tmp_path, monkeypatch):
+    rng = random.Random(4)
+    images = saves(rng)
+    with ChunkStore.open(tmp_path / "s", create=True) as store:
+        made = [put(store, images[0], "cdc")]
+        made.append(put(store, images[1], "cdc", like=made[0].manifest))
+        chunks = {}
+        for cid, _ in store.load_manifest(made[1].manifest).entries:
+            if cid is not None:
+                chunks[cid] = store.lookup(cid)
+        named = sum(1 for loc in chunks.values() if any(b in chunks for b in loc.base_ids))
+        # every changed group names the fresh group holding its new page among its bases
+        assert named >= PAIRS, named
+        read_back(store, made[1].manifest, images[1], rng)
+        assert store.check(read_data=True).ok
+        stored = store.stats()["stored_bytes"]
+
+    monkeypatch.setattr(rework, "redelta", lambda ing, redo: None)
+    with ChunkStore.open(tmp_path / "without", create=True) as store:
+        first = put(store, images[0], "cdc")
+        put(store, images[1], "cdc", like=first.manifest)
+        without = store.stats()["stored_bytes"]
+    # each pair's page stored once instead of twice (random bytes: about 4 KiB each)
+    assert without - stored > PAIRS * PAGE * 0.8, (without, stored)
+
+
+def no_homes_while_digesting(monkeypatch) -> None:
+    """Chunks find no page homes when digested, as when the chunk holding their pages is
+    digested at the same moment on the other worker: only the seal can find them."""
+    monkeypatch.setattr(Ingest, "_homes_of", lambda self, txn, pages, cid, olders, fixed:
+                        (olders, 0))
+
+
+def new_chunks(store: ChunkStore, manifest: str, before: str) -> dict[bytes, fmt.Location]:
+    old = {cid for cid, _ in store.load_manifest(before).entries}
+    return {cid: store.lookup(cid) for cid, _ in store.load_manifest(manifest).entries
+            if cid is not None and cid not in old}
+
+
+def test_of_two_plain_chunks_holding_a_page_one_becomes_a_delta_on_the_other(
+        tmp_path, monkeypatch):
+    """Fresh groups in pairs, each pair sharing one page: one of each pair names the other."""
+    rng = random.Random(6)
+    pages: dict[int, bytes | None] = {a * PAGE: rng.randbytes(PAGE) for a in range(256)}
+    pages.update({a * PAGE: None for a in range(256, 1024)})
+    second = dict(pages)
+    for k in range(PAIRS):
+        page = rng.randbytes(PAGE)
+        for start in (256 + 16 * k, 640 + 16 * k):
+            for a in range(start, start + 8):
+                second[a * PAGE] = page if a == start + 2 else rng.randbytes(PAGE)
+    no_homes_while_digesting(monkeypatch)
+    with ChunkStore.open(tmp_path / "s", create=True) as store:
+        first = put(store, memory_image(pages), "cdc")
+        f = put(store, memory_image(second), "cdc", like=first.manifest)
+        made = new_chunks(store, f.manifest, first.manifest)
+        on_plain = [loc for loc in made.values()
+                    if loc.codec in fmt.DELTA_CODECS and
+                    any(b in made and made[b].codec not in fmt.DELTA_CODECS
+                        for b in loc.base_ids)]
+        assert len(on_plain) == PAIRS
+        read_back(store, f.manifest, memory_image(second), rng)
+        assert store.check(read_data=True).ok
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_page_two_deltas_hold_is_stored_once_in_a_shared_page_chunk(
+        tmp_path, monkeypatch, share):
+    """Groups that held data each get one new page, the same page for each pair: both are
+    deltas on their old versions, so neither is a base for the other; a shared-page chunk that
+    no manifest names holds the page, and both are deltas on it too. GC keeps it while they
+    live and frees it with them."""
+    rng = random.Random(8)
+    pages: dict[int, bytes | None] = {a * PAGE: rng.randbytes(PAGE) for a in range(1024)}
+    second = dict(pages)
+    for k in range(PAIRS):
+        page = rng.randbytes(PAGE)
+        second[(16 * k + 3) * PAGE] = page
+        second[(512 + 16 * k + 5) * PAGE] = page
+    images = [memory_image(pages), memory_image(second)]
+    if not share:
+        monkeypatch.setattr(rework, "share_pages", lambda ing, redo: {})
+    with ChunkStore.open(tmp_path / "s", create=True) as store:
+        first = put(store, images[0], "cdc")
+        f = put(store, images[1], "cdc", like=first.manifest)
+        made = new_chunks(store, f.manifest, first.manifest)
+        named = {b for loc in made.values() for b in loc.base_ids}
+        shared = [b for b in named if b not in made and store.lookup(b) is not None and
+                  b not in {c for c, _ in store.load_manifest(first.manifest).entries}]
+        stored = store.stats()["stored_bytes"]
+        read_back(store, f.manifest, images[1], rng)
+        assert store.check(read_data=True).ok
+        if not share:
+            assert not shared
+            return
+        assert shared, "no shared-page chunk"
+        users = sum(1 for loc in made.values() if set(loc.base_ids) & set(shared))
+        assert users >= 2 * len(shared)
+        store.gc([f.manifest], threshold=1.0)  # the first checkpoint goes
+        assert all(store.lookup(b) is not None for b in shared)  # live deltas keep it
+        read_back(store, f.manifest, images[1], rng)
+        assert store.check(read_data=True).ok
+        store.gc([], threshold=1.0)
+        assert not any(store.lookup(b) for b in shared)
+        assert store.check(read_data=True).ok
+    monkeypatch.setattr(rework, "share_pages", lambda ing, redo: {})
+    with ChunkStore.open(tmp_path / "without", create=True) as store:
+        first = put(store, images[0], "cdc")
+        put(store, images[1], "cdc", like=first.manifest)
+        without = store.stats()["stored_bytes"]
+    assert without - stored > PAIRS * PAGE * 0.8, (without, stored)
