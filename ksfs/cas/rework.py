@@ -108,13 +108,37 @@ def redelta(ing: Ingest, redo: Redo) -> None:
             continue
         length, bases = now
         keys = [hints.page_key(p) for p in chunk_pages(data, fixed)]
-        extra = _votes(ing, keys, cid, bases, set())[:fmt.MAX_BASES - len(bases)]
+        extra = _votes(ing, keys, cid, bases, set())
         if not extra:
             continue
+        if len(bases) + len(extra) > fmt.MAX_BASES:
+            extra, bases = _fewest_left_out(ing, keys, extra, bases, fixed)
+            if not extra:
+                continue
         chosen = extra + bases  # the old version's bases last, as in _digest
         payload = _delta(ing, data, chosen, {})
         if fmt.HEADER_SIZE + len(payload[1]) < length - REWORK_GAIN:
             redo[cid] = (payload, chosen, len(data))
+
+
+def _fewest_left_out(ing: Ingest, keys: list[int], extra: list[bytes], bases: list[bytes],
+                     fixed: bool) -> tuple[list[bytes], list[bytes]]:
+    """Of the homes found (``extra``, most pages first) and a delta's bases, the MAX_BASES
+    holding the most of its pages (bases win ties: the rest of the chunk is there)."""
+    mine = set(keys)
+    held = {b: len(mine & _keys_of(ing, b, fixed)) for b in bases}
+    votes = {h: sum(1 for k in keys if ing._homes.get(k) == h) for h in extra}
+    ranked = sorted([(held[b], 1, b) for b in bases] + [(votes[h], 0, h) for h in extra],
+                    reverse=True)[:fmt.MAX_BASES]
+    keep = {b for _, _, b in ranked}
+    return [h for h in extra if h in keep], [b for b in bases if b in keep]
+
+
+def _keys_of(ing: Ingest, base: bytes, fixed: bool) -> set[int]:
+    packed = ing._page_keys.get(base)
+    if packed is not None:
+        return {k for (k,) in hints.PAGE_KEY.iter_unpack(packed)}
+    return ing._page_set(base, ing._base(base), fixed)
 
 
 def plain_to_delta(ing: Ingest, redo: Redo) -> None:
@@ -181,12 +205,20 @@ def share_pages(ing: Ingest, redo: Redo) -> dict[bytes, tuple[bytes, int]]:
             remade, saved = {}, 0
             for cid in sorted(users):
                 length, bases = _current(ing, redo, cid) or (0, [])
-                if not length or len(bases) >= fmt.MAX_BASES:
+                if not length:
                     continue
-                payload = _delta(ing, ing._deltas_kept[cid][0], [sid, *bases], {sid: pages})
+                data, _, fixed = ing._deltas_kept[cid]
+                if len(bases) >= fmt.MAX_BASES:  # in place of the base holding fewest pages
+                    mine = {hints.page_key(p) for p in chunk_pages(data, fixed)}
+                    weakest = min(bases, key=lambda b: (len(mine & _keys_of(ing, b, fixed)),
+                                                        bases.index(b)))
+                    if len(mine & _keys_of(ing, weakest, fixed)) >= len(mine & set(keys)):
+                        continue
+                    bases = [b for b in bases if b != weakest]
+                payload = _delta(ing, data, [sid, *bases], {sid: pages})
                 gain = length - fmt.HEADER_SIZE - len(payload[1]) - fmt.BASE_ID_SIZE
                 if gain > 0:
-                    remade[cid] = (payload, [sid, *bases], len(ing._deltas_kept[cid][0]))
+                    remade[cid] = (payload, [sid, *bases], len(data))
                     saved += gain
             if len(remade) >= 2 and saved > cost + REWORK_GAIN:
                 redo.update(remade)
