@@ -60,7 +60,7 @@ def test_a_delta_made_before_the_plain_chunk_that_holds_its_new_page_is_made_aga
         assert store.check(read_data=True).ok
         stored = store.stats()["stored_bytes"]
 
-    monkeypatch.setattr(rework, "redelta", lambda ing, redo: None)
+    monkeypatch.setattr(rework, "redelta", lambda ing, redo, pages: None)
     with ChunkStore.open(tmp_path / "without", create=True) as store:
         first = put(store, images[0], "cdc")
         put(store, images[1], "cdc", like=first.manifest)
@@ -124,7 +124,7 @@ def test_a_page_two_deltas_hold_is_stored_once_in_a_shared_page_chunk(
         second[(512 + 16 * k + 5) * PAGE] = page
     images = [memory_image(pages), memory_image(second)]
     if not share:
-        monkeypatch.setattr(rework, "share_pages", lambda ing, redo: {})
+        monkeypatch.setattr(rework, "share_pages", lambda ing, redo, pages: {})
     with ChunkStore.open(tmp_path / "s", create=True) as store:
         first = put(store, images[0], "cdc")
         f = put(store, images[1], "cdc", like=first.manifest)
@@ -148,7 +148,7 @@ def test_a_page_two_deltas_hold_is_stored_once_in_a_shared_page_chunk(
         store.gc([], threshold=1.0)
         assert not any(store.lookup(b) for b in shared)
         assert store.check(read_data=True).ok
-    monkeypatch.setattr(rework, "share_pages", lambda ing, redo: {})
+    monkeypatch.setattr(rework, "share_pages", lambda ing, redo, pages: {})
     with ChunkStore.open(tmp_path / "without", create=True) as store:
         first = put(store, images[0], "cdc")
         put(store, images[1], "cdc", like=first.manifest)

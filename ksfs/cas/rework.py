@@ -37,13 +37,16 @@ SHARED_PAGES_MAX = 16  # pages in one shared-page chunk (64 KiB: a delta's dicti
 INDEX_ENTRY_COST = 100  # what an index entry takes in LMDB, about, counted against a shared chunk
 
 Redo = dict[bytes, tuple[tuple[int, bytes], list[bytes], int]]  # chunk -> payload, bases, plain len
+Pages = dict[bytes, list[tuple[int, bytes]]]  # kept delta -> (page key, page) of its data pages
 
 
 def rework(ing: Ingest) -> None:
     redo: Redo = {}
-    redelta(ing, redo)
+    pages = {cid: [(hints.page_key(p), p) for p in chunk_pages(data, fixed)]
+             for cid, (data, _, fixed) in ing._deltas_kept.items()}
+    redelta(ing, redo, pages)
     plain_to_delta(ing, redo)
-    shared = share_pages(ing, redo)
+    shared = share_pages(ing, redo, pages)
     if not redo:
         return
     for w in ing.writers:
@@ -98,16 +101,17 @@ def _votes(ing: Ingest, keys: list[int], cid: bytes, bases: list[bytes], convert
     return sorted(votes, key=lambda h: (-votes[h], h))
 
 
-def redelta(ing: Ingest, redo: Redo) -> None:
+def redelta(ing: Ingest, redo: Redo, pages: Pages) -> None:
     """Deltas whose pages a page home found after them holds (a plain chunk stored later, or on
     the other worker meanwhile), made again with those homes first among their bases where that
     is smaller."""
+    jobs = []
     for cid, (data, _, fixed) in ing._deltas_kept.items():
         now = _current(ing, redo, cid)
-        if now is None:
+        if now is None or now[0] < 2 * REWORK_GAIN:  # too small to save that much
             continue
         length, bases = now
-        keys = [hints.page_key(p) for p in chunk_pages(data, fixed)]
+        keys = [key for key, _ in pages[cid]]
         extra = _votes(ing, keys, cid, bases, set())
         if not extra:
             continue
@@ -115,8 +119,10 @@ def redelta(ing: Ingest, redo: Redo) -> None:
             extra, bases = _fewest_left_out(ing, keys, extra, bases, fixed)
             if not extra:
                 continue
-        chosen = extra + bases  # the old version's bases last, as in _digest
-        payload = _delta(ing, data, chosen, {})
+        jobs.append((cid, data, extra + bases, length))  # the old version's bases last
+    # on both workers: zstd lets go of the GIL
+    made = ing.store.pool.map(lambda job: _delta(ing, job[1], job[2], {}), jobs)
+    for (cid, data, chosen, length), payload in zip(jobs, made, strict=True):
         if fmt.HEADER_SIZE + len(payload[1]) < length - REWORK_GAIN:
             redo[cid] = (payload, chosen, len(data))
 
@@ -165,17 +171,16 @@ def plain_to_delta(ing: Ingest, redo: Redo) -> None:
             named.update(chosen)
 
 
-def share_pages(ing: Ingest, redo: Redo) -> dict[bytes, tuple[bytes, int]]:
+def share_pages(ing: Ingest, redo: Redo, pages_of: Pages) -> dict[bytes, tuple[bytes, int]]:
     """Shared-page chunks for the pages several deltas hold that no page home has: id ->
     (plain bytes, number of the file whose delta holds them first); ``redo`` gets the deltas
     made again on them."""
     holders: dict[int, list[bytes]] = {}
     page_of: dict[int, bytes] = {}
-    for cid, (data, _, fixed) in ing._deltas_kept.items():
+    for cid in ing._deltas_kept:
         if _current(ing, redo, cid) is None:
             continue
-        for page in chunk_pages(data, fixed):
-            key = hints.page_key(page)
+        for key, page in pages_of[cid]:
             if key in ing._homes or key in ing._hinted:
                 continue
             got = holders.setdefault(key, [])
@@ -200,25 +205,33 @@ def share_pages(ing: Ingest, redo: Redo) -> dict[bytes, tuple[bytes, int]]:
             if sid in ing.new or sid in shared or txn.get(sid) is not None or \
                     first not in file_of or len(pages) != PAGE * len(keys):
                 continue
-            cost = fmt.HEADER_SIZE + len(encode_alone(cctx, pages)[1]) + INDEX_ENTRY_COST
-            users = {cid for k in keys for cid in holders[k]}
-            remade, saved = {}, 0
-            for cid in sorted(users):
+            alone = len(encode_alone(cctx, pages)[1])
+            cost = fmt.HEADER_SIZE + alone + INDEX_ENTRY_COST
+            users = sorted({cid for k in keys for cid in holders[k]})
+            if (len(users) - 1) * alone <= cost - alone + REWORK_GAIN + \
+                    len(users) * fmt.BASE_ID_SIZE:
+                continue  # pages that compress to next to nothing: the chunk cannot pay
+            jobs = []
+            for cid in users:
                 length, bases = _current(ing, redo, cid) or (0, [])
                 if not length:
                     continue
                 data, _, fixed = ing._deltas_kept[cid]
                 if len(bases) >= fmt.MAX_BASES:  # in place of the base holding fewest pages
-                    mine = {hints.page_key(p) for p in chunk_pages(data, fixed)}
+                    mine = {key for key, _ in pages_of[cid]}
                     weakest = min(bases, key=lambda b: (len(mine & _keys_of(ing, b, fixed)),
                                                         bases.index(b)))
                     if len(mine & _keys_of(ing, weakest, fixed)) >= len(mine & set(keys)):
                         continue
                     bases = [b for b in bases if b != weakest]
-                payload = _delta(ing, data, [sid, *bases], {sid: pages})
+                jobs.append((cid, data, [sid, *bases], length))
+            made = ing.store.pool.map(
+                lambda job, new={sid: pages}: _delta(ing, job[1], job[2], new), jobs)
+            remade, saved = {}, 0
+            for (cid, data, chosen, length), payload in zip(jobs, made, strict=True):
                 gain = length - fmt.HEADER_SIZE - len(payload[1]) - fmt.BASE_ID_SIZE
                 if gain > 0:
-                    remade[cid] = (payload, [sid, *bases], len(data))
+                    remade[cid] = (payload, chosen, len(data))
                     saved += gain
             if len(remade) >= 2 and saved > cost + REWORK_GAIN:
                 redo.update(remade)
