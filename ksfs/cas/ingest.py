@@ -66,6 +66,7 @@ BASES_KEPT = 64 * 1024 * 1024  # plain bytes of delta bases an ingest keeps for 
 # plain bytes of new chunks it keeps as page homes, apart: a save that changed much never takes
 # from the old versions' bases the budget above keeps for later deltas and the seal's verify
 HOMES_KEPT = 32 * 1024 * 1024
+SURE_DELTA = 256  # bytes under which a delta is kept without trying the chunk alone
 SEAL_LOCK = "seal.lock"
 # How long a seal waits for another ingest's publish; then it seals without the lock (the
 # figures stay true, commit still skips what another committed; only the bytes may stay twice)
@@ -109,6 +110,27 @@ def _refuse_oversized(batches: Iterator[list[tuple[int, bytes]]], src: Any
                     f"than the store reads back ({fmt.MAX_STORED_LEN}): refused before anything "
                     "is published (a ksfs bug: please report it)")
         yield batch
+
+
+class _Background(threading.Thread):
+    """A call on a thread of its own; ``join`` raises what it raised."""
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        super().__init__(daemon=True)
+        self._call = call
+        self._error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._call()
+        except BaseException as exc:  # handed to the joining thread
+            self._error = exc
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self._error is not None:
+            raise self._error
 
 
 @dataclass(frozen=True)
@@ -408,7 +430,6 @@ class Ingest:
                     out.append((off, cid, n, None))
                     continue
                 stale = None if raw is None else bytes(raw)
-                payload = encode_alone(cctx, data)
                 old = olds[k] if olds else None
                 # a chunk stored again stays plain: other deltas may name it as their base
                 olders, read_back = ({}, 0) if old in (None, cid) or stale is not None else \
@@ -426,16 +447,18 @@ class Ingest:
                     # the old version's bases last: most matches are there, at short distances
                     diff = fmt.delta_payload(list(chosen), delta.compress(
                         data, b"".join(chosen.values())))
-                if diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
+                # A delta this small is kept without compressing the chunk alone to compare: it
+                # could lose only to a chunk that compresses to less still (most deltas are so).
+                sure = diff is not None and len(diff[1]) <= max(SURE_DELTA, n // 16)
+                payload = diff if sure else encode_alone(cctx, data)
+                if sure or diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
                     payload = diff
                     if pages and self._deltas_bytes < HOMES_KEPT:
                         with self._mutex_bases:
                             self._deltas_kept[cid] = (data, list(chosen), fixed)
                             self._deltas_bytes += len(data)
-                elif stale is None:
+                elif pages:
                     # a plain new chunk: a page home here, and for the next version (hints)
-                    if pages is None:
-                        pages = chunk_pages(data, fixed)
                     keys = [hints.page_key(p) for p in pages]
                     if keys and self._hinted_bytes < hints.KEPT:
                         self._page_keys[cid] = hints.pack_keys(keys)
@@ -705,14 +728,24 @@ class Ingest:
             if locked and self._seal_fd < 0 and self._lock_fd >= 0:
                 self._seal_fd = self._take_seal_lock()
             self._drop_committed()
-            rework.rework(self)
+            # the packs as they stand are fsynced while rework works out what to store again;
+            # the records it replaces then cost a second, short fsync
+            syncing = _Background(self._sync_packs)
+            try:
+                plan = rework.plan(self)
+            finally:
+                syncing.join()
+            rework.apply(self, plan)
             self._store_orphans_whole()
-            for w in self.writers:
-                if w.written and not w.synced:
-                    w.sync()
+            self._sync_packs()
             for w in self.writers:
                 w.verify(self.store.dctx, self.store.run_split, self._base)
             self.sealed = True
+
+    def _sync_packs(self) -> None:
+        for w in self.writers:
+            if w.written and not w.synced:
+                w.sync()
 
     def commit(self, txn: lmdb.Transaction) -> None:
         """Write index entries, pack figures and manifests into the caller's write txn.

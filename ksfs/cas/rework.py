@@ -20,6 +20,7 @@ smaller by REWORK_GAIN; a shared-page chunk is stored when its deltas save more 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zstandard
@@ -40,24 +41,38 @@ Redo = dict[bytes, tuple[tuple[int, bytes], list[bytes], int]]  # chunk -> paylo
 Pages = dict[bytes, list[tuple[int, bytes]]]  # kept delta -> (page key, page) of its data pages
 
 
-def rework(ing: Ingest) -> None:
+@dataclass
+class Plan:
+    redo: Redo  # chunks to store again
+    shared: dict[bytes, tuple[bytes, int]]  # shared-page chunks: id -> (plain bytes, file)
+
+
+def plan(ing: Ingest) -> Plan:
+    """What to store again; reads the ingest's state and other packs, writes nothing (so the
+    seal fsyncs this ingest's packs meanwhile)."""
     redo: Redo = {}
     pages = {cid: [(hints.page_key(p), p) for p in chunk_pages(data, fixed)]
              for cid, (data, _, fixed) in ing._deltas_kept.items()}
     redelta(ing, redo, pages)
     plain_to_delta(ing, redo)
     shared = share_pages(ing, redo, pages)
-    if not redo:
+    return Plan(redo, shared)
+
+
+def apply(ing: Ingest, plan: Plan) -> None:
+    """Replace the records ``plan`` makes again in this ingest's packs, and add its shared-page
+    chunks."""
+    if not plan.redo:
         return
     for w in ing.writers:
-        if any(cid in redo for cid, _ in w.written):
-            ing._compact(w, redo.keys())
+        if any(cid in plan.redo for cid, _ in w.written):
+            ing._compact(w, plan.redo.keys())
     cctx = zstandard.ZstdCompressor(level=ing.level)
-    for sid, (pages, number) in shared.items():
+    for sid, (pages, number) in plan.shared.items():
         codec, stored = encode_alone(cctx, pages)
         ing._append(sid, stored, len(pages), codec)
         ing.brought[number].append(sid)
-    for cid, ((codec, stored), _, plain_len) in redo.items():
+    for cid, ((codec, stored), _, plain_len) in plan.redo.items():
         ing._append(cid, stored, plain_len, codec)
 
 
