@@ -66,7 +66,8 @@ BASES_KEPT = 64 * 1024 * 1024  # plain bytes of delta bases an ingest keeps for 
 # plain bytes of new chunks it keeps as page homes, apart: a save that changed much never takes
 # from the old versions' bases the budget above keeps for later deltas and the seal's verify
 HOMES_KEPT = 32 * 1024 * 1024
-SURE_DELTA = 256  # bytes under which a delta is kept without trying the chunk alone
+DIGEST_PARTS = 8  # parts each batch is digested in, on the store's workers
+SURE_DELTA_SHARE = 128  # a delta under 1/128 of its chunk is kept without trying it alone
 SEAL_LOCK = "seal.lock"
 # How long a seal waits for another ingest's publish; then it seals without the lock (the
 # figures stay true, commit still skips what another committed; only the bytes may stay twice)
@@ -400,12 +401,12 @@ class Ingest:
 
     def _submit(self, batch: list[tuple[int, bytes]], ref: delta.Reference | None,
                 fixed: bool) -> list[Any]:
+        # In DIGEST_PARTS parts, not one per worker: the new chunks of a save cluster, and a
+        # worker given the half without them would wait for the other
         pool = self.store.pool
-        if len(batch) < 2:
-            return [pool.submit(self._digest, batch, ref, fixed)]
-        mid = len(batch) // 2
-        return [pool.submit(self._digest, batch[:mid], ref, fixed),
-                pool.submit(self._digest, batch[mid:], ref, fixed)]
+        step = max(1, -(-len(batch) // DIGEST_PARTS))
+        return [pool.submit(self._digest, batch[i:i + step], ref, fixed)
+                for i in range(0, len(batch), step)]
 
     def _digest(self, part: list[tuple[int, bytes]], ref: delta.Reference | None, fixed: bool
                 ) -> list[tuple[int, bytes | None, int, Any]]:
@@ -447,9 +448,10 @@ class Ingest:
                     # the old version's bases last: most matches are there, at short distances
                     diff = fmt.delta_payload(list(chosen), delta.compress(
                         data, b"".join(chosen.values())))
-                # A delta this small is kept without compressing the chunk alone to compare: it
-                # could lose only to a chunk that compresses to less still (most deltas are so).
-                sure = diff is not None and len(diff[1]) <= max(SURE_DELTA, n // 16)
+                # A delta under 1/128 of its chunk is kept without compressing the chunk alone
+                # to compare: it could lose only to a chunk that compresses to under 1/115 of
+                # itself alone, and then by less than that.
+                sure = diff is not None and len(diff[1]) <= n // SURE_DELTA_SHARE
                 payload = diff if sure else encode_alone(cctx, data)
                 if sure or diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
                     payload = diff
