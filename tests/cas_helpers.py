@@ -3,6 +3,7 @@ page records of QEMU's migration stream."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from typing import Any
@@ -31,7 +32,8 @@ def put(store: Any, source: Any, chunking: str = "fixed", **kw: Any) -> Any:
         ing.seal()
         with store.env.begin(write=True) as txn:
             ing.commit(txn)
-    return f
+    # what it stored as the seal left it (which may store chunks again), as the keeper records
+    return dataclasses.replace(f, stored=ing.stored(f))
 
 
 def flip(store: Any, cid: bytes, where: int = 10) -> None:

@@ -198,6 +198,8 @@ class Ingest:
         self._deltas_kept: dict[bytes, tuple[bytes, list[bytes], bool]] = {}
         self._deltas_bytes = 0
         self._local_bases: set[bytes] = set()
+        # a local base -> its old version's bases and whether it is a fixed chunk
+        self._plain_olders: dict[bytes, tuple[list[bytes], bool]] = {}
         self._lock_fd = store.lock(exclusive=False)
         self._commits_seen = self._commits()  # after the lock: no GC runs from here on
         self._mutex = threading.Lock()  # add_file from two threads would interleave packs
@@ -467,6 +469,7 @@ class Ingest:
                         self._hinted_bytes += 4 * len(keys)
                     if ref is not None and keys and self._keep_base(cid, data, home=True):
                         self._local_bases.add(cid)
+                        self._plain_olders[cid] = (list(olders), fixed)
                         for key in keys:
                             self._homes.setdefault(key, cid)
                 out.append((off, cid, n, (*payload, read_back, stale)))

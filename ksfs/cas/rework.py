@@ -175,9 +175,14 @@ def plain_to_delta(ing: Ingest, redo: Redo) -> None:
                 or cid not in ing._bases:
             continue
         keys = [k for (k,) in hints.PAGE_KEY.iter_unpack(packed)]
-        chosen = _votes(ing, keys, cid, [], converted | {cid})[:fmt.MAX_BASES]
-        if not chosen:
+        olders, fixed = ing._plain_olders.get(cid, ([], False))
+        olders = [b for b in olders if b not in converted]
+        extra = _votes(ing, keys, cid, olders, converted | {cid})
+        if not extra:
             continue
+        if len(olders) + len(extra) > fmt.MAX_BASES:
+            extra, olders = _fewest_left_out(ing, keys, extra, olders, fixed)
+        chosen = extra + olders  # its old version's bases last, as in _digest
         data = ing._bases[cid]
         payload = _delta(ing, data, chosen, {})
         if fmt.HEADER_SIZE + len(payload[1]) < loc.record_len - REWORK_GAIN:
