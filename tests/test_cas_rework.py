@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from ksfs.cas import ChunkStore, rework
+from ksfs.cas import ChunkStore, hints, rework
 from ksfs.cas import format as fmt
 from ksfs.cas.ingest import Ingest
 from tests.cas_helpers import put
@@ -154,3 +154,25 @@ def test_a_page_two_deltas_hold_is_stored_once_in_a_shared_page_chunk(
         put(store, images[1], "cdc", like=first.manifest)
         without = store.stats()["stored_bytes"]
     assert without - stored > PAIRS * PAGE * 0.8, (without, stored)
+
+
+def test_past_max_bases_the_bases_holding_fewest_pages_give_way(tmp_path):
+    """A chunk whose old version already has MAX_BASES bases still takes the page homes that
+    hold its pages: the old version's bases holding none of them are left out instead."""
+    rng = random.Random(10)
+    pages = [rng.randbytes(PAGE) for _ in range(8)]  # the chunk's, as a disk cluster's blocks
+    olders = {bytes([i]) * 32: (pages[0] if i == 0 else rng.randbytes(PAGE)) * 2
+              for i in range(fmt.MAX_BASES)}
+    homes = {bytes([100 + i]) * 32: pages[1 + 2 * i] + pages[2 + 2 * i] for i in range(3)}
+    with ChunkStore.open(tmp_path / "s", create=True) as store, store.ingest() as ing:
+        for home, plain in homes.items():
+            ing._bases[home] = plain
+            for k in range(0, len(plain), PAGE):
+                ing._homes[hints.page_key(plain[k:k + PAGE])] = home
+        with store.env.begin(db=store.db["chunks"]) as txn:
+            chosen, _ = ing._homes_of(txn, pages, b"c" * 32, olders, True)
+    assert len(chosen) == fmt.MAX_BASES
+    assert list(chosen)[:3] == list(homes)  # the homes first (each holds two of its pages)
+    kept_old = [b for b in chosen if b in olders]
+    assert bytes([0]) * 32 in kept_old  # the old base holding one of its pages stays
+    assert len(kept_old) == fmt.MAX_BASES - 3
