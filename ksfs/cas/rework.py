@@ -97,8 +97,9 @@ def _delta(ing: Ingest, data: bytes, bases: list[bytes], extra: dict[bytes, byte
 
 def _plain_home(ing: Ingest, home: bytes, converted: set[bytes]) -> bool:
     """Whether a page home can be a base: its bytes are kept, and it is an old plain chunk or a
-    plain chunk of this ingest that stays plain."""
-    if home not in ing._bases or home in converted:
+    plain chunk of this ingest that stays plain (not one another import committed first: that
+    may be a delta there)."""
+    if home not in ing._bases or home in converted or home in ing.lost:
         return False
     here = ing.new.get(home)
     return here is None or here.codec not in fmt.DELTA_CODECS
