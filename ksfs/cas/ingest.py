@@ -540,6 +540,8 @@ class Ingest:
         """Page hints of the plain chunks this file brought, for its next version."""
         keys = self._page_keys
         mine = {cid for cid in brought if cid in keys}
+        if not mine:
+            return
         chunks = []
         for n, (cid, _) in enumerate(info.entries):
             if cid in mine:

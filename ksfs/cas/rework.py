@@ -167,7 +167,9 @@ def plain_to_delta(ing: Ingest, redo: Redo) -> None:
     """Plain chunks of this ingest whose pages another plain chunk holds (the two were stored at
     once, on the two workers), made deltas on it where that is smaller; never one that a delta
     names as its base, nor one another such delta is made on."""
-    named = {b for loc in ing.new.values() for b in loc.base_ids}
+    if not ing._local_bases:  # a first version: no page homes, nothing to look for
+        return
+    named = {b for loc in ing.new.values() if loc.base for b in loc.base_ids}
     named.update(b for _, bases, _ in redo.values() for b in bases)
     converted: set[bytes] = set()
     for cid in sorted(ing._local_bases):
