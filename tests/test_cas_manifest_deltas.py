@@ -115,14 +115,14 @@ def test_a_delta_on_a_missing_base_or_on_a_delta_is_refused():
     b_on_a = delta.manifest_delta(b, ids["a"], a)
     c_on_b = delta.manifest_delta(c, ids["b"], b)
     assert b_on_a is not None and c_on_b is not None
-    assert delta.expand_manifest("b", b_on_a, {ids["a"]: a}.get) == b
-    assert delta.expand_manifest("a", a, {}.get) == a  # a plain value is its own bytes
+    assert delta.expand_manifest(ids["b"], b_on_a, {ids["a"]: a}.get) == b
+    assert delta.expand_manifest(ids["a"], a, {}.get) == a  # a plain value is its own bytes
     with pytest.raises(ManifestCorrupt, match="is not in the store"):
-        delta.expand_manifest("b", b_on_a, {}.get)
+        delta.expand_manifest(ids["b"], b_on_a, {}.get)
     with pytest.raises(ManifestCorrupt, match="is itself a delta"):
-        delta.expand_manifest("c", c_on_b, {ids["b"]: b_on_a}.get)
+        delta.expand_manifest(ids["c"], c_on_b, {ids["b"]: b_on_a}.get)
     with pytest.raises(ManifestCorrupt, match="zstd cannot decode"):
-        delta.expand_manifest("b", b_on_a[:-5], {ids["a"]: a}.get)
+        delta.expand_manifest(ids["b"], b_on_a[:-5], {ids["a"]: a}.get)
     # a manifest that shares too little with the base is kept plain
     rng = random.Random(1)
     other = fmt.encode_manifest([(rng.randbytes(32), 9) for _ in range(60)], "fixed")

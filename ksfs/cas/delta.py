@@ -174,12 +174,17 @@ def manifest_delta(raw: bytes, base_id: bytes, base_raw: bytes) -> bytes | None:
     return value if len(value) < len(raw) * MANIFEST_KEEP_RATIO else None
 
 
-def expand_manifest(name: str, value: bytes, base_of: Callable[[bytes], bytes | None]) -> bytes:
-    """A stored manifest value's plain bytes (the value itself when it is plain); ``base_of``
-    gives a base's stored value, or None. ManifestCorrupt naming the base where that is missing,
-    damaged or itself a delta; the caller checks the result against the manifest's id."""
+def expand_manifest(mid: bytes, value: bytes, base_of: Callable[[bytes], bytes | None]
+                    ) -> bytes:
+    """The plain bytes of manifest ``mid`` from its stored value (the value itself when it is
+    plain), checked against its id; ``base_of`` gives a base's stored value, or None.
+    ManifestCorrupt where they do not hash to the id, or naming the base where that is missing,
+    damaged or itself a delta."""
+    name = mid.hex()
     base_id = fmt.manifest_base(value)
     if base_id is None:
+        if fmt.manifest_id(value) != mid:
+            raise ManifestCorrupt(manifest=name, why="its bytes do not hash to its id")
         return value
     _, _, plain_len = fmt.MANIFEST_DELTA_HEADER.unpack_from(value)
     if plain_len > MANIFEST_DELTA_MAX:
@@ -204,4 +209,6 @@ def expand_manifest(name: str, value: bytes, base_of: Callable[[bytes], bytes | 
     if len(plain) != plain_len:
         raise ManifestCorrupt(manifest=name, why=f"its delta gives {len(plain)} bytes, not "
                               f"{plain_len}")
+    if fmt.manifest_id(plain) != mid:
+        raise ManifestCorrupt(manifest=name, why="its bytes do not hash to its id")
     return plain

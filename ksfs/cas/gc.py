@@ -173,7 +173,7 @@ def _rebase_manifests(txn, mdb, live: set[bytes]) -> int:
             orphans.setdefault(base, []).append(mid)
     for mids in orphans.values():
         mids.sort()
-        plain = {mid: delta.expand_manifest(mid.hex(), txn.get(mid, db=mdb),
+        plain = {mid: delta.expand_manifest(mid, txn.get(mid, db=mdb),
                                             lambda b: txn.get(b, db=mdb)) for mid in mids}
         new_base = mids[0]
         txn.put(new_base, plain[new_base], db=mdb)

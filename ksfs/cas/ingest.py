@@ -829,9 +829,8 @@ class Ingest:
         old = txn.get(mid, db=mdb)
         if old is not None:
             try:
-                if fmt.manifest_id(delta.expand_manifest(mid.hex(), old,
-                                                         lambda b: txn.get(b, db=mdb))) == mid:
-                    return
+                delta.expand_manifest(mid, old, lambda b: txn.get(b, db=mdb))
+                return
             except IntegrityError:
                 pass
             value = self.manifests[mid]
