@@ -22,6 +22,7 @@ import stat as stat_
 import threading
 import time
 from collections.abc import Callable, Container, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
@@ -111,27 +112,6 @@ def _refuse_oversized(batches: Iterator[list[tuple[int, bytes]]], src: Any
                     f"than the store reads back ({fmt.MAX_STORED_LEN}): refused before anything "
                     "is published (a ksfs bug: please report it)")
         yield batch
-
-
-class _Background(threading.Thread):
-    """A call on a thread of its own; ``join`` raises what it raised."""
-
-    def __init__(self, call: Callable[[], None]) -> None:
-        super().__init__(daemon=True)
-        self._call = call
-        self._error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self._call()
-        except BaseException as exc:  # handed to the joining thread
-            self._error = exc
-
-    def join(self, timeout: float | None = None) -> None:
-        super().join(timeout)
-        if self._error is not None:
-            raise self._error
 
 
 @dataclass(frozen=True)
@@ -735,13 +715,13 @@ class Ingest:
             if locked and self._seal_fd < 0 and self._lock_fd >= 0:
                 self._seal_fd = self._take_seal_lock()
             self._drop_committed()
-            # the packs as they stand are fsynced while rework works out what to store again;
-            # the records it replaces then cost a second, short fsync
-            syncing = _Background(self._sync_packs)
-            try:
+            # The packs as they stand are fsynced (on a thread of its own: rework's deltas take
+            # the store's two workers) while rework works out what to store again; the records
+            # it replaces then cost a second, short fsync.
+            with ThreadPoolExecutor(1, thread_name_prefix="ksfs-seal-fsync") as fsyncing:
+                synced = fsyncing.submit(self._sync_packs)
                 plan = rework.plan(self)
-            finally:
-                syncing.join()
+                synced.result()
             rework.apply(self, plan)
             self._store_orphans_whole()
             self._sync_packs()
