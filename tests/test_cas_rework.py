@@ -60,7 +60,7 @@ def test_a_delta_made_before_the_plain_chunk_that_holds_its_new_page_is_made_aga
         assert store.check(read_data=True).ok
         stored = store.stats()["stored_bytes"]
 
-    monkeypatch.setattr(rework, "redelta", lambda ing, redo, pages: None)
+    monkeypatch.setattr(rework, "redelta", lambda ing, redo: None)
     with ChunkStore.open(tmp_path / "without", create=True) as store:
         first = put(store, images[0], "cdc")
         put(store, images[1], "cdc", like=first.manifest)
@@ -72,7 +72,7 @@ def test_a_delta_made_before_the_plain_chunk_that_holds_its_new_page_is_made_aga
 def no_homes_while_digesting(monkeypatch) -> None:
     """Chunks find no page homes when digested, as when the chunk holding their pages is
     digested at the same moment on the other worker: only the seal can find them."""
-    monkeypatch.setattr(Ingest, "_homes_of", lambda self, txn, pages, cid, olders, fixed:
+    monkeypatch.setattr(Ingest, "_homes_of", lambda self, txn, keys, cid, olders, fixed:
                         (olders, 0))
 
 
@@ -124,7 +124,7 @@ def test_a_page_two_deltas_hold_is_stored_once_in_a_shared_page_chunk(
         second[(512 + 16 * k + 5) * PAGE] = page
     images = [memory_image(pages), memory_image(second)]
     if not share:
-        monkeypatch.setattr(rework, "share_pages", lambda ing, redo, pages: {})
+        monkeypatch.setattr(rework, "share_pages", lambda ing, redo: {})
     with ChunkStore.open(tmp_path / "s", create=True) as store:
         first = put(store, images[0], "cdc")
         f = put(store, images[1], "cdc", like=first.manifest)
@@ -148,7 +148,7 @@ def test_a_page_two_deltas_hold_is_stored_once_in_a_shared_page_chunk(
         store.gc([], threshold=1.0)
         assert not any(store.lookup(b) for b in shared)
         assert store.check(read_data=True).ok
-    monkeypatch.setattr(rework, "share_pages", lambda ing, redo, pages: {})
+    monkeypatch.setattr(rework, "share_pages", lambda ing, redo: {})
     with ChunkStore.open(tmp_path / "without", create=True) as store:
         first = put(store, images[0], "cdc")
         put(store, images[1], "cdc", like=first.manifest)
@@ -170,7 +170,8 @@ def test_past_max_bases_the_bases_holding_fewest_pages_give_way(tmp_path):
             for k in range(0, len(plain), PAGE):
                 ing._homes[hints.page_key(plain[k:k + PAGE])] = home
         with store.env.begin(db=store.db["chunks"]) as txn:
-            chosen, _ = ing._homes_of(txn, pages, b"c" * 32, olders, True)
+            chosen, _ = ing._homes_of(txn, [hints.page_key(p) for p in pages], b"c" * 32, olders,
+                                        True)
     assert len(chosen) == fmt.MAX_BASES
     assert list(chosen)[:3] == list(homes)  # the homes first (each holds two of its pages)
     kept_old = [b for b in chosen if b in olders]

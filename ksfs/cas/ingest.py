@@ -171,11 +171,11 @@ class Ingest:
         self._hints_dropped: set[bytes] = set()  # manifest ids whose hints commit deletes
         self._page_keys: dict[bytes, bytes] = {}  # plain chunk stored -> its pages' keys
         self._hinted_bytes = 0
-        self._base_pages: dict[bytes, set[int]] = {}  # an old base -> its pages' keys
+        self._base_pages: dict[bytes, set[int]] = {}  # a base -> its pages' keys (_page_set)
         # The deltas of this ingest, for the seal to make again where a page home found after
-        # them serves (ksfs.cas.rework): plain bytes, bases and kind (fixed), while HOMES_KEPT
-        # allows.
-        self._deltas_kept: dict[bytes, tuple[bytes, list[bytes], bool]] = {}
+        # them serves (ksfs.cas.rework): plain bytes, bases, kind (fixed) and page keys, while
+        # HOMES_KEPT allows.
+        self._deltas_kept: dict[bytes, tuple[bytes, list[bytes], bool, list[int]]] = {}
         self._deltas_bytes = 0
         self._local_bases: set[bytes] = set()
         # a local base -> its old version's bases and whether it is a fixed chunk
@@ -420,8 +420,9 @@ class Ingest:
                 # Pages are looked for only in later versions of a file (a reference): a first
                 # checkpoint has few repeats, and its import stays as fast as before.
                 pages = None if ref is None or stale is not None else chunk_pages(data, fixed)
-                if pages:
-                    chosen, cost = self._homes_of(txn, pages, cid, olders, fixed)
+                keys = [hints.page_key(p) for p in pages] if pages else None
+                if keys:
+                    chosen, cost = self._homes_of(txn, keys, cid, olders, fixed)
                     read_back += cost
                 else:
                     chosen = olders
@@ -437,17 +438,16 @@ class Ingest:
                 payload = diff if sure else encode_alone(cctx, data)
                 if sure or diff is not None and delta.worth_it(len(diff[1]), len(payload[1])):
                     payload = diff
-                    if pages and self._deltas_bytes < HOMES_KEPT:
+                    if keys and self._deltas_bytes < HOMES_KEPT:
                         with self._mutex_bases:
-                            self._deltas_kept[cid] = (data, list(chosen), fixed)
+                            self._deltas_kept[cid] = (data, list(chosen), fixed, keys)
                             self._deltas_bytes += len(data)
-                elif pages:
+                elif keys:
                     # a plain new chunk: a page home here, and for the next version (hints)
-                    keys = [hints.page_key(p) for p in pages]
-                    if keys and self._hinted_bytes < hints.KEPT:
+                    if self._hinted_bytes < hints.KEPT:
                         self._page_keys[cid] = hints.pack_keys(keys)
                         self._hinted_bytes += 4 * len(keys)
-                    if ref is not None and keys and self._keep_base(cid, data, home=True):
+                    if self._keep_base(cid, data, home=True):
                         self._local_bases.add(cid)
                         self._plain_olders[cid] = (list(olders), fixed)
                         for key in keys:
@@ -455,16 +455,16 @@ class Ingest:
                 out.append((off, cid, n, (*payload, read_back, stale)))
         return out
 
-    def _homes_of(self, txn: lmdb.Transaction, pages: list[bytes], cid: bytes,
+    def _homes_of(self, txn: lmdb.Transaction, keys: list[int], cid: bytes,
                   olders: dict[bytes, bytes], fixed: bool) -> tuple[dict[bytes, bytes], int]:
         """({id: plain bytes} of the bases of a new chunk: the page homes (plain chunks this
-        ingest stores, read as old versions, or hinted) that hold the most of these pages, not
+        ingest stores, read as old versions, or hinted) that hold the most of its pages (their
+        ``hints.page_key``: ``keys``), not
         the chunk itself, then its old version's bases (``olders``); stored bytes read for
         them). Past MAX_BASES the bases holding the fewest of its pages are left out, old
         version's too: a delta's bases pass to its next versions, and would fill every place."""
         votes: dict[bytes, int] = {}
         homes, hinted = self._homes, self._hinted
-        keys = [hints.page_key(page) for page in pages]
         for key in keys:
             home = homes.get(key) or hinted.get(key)
             if home is not None and home != cid and home not in olders:
@@ -472,7 +472,7 @@ class Ingest:
         old = list(olders)
         if len(old) + len(votes) > fmt.MAX_BASES:
             mine = set(keys)
-            held = {b: len(mine & self._page_set(b, olders[b], fixed)) for b in old}
+            held = {b: len(mine & self._page_set(b, fixed, olders[b])) for b in old}
             # the old version's bases win ties: the rest of the chunk (record headers, a
             # changed page's unchanged bytes) is there
             ranked = sorted([(held[b], 1, b) for b in old] + [(v, 0, h) for h, v in
@@ -494,10 +494,18 @@ class Ingest:
             out[b] = olders[b]
         return out, cost
 
-    def _page_set(self, base: bytes, plain: bytes, fixed: bool) -> set[int]:
+    def _page_set(self, base: bytes, fixed: bool, plain: bytes | None = None) -> set[int]:
+        """The page keys of plain chunk ``base`` (its bytes read when not given and not kept
+        as those of a chunk this ingest stored)."""
         got = self._base_pages.get(base)
         if got is None:
-            got = self._base_pages[base] = {hints.page_key(p) for p in chunk_pages(plain, fixed)}
+            packed = self._page_keys.get(base)
+            if packed is not None:
+                got = {k for (k,) in hints.PAGE_KEY.iter_unpack(packed)}
+            else:
+                got = {hints.page_key(p) for p in chunk_pages(
+                    self._base(base) if plain is None else plain, fixed)}
+            self._base_pages[base] = got
         return got
 
     def _load_hints(self, like: str | None) -> None:

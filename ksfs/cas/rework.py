@@ -38,7 +38,6 @@ SHARED_PAGES_MAX = 16  # pages in one shared-page chunk (64 KiB: a delta's dicti
 INDEX_ENTRY_COST = 100  # what an index entry takes in LMDB, about, counted against a shared chunk
 
 Redo = dict[bytes, tuple[tuple[int, bytes], list[bytes], int]]  # chunk -> payload, bases, plain len
-Pages = dict[bytes, list[tuple[int, bytes]]]  # kept delta -> (page key, page) of its data pages
 
 
 @dataclass
@@ -51,12 +50,9 @@ def plan(ing: Ingest) -> Plan:
     """What to store again; reads the ingest's state and other packs, writes nothing (so the
     seal fsyncs this ingest's packs meanwhile)."""
     redo: Redo = {}
-    pages = {cid: [(hints.page_key(p), p) for p in chunk_pages(data, fixed)]
-             for cid, (data, _, fixed) in ing._deltas_kept.items()}
-    redelta(ing, redo, pages)
+    redelta(ing, redo)
     plain_to_delta(ing, redo)
-    shared = share_pages(ing, redo, pages)
-    return Plan(redo, shared)
+    return Plan(redo, share_pages(ing, redo))
 
 
 def apply(ing: Ingest, plan: Plan) -> None:
@@ -117,17 +113,16 @@ def _votes(ing: Ingest, keys: list[int], cid: bytes, bases: list[bytes], convert
     return sorted(votes, key=lambda h: (-votes[h], h))
 
 
-def redelta(ing: Ingest, redo: Redo, pages: Pages) -> None:
+def redelta(ing: Ingest, redo: Redo) -> None:
     """Deltas whose pages a page home found after them holds (a plain chunk stored later, or on
     the other worker meanwhile), made again with those homes first among their bases where that
     is smaller."""
     jobs = []
-    for cid, (data, _, fixed) in ing._deltas_kept.items():
+    for cid, (data, _, fixed, keys) in ing._deltas_kept.items():
         now = _current(ing, redo, cid)
         if now is None or now[0] < 2 * REWORK_GAIN:  # too small to save that much
             continue
         length, bases = now
-        keys = [key for key, _ in pages[cid]]
         extra = _votes(ing, keys, cid, bases, set())
         if not extra:
             continue
@@ -148,19 +143,12 @@ def _fewest_left_out(ing: Ingest, keys: list[int], extra: list[bytes], bases: li
     """Of the homes found (``extra``, most pages first) and a delta's bases, the MAX_BASES
     holding the most of its pages (bases win ties: the rest of the chunk is there)."""
     mine = set(keys)
-    held = {b: len(mine & _keys_of(ing, b, fixed)) for b in bases}
+    held = {b: len(mine & ing._page_set(b, fixed)) for b in bases}
     votes = {h: sum(1 for k in keys if ing._homes.get(k) == h) for h in extra}
     ranked = sorted([(held[b], 1, b) for b in bases] + [(votes[h], 0, h) for h in extra],
                     reverse=True)[:fmt.MAX_BASES]
     keep = {b for _, _, b in ranked}
     return [h for h in extra if h in keep], [b for b in bases if b in keep]
-
-
-def _keys_of(ing: Ingest, base: bytes, fixed: bool) -> set[int]:
-    packed = ing._page_keys.get(base)
-    if packed is not None:
-        return {k for (k,) in hints.PAGE_KEY.iter_unpack(packed)}
-    return ing._page_set(base, ing._base(base), fixed)
 
 
 def plain_to_delta(ing: Ingest, redo: Redo) -> None:
@@ -194,22 +182,20 @@ def plain_to_delta(ing: Ingest, redo: Redo) -> None:
             named.update(chosen)
 
 
-def share_pages(ing: Ingest, redo: Redo, pages_of: Pages) -> dict[bytes, tuple[bytes, int]]:
+def share_pages(ing: Ingest, redo: Redo) -> dict[bytes, tuple[bytes, int]]:
     """Shared-page chunks for the pages several deltas hold that no page home has: id ->
     (plain bytes, number of the file whose delta holds them first); ``redo`` gets the deltas
     made again on them."""
     holders: dict[int, list[bytes]] = {}
-    page_of: dict[int, bytes] = {}
-    for cid in ing._deltas_kept:
+    for cid, (_, _, _, keys) in ing._deltas_kept.items():
         if _current(ing, redo, cid) is None:
             continue
-        for key, page in pages_of[cid]:
+        for key in keys:
             if key in ing._homes or key in ing._hinted:
                 continue
             got = holders.setdefault(key, [])
             if cid not in got:
                 got.append(cid)
-                page_of.setdefault(key, page)
     by_first: dict[bytes, list[int]] = {}
     for key, got in holders.items():
         if len(got) >= 2:
@@ -223,6 +209,8 @@ def share_pages(ing: Ingest, redo: Redo, pages_of: Pages) -> dict[bytes, tuple[b
     with ing.store.env.begin(db=ing.store.db["chunks"]) as txn:
         for first, keys in by_first.items():
             keys = keys[:SHARED_PAGES_MAX]
+            data, _, fixed, first_keys = ing._deltas_kept[first]
+            page_of = dict(zip(first_keys, chunk_pages(data, fixed), strict=True))
             pages = b"".join(page_of[k] for k in keys)
             sid = fmt.chunk_id(pages)
             if sid in ing.new or sid in shared or txn.get(sid) is not None or \
@@ -239,12 +227,12 @@ def share_pages(ing: Ingest, redo: Redo, pages_of: Pages) -> dict[bytes, tuple[b
                 length, bases = _current(ing, redo, cid) or (0, [])
                 if not length:
                     continue
-                data, _, fixed = ing._deltas_kept[cid]
+                data, _, fixed, own_keys = ing._deltas_kept[cid]
                 if len(bases) >= fmt.MAX_BASES:  # in place of the base holding fewest pages
-                    mine = {key for key, _ in pages_of[cid]}
-                    weakest = min(bases, key=lambda b: (len(mine & _keys_of(ing, b, fixed)),
+                    mine = set(own_keys)
+                    weakest = min(bases, key=lambda b: (len(mine & ing._page_set(b, fixed)),
                                                         bases.index(b)))
-                    if len(mine & _keys_of(ing, weakest, fixed)) >= len(mine & set(keys)):
+                    if len(mine & ing._page_set(weakest, fixed)) >= len(mine & set(keys)):
                         continue
                     bases = [b for b in bases if b != weakest]
                 jobs.append((cid, data, [sid, *bases], length))
