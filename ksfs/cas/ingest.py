@@ -508,15 +508,15 @@ class Ingest:
             self._base_pages[base] = got
         return got
 
-    def _load_hints(self, like: str | None) -> None:
+    def _load_hints(self, like: str) -> None:
         """Take the page hints kept with ``like`` (see ksfs.cas.hints) as page homes."""
         try:
-            key = bytes.fromhex(like or "")
+            key = bytes.fromhex(like)
             with self.store.env.begin(db=self.store.db["cas_meta"]) as txn:
                 raw = txn.get(hints.key(key))
                 if raw is None:
                     return
-                entries = self.store.load_manifest(like or "", txn).entries
+                entries = self.store.load_manifest(like, txn).entries
                 found = hints.homes(bytes(raw), entries)
         except (ValueError, KsfsError):  # no hints to go by: the deltas are as they were
             return
@@ -796,13 +796,13 @@ class Ingest:
         same file's earlier version) is, or is a delta on; else plain."""
         if like is None:
             return raw
-        mdb = self.store.db["manifests"]
-        with self.store.env.begin(db=mdb) as txn:
-            try:
-                value = txn.get(bytes.fromhex(like))
-            except ValueError:
-                return raw
-            base_id = None if value is None else (fmt.manifest_base(value) or bytes.fromhex(like))
+        try:
+            like_id = bytes.fromhex(like)
+        except ValueError:
+            return raw
+        with self.store.env.begin(db=self.store.db["manifests"]) as txn:
+            value = txn.get(like_id)
+            base_id = None if value is None else (fmt.manifest_base(value) or like_id)
             base = None if base_id is None else txn.get(base_id)
             if base is None or fmt.manifest_base(base) is not None or \
                     fmt.manifest_id(base) != base_id:
