@@ -11,15 +11,22 @@ from __future__ import annotations
 import array
 import bisect
 import itertools
+import zlib
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import zstandard
+
 from ksfs.cas.format import (
+    BASE_ID_SIZE,
+    CHUNK_MAGIC,
     CODEC_RAW,
+    CODEC_ZSTD,
     HEADER_SIZE,
     INDEX_VALUE,
     INDEX_VALUE_SIZES,
+    RECORD_HEADER,
     Location,
     chunk_id,
     decode_record_header,
@@ -29,6 +36,8 @@ from ksfs.errors import BadInput, KsfsError
 from ksfs.lru import LRU
 
 if TYPE_CHECKING:
+    import lmdb
+
     from ksfs.cas.store import ChunkStore
 
 
@@ -168,18 +177,20 @@ class FileReader:
             for fut in pending:  # the consumer stopped early or a read failed
                 fut.cancel()
 
-    def _tasks(self, offset: int, end: int) -> Iterator[list[tuple[int, int, int]]]:
-        """The read tasks of offset..end, [(entry, lo, hi)] each, made as they are needed (all
-        of them at once cost ~100 bytes an entry: most of a big file's reader)."""
-        task: list[tuple[int, int, int]] = []
+    def _tasks(self, offset: int, end: int) -> Iterator[list[_Item]]:
+        """The read tasks of offset..end, [(chunk id or None, entry length, lo, hi)] each, made
+        as they are needed (all of them at once cost ~100 bytes an entry: most of a big file's
+        reader)."""
+        task: list[_Item] = []
         task_bytes = 0
         i = bisect.bisect_right(self.starts, offset) - 1
-        entries = self.entries
-        while i < len(self.starts) and self.starts[i] < end:
-            start = self.starts[i]
-            length = entries[i][1]
+        starts = self.starts
+        for cid, length in itertools.islice(self.entries, i, None):
+            start = starts[i]
+            if start >= end:
+                break
             lo, hi = max(offset - start, 0), min(length, end - start)
-            task.append((i, lo, hi))
+            task.append((cid, length, lo, hi))
             task_bytes += hi - lo
             if task_bytes >= STREAM_BATCH or len(task) >= 512:  # 512: well under IOV_MAX
                 yield task
@@ -188,62 +199,24 @@ class FileReader:
         if task:
             yield task
 
-    def _read_task(self, task: list[tuple[int, int, int]], bases: _Bases
-                   ) -> list[bytes | memoryview]:
+    def _read_task(self, task: list[_Item], bases: _Bases) -> list[bytes | memoryview]:
         store = self.store
-        entries = self.entries
-        locs: list[tuple | None] = []
+        ids = [item[0] for item in task]
         with store.env.begin(db=store.db["chunks"]) as txn:  # one index snapshot per task
-            for i, _, _ in task:
-                cid = entries[i][0]
-                if cid is None:
-                    locs.append(None)
-                else:
-                    raw = txn.get(cid)
-                    # (a value that does not decode: read_chunk's own lookup names it)
-                    locs.append(None if raw is None or len(raw) not in INDEX_VALUE_SIZES else
-                                (*INDEX_VALUE.unpack_from(raw), raw[INDEX_VALUE.size :]))
+            locs = _locations(txn, ids)
+            bases.fetch(txn, locs)
+        plains = _read_records(store, ids, locs, bases)
         out: list[bytes | memoryview] = []
-        n = len(task)
-        k = 0
-        while k < n:
-            i, lo, hi = task[k]
-            cid = entries[i][0]
-            loc = locs[k]
+        for (cid, length, lo, hi), plain in zip(task, plains, strict=True):
             if cid is None:
                 size = hi - lo
                 while size > 0:
                     out.append(_ZEROS[: min(size, len(_ZEROS))])
                     size -= len(out[-1])
-                k += 1
                 continue
-            if loc is None:  # not in the index now: read_chunk says missing or finds it
-                out.append(_piece(store.read_chunk(cid), lo, hi, entries[i][1]))
-                k += 1
-                continue
-            # the run of records that follow each other in this pack, up to SPAN_MAX
-            pack, first_off = loc[0], loc[1]
-            span_end = first_off + HEADER_SIZE + loc[2]
-            j = k + 1
-            while j < n:
-                nxt = locs[j]
-                if (nxt is None or nxt[0] != pack or nxt[1] != span_end
-                        or span_end + HEADER_SIZE + nxt[2] - first_off > SPAN_MAX):
-                    break
-                span_end += HEADER_SIZE + nxt[2]
-                j += 1
-            try:
-                span = memoryview(store.handles.pread(pack, span_end - first_off, first_off))
-            except OSError:
-                span = memoryview(b"")  # gone or unreadable: each chunk's own read says which
-            for m in range(k, j):
-                i, lo, hi = task[m]
-                cid, length = entries[i]
-                data = _check_record(cid, locs[m], span, first_off, store, bases)
-                if data is None:
-                    data = store.read_chunk(cid)
-                out.append(_piece(data, lo, hi, length))
-            k = j
+            if plain is None:  # not vouched for: read_chunk finds it, or names what is wrong
+                plain = store.read_chunk(cid)
+            out.append(plain if lo == 0 and hi == length else memoryview(plain)[lo:hi])
         return out
 
     def _cached_chunk(self, cid: bytes) -> bytes | None:
@@ -294,10 +267,6 @@ def _location(raw: bytes | None, cid: bytes) -> Location | None:
     return None if raw is None else Location.decode(raw, cid)
 
 
-def _piece(data: bytes, lo: int, hi: int, length: int) -> bytes | memoryview:
-    return data if (lo, hi) == (0, length) else memoryview(data)[lo:hi]
-
-
 def _read_raw_into(store: ChunkStore, cid: bytes, raw: bytes, dst: memoryview) -> bool:
     """Read the raw-codec chunk whose index value is raw straight into dst (its exact plain
     length) and check it like ``ChunkStore._read_at``; False when it is not a raw chunk of that
@@ -331,27 +300,125 @@ class _Bases:
         plain = self.kept.get(cid)
         if plain is None:
             plain = self.store.read_base(cid)
-            if self.size < BASES_CACHED:
-                self.kept[cid] = plain
-                self.size += len(plain)
+            self._keep(cid, plain)
         return plain
 
+    def fetch(self, txn: lmdb.Transaction, locs: list[_Loc | None]) -> None:
+        """Read the bases the deltas among locs name and that are not kept yet, in pack order
+        and adjacent ones with one pread, as a task's own chunks are read: one at a time
+        through ``read_base`` they cost a lookup, a pread and the checked slow path each. A
+        base not read here (damaged, gone, itself a delta) is left to ``read_base``."""
+        wanted: dict[bytes, None] = {}
+        for loc in locs:
+            if loc is not None and loc[5]:
+                for k in range(0, len(loc[5]), BASE_ID_SIZE):
+                    base = loc[5][k : k + BASE_ID_SIZE]
+                    if base not in self.kept:
+                        wanted[base] = None
+        if not wanted or self.size >= BASES_CACHED:
+            return
+        ids = list(wanted)
+        found = [(loc, cid) for loc, cid in zip(_locations(txn, ids), ids, strict=True)
+                 if loc is not None and not loc[5]]
+        found.sort(key=lambda lc: (lc[0][0], lc[0][1]))  # pack order: adjacent records, one pread
+        plains = _read_records(self.store, [cid for _, cid in found], [loc for loc, _ in found],
+                               None)
+        for (_, cid), plain in zip(found, plains, strict=True):
+            if plain is not None:
+                self._keep(cid, bytes(plain))
 
-def _check_record(cid: bytes, loc: tuple, span: memoryview, span_off: int,
-                  store: ChunkStore, bases: _Bases) -> bytes | None:
+    def _keep(self, cid: bytes, plain: bytes) -> None:
+        if self.size < BASES_CACHED:
+            self.kept[cid] = plain
+            self.size += len(plain)
+
+
+# (chunk id or None for a hole, entry length, lo, hi): one manifest entry of a stream's task
+_Item = tuple[bytes | None, int, int, int]
+# (pack, record offset, stored len, plain len, codec, base ids): a decoded index value
+_Loc = tuple[int, int, int, int, int, bytes]
+
+
+def _locations(txn: lmdb.Transaction, ids: list[bytes | None]) -> list[_Loc | None]:
+    """The index values of ids (None for a hole, or a value missing or that does not decode:
+    ``read_chunk``'s own lookup then names it)."""
+    get = txn.get
+    unpack = INDEX_VALUE.unpack_from
+    locs: list[_Loc | None] = []
+    for cid in ids:
+        raw = None if cid is None else get(cid)
+        locs.append(None if raw is None or len(raw) not in INDEX_VALUE_SIZES else
+                    (*unpack(raw), raw[INDEX_VALUE.size :]))
+    return locs
+
+
+def _read_records(store: ChunkStore, ids: list[bytes | None], locs: list[_Loc | None],
+                  bases: _Bases | None) -> list[bytes | memoryview | None]:
+    """The checked plain bytes of each chunk, or None where ids or locs has None or the record
+    cannot be vouched for. Runs of records that follow each other in one pack, up to SPAN_MAX,
+    are read with one pread."""
+    out: list[bytes | memoryview | None] = [None] * len(ids)
+    dctx = store.dctx
+    n = len(ids)
+    k = 0
+    while k < n:
+        loc = locs[k]
+        if ids[k] is None or loc is None:
+            k += 1
+            continue
+        pack, first_off = loc[0], loc[1]
+        span_end = first_off + HEADER_SIZE + loc[2]
+        j = k + 1
+        while j < n:
+            nxt = locs[j]
+            if (nxt is None or ids[j] is None or nxt[0] != pack or nxt[1] != span_end
+                    or span_end + HEADER_SIZE + nxt[2] - first_off > SPAN_MAX):
+                break
+            span_end += HEADER_SIZE + nxt[2]
+            j += 1
+        try:
+            span = memoryview(store.handles.pread(pack, span_end - first_off, first_off))
+        except OSError:
+            k = j  # gone or unreadable: each chunk's own read says which
+            continue
+        for m in range(k, j):
+            out[m] = _check_record(ids[m], locs[m], span, first_off, dctx, bases)
+        k = j
+    return out
+
+
+def _check_record(cid: bytes, loc: _Loc, span: memoryview, span_off: int,
+                  dctx: zstandard.ZstdDecompressor, bases: _Bases | None
+                  ) -> bytes | memoryview | None:
     """The plain bytes of the record at loc within span, checked like ``ChunkStore._read_at``
-    (header against the index, header crc, length, id); None when anything is off."""
-    pack, off, stored_len, plain_len, codec, base = loc
-    rec = span[off - span_off : off - span_off + HEADER_SIZE + stored_len]
-    if len(rec) != HEADER_SIZE + stored_len:
+    (header against the index, header crc, length, id); None when anything is off. A raw
+    chunk comes back as a view of span."""
+    _, off, stored_len, plain_len, codec, base = loc
+    at = off - span_off
+    if at < 0 or at + HEADER_SIZE + stored_len > len(span):
         return None
-    if decode_record_header(rec) != (cid, plain_len, stored_len, codec):
+    magic, head_id, head_plain, head_stored, head_codec, crc = RECORD_HEADER.unpack_from(span, at)
+    if (magic != CHUNK_MAGIC or head_id != cid or head_plain != plain_len
+            or head_stored != stored_len or head_codec != codec
+            or zlib.crc32(span[at : at + HEADER_SIZE - 4]) != crc):
         return None
-    try:
-        return decode_payload(cid, rec[HEADER_SIZE:], codec, plain_len, store.dctx,
-                              bases, base or None)
-    except KsfsError:
-        return None
+    payload = span[at + HEADER_SIZE : at + HEADER_SIZE + stored_len]
+    # Plain zstd and raw records, nearly all of a file, are decoded here rather than through
+    # decode_payload: its generality costs more than decompressing a 32 KiB chunk, and on two
+    # workers sharing the GIL that is what the other one waits for.
+    if codec == CODEC_ZSTD and not base:
+        try:
+            plain = dctx.decompress(payload, max_output_size=plain_len)
+        except zstandard.ZstdError:
+            return None
+    elif codec == CODEC_RAW and not base:
+        plain = payload
+    else:
+        try:
+            return decode_payload(cid, payload, codec, plain_len, dctx, bases, base or None)
+        except KsfsError:
+            return None
+    return plain if len(plain) == plain_len and chunk_id(plain) == cid else None
 
 
 def changed_share(old: FileReader, new: FileReader) -> float:
