@@ -17,7 +17,6 @@ import logging
 import os
 import stat as stat_
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -697,6 +696,8 @@ def _make_private(path: str) -> None:
 
 def _write_marker(path: str, marker: dict[str, Any]) -> None:
     """Replace the marker atomically: a temp file of its own (writers may race), then rename."""
+    import tempfile  # here: it loads shutil, bz2, lzma and random, and only new stores need it
+
     fd, tmp = tempfile.mkstemp(prefix=MARKER + ".", suffix=".tmp", dir=path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,7 @@ class GuestLink:
             return read_store_file(path, self.store_path)
         except FileNotFoundError:
             pass
-        key = secrets.token_bytes(32)
+        key = os.urandom(32)  # what secrets.token_bytes does
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600)
@@ -57,6 +55,8 @@ class GuestLink:
 
     def allocate_gateway_port(self) -> int:
         """A loopback port free now and given to no other session of this store."""
+        import socket  # here: every command loads the keeper, few allocate a port
+
         taken = {s.config.get("gateway_port") for s in self.ledger.sessions(include_removed=True)}
         for _ in range(100):
             with socket.socket() as s:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +24,10 @@ MAX_RENAMED_RETRIES = 100
 
 
 def _lock_path(store_path: Path, session: str) -> Path:
-    # Hash the name so no name, however odd, can reach outside locks/.
+    # Hash the name so no name, however odd, can reach outside locks/. (hashlib loads OpenSSL,
+    # a few ms every command would pay: imported when a lock is first taken.)
+    import hashlib
+
     return Path(store_path) / "locks" / (hashlib.blake2s(session.encode()).hexdigest()[:32]
                                          + ".lock")
 
