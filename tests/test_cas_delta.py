@@ -324,6 +324,9 @@ def test_a_damaged_or_lost_base_is_named_with_its_deltas(stores):
     with pytest.raises(ChunkCorrupt) as err:
         reader.read(start, 100)
     assert err.value.fields["chunk"] == cid.hex() and loc.base.hex() in str(err.value)
+    with pytest.raises(ChunkCorrupt) as err:  # the stream reads bases ahead: same answer
+        b"".join(bytes(p) for part in store.open_file(f1.manifest).stream() for p in part)
+    assert err.value.fields["chunk"] == cid.hex() and loc.base.hex() in str(err.value)
     report = store.check(read_data=True)
     assert loc.base.hex() in report.damaged_chunks
     assert loc.base.hex() in report.damaged_chunks[cid.hex()]

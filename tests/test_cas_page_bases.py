@@ -249,6 +249,9 @@ def test_a_damaged_second_base_is_named_with_its_delta(stores):
     with pytest.raises(ChunkCorrupt) as err:
         reader.read(start, 100)
     assert err.value.fields["chunk"] == copy.hex() and second.hex() in str(err.value)
+    with pytest.raises(ChunkCorrupt) as err:  # the stream reads bases ahead: same answer
+        b"".join(bytes(p) for part in store.open_file(f1.manifest).stream() for p in part)
+    assert err.value.fields["chunk"] == copy.hex() and second.hex() in str(err.value)
 
 
 def test_an_index_entry_whose_base_count_and_codec_disagree_is_named(stores):
