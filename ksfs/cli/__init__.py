@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import click
 
+from ksfs import __version__
 from ksfs.errors import BadInput, DaemonError, KsfsError, NoSpace, Terminated, from_foreign
 
 
@@ -441,7 +442,7 @@ def one_line(text: str) -> str:
     show_default="$KSFS_STORE or ~/.local/share/ksfs",
     help="The store directory.",
 )
-@click.version_option(package_name="ksfs")
+@click.version_option(version=__version__, package_name="ksfs")
 @click.pass_context
 def main(ctx: click.Context, store_path: str) -> None:
     """KeepState FS: durable virtual machines as a filesystem of sessions, checkpoints and forks.
