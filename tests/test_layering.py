@@ -22,6 +22,7 @@ LAYER = {
     "lru": 1,
     "cas": 2, "guestfs": 2.5, "ledger": 3, "vm": 4, "gateway": 5, "keeper": 6,
     "fuse": 7, "daemon": 7.5, "cli": 8, "_entry": 9,  # the command's entry point, over cli
+    "ksfs": 0,  # the package itself: its __version__
 }
 FRAMEWORKS = ("trio", "pyfuse3", "libvirt", "click")
 NEVER = {
@@ -61,8 +62,10 @@ def imports(path: Path) -> list[tuple[int, str]]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            if name == "ksfs":  # from ksfs import progress: each name is a part of ksfs
-                found += [(node.lineno, f"ksfs.{a.name}") for a in node.names]
+            if name == "ksfs":  # from ksfs import progress: each name is a part of ksfs,
+                # but for __version__, the package's own (ksfs/__init__.py: nothing else)
+                found += [(node.lineno, "ksfs" if a.name == "__version__" else f"ksfs.{a.name}")
+                          for a in node.names]
                 continue
             found.append((node.lineno, name))
     return found
