@@ -6,8 +6,8 @@ When the environment variable ``KSFS_CRASH_AT`` names a point (``pack.fsync``, `
 ``InjectedFault`` there instead, to test what a verb does when a step fails and the process
 lives on; ``KSFS_INTERRUPT_AT`` sends the process SIGINT there, Ctrl-C at that instant;
 ``KSFS_STOP_AT`` stops it there (SIGSTOP) until a SIGCONT, so a test can change the world at
-that instant. Nothing else happens in normal runs: the check is one dict lookup. Points in use
-are listed in docs/reliability.md.
+that instant. The variables are read when ksfs is imported; in normal runs the check is one
+global's test. Points in use are listed in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ import threading
 from ksfs.errors import KsfsError
 
 _hits: dict[str, int] = {}
+_VARIABLES = ("KSFS_CRASH_AT", "KSFS_FAIL_AT", "KSFS_STOP_AT", "KSFS_INTERRUPT_AT")
+# Read once: the points sit on the hot paths (every record a pack appends), and a test sets
+# the variables in the environment of the process it starts.
+_ARMED = any(os.environ.get(v) for v in _VARIABLES)
 
 
 class InjectedFault(KsfsError):
@@ -26,6 +30,8 @@ class InjectedFault(KsfsError):
 
 
 def crash_point(name: str) -> None:
+    if not _ARMED:
+        return
     if _reached(name, "KSFS_CRASH_AT"):
         os.kill(os.getpid(), signal.SIGKILL)
     if _reached(name, "KSFS_FAIL_AT"):

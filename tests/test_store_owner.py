@@ -101,10 +101,9 @@ def test_a_session_lock_root_made_serves_the_stores_owner() -> None:
                     os.chown(Path(root, name), NOBODY, NOBODY)
         os.chown(store, NOBODY, NOBODY)
         # ksfs is imported as root (the interpreter lives in root's home), then the process
-        # becomes the store's owner and takes the session's lock as a verb does. hashlib too:
-        # session_lock imports it when first called, and nobody cannot read root's home.
+        # becomes the store's owner and takes the session's lock as a verb does
         code = textwrap.dedent(f"""
-            import hashlib, os, sys
+            import os, sys
             from ksfs.keeper.locks import session_lock
             os.setgroups([]); os.setegid({NOBODY}); os.seteuid({NOBODY})
             with session_lock({str(store)!r}, "s"):

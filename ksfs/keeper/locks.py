@@ -15,6 +15,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+try:  # hashlib's blake2s itself, without hashlib loading OpenSSL (3 ms of every command)
+    from _blake2 import blake2s
+except ImportError:  # pragma: no cover - an interpreter without CPython's module
+    from hashlib import blake2s
+
 from ksfs.errors import Busy, translate
 from ksfs.regularfile import open_lock_file, require_store_dir
 
@@ -24,11 +29,8 @@ MAX_RENAMED_RETRIES = 100
 
 
 def _lock_path(store_path: Path, session: str) -> Path:
-    # Hash the name so no name, however odd, can reach outside locks/. (hashlib loads OpenSSL,
-    # a few ms every command would pay: imported when a lock is first taken.)
-    import hashlib
-
-    return Path(store_path) / "locks" / (hashlib.blake2s(session.encode()).hexdigest()[:32]
+    # Hash the name so no name, however odd, can reach outside locks/.
+    return Path(store_path) / "locks" / (blake2s(session.encode()).hexdigest()[:32]
                                          + ".lock")
 
 
