@@ -116,13 +116,9 @@ def cat(ctx, session: str, checkpoint: str, file: str) -> None:
 def tell_daemon(ctx, session: str, checkpoint: str) -> None:
     """Tell a running daemon that this process published a checkpoint, so its mount shows the
     name's new files at once (imports run here, with their progress bar and mapped reads)."""
-    from ksfs.daemon.protocol import SOCKET_NAME
-
-    ctx.close()  # the daemon reads the store next: nothing of ours held open
-    if not os.path.lexists(os.path.join(ctx.store_path, SOCKET_NAME)):
-        return  # no daemon (the client module and its socket import: 3 ms of every import)
     from ksfs.daemon.client import call_daemon
 
+    ctx.close()  # the daemon reads the store next: nothing of ours held open
     try:
         call_daemon(ctx.store_path, "checkpoint_changed", timeout=2, session=session,
                     checkpoint=checkpoint)

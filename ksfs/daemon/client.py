@@ -17,12 +17,11 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ksfs.daemon.protocol import (
     READING_VERBS,
@@ -34,6 +33,9 @@ from ksfs.daemon.protocol import (
     unix_address,
 )
 from ksfs.errors import DaemonError, DaemonTimeout
+
+if TYPE_CHECKING:
+    import socket
 
 NO_DAEMON = object()
 log = logging.getLogger("ksfs.daemon")
@@ -104,6 +106,9 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
     fd = _open_socket_file(path)
     if fd is None:
         return NO_DAEMON
+    # here, not at the top: most commands find no daemon, and the import is 3 ms of each
+    import socket
+
     limit = min(timeout, SILENCE_MAX)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(limit)
