@@ -11,25 +11,19 @@ from __future__ import annotations
 import array
 import bisect
 import itertools
-import zlib
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import zstandard
-
 from ksfs.cas.format import (
-    BASE_ID_SIZE,
-    CHUNK_MAGIC,
     CODEC_RAW,
-    CODEC_ZSTD,
     HEADER_SIZE,
     INDEX_VALUE,
     INDEX_VALUE_SIZES,
-    RECORD_HEADER,
     Location,
     chunk_id,
     decode_record_header,
+    split_base_ids,
 )
 from ksfs.cas.packs import decode_payload
 from ksfs.errors import BadInput, KsfsError
@@ -37,6 +31,7 @@ from ksfs.lru import LRU
 
 if TYPE_CHECKING:
     import lmdb
+    import zstandard
 
     from ksfs.cas.store import ChunkStore
 
@@ -308,16 +303,12 @@ class _Bases:
         and adjacent ones with one pread, as a task's own chunks are read: one at a time
         through ``read_base`` they cost a lookup, a pread and the checked slow path each. A
         base not read here (damaged, gone, itself a delta) is left to ``read_base``."""
-        wanted: dict[bytes, None] = {}
-        for loc in locs:
-            if loc is not None and loc[5]:
-                for k in range(0, len(loc[5]), BASE_ID_SIZE):
-                    base = loc[5][k : k + BASE_ID_SIZE]
-                    if base not in self.kept:
-                        wanted[base] = None
-        if not wanted or self.size >= BASES_CACHED:
+        if self.size >= BASES_CACHED:
             return
-        ids = list(wanted)
+        ids = list({base: None for loc in locs if loc is not None
+                    for base in split_base_ids(loc[5]) if base not in self.kept})
+        if not ids:
+            return
         found = [(loc, cid) for loc, cid in zip(_locations(txn, ids), ids, strict=True)
                  if loc is not None and not loc[5]]
         found.sort(key=lambda lc: (lc[0][0], lc[0][1]))  # pack order: adjacent records, one pread
@@ -325,7 +316,7 @@ class _Bases:
                                None)
         for (_, cid), plain in zip(found, plains, strict=True):
             if plain is not None:
-                self._keep(cid, bytes(plain))
+                self._keep(cid, plain)
 
     def _keep(self, cid: bytes, plain: bytes) -> None:
         if self.size < BASES_CACHED:
@@ -353,17 +344,17 @@ def _locations(txn: lmdb.Transaction, ids: list[bytes | None]) -> list[_Loc | No
 
 
 def _read_records(store: ChunkStore, ids: list[bytes | None], locs: list[_Loc | None],
-                  bases: _Bases | None) -> list[bytes | memoryview | None]:
-    """The checked plain bytes of each chunk, or None where ids or locs has None or the record
-    cannot be vouched for. Runs of records that follow each other in one pack, up to SPAN_MAX,
-    are read with one pread."""
-    out: list[bytes | memoryview | None] = [None] * len(ids)
+                  bases: _Bases | None) -> list[bytes | None]:
+    """The checked plain bytes of each chunk, or None where locs has None (a hole has no
+    location) or the record cannot be vouched for. Runs of records that follow each other in
+    one pack, up to SPAN_MAX, are read with one pread."""
+    out: list[bytes | None] = [None] * len(ids)
     dctx = store.dctx
     n = len(ids)
     k = 0
     while k < n:
         loc = locs[k]
-        if ids[k] is None or loc is None:
+        if loc is None:  # a hole, or not in the index
             k += 1
             continue
         pack, first_off = loc[0], loc[1]
@@ -371,7 +362,7 @@ def _read_records(store: ChunkStore, ids: list[bytes | None], locs: list[_Loc | 
         j = k + 1
         while j < n:
             nxt = locs[j]
-            if (nxt is None or ids[j] is None or nxt[0] != pack or nxt[1] != span_end
+            if (nxt is None or nxt[0] != pack or nxt[1] != span_end
                     or span_end + HEADER_SIZE + nxt[2] - first_off > SPAN_MAX):
                 break
             span_end += HEADER_SIZE + nxt[2]
@@ -388,37 +379,20 @@ def _read_records(store: ChunkStore, ids: list[bytes | None], locs: list[_Loc | 
 
 
 def _check_record(cid: bytes, loc: _Loc, span: memoryview, span_off: int,
-                  dctx: zstandard.ZstdDecompressor, bases: _Bases | None
-                  ) -> bytes | memoryview | None:
+                  dctx: zstandard.ZstdDecompressor, bases: _Bases | None) -> bytes | None:
     """The plain bytes of the record at loc within span, checked like ``ChunkStore._read_at``
-    (header against the index, header crc, length, id); None when anything is off. A raw
-    chunk comes back as a view of span."""
+    (header against the index, header crc, length, id); None when anything is off."""
     _, off, stored_len, plain_len, codec, base = loc
-    at = off - span_off
-    if at < 0 or at + HEADER_SIZE + stored_len > len(span):
+    rec = span[off - span_off : off - span_off + HEADER_SIZE + stored_len]
+    if len(rec) != HEADER_SIZE + stored_len:
         return None
-    magic, head_id, head_plain, head_stored, head_codec, crc = RECORD_HEADER.unpack_from(span, at)
-    if (magic != CHUNK_MAGIC or head_id != cid or head_plain != plain_len
-            or head_stored != stored_len or head_codec != codec
-            or zlib.crc32(span[at : at + HEADER_SIZE - 4]) != crc):
+    if decode_record_header(rec) != (cid, plain_len, stored_len, codec):
         return None
-    payload = span[at + HEADER_SIZE : at + HEADER_SIZE + stored_len]
-    # Plain zstd and raw records, nearly all of a file, are decoded here rather than through
-    # decode_payload: its generality costs more than decompressing a 32 KiB chunk, and on two
-    # workers sharing the GIL that is what the other one waits for.
-    if codec == CODEC_ZSTD and not base:
-        try:
-            plain = dctx.decompress(payload, max_output_size=plain_len)
-        except zstandard.ZstdError:
-            return None
-    elif codec == CODEC_RAW and not base:
-        plain = payload
-    else:
-        try:
-            return decode_payload(cid, payload, codec, plain_len, dctx, bases, base or None)
-        except KsfsError:
-            return None
-    return plain if len(plain) == plain_len and chunk_id(plain) == cid else None
+    try:
+        return decode_payload(cid, rec[HEADER_SIZE:], codec, plain_len, dctx, bases,
+                              base or None)
+    except KsfsError:
+        return None
 
 
 def changed_share(old: FileReader, new: FileReader) -> float:
