@@ -459,10 +459,10 @@ class Ingest:
                   olders: dict[bytes, bytes], fixed: bool) -> tuple[dict[bytes, bytes], int]:
         """({id: plain bytes} of the bases of a new chunk: the page homes (plain chunks this
         ingest stores, read as old versions, or hinted) that hold the most of its pages (their
-        ``hints.page_key``: ``keys``), not
-        the chunk itself, then its old version's bases (``olders``); stored bytes read for
-        them). Past MAX_BASES the bases holding the fewest of its pages are left out, old
-        version's too: a delta's bases pass to its next versions, and would fill every place."""
+        ``hints.page_key``: ``keys``), not the chunk itself, then its old version's bases
+        (``olders``); stored bytes read for them). Past MAX_BASES the bases holding the fewest
+        of its pages are left out, old version's too: a delta's bases pass to its next
+        versions, and would fill every place."""
         votes: dict[bytes, int] = {}
         homes, hinted = self._homes, self._hinted
         for key in keys:
@@ -590,8 +590,8 @@ class Ingest:
             if base_id not in bases:
                 bases[base_id] = self._read_base(txn, base_id, None if loc.base else loc)
                 if bases[base_id] is not None and base_id in self._bases:
-                    for page in chunk_pages(bases[base_id][0], fixed):
-                        self._homes.setdefault(hints.page_key(page), base_id)
+                    for key in self._page_set(base_id, fixed, bases[base_id][0]):
+                        self._homes.setdefault(key, base_id)
             got = bases[base_id]
             if got is None:
                 return {}, 0
