@@ -472,12 +472,8 @@ class Ingest:
         old = list(olders)
         if len(old) + len(votes) > fmt.MAX_BASES:
             mine = set(keys)
-            held = {b: len(mine & self._page_set(b, fixed, olders[b])) for b in old}
-            # the old version's bases win ties: the rest of the chunk (record headers, a
-            # changed page's unchanged bytes) is there
-            ranked = sorted([(held[b], 1, b) for b in old] + [(v, 0, h) for h, v in
-                                                             votes.items()], reverse=True)
-            keep = {b for _, _, b in ranked[:fmt.MAX_BASES]}
+            keep = rework.keep_most_pages(
+                {b: len(mine & self._page_set(b, fixed, olders[b])) for b in old}, votes)
             old = [b for b in old if b in keep]
             votes = {h: v for h, v in votes.items() if h in keep}
         out, cost = {}, 0

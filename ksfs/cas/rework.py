@@ -143,12 +143,18 @@ def _fewest_left_out(ing: Ingest, keys: list[int], extra: list[bytes], bases: li
     """Of the homes found (``extra``, most pages first) and a delta's bases, the MAX_BASES
     holding the most of its pages (bases win ties: the rest of the chunk is there)."""
     mine = set(keys)
-    held = {b: len(mine & ing._page_set(b, fixed)) for b in bases}
-    votes = {h: sum(1 for k in keys if ing._homes.get(k) == h) for h in extra}
-    ranked = sorted([(held[b], 1, b) for b in bases] + [(votes[h], 0, h) for h in extra],
-                    reverse=True)[:fmt.MAX_BASES]
-    keep = {b for _, _, b in ranked}
+    keep = keep_most_pages({b: len(mine & ing._page_set(b, fixed)) for b in bases},
+                           {h: sum(1 for k in keys if ing._homes.get(k) == h) for h in extra})
     return [h for h in extra if h in keep], [b for b in bases if b in keep]
+
+
+def keep_most_pages(held: dict[bytes, int], votes: dict[bytes, int]) -> set[bytes]:
+    """Of a chunk's bases (``held``: how many of its pages each holds) and the page homes found
+    for it (``votes``: the same count), the MAX_BASES holding the most; bases win ties (the
+    rest of the chunk, record headers and a changed page's unchanged bytes, is there)."""
+    ranked = sorted([(n, 1, b) for b, n in held.items()] + [(n, 0, h) for h, n in votes.items()],
+                    reverse=True)
+    return {b for _, _, b in ranked[:fmt.MAX_BASES]}
 
 
 def plain_to_delta(ing: Ingest, redo: Redo) -> None:
