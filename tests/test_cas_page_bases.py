@@ -38,9 +38,9 @@ def one_digest_part(monkeypatch):
     monkeypatch.setattr(ingest, "DIGEST_PARTS", 1)
 
 GROUP = 8  # pages per page group (pagecut.GROUP_PAGES)
-# An ingest hashes a batch in two halves on two workers at once: a copy finds its source only if
-# that was stored before, so each test's source and copy groups lie in the first half (groups 1
-# and 3 of 16).
+# A copy finds its source as it is stored only if that was stored before it: with one digest
+# part per batch (the fixture above) chunks are stored in file order, so each test's source
+# group comes before its copies (groups 1 and 3 of 16, and so on).
 
 
 def chunk_holding(entries: list, image: bytes, page: bytes, second: bool = False) -> bytes:
