@@ -136,7 +136,8 @@ async def test_edges_a_legitimate_provider_may_take(store, ledger, provider, nur
     # counted as nothing, it spent past any USD budget)
     assert gw.usage("s1")["by_model"]["gpt-4o"] == {
         "calls": 1, "prompt_tokens": 3, "completion_tokens": 7, "cost_usd": 10.0, "priced": True,
-        "cache_read_tokens": 0, "cache_write_tokens": 0}
+        "cache_read_tokens": 0, "cache_write_tokens": 0,
+        "cache_write_1h_tokens": 0}
 
 
 async def test_an_answer_under_a_model_with_no_price_counts_against_a_usd_budget(

@@ -398,3 +398,124 @@ def test_ksfs_usage_shows_an_old_record_and_the_cache_tokens(tmp_path):
     assert (u["cache_read_tokens"], u["cache_write_tokens"]) == (3000, 400)
     with ChunkStore.open(path) as s:
         check_clean(s, Ledger(s))
+
+
+# --- Anthropic's one-hour cache: writes at their own price ----------------------------------------
+
+# hour-model: as cache-model, and a write to the one-hour cache at $2000 per 1M (2x input).
+HOUR_PRICES = CACHE_PRICES + """
+[models."hour-model"]
+input = 1000.0
+output = 2000.0
+cache_read = 100.0
+cache_write = 1250.0
+cache_write_1h = 2000.0
+"""
+# ANTHROPIC_USAGE with its 400 written tokens split as Anthropic splits them: 100 kept five
+# minutes, 300 an hour. (100 * 1000 + 3000 * 100 + 100 * 1250 + 300 * 2000 + 50 * 2000) / 1e6
+# = 1.225 USD (1.0 with every write at the five-minute price).
+HOUR_USAGE = dict(ANTHROPIC_USAGE, cache_creation={"ephemeral_5m_input_tokens": 100,
+                                                   "ephemeral_1h_input_tokens": 300})
+HOUR_USD = 1.225
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+async def test_anthropic_one_hour_cache_writes_are_priced_at_their_own_price(
+        store, ledger, scripted, nursery, streamed):
+    table = parse_prices(HOUR_PRICES, "test")
+    if streamed:
+        # a message_delta naming the split again with zeros (a later, partial figure) must not
+        # wipe message_start's split: figures merge key by key, as the flat ones do
+        stream = helpers.anthropic_stream("hour-model", dict(HOUR_USAGE, output_tokens=1),
+                                          HOUR_USAGE["output_tokens"])
+        stream = stream.replace(b'"usage": {"output_tokens": 50}', (
+            b'"usage": {"output_tokens": 50, "cache_creation": '
+            b'{"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}}'))
+        assert b"ephemeral_1h_input_tokens\": 0" in stream
+        scripted.answer = ("text/event-stream", stream)
+    else:
+        scripted.answer = ("application/json", json.dumps({
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "hour-model",
+            "content": [{"type": "text", "text": "hi"}], "stop_reason": "end_turn",
+            "usage": HOUR_USAGE}).encode())
+    gw = Gateway(store, ledger, scripted.url, table, api_key=MARKER_KEY, timeout=10)
+    port = await nursery.start(gw.serve_session, "s1")
+    body = {"model": "hour-model", "max_tokens": 100, "stream": streamed,
+            "messages": [{"role": "user", "content": "hi"}]}
+    assert await post(port, MESSAGES, body) == 200
+    u = gw.usage("s1")
+    assert u["cost_usd"] == pytest.approx(HOUR_USD, abs=1e-12), u
+    assert (u["prompt_tokens"], u["cache_read_tokens"], u["cache_write_tokens"],
+            u["cache_write_1h_tokens"]) == (3500, 3000, 400, 300), u
+    assert u["by_model"]["hour-model"]["cache_write_1h_tokens"] == 300
+    ev = only_call(ledger)
+    assert (ev["cache_write_tokens"], ev["cache_write_1h_tokens"]) == (400, 300), ev
+    assert ev["cost_usd"] == pytest.approx(HOUR_USD, abs=1e-12)
+    check_clean(store, ledger)
+
+
+def test_one_hour_cache_price_in_the_table(table):
+    hour = parse_prices(HOUR_PRICES, "test")
+    p = hour.price("hour-model")
+    assert (p.cache_write, p.cache_write_1h) == (1250.0, 2000.0)
+    assert hour.cost("hour-model", 3500, 50, cache_read_tokens=3000, cache_write_tokens=400,
+                     cache_write_1h_tokens=300)[0] == pytest.approx(HOUR_USD, abs=1e-12)
+    # the one-hour part is a part of the writes: never more than they are
+    assert hour.cost("hour-model", 1000, 0, cache_write_tokens=100,
+                     cache_write_1h_tokens=500)[0] == pytest.approx(
+        (900 * 1000 + 100 * 2000) / 1e6)
+    # without cache_write_1h a one-hour write costs cache_write (as before the split was
+    # read), and without either, input: never a guessed price
+    assert table.cost("cache-model", 3500, 50, cache_read_tokens=3000, cache_write_tokens=400,
+                      cache_write_1h_tokens=300)[0] == pytest.approx(ANTHROPIC_USD, abs=1e-12)
+    assert table.cost("test-model", 1000, 0, cache_write_tokens=400,
+                      cache_write_1h_tokens=300) == table.cost("test-model", 1000, 0)
+    # a reservation covers a prompt written whole to the one-hour cache
+    assert hour.reservation("hour-model", 1000, 10)[0] == pytest.approx(
+        (1000 * 2000 + 10 * 2000) / 1e6)
+    assert hour.cost("hour-model", 1000, 10, cache_write_tokens=1000,
+                     cache_write_1h_tokens=1000)[0] <= hour.reservation("hour-model", 1000, 10)[0]
+    with pytest.raises(BadInput) as info:
+        parse_prices('[models."m"]\ninput = 1\noutput = 2\ncache_write_1h = -2\n', "bad.toml")
+    assert "models.m.cache_write_1h must be a number >= 0" in str(info.value)
+
+
+def test_usage_parses_the_one_hour_part_of_the_writes():
+    from ksfs.gateway.calls import usage_from
+
+    u = usage_from({"usage": HOUR_USAGE}, "m")
+    assert (u.cache_write_tokens, u.cache_write_1h_tokens) == (400, 300)
+    # a split past the writes it splits is no part of them; a split that is no object, none
+    odd = dict(ANTHROPIC_USAGE, cache_creation={"ephemeral_1h_input_tokens": 9000})
+    assert usage_from({"usage": odd}, "m").cache_write_1h_tokens == 400
+    for bad in ([300], "300", {"ephemeral_1h_input_tokens": "300"},
+                {"ephemeral_1h_input_tokens": -3}):
+        assert usage_from({"usage": dict(ANTHROPIC_USAGE, cache_creation=bad)},
+                          "m").cache_write_1h_tokens == 0
+    assert usage_from({"usage": OPENAI_USAGE}, "m").cache_write_1h_tokens == 0
+
+
+def test_ksfs_usage_says_the_one_hour_writes(tmp_path):
+    from ksfs.gateway import GatewayStore
+    from ksfs.gateway.calls import Usage
+
+    path = tmp_path / "store"
+    with ChunkStore.open(path, create=True) as s:
+        led = Ledger(s)
+        with led.env.begin(write=True) as txn:
+            led.create_session(txn, "s1")
+        put_old_totals(s, led, "s1")  # a record from before the one-hour part was counted
+    assert json.loads(ksfs(path, "usage", "s1", "--json").stdout)["cache_write_1h_tokens"] == 0
+    with ChunkStore.open(path) as s:
+        led = Ledger(s)
+        used = Usage("cache-model", 3500, 50, 3550, known=True, cache_read_tokens=3000,
+                     cache_write_tokens=400, cache_write_1h_tokens=300)
+        GatewayStore(s, led).record_unstored_call("s1", led.session("s1").lineage,
+                                                  b"k" * 32, used, 1.0, True, 200,
+                                                  "not_an_answer")
+    human = ksfs(path, "usage", "s1").stdout
+    assert ("3503 in (3000 read from the cache, 400 written to it, 300 of them for an hour)"
+            in human), human
+    u = json.loads(ksfs(path, "usage", "s1", "--json").stdout)
+    assert (u["cache_write_tokens"], u["cache_write_1h_tokens"]) == (400, 300)
+    assert u["by_model"]["cache-model"]["cache_write_1h_tokens"] == 300

@@ -245,8 +245,10 @@ def usage(ctx, session: str, as_json: bool) -> None:
     cached = ""
     if u["cache_read_tokens"] or u["cache_write_tokens"]:
         # (parts of the tokens in, priced at the model's cache prices)
+        hour = u.get("cache_write_1h_tokens", 0)
         cached = (f" ({u['cache_read_tokens']} read from the cache, "
-                  f"{u['cache_write_tokens']} written to it)")
+                  f"{u['cache_write_tokens']} written to it"
+                  + (f", {hour} of them for an hour)" if hour else ")"))
     click.echo(f"tokens           {u['prompt_tokens']} in{cached}, "
                f"{u['completion_tokens']} out, {u['total_tokens']} total")
     notes = []

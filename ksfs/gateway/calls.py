@@ -175,6 +175,9 @@ class Usage:
     # prompt cache, priced at the model's cache prices (``PriceTable.cost``).
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    # The part of cache_write_tokens written to Anthropic's one-hour cache (dearer than its
+    # five-minute one), from ``usage.cache_creation``.
+    cache_write_1h_tokens: int = 0
 
     @property
     def unattributed(self) -> int:
@@ -244,7 +247,9 @@ def usage_from(obj: Any, model: str | None) -> Usage | None:
     Responses API); Anthropic leaves them out of ``input_tokens`` and says them apart
     (``cache_read_input_tokens``, ``cache_creation_input_tokens``), and they are added to the
     prompt. Either way the prompt counts them, and ``cache_read_tokens``/
-    ``cache_write_tokens`` say which part of it they were."""
+    ``cache_write_tokens`` say which part of it they were. Anthropic splits its writes by how
+    long they are kept in ``cache_creation`` (``ephemeral_5m_input_tokens``,
+    ``ephemeral_1h_input_tokens``): the one-hour part is ``cache_write_1h_tokens``."""
     u = raw_usage(obj)
     if u is None:
         return None
@@ -275,11 +280,15 @@ def usage_from(obj: Any, model: str | None) -> Usage | None:
     # Which part of the prompt was the cache's: never more than the prompt (a figure past it
     # is no part of it; what is left over is priced at the input price, never below).
     cache_write = min(num("cache_creation_input_tokens"), prompt)
+    split = u.get("cache_creation")
+    write_1h = min(num("ephemeral_1h_input_tokens", split), cache_write) \
+        if isinstance(split, dict) else 0
     cached = max((num("cached_tokens", d) for name in OPENAI_CACHE
                   if isinstance(d := u.get(name), dict)), default=0)
     cache_read = min(num("cache_read_input_tokens") or cached, prompt - cache_write)
     return Usage(model, prompt, completion, total, True, clamped=clamped,
-                 cache_read_tokens=cache_read, cache_write_tokens=cache_write)
+                 cache_read_tokens=cache_read, cache_write_tokens=cache_write,
+                 cache_write_1h_tokens=write_1h)
 
 
 ANTHROPIC_CACHE = ("cache_creation_input_tokens", "cache_read_input_tokens")

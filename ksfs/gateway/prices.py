@@ -1,5 +1,6 @@
 """The gateway's price table: USD per million input and output tokens, per model, from TOML,
-and optionally per million prompt tokens read from or written to the provider's prompt cache.
+and optionally per million prompt tokens read from or written to the provider's prompt cache
+(Anthropic's one-hour cache apart from its five-minute one).
 
 It turns a response's token counts into a cost. It must never guess a price: a model with no
 entry costs 0 and is reported as unpriced, so a missing price shows up in the usage instead of
@@ -22,20 +23,31 @@ from ksfs.errors import BadInput
 class Price:
     """USD per 1,000,000 tokens. ``cache_read``/``cache_write``: prompt tokens read from or
     written to the provider's prompt cache; None when the table gives none, and then such tokens
-    cost ``input`` (a discount is never guessed)."""
+    cost ``input`` (a discount is never guessed). ``cache_write_1h``: a write to Anthropic's
+    one-hour cache (2x input where the five-minute one is 1.25x); None: such a write costs
+    ``cache_write`` (as it did before the two were told apart), or ``input`` without that."""
 
     input: float
     output: float
     cache_read: float | None = None
     cache_write: float | None = None
+    cache_write_1h: float | None = None
+
+    @property
+    def write_price(self) -> float:
+        return self.input if self.cache_write is None else self.cache_write
+
+    @property
+    def write_1h_price(self) -> float:
+        return self.write_price if self.cache_write_1h is None else self.cache_write_1h
 
     @property
     def prompt_ceiling(self) -> float:
         """The most one prompt token may cost: ``input``, or a cache price when that is higher
         (a cache write's: Anthropic's is about 1.25x input; a cache read above input is a
         table's mistake, but a reservation must not be below the cost all the same)."""
-        return max([self.input, *(c for c in (self.cache_write, self.cache_read)
-                                  if c is not None)])
+        return max([self.input, *(c for c in (self.cache_write, self.cache_write_1h,
+                                              self.cache_read) if c is not None)])
 
 
 # What may follow a priced name for the same model: a dated snapshot (gpt-4o-2024-08-06,
@@ -68,21 +80,24 @@ class PriceTable:
 
     def cost(self, model: str | None, prompt_tokens: int, completion_tokens: int,
              other_tokens: int = 0, cache_read_tokens: int = 0,
-             cache_write_tokens: int = 0) -> tuple[float, bool]:
+             cache_write_tokens: int = 0, cache_write_1h_tokens: int = 0
+             ) -> tuple[float, bool]:
         """(cost in USD, whether the model had a price). ``other_tokens``: tokens a usage
         counts in its total but as neither prompt nor completion (a usage of ``total_tokens``
         alone), priced at the higher of the two prices, since which they were is not said
         (QA F8: they cost 0). ``cache_read_tokens``/``cache_write_tokens`` are parts of
         ``prompt_tokens`` (never more than it), priced at the model's cache prices, or at its
-        input price when the table gives none."""
+        input price when the table gives none; ``cache_write_1h_tokens`` the part of the
+        writes that went to the one-hour cache, priced at ``Price.write_1h_price``."""
         p = self.price(model)
         if p is None:
             return 0.0, False
         write = min(max(0, cache_write_tokens), prompt_tokens)
+        write_1h = min(max(0, cache_write_1h_tokens), write)
         read = min(max(0, cache_read_tokens), prompt_tokens - write)
         usd = ((prompt_tokens - read - write) * p.input
                + read * (p.input if p.cache_read is None else p.cache_read)
-               + write * (p.input if p.cache_write is None else p.cache_write)
+               + (write - write_1h) * p.write_price + write_1h * p.write_1h_price
                + completion_tokens * p.output
                + other_tokens * max(p.input, p.output)) / 1_000_000
         return round(usd, 12), True
@@ -100,13 +115,13 @@ class PriceTable:
         return round(usd, 12), True
 
 
-PRICE_FIELDS = ("input", "output", "cache_read", "cache_write")
-OPTIONAL_FIELDS = frozenset({"cache_read", "cache_write"})
+PRICE_FIELDS = ("input", "output", "cache_read", "cache_write", "cache_write_1h")
+OPTIONAL_FIELDS = frozenset({"cache_read", "cache_write", "cache_write_1h"})
 
 
 def parse_prices(text: str, source: str = "<text>") -> PriceTable:
     """A PriceTable from TOML text ``[models."NAME"] input = X, output = Y`` and, optionally,
-    ``cache_read = R, cache_write = W``; BadInput if not."""
+    ``cache_read = R, cache_write = W, cache_write_1h = H``; BadInput if not."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

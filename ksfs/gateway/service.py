@@ -780,7 +780,8 @@ class Gateway:
         spent past any USD budget (QA, eighteenth session). A model with a price of its own
         is counted at it, whatever was asked for (review, eleventh session)."""
         figures = (usage.prompt_tokens, usage.completion_tokens, usage.unattributed,
-                   usage.cache_read_tokens, usage.cache_write_tokens)
+                   usage.cache_read_tokens, usage.cache_write_tokens,
+                   usage.cache_write_1h_tokens)
         cost, priced = self.prices.cost(usage.model, *figures)
         if not priced and request_model:
             cost, priced = self.prices.cost(request_model, *figures)

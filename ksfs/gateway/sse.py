@@ -131,12 +131,21 @@ def usage_of_sse(body: bytes, request_model: str | None) -> Usage:
             # taken, and an Anthropic stream's message_delta says only output_tokens, so
             # message_start's input_tokens and cache tokens counted 0). A 0 or null never
             # replaces a figure already given.
-            merged.update({k: v for k, v in u.items()
-                           if v is not None and (v != 0 or k not in merged)})
+            _merge_figures(merged, u)
     found = usage_from({"usage": merged}, model) if merged else None
     if found is None:
         return Usage(model)
     return replace(found, model=model)
+
+
+def _merge_figures(merged: dict[str, Any], later: dict[str, Any]) -> None:
+    """``later``'s figures over ``merged``'s, where they are not 0 or null; an object of
+    figures (``cache_creation``) merged the same way, key by key."""
+    for k, v in later.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            _merge_figures(merged[k], v)
+        elif v is not None and (v != 0 or k not in merged):
+            merged[k] = dict(v) if isinstance(v, dict) else v
 
 
 def generated_text_bytes(body: bytes) -> int:

@@ -91,6 +91,11 @@ class View:
     chain: tuple[tuple[str, int | None], ...]  # (lineage, highest visible seq or None = all)
 
 
+# The prompt-cache figures a call, a lineage's totals and each model in them count; records
+# from before a figure was counted have 0 of it.
+CACHE_FIGURES = ("cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens")
+
+
 @dataclass
 class Totals:
     """Running usage of one lineage (its session), kept in ``gw_usage``."""
@@ -106,6 +111,7 @@ class Totals:
     # the model's cache prices); a record from before they were counted has neither: 0.
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    cache_write_1h_tokens: int = 0  # the part of the writes kept an hour (Anthropic)
     cost_usd: float = 0.0
     unpriced_calls: int = 0
     unknown_usage_calls: int = 0
@@ -126,8 +132,8 @@ class Totals:
             raise IntegrityError(f"gateway usage record does not decode: {exc}") from None
         for m in totals.by_model.values() if isinstance(totals.by_model, dict) else ():
             if isinstance(m, dict):  # (a record from before cache tokens were counted)
-                m.setdefault("cache_read_tokens", 0)
-                m.setdefault("cache_write_tokens", 0)
+                for name in CACHE_FIGURES:
+                    m.setdefault(name, 0)
         return totals
 
     def encode(self) -> bytes:
@@ -140,6 +146,7 @@ class Totals:
         self.total_tokens += usage.total_tokens
         self.cache_read_tokens += usage.cache_read_tokens
         self.cache_write_tokens += usage.cache_write_tokens
+        self.cache_write_1h_tokens += usage.cache_write_1h_tokens
         self.cost_usd = round(self.cost_usd + cost, 12)
         self.unpriced_calls += 0 if priced else 1
         self.unknown_usage_calls += 0 if usage.known else 1
@@ -155,7 +162,7 @@ class Totals:
         m["priced"] = m["priced"] and priced  # ("(other)" holds several models)
         m["prompt_tokens"] += usage.prompt_tokens
         m["completion_tokens"] += usage.completion_tokens
-        for name in ("cache_read_tokens", "cache_write_tokens"):  # (0 in a record from before)
+        for name in CACHE_FIGURES:  # (0 in a record from before)
             m[name] = m.get(name, 0) + getattr(usage, name)
         m["cost_usd"] = round(m["cost_usd"] + cost, 12)
 
@@ -408,7 +415,7 @@ class GatewayStore:
         body = {"key": key.hex(), "model": _cut(model, MODEL_CHARS), "status": status,
                 "error": _cut(error, ERROR_CHARS),
                 "stored": False, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-                "cache_read_tokens": 0, "cache_write_tokens": 0,
+                **dict.fromkeys(CACHE_FIGURES, 0),
                 "cost_usd": 0.0, "path": _cut(path, PATH_CHARS)}
         with self._write() as txn:
             event = self.ledger.append(txn, session, "gateway.call", body)
@@ -672,6 +679,7 @@ def _paid_call_body(key: bytes, usage: Usage, cost: float, priced: bool, status:
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens, "cache_read_tokens": usage.cache_read_tokens,
             "cache_write_tokens": usage.cache_write_tokens,
+            "cache_write_1h_tokens": usage.cache_write_1h_tokens,
             "usage_known": usage.known, "cost_usd": cost,
             "priced": priced, "path": _cut(path, PATH_CHARS), **more}
 
