@@ -4,6 +4,7 @@ answer, a busy mount whose daemon is gone, and what `ksfs mount` says of its mou
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -101,29 +102,41 @@ def test_umount_says_when_the_daemon_still_holds_the_store_past_its_timeout(
 def test_a_verb_asked_of_a_stopped_daemon_says_it_waits_then_gives_up(tmp_path: Path) -> None:
     """QA: a CLI verb asked of a daemon that does not answer (stopped, stuck) waited 600 s
     without a word. Now stderr says once, after 2 s, that it waits for the daemon and which
-    pid; after 30 s of silence it gives up with exit 14. A verb that runs long is not taken
-    for silence: the daemon says it is alive every few seconds."""
+    pid; after 30 s of silence (here $KSFS_DAEMON_SILENCE's 5) it gives up with exit 14. A verb
+    that runs long is not taken for silence: the daemon says it is alive every few seconds."""
     store, mnt, pid = mounted_store(tmp_path)
+    silence = 5
     try:
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        res = ksfs(store, "rm", "s", "c1", timeout=120)
+        res = ksfs(store, "rm", "s", "c1", timeout=120,
+                   env=dict(ENV, KSFS_DAEMON_SILENCE=str(silence)))
         took = time.monotonic() - t0
         assert res.returncode == 14, res
         lines = res.stderr.splitlines()
         assert lines[0] == (f"ksfs: warning: waiting for the daemon (pid {pid}) to answer rm "
                             "(nothing from it for 2 s) ...") and len(lines) == 2, res.stderr
         assert lines[1].startswith(f"ksfs: error: the daemon (pid {pid}) of {store} said "
-                                   f"nothing for {client.SILENCE_MAX:g} s when asked to rm: it "
+                                   f"nothing for {silence} s when asked to rm: it "
                                    "is stuck or stopped"), res.stderr
         assert f"kill -USR1 {pid}" in lines[1] and lines[1].endswith(
             "; the rm was sent, and a daemon that comes back may still run it")
-        assert client.SILENCE_MAX <= took < client.SILENCE_MAX + 20, took
+        assert silence <= took < silence + 20, took
+        # a wait that is no number of seconds is refused before anything is asked or changed
+        for bad in ("soon", "0", "-3", "nan", "inf"):
+            res = ksfs(store, "rm", "s", "c1", env=dict(ENV, KSFS_DAEMON_SILENCE=bad))
+            assert res.returncode == 2 and res.stderr == (
+                "ksfs: error: KSFS_DAEMON_SILENCE must be a number of seconds > 0, not "
+                f"{bad!r}\n"), res
         os.kill(pid, signal.SIGCONT)
         # once it answers again, verbs go through it without a word more
         res = ksfs(store, "session", "list")
         assert res.returncode == 0 and res.stderr == "", res
         assert client.call_daemon(store, "ping") == "pong"
+        # the rm sent while it was stopped ran once it went on; c1 is gone
+        res = ksfs(store, "checkpoints", "s", "--json")
+        assert res.returncode == 0 and json.loads(res.stdout) == [], res
+        assert client.silence_max() == client.SILENCE_MAX == 30  # without the variable
         res = ksfs(store, "umount", str(mnt))
         assert res.returncode == 0, res
         wait_gone(pid)

@@ -450,7 +450,7 @@ def main(ctx: click.Context, store_path: str) -> None:
     Exit codes: 0 ok, 1 other error, 2 bad input, 3 not found, 4 already exists, 5 not a store,
     6 damaged data, 7 chunker unavailable, 8 busy, 9 no space, 10 virtual machine error,
     11 not used, 12 read-only or not permitted, 13 daemon error, 14 the daemon did not answer
-    or still holds the store, 130 interrupted (Ctrl-C),
+    (for 30 s, or $KSFS_DAEMON_SILENCE seconds) or still holds the store, 130 interrupted (Ctrl-C),
     141 the reader of the output went away (as if killed by SIGPIPE), 143 or 129 terminated
     (SIGTERM or SIGHUP: a verb ends as on Ctrl-C).
 

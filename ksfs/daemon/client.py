@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -32,7 +33,7 @@ from ksfs.daemon.protocol import (
     not_a_socket,
     unix_address,
 )
-from ksfs.errors import DaemonError, DaemonTimeout
+from ksfs.errors import BadInput, DaemonError, DaemonTimeout
 
 if TYPE_CHECKING:
     import socket
@@ -48,6 +49,23 @@ NOTICE_AFTER = 2.0
 # server at daemon.sock that never ends its line is not buffered without end.
 MAX_LINE = 64 << 20
 SILENCE_MAX = 30.0
+# How long a caller waits through silence instead, for a host where a daemon may stall longer
+# (a loaded machine) or a script that wants to know sooner: seconds, a number > 0.
+SILENCE_ENV = "KSFS_DAEMON_SILENCE"
+
+
+def silence_max() -> float:
+    """SILENCE_MAX, or the seconds $KSFS_DAEMON_SILENCE gives; BadInput when it gives none."""
+    said = os.environ.get(SILENCE_ENV)
+    if said is None or said == "":
+        return SILENCE_MAX
+    try:
+        seconds = float(said)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise BadInput(f"{SILENCE_ENV} must be a number of seconds > 0, not {said!r}")
+    return seconds
 
 
 def socket_path(store_path: str | Path) -> Path:
@@ -99,9 +117,10 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
 
     The daemon says it is alive while the verb runs: after NOTICE_AFTER seconds without a word
     from it, stderr says that this waits for it (once); after ``timeout`` seconds (at most
-    SILENCE_MAX), DaemonTimeout (exit 14). With ``progress``, the daemon's progress lines for
+    ``silence_max()``), DaemonTimeout (exit 14). With ``progress``, the daemon's progress lines for
     the verb are handed to it as they come."""
     check_verb(verb)
+    limit = min(timeout, silence_max())
     path = socket_path(store_path)
     fd = _open_socket_file(path)
     if fd is None:
@@ -109,7 +128,6 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
     # here, not at the top: most commands find no daemon, and the import is 3 ms of each
     import socket
 
-    limit = min(timeout, SILENCE_MAX)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(limit)
     begun = False  # the daemon took the request: it runs the verb whatever this side does
