@@ -85,6 +85,30 @@ def save(store: Path, session: str, e: dict, name: str | None = None) -> str:
     return res.stdout.strip().splitlines()[-1]
 
 
+COUNTER = re.compile(rb"ksfs-counter (\d+)")
+
+
+def guest_writes(store: Path, session: str, lines: int, start: int | None = None,
+                 timeout: float = 120.0) -> list[int]:
+    """Wait until SESSION's guest has printed ``lines`` counters on its console after byte
+    ``start`` of its console log (default: its end now), and return them. The guest prints one
+    for each transcript line it has made durable (tools/guest-init.sh), about 2.5 a second
+    under TCG here: a wait for lines, not a fixed sleep too long on a fast host and too short
+    on a slow one."""
+    log = Path(store) / "vm" / session / "console.log"
+    if start is None:
+        start = log.stat().st_size
+    deadline = time.monotonic() + timeout
+    while True:
+        data = log.read_bytes()
+        printed = [int(m) for m in COUNTER.findall(data[start if len(data) >= start else 0:])]
+        if len(printed) >= lines:
+            return printed
+        assert time.monotonic() < deadline, (
+            f"the guest of {session} printed {len(printed)} of {lines} counters in {timeout:g} s")
+        time.sleep(0.1)
+
+
 def fork_with(env: dict, agent: str, prefix: str, **variables: str
               ) -> tuple[str, str, subprocess.CompletedProcess]:
     """Save ``agent`` and fork that checkpoint as PREFIX-TAG with ``variables`` added to the
@@ -257,13 +281,13 @@ def test_restore_continues_from_the_checkpoint(env, agent: str) -> None:
     cp = save(store, agent, e, "before")
     at_cp = transcript_lines(store, agent, cp, e)
     last = at_cp[-1]
-    time.sleep(6)  # the guest runs on past the checkpoint
+    guest_writes(store, agent, 8)  # the guest runs on past the checkpoint
     later = save(store, agent, e)
     assert transcript_lines(store, agent, later, e)[-1]["seq"] > last["seq"] + 3
     res = json.loads(run(store, "restore", agent, cp, "--json", env=e).stdout)
     assert res["saved_as"]  # the state before the restore was saved first
     assert res["reconcile"]["outcome"] in ("consistent", "equal", "ok")
-    time.sleep(4)
+    guest_writes(store, agent, 4)
     after = save(store, agent, e)
     lines = transcript_lines(store, agent, after, e)
     seqs = [x["seq"] for x in lines]
@@ -326,7 +350,8 @@ def test_two_forks_diverge_and_parent_undisturbed(env, agent: str) -> None:
     states = {s["session"]: s for s in json.loads(run(store, "session", "list", "--json",
                                                       env=e).stdout)}
     assert states[f1]["state"] == states[f2]["state"] == states[agent]["state"] == "running"
-    time.sleep(5)
+    for s in (f1, f2, agent):
+        guest_writes(store, s, 4)
     c1, c2, cp_parent = save(store, f1, e), save(store, f2, e), save(store, agent, e)
     t1, t2 = transcript_lines(store, f1, c1, e), transcript_lines(store, f2, c2, e)
     tp = transcript_lines(store, agent, cp_parent, e)
@@ -1095,12 +1120,9 @@ def test_console_counter_continues_after_restore(env, agent: str) -> None:
     log = Path(store) / "vm" / agent / "console.log"
     cp = save(store, agent, e, "counter-cp")
     at_cp = transcript_lines(store, agent, cp, e)[-1]["counter"]
-    time.sleep(5)
+    guest_writes(store, agent, 10)
     run(store, "restore", agent, cp, env=e)
-    mark = log.stat().st_size
-    time.sleep(4)
-    printed = [int(m) for m in re.findall(rb"ksfs-counter (\d+)", log.read_bytes()[mark:])]
-    assert printed, "the guest printed no counter after the restore"
+    printed = guest_writes(store, agent, 3, start=log.stat().st_size)
     # (at_cp itself when the checkpoint fell between the line's fsync and its console print:
     # the guest prints it on resuming)
     assert at_cp <= printed[0] <= at_cp + 3
@@ -1113,7 +1135,7 @@ def test_recover_after_crash_and_a_dead_machine(env, agent: str) -> None:
     res = run(store, "save", agent, "doomed", check=False, env=dict(e, KSFS_CRASH_AT="pack.fsync"))
     assert res.returncode == -signal.SIGKILL
     last = save(store, agent, e, "last-good")
-    time.sleep(3)  # the guest writes a transcript line every ~0.3 s: lines after last-good
+    guest_writes(store, agent, 6)  # lines after last-good
     virsh("destroy", f"ksfs-{agent}", check=True)
     report = json.loads(run(store, "recover", "--json", env=e).stdout)
     actions = " ".join(a for r in report if r["session"] == agent for a in r["actions"])
@@ -1421,7 +1443,7 @@ def test_recover_brings_a_restored_machine_back_to_its_own_timeline(env, agent: 
     checkpoint, the timeline the user had restored away from, instead of A."""
     store, e = env["store"], env["env"]
     a = save(store, agent, e, f"timeline-a-{env['tag']}")
-    time.sleep(2)
+    guest_writes(store, agent, 4)
     left = json.loads(run(store, "restore", agent, a, "--json", env=e).stdout)["saved_as"]
     assert left
     virsh("destroy", f"ksfs-{agent}", check=True)
@@ -1518,13 +1540,13 @@ def test_a_save_killed_after_its_commit_leaves_later_checkpoints_whole(env, agen
     the next snapshot (or recover) settles it from the chain."""
     store, e = env["store"], env["env"]
     save(store, agent, e)
-    time.sleep(3)  # the guest writes its transcript and work files
+    guest_writes(store, agent, 6)  # the guest writes its transcript and work files
     res = run(store, "save", agent, "folded", check=False,
               env=dict(e, KSFS_CRASH_AT="vm.flatten.done"))
     assert res.returncode == -signal.SIGKILL
     state = json.loads((store / "vm" / agent / "state.json").read_text())
     assert label_name(state["disks"]["vda"]["committing"]["label"]) == f"{agent}/folded"
-    time.sleep(3)
+    guest_writes(store, agent, 6)
     run(store, "pause", agent, env=e)
     try:
         after = save(store, agent, e, "after-fold")
@@ -1554,7 +1576,7 @@ def test_a_restore_of_a_shut_off_machine_keeps_its_disks_first(env, agent: str) 
     store, e = env["store"], env["env"]
     cp = save(store, agent, e)
     before = len(transcript_lines(store, agent, cp, e))
-    time.sleep(4)  # the guest appends and syncs a transcript line every few tenths of a second
+    guest_writes(store, agent, 8)  # transcript lines past the checkpoint, each synced
     assert virsh("destroy", f"ksfs-{agent}").returncode == 0  # pulled plug: shut off
     res = json.loads(run(store, "restore", agent, cp, "--json", env=e).stdout)
     kept = res["saved_as"]

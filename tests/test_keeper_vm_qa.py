@@ -14,7 +14,6 @@ import hashlib
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -82,7 +81,8 @@ def test_a_forks_save_stores_its_own_disk_after_the_parent_reuses_the_fork_point
     child = f"qa-child-{env['tag']}"
     env["made"].append(child)
     run(store, "fork", agent, "base", child, env=e)
-    time.sleep(5)  # both write
+    for s in (agent, child):  # both write
+        kvm.guest_writes(store, s, 8)
     run(store, "rm", agent, "base", env=e)
     save(store, agent, e, "base")  # the parent's new 'base'
     run(store, "pause", child, env=e)
@@ -93,7 +93,7 @@ def test_a_forks_save_stores_its_own_disk_after_the_parent_reuses_the_fork_point
     assert published[-1]["name"] == "t1" and published[-1]["incremental"] is False
     # Its next save builds on t1 again, and is exact too.
     run(store, "resume", child, env=e)
-    time.sleep(1)
+    kvm.guest_writes(store, child, 2)
     save(store, child, e, "t2")
     published = [ev["body"] for ev in events_of(store, child, e)
                  if ev["type"] == "checkpoint.published"]
@@ -166,10 +166,10 @@ def test_a_restore_forward_says_what_the_left_timeline_loses(env, agent: str) ->
     other nonces), and reconcile said nothing was (it counted only seqs past the target's)."""
     store, e = env["store"], env["env"]
     g1 = save(store, agent, e, "g1")
-    time.sleep(20)  # many lines past g1 on this timeline
+    kvm.guest_writes(store, agent, 20)  # many lines past g1 on this timeline
     later = save(store, agent, e)
     run(store, "restore", agent, g1, env=e)
-    time.sleep(2)  # a few lines of the new timeline
+    kvm.guest_writes(store, agent, 4)  # a few lines of the new timeline
     res = json.loads(run(store, "restore", agent, later, "--json", env=e).stdout)
     rec = res["reconcile"]
     cur = rec["current_transcript_seq"]
