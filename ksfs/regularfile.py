@@ -1,5 +1,5 @@
-"""Opening the store's lock files (``lock``, ``seal.lock``, ``locks/*.lock``), and reading its
-small files (the marker, a session's state, the config).
+"""Opening the store's lock files (``lock``, ``seal.lock``, ``locks/*.lock``) and the daemon's
+log, and reading its small files (the marker, a session's state, the config).
 
 A lock file in another shape than a regular file is damage, said in one line: a directory gave
 "open the store lock failed: Is a directory" (exit 1), and a dangling symbolic link "not found"
@@ -25,20 +25,27 @@ def open_lock_file(path: str | os.PathLike, store: str | os.PathLike, flags: int
     """A descriptor of the lock file at ``path`` (made when missing, ``mode``), opened with
     ``flags`` (O_RDONLY or O_RDWR); StoreDamaged when something else is in its place. Any
     other OSError is the caller's to translate."""
+    return open_store_file(path, store, flags, mode, "lock file")
+
+
+def open_store_file(path: str | os.PathLike, store: str | os.PathLike, flags: int, mode: int,
+                    what: str) -> int:
+    """As ``open_lock_file``, for any file of the store ksfs makes and writes (``what`` names
+    it in the damage's one line: "lock file", "daemon log"). The descriptor is non-blocking."""
     try:
         fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
                      mode)
     except OSError as exc:
         if exc.errno not in _NOT_A_FILE:
             raise
-        raise StoreDamaged(path=store, why=_why(Path(path))) from None
+        raise StoreDamaged(path=store, why=_why(Path(path), what)) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise StoreDamaged(path=store, why=_why(Path(path)))
+            raise StoreDamaged(path=store, why=_why(Path(path), what))
         if st.st_nlink != 1:  # (security QA F18: O_NOFOLLOW does not see a hard link, and
             # the daemon's lock is truncated and written)
-            raise StoreDamaged(path=store, why=hard_linked(path, st.st_nlink, "lock file"))
+            raise StoreDamaged(path=store, why=hard_linked(path, st.st_nlink, what))
     except BaseException:
         os.close(fd)
         raise
@@ -51,15 +58,15 @@ def hard_linked(path: str | os.PathLike, names: int, what: str) -> str:
             "ksfs leaves it alone; remove it (ksfs makes it again)")
 
 
-def _why(path: Path) -> str:
+def _why(path: Path, what: str) -> str:
     try:
         st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
-        return (f"{path.parent} is not a directory, so its lock file {path.name} cannot be made "
+        return (f"{path.parent} is not a directory, so its {what} {path.name} cannot be made "
                 f"there: remove {path.parent} (ksfs makes it again)")
     except OSError as exc:
-        return f"its lock file {path} cannot be opened: {exc.strerror}"
-    return f"its lock file {path} is {file_kind(st.st_mode)}: remove it (ksfs makes it again)"
+        return f"its {what} {path} cannot be opened: {exc.strerror}"
+    return f"its {what} {path} is {file_kind(st.st_mode)}: remove it (ksfs makes it again)"
 
 
 def read_store_file(path: str | os.PathLike, store: str | os.PathLike) -> bytes:

@@ -278,7 +278,7 @@ def test_mount_says_what_it_thinks_of_its_mount_point(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name, said", [("daemon.lock", "daemon.lock is a symbolic link"),
-                                        ("daemon.log", "daemon.log is not a regular file"),
+                                        ("daemon.log", "daemon.log is a symbolic link"),
                                         ("daemon.lock hard", "daemon.lock is a hard link"),
                                         ("daemon.log hard", "daemon.log is a hard link")])
 def test_a_daemon_lock_that_is_a_symlink_is_never_followed(tmp_path: Path, name: str,

@@ -128,30 +128,14 @@ def mount(ctx, mountpoint: str, foreground: bool, allow_other: bool, upstream: s
 
 def _open_log(store: Path, log_path: Path):
     """The daemon's log, to append to; never through a symbolic link (as root it would write
-    into whatever file the link names), nor a directory or FIFO: damage, one line, exit 6."""
-    import errno
-
-    from ksfs.errors import StoreDamaged, translate
-    from ksfs.regularfile import hard_linked
+    into whatever file the link names), nor a directory, FIFO or hard link: damage, one line,
+    exit 6."""
+    from ksfs.errors import translate
+    from ksfs.regularfile import open_store_file
 
     with translate("open the daemon's log", log_path):
-        try:
-            fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-                         | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-                raise
-            fd = -1
-        st = os.fstat(fd) if fd >= 0 else None
-        if st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            if fd >= 0:
-                os.close(fd)
-            why = f"its daemon log {log_path} is not a regular file: remove it (ksfs makes " \
-                "it again)"
-            if st is not None and stat.S_ISREG(st.st_mode):
-                why = hard_linked(log_path, st.st_nlink, "daemon log")
-            raise StoreDamaged(path=store, why=why)
-        os.set_blocking(fd, True)
+        fd = open_store_file(log_path, store, os.O_WRONLY | os.O_APPEND, 0o600, "daemon log")
+    os.set_blocking(fd, True)
     return os.fdopen(fd, "ab")
 
 
