@@ -103,9 +103,13 @@ def test_lifecycle_through_the_mount(mounted) -> None:
     assert watched in os.listdir(sess / "checkpoints")
     assert seen and {d["verb"] for d in seen} == {"save"}, seen
     assert {d["checkpoint"] for d in seen} == {watched}, seen
+    # A poll every 10 ms sees some of the steps, not all: "taking the snapshot" can be over
+    # between two polls on a loaded host (test_keeper_vm checks the full list through a sink).
     steps = [d["step"] for d in seen if d["step"] is not None]
-    assert "taking the snapshot" in steps and any(
-        d["total"] and 0 <= d["done"] <= d["total"] for d in seen), seen
+    save_steps = ["taking the snapshot", "copying the machine's memory", "storing the memory",
+                  "storing disk ", "publishing the checkpoint"]
+    assert steps and all(any(step.startswith(k) for k in save_steps) for step in steps), steps
+    assert any(d["total"] and 0 <= d["done"] <= d["total"] for d in seen), seen
     assert json.loads((sess / "status").read_text())["doing"] is None  # done: nothing in hand
     # `ksfs status` says the same through the daemon (its seq may have moved on meanwhile)
     said = json.loads(ksfs(mounted["store"], mounted["env"], "status", s, "--json").stdout)
