@@ -110,6 +110,28 @@ def wait_for_counter(log: Path, at_least: int = 1, start: int = 0,
         time.sleep(0.2)
 
 
+def guest_writes(store: Path, session: str, lines: int, start: int | None = None,
+                 timeout: float = 120.0) -> list[int]:
+    """Wait until SESSION's guest has printed ``lines`` counters on its console after byte
+    ``start`` of its console log (default: its end now), and return them. The guest prints one
+    for each transcript line it has made durable (tools/guest-init.sh), about 2.5 a second
+    under TCG here: a wait for lines, not a fixed sleep too long on a fast host and too short
+    on a slow one."""
+    log = Path(store) / "vm" / session / "console.log"
+    if start is None:
+        start = log.stat().st_size
+    deadline = time.monotonic() + timeout
+    while True:
+        data = log.read_bytes()
+        text = data[start if len(data) >= start else 0:].decode(errors="replace")
+        printed = [int(m) for m in COUNTER.findall(text)]  # (a restore may start a new log)
+        if len(printed) >= lines:
+            return printed
+        assert time.monotonic() < deadline, (
+            f"the guest of {session} printed {len(printed)} of {lines} counters in {timeout:g} s")
+        time.sleep(0.1)
+
+
 def read_image_file(image: Path, path: str) -> bytes:
     """A file from the ext4 filesystem of a raw disk image, journal replayed on a copy first.
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_helpers import daemon_mount, guest_dir, ksfs, transcript
+from tests.guest import guest_writes
 
 pytestmark = pytest.mark.vm
 
@@ -62,15 +63,11 @@ def late_writebacks(lines_a: list[dict], fs_a: Path) -> set:
 def test_guest_changes_seen_by_diff_r_and_ksfs_diff(guest_mount) -> None:
     store, mnt, env, s, base = guest_mount
     cps = mnt / "sessions" / s / "checkpoints"
-    deadline = time.monotonic() + 120
-    while True:  # a first checkpoint once the agent has started its work
-        name = f"a{int(time.monotonic() * 1000)}"
-        os.mkdir(cps / name)
-        if len(transcript(cps / name / "transcript")) >= 3 or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    a = name
-    time.sleep(5)
+    guest_writes(store, s, 3, start=0)  # a first checkpoint once the agent has started its work
+    a = f"a{int(time.monotonic() * 1000)}"
+    os.mkdir(cps / a)
+    assert len(transcript(cps / a / "transcript")) >= 3
+    guest_writes(store, s, 8)
     os.mkdir(cps / "b")
     la, lb = transcript(cps / a / "transcript"), transcript(cps / "b" / "transcript")
     assert lb[: len(la)] == la and len(lb) > len(la)

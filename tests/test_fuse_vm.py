@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from ksfs.keeper import Keeper
 from tests.cli_helpers import virsh
+from tests.guest import guest_writes
 from tests.mount_helpers import mounted
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,15 +65,10 @@ def test_lifecycle_through_the_mount(guest: Path, tmp_path: Path) -> None:
             status = json.loads((sessions / agent / "status").read_text())
             assert status["state"] == "running" and status["domain"] == f"ksfs-{agent}"
 
-            # Save until the guest has written a few transcript lines.
-            deadline, i = time.monotonic() + 120, 0
-            while True:
-                i += 1
-                cp = save(mnt, agent, f"warm-{i}")
-                if len(transcript(cp)) >= 3:
-                    break
-                assert time.monotonic() < deadline, "the guest wrote no transcript"
-                time.sleep(2)
+            # Save once the guest has made a few transcript lines durable.
+            guest_writes(store, agent, 3, start=0)
+            cp = save(mnt, agent, "warm")
+            assert len(transcript(cp)) >= 3
             files = set(os.listdir(cp))
             assert {"disk.raw", "memory", "meta.json", "domain.xml", "transcript", "forks"} <= files
             assert (cp / "disk.raw").stat().st_size > 0 and (cp / "memory").stat().st_size > 0
@@ -81,7 +76,7 @@ def test_lifecycle_through_the_mount(guest: Path, tmp_path: Path) -> None:
             before = save(mnt, agent, "before")
             at_cp = transcript(before)
             last = at_cp[-1]
-            time.sleep(6)
+            guest_writes(store, agent, 5)
             later = save(mnt, agent, "later")
             assert transcript(later)[-1]["seq"] > last["seq"] + 3
 
@@ -89,7 +84,7 @@ def test_lifecycle_through_the_mount(guest: Path, tmp_path: Path) -> None:
             with open(sessions / agent / "resume", "w") as f:
                 f.write("before\n")
             assert (sessions / agent / "resume").read_text().startswith("ok before")
-            time.sleep(4)
+            guest_writes(store, agent, 2)
             lines = transcript(save(mnt, agent, "after"))
             assert lines[: len(at_cp)] == at_cp
             assert lines[len(at_cp)]["seq"] == last["seq"] + 1
@@ -105,7 +100,7 @@ def test_lifecycle_through_the_mount(guest: Path, tmp_path: Path) -> None:
             fstatus = json.loads((sessions / fork / "status").read_text())
             assert fstatus["state"] == "running"
             assert fstatus["parent"]["checkpoint"] == "before"
-            time.sleep(4)
+            guest_writes(store, fork, 2)
             t = transcript(save(mnt, fork, "f1"))
             assert t[: len(at_cp)] == at_cp and len(t) > len(at_cp)
 

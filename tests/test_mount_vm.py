@@ -17,6 +17,7 @@ import pytest
 
 from ksfs.daemon.client import call_daemon
 from tests.cli_helpers import KSFS, daemon_mount, guest_dir, ksfs, ksfs_on_terminal, transcript
+from tests.guest import guest_writes
 
 pytestmark = pytest.mark.vm
 
@@ -42,14 +43,9 @@ def test_lifecycle_through_the_mount(mounted) -> None:
     assert {"status", "events", "usage", "resume", "checkpoints"} <= set(os.listdir(sess))
 
     # mkdir a checkpoint: the directory is there, with every file, once mkdir returns.
-    deadline = time.monotonic() + 90
-    while True:
-        name = f"c{int(time.monotonic() * 1000)}"
-        os.mkdir(sess / "checkpoints" / name)
-        if transcript(sess / "checkpoints" / name / "transcript") or \
-                time.monotonic() > deadline:
-            break
-        time.sleep(2)
+    guest_writes(mounted["store"], s, 1, start=0)  # a transcript line made durable
+    name = f"c{int(time.monotonic() * 1000)}"
+    os.mkdir(sess / "checkpoints" / name)
     cp = sess / "checkpoints" / name
     assert {"disk.raw", "memory", "domain.xml", "meta.json", "transcript", "forks"} <= set(
         os.listdir(cp))
@@ -73,7 +69,7 @@ def test_lifecycle_through_the_mount(mounted) -> None:
     assert events(mnt, f)[0]["body"]["checkpoint"] == name
 
     # echo NAME > resume restores; reading resume tells the result; the guest goes on from there.
-    time.sleep(4)
+    guest_writes(mounted["store"], s, 4)  # the restore leaves lines behind
     (sess / "resume").write_text(name + "\n")
     assert (sess / "resume").read_text().startswith(f"ok {name}")
     kinds = [e["type"] for e in events(mnt, s)]
@@ -82,7 +78,7 @@ def test_lifecycle_through_the_mount(mounted) -> None:
     status = json.loads((sess / "status").read_text())
     assert status["running_from"] == f"{s}/{name}", status
     assert status["last_checkpoint"] != name
-    time.sleep(3)
+    guest_writes(mounted["store"], s, 2)
     after = f"after-{tag}"
     os.mkdir(sess / "checkpoints" / after)
     lines = transcript(sess / "checkpoints" / after / "transcript")
