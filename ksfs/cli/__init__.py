@@ -138,8 +138,6 @@ def _unmade_on_failure(ctx: Context) -> Iterator[None]:
     """A store the block creates is removed again when the block fails: the verb changed
     nothing, so it made no store either (QA: a `session new` refused at a mistyped --store left
     a whole store there, which later commands then took for the user's)."""
-    import shutil
-
     from ksfs.cas.store import MARKER
 
     path = Path(ctx.store_path).absolute()
@@ -157,6 +155,8 @@ def _unmade_on_failure(ctx: Context) -> Iterator[None]:
         if not (path / MARKER).exists() or not _unused(ctx):
             raise  # none was made, or another command is using it
         ctx.close()
+        import shutil  # here: with its bz2 and lzma it costs every command 10 ms at start
+
         if top is not None:
             shutil.rmtree(top, ignore_errors=True)
         elif before is not None:  # an empty directory given as the store: emptied again
