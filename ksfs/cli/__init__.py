@@ -155,7 +155,7 @@ def _unmade_on_failure(ctx: Context) -> Iterator[None]:
         if not (path / MARKER).exists() or not _unused(ctx):
             raise  # none was made, or another command is using it
         ctx.close()
-        import shutil  # here: with its bz2 and lzma it costs every command 10 ms at start
+        import shutil  # here: with its bz2 and lzma it would cost every command 2 ms at start
 
         if top is not None:
             shutil.rmtree(top, ignore_errors=True)
