@@ -15,13 +15,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.cli_helpers import guest_dir, remove_sessions, virsh
+from tests.guest import guest_writes
 from tests.test_keeper_vm import events_of, run, save
 
 pytestmark = pytest.mark.vm
@@ -158,14 +158,14 @@ def test_recover_after_a_stale_killed_restore_brings_back_the_newest_save(env, a
     instead of a3."""
     store, e = env["store"], env["env"]
     save(store, agent, e, "a1")
-    time.sleep(3)
+    guest_writes(store, agent, 3)
     save(store, agent, e, "a2")
     res = run(store, "restore", agent, "a1", check=False,
               env=dict(e, KSFS_CRASH_AT="restore.staged"))
     assert res.returncode == -signal.SIGKILL
     assert virsh("domstate", f"ksfs-{agent}").stdout.strip() == "paused"
     run(store, "resume", agent, env=e)
-    time.sleep(3)
+    guest_writes(store, agent, 3)
     save(store, agent, e, "a3")
     virsh("destroy", f"ksfs-{agent}")
     actions = recover(store, e, agent)
