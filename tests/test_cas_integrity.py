@@ -294,26 +294,44 @@ def test_incremental_save_over_a_damaged_base_chunk_reads_it_whole(store):
     assert list(report.damaged_chunks) == [entries[victim][0].hex()]
 
 
-def test_a_pack_cut_short_names_a_few_chunks_and_counts_the_rest(store):
-    """QA (nineteenth session): a pack cut to a third gave one line per chunk (1,136 of them)
-    before the files it takes with it; --json (findings) keeps every one."""
-    from ksfs.cas.check import LINES_PER_PACK
-
+@pytest.mark.parametrize("read_data", [False, True])
+def test_a_pack_cut_short_names_every_chunk_and_every_checkpoint_and_file(store, read_data):
+    """Issue #2: "every damaged chunk and pack, and every checkpoint and file that depends on
+    it". The report once named 10 chunks a pack and counted the rest, its manifest lines 3 ids
+    (QA, nineteenth session, had found 1,136 lines for a pack cut short too many): now the
+    plain text names each one, grouped under its pack, and each checkpoint on a line of its own
+    followed by its files, each once."""
     rng = random.Random(7)
     data = b"".join(rng.randbytes(K64) for _ in range(60))  # 60 chunks that do not compress
     f = put(store, data)
     (pack,) = os.listdir(store.packs_dir)
     path = os.path.join(store.packs_dir, pack)
     os.truncate(path, os.path.getsize(path) // 3)
-    rep = store.check(read_data=True, references={f.manifest: ["s/c1/disk.raw"]})
-    bad = len(rep.damaged_chunks) + len(rep.missing_chunks)
-    assert bad > LINES_PER_PACK * 2, bad
-    lines = rep.lines()
-    named = [x for x in lines if x.startswith("chunk ")]
-    assert len(named) <= 2 * LINES_PER_PACK, len(named)  # (damaged and missing apart)
-    more = [x for x in lines if x.startswith("... and ")]
-    counted = sum(int(x.split()[2]) for x in more)
-    assert len(named) + counted == bad, lines
-    assert all(f"in pack {int(pack.split('.')[0])}" in x for x in more), more
-    assert "s/c1/disk.raw: unreadable" in "\n".join(lines)
-    assert len([x for x in rep.findings() if x["kind"].endswith("_chunk")]) == bad
+    other = put(store, image(3))  # in a pack of its own, sound
+    refs = {f.manifest: ["s/c1/disk.raw", "s/c2/disk.raw", "t/c1/disk.raw"],
+            other.manifest: ["s/c1/memory"]}
+    rep = store.check(read_data=read_data, references=refs)
+    bad = set(rep.damaged_chunks) | set(rep.missing_chunks)
+    assert len(bad) > 30, len(bad)  # (the cap was 10 a pack)
+    lines = rep.text_lines()
+    named = [x.split(":")[0].removeprefix("chunk ") for x in lines if x.startswith("chunk ")]
+    assert sorted(named) == sorted(bad), lines
+    no = int(pack.split(".")[0])
+    assert lines[0].startswith(f"pack {no}: its file has "), lines  # its chunks follow it
+    assert {x.split(":")[0] for x in lines[1 : 1 + len(bad)]} == {f"chunk {c}" for c in bad}
+    (manifest,) = [x for x in lines if x.startswith(f"manifest {f.manifest}: ")]
+    assert all(c in manifest for c in bad), manifest
+    for checkpoint, files in (("s/c1", ["s/c1/disk.raw"]), ("s/c2", ["s/c2/disk.raw"]),
+                              ("t/c1", ["t/c1/disk.raw"])):
+        at = lines.index(f"checkpoint {checkpoint}: 1 of its files depends on damaged or "
+                         "missing data")
+        assert lines[at + 1].startswith(f"{files[0]}: unreadable (manifest {f.manifest} "), lines
+    text = "\n".join(lines)
+    assert "s/c1/memory" not in text and "..." not in text and " more " not in text
+    for word in ("checkpoint s/c1:", "checkpoint s/c2:", "checkpoint t/c1:", "s/c1/disk.raw:",
+                 "s/c2/disk.raw:", "t/c1/disk.raw:"):
+        assert text.count(word) == 1, (word, text)
+    # the same findings, every one, as --json's problems and findings
+    assert sorted(rep.lines()) == sorted(x for x in lines if not x.startswith("checkpoint "))
+    assert len(rep.findings()) == len(rep.lines())
+    assert len([x for x in rep.findings() if x["kind"].endswith("_chunk")]) == len(bad)

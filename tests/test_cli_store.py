@@ -391,6 +391,40 @@ def test_check_says_what_a_killed_import_left_and_gc_gives_it_back(tmp_path):
     assert "did not finish" not in ksfs(store, "check").stdout.decode()
 
 
+@pytest.mark.parametrize("read_data", [False, True])
+def test_plain_check_names_every_damaged_chunk_checkpoint_and_file(tmp_path: Path,
+                                                                   read_data: bool) -> None:
+    """Issue #2 review: plain `ksfs check` named at most 10 chunks a pack (the rest counted)
+    and no checkpoint on a line of its own. Every chunk --json names is named in the text, every
+    checkpoint and file that depends on them once, and it exits 6."""
+    store = tmp_path / "store"
+    src = tmp_path / "memory"
+    src.write_bytes(random.Random(8).randbytes(3 << 20))
+    ksfs(store, "import", "s", "c1", str(src))
+    ksfs(store, "import", "s", "c2", str(src))
+    ksfs(store, "import", "t", "c1", str(src))
+    (pack,) = (store / "packs").iterdir()
+    os.truncate(pack, pack.stat().st_size // 3)
+    flags = ["--read-data"] if read_data else []
+    report = json.loads(ksfs(store, "check", "--json", *flags, check=False).stdout)
+    chunks = {f["chunk"] for f in report["findings"] if f["kind"].endswith("_chunk")}
+    assert len(chunks) > 10, chunks  # (more than the old cap of 10 a pack)
+    res = ksfs(store, "check", *flags, check=False)
+    assert res.returncode == 6, res.stderr
+    lines = res.stdout.decode().splitlines()
+    assert {x.split(":")[0] for x in lines if x.startswith("chunk ")} == \
+        {f"chunk {c}" for c in chunks}
+    assert len([x for x in lines if x.startswith("chunk ")]) == len(chunks)
+    assert lines[0].startswith(f"pack {int(pack.stem)}: ")
+    for checkpoint in ("s/c1", "s/c2", "t/c1"):
+        at = lines.index(f"checkpoint {checkpoint}: 1 of its files depends on damaged or "
+                         "missing data")
+        assert lines[at + 1].startswith(f"{checkpoint}/memory: unreadable ("), lines
+        assert sum(x.startswith(f"{checkpoint}/memory:") for x in lines) == 1
+    assert not any("more" in x.split() for x in lines), lines
+    assert lines[-1].startswith("store DAMAGED: ")
+
+
 FALLBACK_ONLY = """
 import sys
 

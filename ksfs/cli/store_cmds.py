@@ -231,7 +231,15 @@ def stats(ctx, as_json: bool) -> None:
                    "kind), problems (the same as sentences), summary and the counts checked.")
 @pass_ctx
 def check(ctx, read_data: bool, as_json: bool) -> None:
-    """Check the store; exit 0 when clean, else name every damaged chunk, pack and file.
+    """Check the store; exit 0 if clean, else name each damaged chunk, pack, checkpoint and file.
+
+    Without --json, one line per finding, grouped. Each damaged pack is followed by every
+    damaged or missing chunk the index places in it (all of them: a pack cut short names each
+    chunk it lost); damaged chunks of sound packs follow in pack order, then the chunks no pack
+    holds, then the manifests that are damaged or need such chunks (each with every chunk it
+    needs). Each checkpoint that depends on any of it then has a line, followed by a line for
+    each of its files that does. A summary line ends the report; exit 6 when anything was
+    found.
 
     Example: ksfs check --read-data
     """
@@ -249,7 +257,7 @@ def check(ctx, read_data: bool, as_json: bool) -> None:
                    "in_use_packs": len(report.in_use_packs),
                    "in_use_bytes": report.in_use_bytes})
     else:
-        for line in problems:
+        for line in report.text_lines():
             click.echo(line)
         click.echo(report.summary())
     if problems:
