@@ -143,6 +143,30 @@ def test_an_empty_ksfs_store_variable_still_means_the_default(tmp_path: Path) ->
     assert str(tmp_path / ".local/share/ksfs") in one_line(res)
 
 
+def test_a_tilde_in_the_store_option_or_variable_is_the_home(tmp_path: Path) -> None:
+    """Issue #2 review: --store '~/x' (quoted) and KSFS_STORE='~/x' (no shell expands a tilde
+    inside a value) made a directory named ~ under the working directory."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    src = tmp_path / "memory"
+    src.write_bytes(b"tilde" * 1000)
+    for how, store in ((["--store", "~/by-option"], "by-option"), ([], "by-variable")):
+        env = dict(os.environ, HOME=str(home), KSFS_STORE="~/by-variable")
+        res = subprocess.run(KSFS + how + ["import", "s", "c1", str(src)], capture_output=True,
+                             env=env, cwd=work, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert (home / store / "ksfs.json").is_file(), how
+        res = subprocess.run(KSFS + how + ["cat", "s", "c1", "memory"], capture_output=True,
+                             env=env, cwd=work, timeout=120)
+        assert res.stdout == src.read_bytes(), res.stderr
+    assert list(work.iterdir()) == []  # no directory named ~
+    env = dict(os.environ, HOME=str(home))
+    res = subprocess.run(KSFS + ["--store", "~", "stats"], capture_output=True, env=env,
+                         cwd=work, timeout=120)
+    assert res.returncode == 5 and f"{home} is not a ksfs store" in one_line(res), res.stderr
+
+
 def test_an_empty_home_means_the_accounts_home_not_the_working_directory(tmp_path: Path
                                                                          ) -> None:
     """QA (tenth session): with HOME set but empty the default store was under the working

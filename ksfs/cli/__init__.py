@@ -26,10 +26,23 @@ from ksfs.errors import BadInput, DaemonError, KsfsError, NoSpace, Terminated, f
 def default_store() -> str:
     if os.environ.get("KSFS_STORE"):
         return os.environ["KSFS_STORE"]
+    return str(Path(_home()) / ".local/share/ksfs")
+
+
+def _home() -> str:
     # HOME set but empty (env HOME= ...) would put the store under the working directory or
     # /: the account's own home then, as when HOME is unset
-    home = os.environ.get("HOME") or _account_home()
-    return str(Path(home) / ".local/share/ksfs")
+    return os.environ.get("HOME") or _account_home()
+
+
+def expand_home(path: str) -> str:
+    """``path`` with a leading ``~`` or ``~user`` expanded as the shell does. A quoted
+    --store '~/x', or KSFS_STORE='~/x' (the shell expands no ``~`` inside a value), reaches ksfs
+    as it is, and made a directory named ``~`` under the working directory (issue #2 review).
+    Plain ``~`` is the same home the default store lives in."""
+    if path == "~" or path.startswith("~/"):
+        return _home().rstrip("/") + path[1:] or "/"
+    return os.path.expanduser(path)
 
 
 def _account_home() -> str:
@@ -440,7 +453,7 @@ def one_line(text: str) -> str:
     envvar="KSFS_STORE",
     default=default_store,
     show_default="$KSFS_STORE or ~/.local/share/ksfs",
-    help="The store directory.",
+    help="The store directory (a leading ~ is the home directory, in $KSFS_STORE too).",
 )
 @click.version_option(version=__version__, package_name="ksfs")
 @click.pass_context
@@ -472,7 +485,7 @@ def main(ctx: click.Context, store_path: str) -> None:
     tune_for_bulk_reads()  # imports, saves and reads stream 8 MiB batches: see ksfs/heap.py
     keep_others_from_writing()
     _log_lines_like_errors()
-    ctx.obj = Context(os.path.abspath(store_path))
+    ctx.obj = Context(os.path.abspath(expand_home(store_path)))
 
 
 def keep_others_from_writing() -> None:
