@@ -131,6 +131,57 @@ def test_bad_input_one_line_exit_code_nothing_changed(
     assert store_snapshot(store) == before
 
 
+# ksfs is imported as root (the interpreter lives in root's home, which nobody cannot read),
+# with what it loads lazily, then the process becomes nobody, real and effective ids alike
+AS_NOBODY = """
+import os, sys
+import ctypes, ksfs.heap, ksfs.keeper, ksfs.keeper.offline
+from ksfs.cli import main
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+sys.argv[0] = "ksfs"
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+@pytest.mark.parametrize("as_disk", [False, True])
+def test_an_unreadable_file_is_not_permitted_and_changes_nothing(as_disk: bool) -> None:
+    """Issue #2 review: a file the user cannot read was click's usage error (exit 2); the
+    reference says 12, not permitted. One line naming it, exit 12, the store as it was (no
+    checkpoint.begin event, no session). Run as nobody: root reads a mode 000 file."""
+    import shutil
+    import uuid
+
+    base = Path("/var/tmp") / f"ksfs-unreadable-{uuid.uuid4().hex[:8]}"  # nobody reaches it
+    base.mkdir(mode=0o755)
+    try:
+        store, ok, secret = base / "store", base / "memory", base / "secret.bin"
+        ok.write_bytes(b"ok" * 5000)
+        secret.write_bytes(b"secret" * 5000)
+        os.chmod(secret, 0)
+        ksfs(store, "import", "s", "c1", str(ok))
+        for root, dirs, files in os.walk(store):  # the store is nobody's
+            for name in [*dirs, *files]:
+                os.chown(Path(root, name), 65534, 65534)
+        os.chown(store, 65534, 65534)
+        before = {p: p.read_bytes() for p in store.rglob("*") if p.is_file()
+                  and p.name not in ("lock", "lock.mdb") and p.parent.name != "locks"}
+        events = ksfs(store, "events", "s").stdout
+        named = ["--disk", str(secret)] if as_disk else [str(secret)]
+        for session in ("s", "new"):
+            res = subprocess.run([sys.executable, "-c", AS_NOBODY, "--store", str(store),
+                                  "import", session, "c2", *named], capture_output=True,
+                                 text=True, timeout=120)
+            assert res.returncode == 12, res.stderr
+            assert res.stderr == f"ksfs: error: {secret} cannot be read: Permission denied\n"
+        after = {p: p.read_bytes() for p in before}
+        assert after == before
+        assert ksfs(store, "events", "s").stdout == events
+        assert ksfs(store, "checkpoints", "new", check=False).returncode == 3
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_not_a_store(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     plain.mkdir()

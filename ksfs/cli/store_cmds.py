@@ -47,8 +47,8 @@ def progress_bar(label: str):
 @main.command("import")
 @click.argument("session")
 @click.argument("checkpoint")
-@click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
-@click.option("--disk", "disks", multiple=True, type=click.Path(dir_okay=False),
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False, readable=False))
+@click.option("--disk", "disks", multiple=True, type=click.Path(dir_okay=False, readable=False),
               help="A file to chunk as a disk image (fixed 64 KiB), whatever its name.")
 @click.option("--json", "as_json", is_flag=True, help="Print the checkpoint record as JSON.")
 @pass_ctx

@@ -22,6 +22,7 @@ from ksfs.errors import (
     NoSuchFile,
     NoSuchSession,
     NotFound,
+    NotPermitted,
     Terminated,
     from_os_error,
 )
@@ -71,6 +72,21 @@ def _is_regular_file(path: Path) -> bool:
         raise from_os_error(exc, "look at the file to import", path) from None
 
 
+def _require_readable(path: Path) -> None:
+    """NotPermitted (exit 12, as docs/cli.md says) for a file this process may not read, found
+    before any store is opened or made: left to the import's own open, it came after the
+    import had written its checkpoint.begin event to the store. (The command line's own check,
+    click's, was a usage error, exit 2, and asked access(2), which answers for the real user,
+    not the effective one.) Opening the file is the test that answers for this process."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise NotPermitted(f"{path} cannot be read: {exc.strerror}") from None
+        raise from_os_error(exc, "open the file to import", path) from None
+    os.close(fd)
+
+
 def is_disk_image(name: str) -> bool:
     """Disk images chunk at fixed 64 KiB (the qcow2 cluster); everything else by content."""
     return (name.startswith("disk") and name.endswith(".raw")) or name.endswith(".img")
@@ -109,6 +125,7 @@ def import_paths(session: str, checkpoint: str | None, files: Iterable[str | os.
                           f"that name (reserved: {', '.join(CHECKPOINT_RESERVED_NAMES)})")
         if not _is_regular_file(p):
             raise BadInput(f"{p} is not a regular file: only regular files are imported")
+        _require_readable(p)
         if _claims_empty_but_is_not(p):
             raise BadInput(f"{p} says it is empty but has content (a /proc or /sys file?): "
                            "copy it to a regular file and import that")
