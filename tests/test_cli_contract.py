@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from ksfs.cas import ChunkStore
 from ksfs.gateway.store import GatewayStore
 from ksfs.ledger import Ledger
-from tests.cli_helpers import ksfs
+from tests.cli_helpers import KSFS, ksfs
 
 BAD_NAMES = ["a/b", "..", ".", "", "x" * 256, "tab\there"]
 
@@ -97,6 +99,44 @@ def test_import_paths_as_posix_tools_read_them(store: Path, tmp_path: Path) -> N
         assert res.returncode == 2 and "name one file" in res.stderr, res.stderr
     ksfs(store, None, "import", "demo", "c3", str(f), "--disk", str(f))  # a file, as a disk
     assert ksfs(store, None, "cat", "demo", "c3", "k.bin").stdout == "k" * 70000
+
+
+def test_a_file_and_a_disk_are_one_file_by_the_file_not_its_path(store: Path,
+                                                                  tmp_path: Path) -> None:
+    """Issue #2 review: `import --disk ./f S C f` stored f once, as a disk, but `--disk $PWD/f
+    S C f` was refused as two files of one name: the paths were compared, not the files."""
+    f = tmp_path / "k.bin"
+    f.write_bytes(b"k" * 70000)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(KSFS + ["--store", str(store), "import", "demo", *args],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+    for c, args in (("c2", ["--disk", str(f), "k.bin"]), ("c3", ["--disk", "k.bin", str(f)]),
+                    ("c4", ["--disk", "./k.bin", "k.bin"])):
+        res = run("--json", c, *args)
+        assert res.returncode == 0, (args, res.stderr)
+        files = json.loads(res.stdout)["files"]
+        assert [(x["name"], x["chunking"]) for x in files] == [("k.bin", "fixed")], args
+    # one group naming one file twice, by any path, is still refused as one file named twice
+    for args in (["k.bin", str(f)], ["--disk", "k.bin", "--disk", str(f)]):
+        res = run("c5", *args)
+        assert res.returncode == 2 and "name one file: give it once" in res.stderr, res.stderr
+    # a missing file is said first, as before
+    res = run("c5", "--disk", str(tmp_path / "nosuch"), "nosuch")
+    assert res.returncode == 3 and "not found: nosuch" in res.stderr, res.stderr
+    # two names of one file (a hard link) are two files, each under its own name
+    os.link(f, tmp_path / "other.bin")
+    res = run("--json", "c6", "--disk", "other.bin", "k.bin")
+    assert res.returncode == 0, res.stderr
+    files = json.loads(res.stdout)["files"]
+    assert sorted((x["name"], x["chunking"]) for x in files) == [("k.bin", "cdc"),
+                                                                 ("other.bin", "fixed")]
+    # different files of one base name are still refused as such
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "k.bin").write_bytes(b"other")
+    res = run("c7", "--disk", str(tmp_path / "d" / "k.bin"), "k.bin")
+    assert res.returncode == 2 and "would both be stored as 'k.bin'" in res.stderr, res.stderr
 
 
 def test_stats_of_an_empty_store_shows_no_ratio_as_a_dash(tmp_path: Path) -> None:

@@ -60,8 +60,8 @@ def import_(ctx, session: str, checkpoint: str, files, disks, as_json: bool) -> 
     (FastCDC). Chunks that changed since the file of the same name in SESSION's latest
     checkpoint are stored as deltas against their old versions where that saves bytes. The
     names a checkpoint directory shows of its own (domain.xml, meta.json, transcript, forks, fs)
-    cannot be imported. A file named twice is refused, unless once as FILE and once with
-    --disk: then it is stored once, as a disk.
+    cannot be imported. A file named twice (by any path: f, ./f and $PWD/f are one) is
+    refused, unless once as FILE and once with --disk: then it is stored once, as a disk.
 
     Example: ksfs import demo c1 disk.raw memory
     """

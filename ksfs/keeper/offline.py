@@ -87,6 +87,21 @@ def _require_readable(path: Path) -> None:
     os.close(fd)
 
 
+def _same_file_key(path: str | os.PathLike) -> tuple:
+    """Equal for two arguments that name one file under one base name: the file itself, so
+    that f, ./f and $PWD/f are one (the path strings were compared: --disk $PWD/f with f was
+    refused as two files of one name, --disk ./f with f taken as one; issue #2 review). Two
+    names of one file (hard or symbolic links) stay two files when their base names differ:
+    each is stored under its own name, as asked. A path that names nothing keeps its path as
+    its key, so the missing file is what import_paths says, as before."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except (OSError, ValueError):  # its error is said where each file is looked at
+        return ("path", p)
+    return ("file", p.name, st.st_dev, st.st_ino)
+
+
 def is_disk_image(name: str) -> bool:
     """Disk images chunk at fixed 64 KiB (the qcow2 cluster); everything else by content."""
     return (name.startswith("disk") and name.endswith(".raw")) or name.endswith(".img")
@@ -108,13 +123,16 @@ def import_paths(session: str, checkpoint: str | None, files: Iterable[str | os.
     # A file named twice, as files or as --disk alike, is bad input (which would it be?);
     # named as a file and as a --disk, it is that file, stored as a disk.
     for group in (files, disks):
-        seen: dict[Path, str] = {}
+        seen: dict[tuple, str] = {}
         for f in group:
-            if Path(f) in seen:
-                raise BadInput(f"{seen[Path(f)]} and {os.fspath(f)} name one file: give it once")
-            seen[Path(f)] = os.fspath(f)
-    disk_set = {Path(d) for d in disks}
-    paths = [Path(f) for f in files] + sorted(disk_set - {Path(f) for f in files})
+            if (key := _same_file_key(f)) in seen:
+                raise BadInput(f"{seen[key]} and {os.fspath(f)} name one file: give it once")
+            seen[key] = os.fspath(f)
+    as_files = {_same_file_key(f): Path(f) for f in files}
+    disk_set: set[Path] = set()
+    for d in disks:  # (a disk that is one of the files is that file, stored as a disk)
+        disk_set.add(as_files.get(_same_file_key(d), Path(d)))
+    paths = [Path(f) for f in files] + sorted(disk_set - set(as_files.values()))
     if not paths:
         raise BadInput("nothing to import: name at least one file")
     names = [p.name for p in paths]
