@@ -442,6 +442,37 @@ def test_check_says_what_a_killed_import_left_and_gc_gives_it_back(tmp_path):
     assert "did not finish" not in ksfs(store, "check").stdout.decode()
 
 
+def test_stats_counts_packs_and_their_bytes_alike_after_a_killed_import(tmp_path):
+    """Issue #2 review: `stats` counted packs from the index but pack_bytes from every pack
+    file, so after a killed import they disagreed until a gc. Both are the index's packs now;
+    what the killed import left is uncommitted_pack_bytes, until gc gives it back."""
+    store = tmp_path / "store"
+    src = tmp_path / "data.bin"
+    src.write_bytes(random.Random(5).randbytes(3 << 20))
+    ksfs(store, "import", "s", "kept", str(src))
+    before = json.loads(ksfs(store, "stats", "--json").stdout)
+    assert before["uncommitted_pack_bytes"] == 0
+    assert before["pack_bytes"] == sum(p.stat().st_size for p in (store / "packs").iterdir())
+    other = tmp_path / "other.bin"
+    other.write_bytes(random.Random(6).randbytes(3 << 20))
+    killed = ksfs(store, "import", "s", "killed", str(other), check=False,
+                  env=dict(os.environ, KSFS_CRASH_AT="pack.fsync"))
+    assert killed.returncode == -signal.SIGKILL
+    on_disk = sum(p.stat().st_size for p in (store / "packs").iterdir())
+    assert on_disk >= before["pack_bytes"] + (3 << 20)
+    after = json.loads(ksfs(store, "stats", "--json").stdout)
+    for key in ("stored_bytes", "chunks", "packs", "pack_bytes", "checkpoints", "logical_bytes"):
+        assert after[key] == before[key], (key, before, after)
+    assert after["uncommitted_pack_bytes"] == on_disk - before["pack_bytes"]
+    report = json.loads(ksfs(store, "check", "--json").stdout)
+    assert report["unfinished_bytes"] == after["uncommitted_pack_bytes"]
+    ksfs(store, "gc")
+    collected = json.loads(ksfs(store, "stats", "--json").stdout)
+    assert collected["uncommitted_pack_bytes"] == 0
+    assert collected["pack_bytes"] == before["pack_bytes"] == \
+        sum(p.stat().st_size for p in (store / "packs").iterdir())
+
+
 @pytest.mark.parametrize("read_data", [False, True])
 def test_plain_check_names_every_damaged_chunk_checkpoint_and_file(tmp_path: Path,
                                                                    read_data: bool) -> None:

@@ -560,23 +560,35 @@ class ChunkStore:
         return collect(self, live_manifests, threshold, timeout)
 
     def stats(self) -> dict[str, int]:
+        """The figures of what the index lists: ``chunks``, ``manifests``, ``packs``; the bytes
+        of its chunks' records (``stored_bytes``: what a chunk no checkpoint uses any more
+        keeps until gc) and the committed bytes of its packs (``pack_bytes``: those records and
+        the dead ones gc has yet to repack). Bytes in packs/ that no commit counts are apart,
+        ``uncommitted_pack_bytes``: a running ingest's, or a killed one's, which gc gives back.
+        (``pack_bytes`` once summed every pack file while ``packs`` counted the index's, so
+        the two disagreed after a killed import: issue #2 review.)"""
         live = 0
+        committed: dict[int, int] = {}
         with self.env.begin() as txn:
             chunks = txn.stat(self.db["chunks"])["entries"]
             manifests = txn.stat(self.db["manifests"])["entries"]
-            packs = 0
             for key, value in txn.cursor(db=self.db["packs"]):
-                packs += 1
-                live += fmt.decode_pack_value(key, value)[1]
-        pack_bytes = 0
+                size, live_bytes = fmt.decode_pack_value(key, value)
+                committed[int.from_bytes(key, "big")] = size
+                live += live_bytes
+        uncommitted = 0
         for name in list_packs_dir(self.path, self.packs_dir):
-            if name.endswith(".pack"):
-                try:
-                    pack_bytes += os.stat(os.path.join(self.packs_dir, name)).st_size
-                except FileNotFoundError:
-                    pass
-        return {"stored_bytes": live, "chunks": chunks, "packs": packs,
-                "pack_bytes": pack_bytes, "manifests": manifests}
+            if (no := fmt.pack_number(name)) is None:
+                continue
+            try:
+                st = os.lstat(os.path.join(self.packs_dir, name))
+            except FileNotFoundError:  # gone since the listing (gc)
+                continue
+            if stat_.S_ISREG(st.st_mode):  # (anything else is damage, which check names)
+                uncommitted += max(0, st.st_size - committed.get(no, 0))
+        return {"stored_bytes": live, "chunks": chunks, "packs": len(committed),
+                "pack_bytes": sum(committed.values()), "uncommitted_pack_bytes": uncommitted,
+                "manifests": manifests}
 
 
 def list_packs_dir(store: str, packs_dir: str) -> list[str]:

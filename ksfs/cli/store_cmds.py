@@ -210,7 +210,12 @@ def stats(ctx, as_json: bool) -> None:
     """Show the store figures: logical and stored bytes, chunks, packs, checkpoints, dedup ratio.
 
     checkpoints counts every checkpoint the store holds, those kept by `session rm
-    --keep-checkpoints` too; sessions counts the sessions not removed.
+    --keep-checkpoints` too; sessions counts the sessions not removed. stored_bytes are the
+    bytes the store's chunks take in its packs, compressed, with their record headers (a
+    deleted checkpoint's count until gc). --json adds manifests, pack_bytes (the committed
+    bytes of the packs counted in packs: stored bytes and the dead records gc has yet to
+    repack) and uncommitted_pack_bytes (bytes in pack files that no commit counts: a running
+    import's, or a killed one's, which gc gives back).
 
     Example: ksfs stats --json | jq .dedup_ratio
     """
