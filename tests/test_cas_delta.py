@@ -537,3 +537,29 @@ def test_a_failing_flatten_leaves_nothing_and_gc_goes_on(stores, monkeypatch):
     monkeypatch.undo()
     put(store, rng.randbytes(len(versions[1])), "cdc")  # garbage: the pack is thin again
     assert store.gc([made[1].manifest], threshold=1.0).deltas_flattened == len(bases)
+
+
+@pytest.mark.parametrize("base_len, count", [(32 * 1024, 1), (32 * 1024, fmt.MAX_BASES),
+                                             (K64, 1), (K64, fmt.MAX_BASES), (2 << 20, 1)])
+def test_a_delta_finds_pages_in_every_base_and_decodes_with_them(base_len, count):
+    """A delta's frame is made with its bases as a zstd prefix and read with them as a
+    raw-content dictionary: the pages it repeats from the first base's start and the last
+    base's end (the far ends of the prefix, which a hash table sized to less would miss) cost
+    a few bytes, and the frame decodes to the chunk byte for byte."""
+    rng = random.Random(base_len * 100 + count)
+    bases = [rng.randbytes(base_len) for _ in range(count)]
+    joined = b"".join(bases)
+    new = rng.randbytes(PAGE)
+    data = bases[0][:PAGE] + new + bases[-1][-PAGE:] + bases[count // 2][base_len // 2:][:PAGE]
+    frame = delta.compress(data, joined)
+    assert len(frame) < PAGE + 200, len(frame)  # only the new page costs its bytes
+    assert delta.decompress(b"\0" * 32, frame, joined, len(data)) == data
+    params = zstandard.get_frame_parameters(frame)
+    assert params.content_size == len(data) and params.dict_id == 0
+    # zstd keeps no checksum of a delta: other bases decode to other bytes (or fail), which
+    # the chunk's id then refuses (the store's reads check every chunk)
+    other = rng.randbytes(len(joined))
+    try:
+        assert delta.decompress(b"\0" * 32, frame, other, len(data)) != data
+    except ChunkCorrupt:
+        pass

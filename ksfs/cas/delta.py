@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import zstandard
 
@@ -30,46 +31,71 @@ from ksfs.cas import format as fmt
 from ksfs.errors import ChunkCorrupt, ManifestCorrupt
 
 KEEP_RATIO = 0.9  # a delta must be under this share of the chunk stored alone to be worth a hop
-# A compressor is made per delta (each has its own dictionary), and level 3's tables take longer
-# to set up than a 32 KiB chunk takes to compress. These small ones (zstd's "fast" strategy, 4K
-# hash entries) halve a delta's time for 0.6% more bytes than level 3 (measured on the 3,774
-# deltas of a tools/bench-store --guest corpus). The window holds a 64 KiB base and chunk.
-_PARAMS = zstandard.ZstdCompressionParameters(window_log=17, hash_log=12, chain_log=12,
-                                              search_log=1, min_match=6,
-                                              strategy=zstandard.STRATEGY_FAST)
+# A compressor is made per delta (each has its own bases), so its tables must be cheap to set
+# up: zstd's "dfast" strategy (level 3's) with small tables. On the 499 deltas of one import of
+# a tools/bench-store --guest corpus this gave 0.6% fewer bytes than the "fast" settings kept
+# before (window 17, hash 12, chain 12, min match 6), in half their time (docs/performance.md,
+# twenty-ninth session). The window holds a 64 KiB base and chunk.
+_MIN_MATCH = 5
+_CHAIN_LOG = 14
+_HASH_LOG_MAX = 24  # a 64 MiB table, for the largest manifest bases (MANIFEST_DELTA_MAX)
 
 
 def _dict(base: bytes) -> zstandard.ZstdCompressionDict:
     return zstandard.ZstdCompressionDict(base, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
 
 
-_WIDER: dict[tuple[int, int], zstandard.ZstdCompressionParameters] = {}
+def _zstd() -> Any:
+    """compression.zstd (Python 3.14's standard library), or its backport (backports.zstd)."""
+    global _ZSTD
+    if _ZSTD is None:
+        try:
+            from compression import zstd  # type: ignore[import-not-found]
+        except ImportError:
+            from backports import zstd  # type: ignore[no-redef]
+        _ZSTD = zstd
+    return _ZSTD
 
 
-def _params(dict_len: int, data_len: int) -> zstandard.ZstdCompressionParameters:
-    """_PARAMS, with a window and hash table as wide as the dictionary asks. zstd loads only
-    the last 2 ** (hash_log + 3) bytes of a dictionary (ZSTD_loadDictionaryContent): with
-    _PARAMS's 12 that is 32 KiB, so a 64 KiB disk cluster's first half, or every base of
-    several but the last, would be out of reach. Nor is a match further back than the window
-    found."""
+_ZSTD: Any = None
+_OPTIONS: dict[tuple[int, int], dict[Any, int]] = {}
+
+
+def _options(dict_len: int, data_len: int) -> dict[Any, int]:
+    """Compression parameters with a window and hash table as wide as the bases ask. zstd
+    hashes only the last 2 ** (hash_log + 3) bytes of a prefix into its tables
+    (ZSTD_loadDictionaryContent): a table sized to less would leave a 64 KiB disk cluster's
+    first half, or every base of several but the last, out of reach; two steps more halve
+    and quarter the collisions, which found 0.9% fewer bytes. Nor is a match further back
+    than the window found."""
     window_log = max(17, (dict_len + data_len - 1).bit_length())
-    hash_log = max(12, (dict_len - 1).bit_length() - 3)
-    if (window_log, hash_log) == (17, 12):
-        return _PARAMS
+    hash_log = min(max(12, (dict_len - 1).bit_length() - 3) + 2, _HASH_LOG_MAX)
     key = (window_log, hash_log)
-    if key not in _WIDER:
-        _WIDER[key] = zstandard.ZstdCompressionParameters(
-            window_log=window_log, hash_log=hash_log, chain_log=12, search_log=1, min_match=6,
-            strategy=zstandard.STRATEGY_FAST)
-    return _WIDER[key]
+    if key not in _OPTIONS:
+        zstd = _zstd()
+        param = zstd.CompressionParameter
+        _OPTIONS[key] = {
+            param.window_log: window_log, param.hash_log: hash_log,
+            param.chain_log: _CHAIN_LOG, param.search_log: 1, param.min_match: _MIN_MATCH,
+            param.strategy: zstd.Strategy.dfast}
+    return _OPTIONS[key]
 
 
 def compress(data: bytes, base: bytes) -> bytes:
     """A zstd frame of data with ``base`` (one base's plain bytes, or several one after
-    another) as its dictionary."""
-    cctx = zstandard.ZstdCompressor(compression_params=_params(len(base), len(data)),
-                                    dict_data=_dict(base))
-    return cctx.compress(data)
+    another) as its dictionary.
+
+    The bases go in as a prefix (ZSTD_CCtx_refPrefix), which zstd hashes straight into the
+    compressor's own tables; python-zstandard offers only a dictionary, and zstd first builds
+    a digested dictionary from it (every position hashed, tables allocated) and copies that
+    in: three times the time, with the same parameters, on the deltas of one import
+    (docs/performance.md, twenty-ninth session). A frame made on a prefix decodes with the
+    same bytes as a raw-content dictionary, which ``decompress`` gives it.
+    """
+    zstd = _zstd()
+    prefix = zstd.ZstdDict(base, is_raw=True).as_prefix
+    return zstd.ZstdCompressor(options=_options(len(base), len(data)),
+                               zstd_dict=prefix).compress(data, zstd.ZstdCompressor.FLUSH_FRAME)
 
 
 def decompress(cid: bytes, frame: bytes | memoryview, base: bytes, plain_len: int) -> bytes:
