@@ -125,6 +125,34 @@ def test_an_index_directory_gone_is_damage_not_another_place(made: tuple[Path, P
     assert not (store / "index").exists()
 
 
+@pytest.mark.parametrize("shape", ["index a file", "packs a file", "marker a directory",
+                                   "marker of another store"])
+def test_a_store_broken_so_says_what_it_is_in_one_sentence(made: tuple[Path, Path],
+                                                          shape: str) -> None:
+    """Issue #2 review: an index that is a file was called "missing", a ksfs.json that is a
+    directory gave "[Errno 21] Is a directory: 3", and an index of another store showed its
+    id as a bytes repr (b'...')."""
+    store, src = made
+    marker = json.loads((store / "ksfs.json").read_text())
+    if shape in ("index a file", "packs a file"):
+        sub = shape.split()[0]
+        shutil.rmtree(store / sub)
+        (store / sub).write_text("not a directory\n")
+        words = [f"the store at {store} is damaged: its {sub} {store / sub} is not a directory"]
+    elif shape == "marker a directory":
+        (store / "ksfs.json").unlink()
+        (store / "ksfs.json").mkdir()
+        words = [f"the store at {store} is damaged: {store / 'ksfs.json'} is a directory"]
+    else:
+        other = "0" * 32
+        (store / "ksfs.json").write_text(json.dumps({**marker, "id": other}))
+        words = [f"belongs to another store (its store id is {marker['id']}, this store's "
+                 f"ksfs.json says {other})"]
+    for args in (["stats"], ["check"], ["import", "s", "b", str(src)]):
+        err = one_line(ksfs(store, *args), 6, *words)
+        assert "missing" not in err and "Errno" not in err and "b'" not in err, err
+
+
 # --- 2: an index cut short -------------------------------------------------------------------
 
 

@@ -290,7 +290,9 @@ class ChunkStore:
             chunks = txn.stat(self.db["chunks"])["entries"] if named is None else 0
         if named is not None:
             if own is not None and bytes(named) != str(own).encode():
-                raise _index_damaged(data, f"belongs to another store (id {bytes(named)!r})")
+                theirs = bytes(named).decode("ascii", "backslashreplace")
+                raise _index_damaged(data, f"belongs to another store (its store id is "
+                                     f"{theirs}, this store's {MARKER} says {own})")
             return
         if chunks == 0:
             packs = [n for n in list_packs_dir(self.path, self.packs_dir)
@@ -330,8 +332,11 @@ class ChunkStore:
                             f"is not one this ksfs reads ({known})")
         # the marker says this is a store: what is missing from it is damage, not another place
         for sub in ("index", "packs"):
-            if not os.path.isdir(os.path.join(path, sub)):
-                raise StoreDamaged(path=path, why=f"its {sub} directory is missing")
+            where = os.path.join(path, sub)
+            if not os.path.isdir(where):  # (missing, or something else by its name)
+                kind = "a symbolic link" if os.path.islink(where) else "not a directory"
+                why = f"{where} is {kind}" if os.path.lexists(where) else "directory is missing"
+                raise StoreDamaged(path=path, why=f"its {sub} {why}")
         _make_private(path)
         return cls(path, marker, level)
 
