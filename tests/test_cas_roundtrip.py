@@ -548,3 +548,48 @@ def test_a_small_sparse_file_round_trips_whole_through_cdc(tmp_path) -> None:
     with ChunkStore.open(tmp_path / "store", create=True) as store:
         f = put(store, str(path), "cdc")
         assert store.open_file(f.manifest).read(0, 1 << 30) == path.read_bytes()
+
+
+@pytest.mark.parametrize("chunking", ["fixed", "cdc"])
+def test_a_huge_sparse_file_costs_its_data_not_its_size(tmp_path, monkeypatch, chunking):
+    """QA (issue 2 review): a 10 TiB file holding one byte took two minutes of CPU, one zero
+    piece per 64 KiB of holes through the workers and the manifest; imported again ``like``
+    itself, fixed chunking built a slot per 64 KiB (160 million here). A hole run is now one
+    item the ingest never iterates, and an old version is found in the old manifest's
+    entries: both imports stay within a few MiB of memory, the manifests have an entry per
+    data chunk and hole run, and the file reads back (holes as zeros) byte for byte."""
+    import tracemalloc
+
+    from ksfs.cas import chunking as chunking_mod
+
+    def never(self):  # the ingest takes a hole run whole
+        raise AssertionError(f"the ingest iterated {self!r}")
+
+    monkeypatch.setattr(chunking_mod.HoleRun, "__iter__", never)
+    path = tmp_path / "huge.img"
+    size = 8 * 2**40 + 4097
+    writes = [(0, 1), (3 * 2**40 + 7, 70_000), (size - 5000, 5000)]
+    sparse_file(path, size, writes)
+    with ChunkStore.open(tmp_path / "store", create=True) as store:
+        first = put(store, str(path), chunking)
+        with open(path, "r+b") as f:  # a second version: one more write in a hole
+            f.seek(5 * 2**40)
+            f.write(b"y" * 10_000)
+        writes.append((5 * 2**40, 10_000))
+        tracemalloc.start()
+        try:
+            second = put(store, str(path), chunking, like=first.manifest)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 64 << 20, peak
+        for f in (first, second):
+            info = store.load_manifest(f.manifest)
+            assert info.size == size
+            assert len(info.entries) < 40, len(info.entries)  # data chunks and hole runs
+        reader = store.open_file(second.manifest)
+        with open(path, "rb") as src:
+            for off, n in [(max(0, o - 100), n + 200) for o, n in writes] + [
+                    (2**40, 4096), (size - 70_000, 70_000)]:
+                src.seek(off)
+                assert reader.read(off, n) == src.read(n), (off, n)

@@ -201,7 +201,7 @@ def load_fastcdc() -> Any:
 
 def iter_fixed(
     source: Source, ranges: Iterable[tuple[int, int]] | None = None
-) -> Iterator[Batch]:
+) -> Iterator[Batch | HoleRun]:
     """Yield batches of 64 KiB chunks (the last one may be short), all of them or only those
     overlapping ``ranges``."""
     size = source.size
@@ -310,7 +310,7 @@ def merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def iter_cdc(source: Source, min_size: int = CDC_MIN, avg_size: int = CDC_AVG,
-             max_size: int = CDC_MAX, start: int = 0) -> Iterator[Batch]:
+             max_size: int = CDC_MAX, start: int = 0) -> Iterator[Batch | HoleRun]:
     """Yield batches of content-defined chunks.
 
     Ranges the file system holds no data for (``_extents``) are not read: they go out as zero
@@ -351,10 +351,33 @@ def _cdc_span(cutter: Any, source: Source, start: int, end: int) -> Iterator[Bat
             yield batch
 
 
-def _zero_pieces(lo: int, hi: int) -> Iterator[Batch]:
-    """[lo, hi) as zero pieces of at most 64 KiB (the shared ZERO_CHUNK where whole), unread."""
-    step = BATCH_BYTES * 16  # nothing is read: batches only bound the lists
-    for pos in range(lo, hi, step):
-        stop = min(hi, pos + step)
-        yield [(p, ZERO_CHUNK if p + FIXED_SIZE <= stop else bytes(stop - p))
-               for p in range(pos, stop, FIXED_SIZE)]
+def _zero_pieces(lo: int, hi: int) -> Iterator[HoleRun]:
+    """[lo, hi), a range that holds no data, as one HoleRun, unread."""
+    if hi > lo:
+        yield HoleRun(lo, hi - lo)
+
+
+class HoleRun:
+    """A batch standing for [start, start + length) of a file the file system holds no data
+    for (SEEK_DATA, SEEK_HOLE). An ingest takes it whole as one hole: 64 KiB zero pieces, each
+    hashed-or-not on a worker and added to the manifest before it merged them, made an
+    import's time grow with the file's size (QA: a 10 TiB file holding one byte took two
+    minutes of CPU). Iterated, it is those pieces, (offset, the shared ZERO_CHUNK or a
+    shorter zero tail), for any reader of batches that does not look for it."""
+
+    __slots__ = ("length", "start")
+
+    def __init__(self, start: int, length: int) -> None:
+        self.start = start
+        self.length = length
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        end = self.start + self.length
+        for pos in range(self.start, end, FIXED_SIZE):
+            yield (pos, ZERO_CHUNK if pos + FIXED_SIZE <= end else bytes(end - pos))
+
+    def __len__(self) -> int:
+        return -(-self.length // FIXED_SIZE)
+
+    def __repr__(self) -> str:
+        return f"HoleRun({self.start}, {self.length})"

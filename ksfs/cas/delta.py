@@ -115,13 +115,18 @@ class Reference:
     """The chunk ids of an earlier version of a file, to find each new chunk's old version.
 
     Fixed chunking: one id per 64 KiB slot, the old version is the slot at the same offset.
-    Otherwise the old version is the old chunk at the same distance from the nearest anchor
-    (a chunk both versions hold, found by id) in bytes, not in entries: a run of zero chunks is
-    one hole entry in the old manifest but many chunks in the new file.
+    ``by_offset``: the entries of a manifest as they are (a hole run is one entry, however
+    long), the old version the chunk at the same offset, found by bisection: a file's
+    manifest costs its entries here, not one slot per 64 KiB of its size. Otherwise the old
+    version is the old chunk at the same distance from the nearest anchor (a chunk both
+    versions hold, found by id) in bytes, not in entries: a run of zero chunks is one hole
+    entry in the old manifest but many chunks in the new file.
     """
 
-    def __init__(self, entries: Sequence[fmt.Entry], fixed: bool) -> None:
+    def __init__(self, entries: Sequence[fmt.Entry], fixed: bool, by_offset: bool = False
+                 ) -> None:
         self.fixed = fixed
+        self.by_offset = by_offset
         self.ids = [cid for cid, _ in entries]
         self.starts: list[int] = []
         self.size = 0
@@ -132,6 +137,9 @@ class Reference:
         seen_twice: set[bytes] = set()
         for cid, length in entries:
             self.starts.append(pos)
+            if by_offset:
+                pos += length
+                continue
             if cid is not None:
                 if cid in self.offset_of:
                     seen_twice.add(cid)
@@ -149,6 +157,8 @@ class Reference:
         """
         if self.fixed:
             return [self._at(off // fixed_size) for off in offsets]
+        if self.by_offset:
+            return [self._covering(off) for off in offsets]
         n = len(ids)
         anchor = [None if cid is None else self.offset_of.get(cid) for cid in ids]
         before: list[int | None] = [None] * n  # position of the nearest anchor at or before k

@@ -34,7 +34,9 @@ from ksfs.cas import format as fmt
 from ksfs.cas.chunking import (
     FIXED_SIZE,
     ZERO_CHUNK,
+    Batch,
     FileSource,
+    HoleRun,
     changed_spans,
     iter_cdc,
     iter_fixed,
@@ -97,14 +99,14 @@ def _refuse_if_changed(src: Any) -> None:
                        "nothing writes to it, or import a copy")
 
 
-def _refuse_oversized(batches: Iterator[list[tuple[int, bytes]]], src: Any
-                      ) -> Iterator[list[tuple[int, bytes]]]:
+def _refuse_oversized(batches: Iterator[Batch | HoleRun], src: Any
+                      ) -> Iterator[Batch | HoleRun]:
     """The chunker's batches, but a chunk longer than any the store reads back
     (``format.MAX_STORED_LEN``) is an error before it is hashed or written: stored, it would
     make a checkpoint whose file no read, check or GC can use. No chunker cuts one (the page
     cutter stops at ``pagecut.CHUNK_MAX``); this is the guard behind them."""
     for batch in batches:
-        for off, data in batch:
+        for off, data in () if isinstance(batch, HoleRun) else batch:
             if len(data) > fmt.MAX_STORED_LEN:
                 what = getattr(src, "path", None) or "a source"
                 raise IntegrityError(
@@ -260,7 +262,7 @@ class Ingest:
             slots: list[fmt.Entry] | None = None
             batches = iter_fixed(src) if chunking == "fixed" else self._cdc_batches(src)
             total = size
-            ref = self._reference(like, chunking, size) if like else None
+            ref = self._reference(like, chunking) if like else None
         else:
             slots, ranges = self._slots_from_base(base, size, changed or [])
             total = sum(e - s for s, e in changed_spans(ranges, size))
@@ -321,23 +323,25 @@ class Ingest:
                             len(self.brought) - 1)
 
     @staticmethod
-    def _cdc_batches(src: Any) -> Iterator[list[tuple[int, bytes]]]:
+    def _cdc_batches(src: Any) -> Iterator[Batch | HoleRun]:
         """Memory images (libvirt save images, QEMU streams) are cut at their page records."""
         start = stream_start(src.pread(0, 4096)) if src.size else None
         if start is not None and PAGE_CUTTER:
             return iter_pages(src, start)
         return iter_cdc(src)
 
-    def _reference(self, like: str, chunking: str, size: int) -> delta.Reference | None:
+    def _reference(self, like: str, chunking: str) -> delta.Reference | None:
         """The earlier version to take delta bases from, or None when it cannot serve."""
         try:
-            if chunking == "fixed":
-                slots, _ = self._slots_from_base(like, size, [])
-                return delta.Reference(slots, fixed=True)
             info = self.store.load_manifest(like)
-        except KsfsError:  # gone, damaged, or not cut at 64 KiB: store this file without deltas
+        except KsfsError:  # gone or damaged: store this file without deltas
             return None
-        return delta.Reference(info.entries, fixed=False) if info.chunking == chunking else None
+        if info.chunking != chunking:
+            return None
+        # A 64 KiB chunk's old version is the old one at its offset: found in the manifest's
+        # entries by bisection, not in a slot list as long as the file (a sparse 10 TiB disk
+        # image would take 160 million slots)
+        return delta.Reference(info.entries, fixed=False, by_offset=chunking == "fixed")
 
     def _slots_from_base(self, base: str, size: int, changed: list[tuple[int, int]]
                          ) -> tuple[list[fmt.Entry], list[tuple[int, int]]]:
@@ -369,11 +373,17 @@ class Ingest:
         slots.extend([(None, 0)] * (count - len(slots)))
         return slots, ranges
 
-    def _pipeline(self, batches: Iterator[list[tuple[int, bytes]]], ref: delta.Reference | None,
+    def _pipeline(self, batches: Iterator[Batch | HoleRun], ref: delta.Reference | None,
                   fixed: bool) -> Iterator[list[tuple[int, bytes | None, int, Any]]]:
         """Hash and compress batch k on the workers while batch k+1 is read."""
         pending: list[Any] | None = None
         for batch in batches:
+            if isinstance(batch, HoleRun):  # nothing to hash or store: one hole, in its place
+                if pending is not None:
+                    yield [r for f in pending for r in f.result()]
+                    pending = None
+                yield [(batch.start, None, batch.length, None)]
+                continue
             futs = self._submit(batch, ref, fixed)
             if pending is not None:
                 yield [r for f in pending for r in f.result()]

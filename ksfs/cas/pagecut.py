@@ -26,7 +26,7 @@ import re
 import struct
 from collections.abc import Iterator
 
-from ksfs.cas.chunking import BATCH_BYTES, Batch, Source, iter_cdc, read_exact
+from ksfs.cas.chunking import BATCH_BYTES, Batch, HoleRun, Source, iter_cdc, read_exact
 
 PAGE = 4096
 GROUP_PAGES = 8  # 32 KiB of guest RAM per chunk: tuned by tools/bench-store (4 and 16 lose)
@@ -103,7 +103,7 @@ def _resync(buf: bytes, p: int, limit: int) -> int | None:
     return None
 
 
-def iter_pages(source: Source, start: int) -> Iterator[Batch]:
+def iter_pages(source: Source, start: int) -> Iterator[Batch | HoleRun]:
     """Yield batches of chunks of a migration stream that begins at ``start``."""
     size = source.size
     if start > size or start > LIBVIRT_HEADER + HEADER_DATA_MAX:
