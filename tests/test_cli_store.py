@@ -368,6 +368,40 @@ def test_an_automatic_name_a_user_took_moves_to_the_next_free_number(store: Path
         assert not [e for e in k.ledger.events("s", 0) if e.type == "checkpoint.failed"]
 
 
+def test_an_imports_begin_comes_before_its_checkpoint_and_a_failed_one_stops_it(
+        store: Path, tmp_path: Path, monkeypatch) -> None:
+    """An import's checkpoint.begin event is in the log before the checkpoint it begins, which
+    is named after it; a begin that cannot be written makes the import fail with its error,
+    with no checkpoint, no failed event and a store that checks clean."""
+    from ksfs.errors import NoSpace
+    from ksfs.keeper import Keeper
+    from ksfs.ledger.ledger import Ledger
+
+    f = tmp_path / "memory"
+    f.write_bytes(os.urandom(300_000))
+    with Keeper(store, create=True) as k:
+        rec = k.import_files("s", None, [f])
+        events = list(k.ledger.events("s", 0))
+        begin = next(e for e in events if e.type == "checkpoint.begin")
+        published = next(e for e in events if e.type == "checkpoint.published")
+        assert begin.seq < published.seq and rec.seq == begin.seq
+        assert rec.name == f"c_{begin.seq:04d}"
+        record = Ledger.record
+
+        def begin_fails(self, session, kind, body, *a, **kw):
+            if kind == "checkpoint.begin":
+                raise NoSpace("no space left for the begin event (as a full disk says)")
+            return record(self, session, kind, body, *a, **kw)
+
+        monkeypatch.setattr(Ledger, "record", begin_fails)
+        before = [e.seq for e in k.ledger.events("s", 0)]
+        with pytest.raises(NoSpace, match="the begin event"):
+            k.import_files("s", "second", [f])
+        assert [e.seq for e in k.ledger.events("s", 0)] == before
+        assert list(k.ledger.checkpoint_names("s")) == [rec.name]
+        assert k.store.check(read_data=True).ok
+
+
 def test_sparse_images_are_imported_without_reading_holes_and_cat_keeps_them_sparse(
         store: Path, tmp_path: Path) -> None:
     rnd = random.Random(5)
