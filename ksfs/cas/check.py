@@ -120,8 +120,10 @@ class CheckReport:
 
     def _manifest_lines(self) -> list[str]:
         out = [f"manifest {m}: {why}" for m, why in sorted(self.damaged_manifests.items())]
-        out += [f"manifest {m}: depends on {len(c)} damaged or missing chunk(s): "
-                f"{', '.join(sorted(c))}" for m, c in sorted(self.affected_manifests.items())]
+        # The chunks are counted, not listed again: each has a line of its own already, and
+        # --json's finding lists them (a pack cut short made one line of 6,000 characters)
+        out += [f"manifest {m}: depends on {len(c)} damaged or missing chunk(s), each named on "
+                "a line of its own" for m, c in sorted(self.affected_manifests.items())]
         return out
 
     def _file_line(self, ref: str) -> str:
