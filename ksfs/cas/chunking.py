@@ -215,7 +215,7 @@ def iter_fixed(
         for start, end in spans:
             for lo, hi, is_data in _extents(source, start, end):
                 if not is_data:
-                    yield from _zero_pieces(lo, hi)
+                    yield HoleRun(lo, hi - lo)  # unread
                     continue
                 for pos in range(lo, hi, BATCH_BYTES):
                     n = min(BATCH_BYTES, hi - pos)
@@ -313,8 +313,8 @@ def iter_cdc(source: Source, min_size: int = CDC_MIN, avg_size: int = CDC_AVG,
              max_size: int = CDC_MAX, start: int = 0) -> Iterator[Batch | HoleRun]:
     """Yield batches of content-defined chunks.
 
-    Ranges the file system holds no data for (``_extents``) are not read: they go out as zero
-    pieces, which the ingest keeps as holes like any zero run, and the data before a hole ends
+    Ranges the file system holds no data for (``_extents``) are not read: each goes out as one
+    HoleRun, which the ingest keeps as a hole like any zero run, and the data before a hole ends
     with a cut of its own. So a sparse file costs the reads of its data, not of its size.
     """
     cutter = load_fastcdc()(avg_size, min_size=min_size, max_size=max_size)
@@ -322,7 +322,7 @@ def iter_cdc(source: Source, min_size: int = CDC_MIN, avg_size: int = CDC_AVG,
         if is_data:
             yield from _cdc_span(cutter, source, lo, hi)
         else:
-            yield from _zero_pieces(lo, hi)
+            yield HoleRun(lo, hi - lo)  # unread
 
 
 def _cdc_span(cutter: Any, source: Source, start: int, end: int) -> Iterator[Batch]:
@@ -349,12 +349,6 @@ def _cdc_span(cutter: Any, source: Source, start: int, end: int) -> Iterator[Bat
         batch = [(base + off, buf[off : off + length]) for off, length in cuts]
         if batch:
             yield batch
-
-
-def _zero_pieces(lo: int, hi: int) -> Iterator[HoleRun]:
-    """[lo, hi), a range that holds no data, as one HoleRun, unread."""
-    if hi > lo:
-        yield HoleRun(lo, hi - lo)
 
 
 class HoleRun:
