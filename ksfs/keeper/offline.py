@@ -122,16 +122,17 @@ def import_paths(session: str, checkpoint: str | None, files: Iterable[str | os.
                            "regular files are imported")
     # A file named twice, as files or as --disk alike, is bad input (which would it be?);
     # named as a file and as a --disk, it is that file, stored as a disk.
-    for group in (files, disks):
+    file_keys = [(_same_file_key(f), f) for f in files]
+    disk_keys = [(_same_file_key(d), d) for d in disks]
+    for group in (file_keys, disk_keys):
         seen: dict[tuple, str] = {}
-        for f in group:
-            if (key := _same_file_key(f)) in seen:
+        for key, f in group:
+            if key in seen:
                 raise BadInput(f"{seen[key]} and {os.fspath(f)} name one file: give it once")
             seen[key] = os.fspath(f)
-    as_files = {_same_file_key(f): Path(f) for f in files}
-    disk_set: set[Path] = set()
-    for d in disks:  # (a disk that is one of the files is that file, stored as a disk)
-        disk_set.add(as_files.get(_same_file_key(d), Path(d)))
+    as_files = {key: Path(f) for key, f in file_keys}
+    # (a disk that is one of the files is that file, stored as a disk)
+    disk_set = {as_files.get(key, Path(d)) for key, d in disk_keys}
     paths = [Path(f) for f in files] + sorted(disk_set - set(as_files.values()))
     if not paths:
         raise BadInput("nothing to import: name at least one file")
