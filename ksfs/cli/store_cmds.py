@@ -242,9 +242,9 @@ def check(ctx, read_data: bool, as_json: bool) -> None:
     damaged or missing chunk the index places in it (all of them: a pack cut short names each
     chunk it lost); damaged chunks of sound packs follow in pack order, then the chunks no pack
     holds, then the manifests that are damaged or need such chunks (each with how many it
-    needs; --json lists them). Each checkpoint that depends on any of it then has a line, followed by a line for
-    each of its files that does. A summary line ends the report; exit 6 when anything was
-    found.
+    needs; --json lists them). Each checkpoint that depends on any of it then has a line,
+    followed by a line for each of its files that does. A summary line ends the report; exit 6
+    when anything was found.
 
     Example: ksfs check --read-data
     """
