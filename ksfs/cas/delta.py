@@ -38,6 +38,7 @@ KEEP_RATIO = 0.9  # a delta must be under this share of the chunk stored alone t
 # twenty-ninth session). The window holds a 64 KiB base and chunk.
 _MIN_MATCH = 5
 _CHAIN_LOG = 14
+_PREFIX_MIN = 8  # the shortest dictionary content zstd's ZstdDict takes
 _HASH_LOG_MAX = 24  # a 64 MiB table, for the largest manifest bases (MANIFEST_DELTA_MAX)
 
 
@@ -93,6 +94,10 @@ def compress(data: bytes, base: bytes) -> bytes:
     same bytes as a raw-content dictionary, which ``decompress`` gives it.
     """
     zstd = _zstd()
+    if len(base) < _PREFIX_MIN:
+        # zstd takes no prefix this short (a disk image of a few bytes grown by one: QA, thirty-
+        # first session), and it could save nothing: a plain frame, which decodes the same
+        return zstd.compress(data, options=_options(len(base), len(data)))
     prefix = zstd.ZstdDict(base, is_raw=True).as_prefix
     return zstd.ZstdCompressor(options=_options(len(base), len(data)),
                                zstd_dict=prefix).compress(data, zstd.ZstdCompressor.FLUSH_FRAME)
