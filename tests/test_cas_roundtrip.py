@@ -593,3 +593,65 @@ def test_a_huge_sparse_file_costs_its_data_not_its_size(tmp_path, monkeypatch, c
                     (2**40, 4096), (size - 70_000, 70_000)]:
                 src.seek(off)
                 assert reader.read(off, n) == src.read(n), (off, n)
+
+
+def test_an_incremental_save_of_a_huge_sparse_disk_costs_what_changed(tmp_path):
+    """An incremental ingest (a VM save: base + changed ranges) of a sparse 1 TiB disk with one
+    changed block: it took 10 s and 392 MiB, one slot per 64 KiB of the disk (thirty-first
+    session). The base's slots are now found in its entries: a few MiB at most, and the
+    manifest is the one a full import makes."""
+    import tracemalloc
+
+    path = tmp_path / "disk.raw"
+    size = 2**40 + 5000  # off the 64 KiB grid: the last slot is short
+    writes = [(0, 70_000), (2**39 + 3, 9000), (size - 3000, 3000)]
+    sparse_file(path, size, writes)
+    with ChunkStore.open(tmp_path / "store", create=True) as store:
+        base = put(store, str(path), "fixed")
+        with open(path, "r+b") as f:
+            for off, data in [(4096, b"x" * 4096), (2**39 + 2**20, b"y" * 4096),
+                              (size - 100, b"z" * 100)]:
+                f.seek(off)
+                f.write(data)
+        changed = [(4096, 4096), (2**39 + 2**20, 4096), (size - 100, 100)]
+        tracemalloc.start()
+        try:
+            inc = put(store, FileSource(str(path)), "fixed", base=base.manifest,
+                      changed=changed)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, peak
+        assert inc.manifest == put(store, str(path), "fixed").manifest
+        reader = store.open_file(inc.manifest)
+        with open(path, "rb") as src:
+            for off, n in [(0, 80_000), (2**39, 2**20 + 8192), (size - 70_000, 70_000)]:
+                src.seek(off)
+                assert reader.read(off, n) == src.read(n), (off, n)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32),
+       layout=st.lists(st.tuples(st.booleans(), st.integers(1, 5 * K64)), min_size=1,
+                       max_size=8),
+       new_size=st.integers(0, 24 * K64),
+       writes=st.lists(st.tuples(st.integers(0, 24 * K64), st.integers(1, 3 * K64),
+                                 st.booleans()), max_size=6))
+def test_incremental_over_holes_and_new_sizes_equals_full(store, seed, layout, new_size, writes):
+    """Bases of data and zero runs of any length, a new size larger or smaller and off the
+    grid, writes of data or zeros anywhere (in holes, across the old end): the incremental
+    manifest is the full import's, and the bytes read back."""
+    rng = random.Random(seed)
+    base_data = b"".join(rng.randbytes(n) if is_data else bytes(n) for is_data, n in layout)
+    base = put(store, BytesSource(base_data), "fixed")
+    data = bytearray(base_data[:new_size]) + bytearray(
+        rng.randbytes(max(0, new_size - len(base_data))))
+    changed = []
+    for off, n, is_data in writes:
+        n = max(0, min(n, new_size - off))
+        data[off : off + n] = rng.randbytes(n) if is_data else bytes(n)
+        changed.append((off, n))
+    inc = put(store, BytesSource(bytes(data)), "fixed", base=base.manifest, changed=changed)
+    assert inc.manifest == put(store, BytesSource(bytes(data)), "fixed").manifest
+    assert store.open_file(inc.manifest).read(0, new_size + 1) == bytes(data)

@@ -45,7 +45,7 @@ from ksfs.cas.chunking import (
 from ksfs.cas.flatten import release
 from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, decode_payload, encode_alone
 from ksfs.cas.pagecut import chunk_pages, iter_pages, stream_start
-from ksfs.cas.patching import Patcher
+from ksfs.cas.patching import BaseSlots, Patcher
 from ksfs.cas.store import list_packs_dir
 from ksfs.crashpoints import crash_point
 from ksfs.errors import (
@@ -259,7 +259,7 @@ class Ingest:
              like: str | None) -> IngestedFile:
         size = src.size
         if base is None:
-            slots: list[fmt.Entry] | None = None
+            slots: BaseSlots | None = None
             batches = iter_fixed(src) if chunking == "fixed" else self._cdc_batches(src)
             total = size
             ref = self._reference(like, chunking) if like else None
@@ -268,7 +268,8 @@ class Ingest:
             total = sum(e - s for s, e in changed_spans(ranges, size))
             patcher = Patcher(self.store, src, slots, keep=self._keep_base)
             batches = patcher.batches(ranges)
-            ref = delta.Reference(list(slots), fixed=True)
+            ref = delta.Reference(slots.entries, fixed=False, by_offset=True)
+        replaced: dict[int, fmt.Entry] = {}  # slot -> its new entry (incremental)
         if ref is not None:
             self._load_hints(base or like)
         entries = fmt.ManifestBuilder()
@@ -291,7 +292,7 @@ class Ingest:
                     if slots is None:
                         entries.add(cid, length)
                     else:
-                        slots[off // FIXED_SIZE] = (cid, length)
+                        replaced[off // FIXED_SIZE] = (cid, length)
                     done += length
                 if progress is not None:
                     progress(done, total)
@@ -305,8 +306,8 @@ class Ingest:
             if hasattr(batches, "close"):
                 batches.close()
         _refuse_if_changed(src)  # before its manifest is kept: a refused file leaves none
-        raw = (fmt.encode_manifest(slots, chunking) if slots is not None
-               else entries.encode(chunking))
+        raw = (fmt.encode_manifest(slots.patched(replaced, size), chunking)
+               if slots is not None else entries.encode(chunking))
         info = fmt.decode_manifest(raw)
         if info.size != size:
             raise IntegrityError(f"ingest produced {info.size} bytes of manifest for a "
@@ -344,33 +345,17 @@ class Ingest:
         return delta.Reference(info.entries, fixed=False, by_offset=chunking == "fixed")
 
     def _slots_from_base(self, base: str, size: int, changed: list[tuple[int, int]]
-                         ) -> tuple[list[fmt.Entry], list[tuple[int, int]]]:
-        """Base entries as one slot per 64 KiB chunk, and the ranges that must be re-read."""
+                         ) -> tuple[BaseSlots, list[tuple[int, int]]]:
+        """The base's slots, and the ranges that must be re-read."""
         info = self.store.load_manifest(base)
         if info.chunking != "fixed":
             raise BadInput(f"base manifest {base} was not chunked at fixed 64 KiB")
-        old: list[fmt.Entry] = []
-        pos = 0
-        for cid, length in info.entries:
-            if cid is None:
-                full, rest = divmod(length, FIXED_SIZE)
-                old.extend([(None, FIXED_SIZE)] * full)
-                if rest:
-                    old.append((None, rest))
-            else:
-                if pos % FIXED_SIZE or (length != FIXED_SIZE and pos + length != info.size):
-                    raise BadInput(f"base manifest {base} is not cut at 64 KiB boundaries")
-                old.append((cid, length))
-            pos += length
-        count = -(-size // FIXED_SIZE)
+        slots = BaseSlots(info, base)
         ranges = list(changed)
         if size != info.size:
             # the old last chunk may be short, and everything past the old end is new
             tail = (min(size, info.size) // FIXED_SIZE) * FIXED_SIZE
             ranges.append((tail, max(size, info.size) - tail))
-        slots = old[:count]
-        # (None, 0): no base chunk, a slot the patcher reads whole from the source
-        slots.extend([(None, 0)] * (count - len(slots)))
         return slots, ranges
 
     def _pipeline(self, batches: Iterator[Batch | HoleRun], ref: delta.Reference | None,
