@@ -83,8 +83,7 @@ class FakeProvider:
         class Handler(_Handler):
             fake = provider
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self._server.daemon_threads = True
+        self._server = QuietServer(("127.0.0.1", port), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
@@ -150,6 +149,21 @@ class FakeProvider:
         finally:
             with self._lock:
                 self.active -= 1
+
+
+class QuietServer(http.server.ThreadingHTTPServer):
+    """A threaded HTTP server that takes a client going away mid-answer (a gateway cancelling a
+    call, a test closing its connection) as the normal event it is here, not a traceback on
+    the test run's output; any other error is printed as before."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        import sys
+
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

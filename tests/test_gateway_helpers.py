@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_provider import FakeProvider
+from fake_provider import FakeProvider, QuietServer
 
 from ksfs.cas import ChunkStore
 from ksfs.ledger import Ledger
@@ -137,8 +137,7 @@ class ThreadedProvider:
     ends."""
 
     def _serve(self, handler: type[http.server.BaseHTTPRequestHandler]) -> None:
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._server.daemon_threads = True
+        self._server = QuietServer(("127.0.0.1", 0), handler)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         kwargs={"poll_interval": 0.05}, daemon=True)
 
