@@ -339,3 +339,56 @@ def test_a_pack_cut_short_names_every_chunk_and_every_checkpoint_and_file(store,
     assert sorted(rep.lines()) == sorted(x for x in lines if not x.startswith("checkpoint "))
     assert len(rep.findings()) == len(rep.lines())
     assert len([x for x in rep.findings() if x["kind"].endswith("_chunk")]) == len(bad)
+
+
+def _edited(data: bytes, seed: int) -> bytes:
+    """``data`` with a few hundred bytes changed in every fourth 64 KiB cluster (deltas)."""
+    rng = random.Random(seed)
+    out = bytearray(data)
+    for c in range(0, len(data) // K64, 4):
+        off = c * K64 + rng.randrange(K64 - 300)
+        out[off:off + 300] = rng.randbytes(300)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("like", [False, True])
+def test_the_seal_compares_checked_records_and_decodes_the_rest(store, monkeypatch, like):
+    """A new chunk's payload is decompressed and compared with its bytes on the worker that
+    made it; the seal then compares each record in the pack with those bytes and decompresses
+    none of them again (plain chunks, and deltas on an earlier version), yet a byte changed in
+    a record between its write and the seal is found there: the record is decoded, and the
+    seal fails naming its chunk."""
+    import ksfs.cas.packs as packs
+
+    data = image(31, 24)
+    first = put(store, data)
+    data = _edited(data, 32) if like else image(34, 24)
+    decoded: list[bytes] = []
+    real = packs.decode_payload
+
+    def counting(cid, *args, **kwargs):
+        decoded.append(cid)
+        return real(cid, *args, **kwargs)
+
+    with store.ingest() as ing:
+        ing.add_file(BytesSource(data), like=first.manifest if like else None)
+        written = [(cid, loc) for w in ing.writers for cid, loc in w.written]
+        assert written, "the version stored nothing"
+        if like:
+            assert any(loc.codec in (2, 3) for _, loc in written), "no delta was made"
+        monkeypatch.setattr(packs, "decode_payload", counting)
+        ing.seal()
+        assert decoded == []
+    with store.ingest() as ing:
+        ing.add_file(BytesSource(image(33, 24)), like=first.manifest if like else None)
+        w = ing.writers[0]
+        cid, loc = w.written[len(w.written) // 2]
+        with open(w.path, "r+b") as f:  # one bit of its payload: the header still fits
+            f.seek(loc.offset + loc.record_len - 3)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x10]))
+        with pytest.raises(ChunkCorrupt) as err:
+            ing.seal()
+        assert cid.hex() in str(err.value)
+        assert cid in decoded

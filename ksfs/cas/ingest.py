@@ -69,6 +69,7 @@ BASES_KEPT = 64 * 1024 * 1024  # plain bytes of delta bases an ingest keeps for 
 # plain bytes of new chunks it keeps as page homes, apart: a save that changed much never takes
 # from the old versions' bases the budget above keeps for later deltas and the seal's verify
 HOMES_KEPT = 32 * 1024 * 1024
+CHECKED_KEPT = 64 * 1024 * 1024  # stored bytes of new chunks kept, checked, for the seal
 DIGEST_PARTS = 8  # parts each batch is digested in, on the store's workers
 SURE_DELTA_SHARE = 128  # a delta under 1/128 of its chunk is kept without trying it alone
 SEAL_LOCK = "seal.lock"
@@ -180,6 +181,11 @@ class Ingest:
         self._deltas_kept: dict[bytes, tuple[bytes, list[bytes], bool, list[int]]] = {}
         self._deltas_bytes = 0
         self._local_bases: set[bytes] = set()
+        # chunk -> the payload a worker decompressed and found equal to the chunk's bytes right
+        # after making it (``_keep_checked``): the seal's verify then only compares what the
+        # pack holds with these bytes, while CHECKED_KEPT allows
+        self._checked: dict[bytes, bytes] = {}
+        self._checked_bytes = 0
         # a local base -> its old version's bases and whether it is a fixed chunk
         self._plain_olders: dict[bytes, tuple[list[bytes], bool]] = {}
         self._lock_fd = store.lock(exclusive=False)
@@ -447,8 +453,36 @@ class Ingest:
                         self._plain_olders[cid] = (list(olders), fixed)
                         for key in keys:
                             self._homes.setdefault(key, cid)
+                self._keep_checked(cid, payload, data, chosen)
                 out.append((off, cid, n, (*payload, read_back, stale)))
         return out
+
+    def _keep_checked(self, cid: bytes, payload: tuple[int, bytes], data: bytes,
+                      bases: dict[bytes, bytes]) -> None:
+        """On a worker: decompress a payload just made and, when it gives back ``data`` (the
+        bytes whose BLAKE3 is ``cid``), keep it for the seal. The seal then checks the record in
+        the pack by comparing bytes, and decompresses only the others: that work is done here
+        while the next chunks are cut and hashed, not after the last one (a tenth of a later
+        checkpoint's import was the seal's verify; docs/performance.md, thirty-first session).
+        A payload that does not decode to ``data`` is left to the seal, which names it."""
+        codec, stored = payload
+        if self._checked_bytes + len(stored) > CHECKED_KEPT:
+            return
+        try:
+            if codec == fmt.CODEC_ZSTD:
+                plain = self.store.dctx.decompress(stored, max_output_size=len(data))
+            elif codec in fmt.DELTA_CODECS:
+                # the payload names the bases in the order they were joined (delta_payload)
+                frame = stored[fmt.delta_bases(stored, codec)[1]:]
+                plain = delta.decompress(cid, frame, b"".join(bases.values()), len(data))
+            else:
+                plain = stored
+        except (zstandard.ZstdError, ChunkCorrupt):
+            return
+        if plain == data:
+            with self._mutex_bases:
+                self._checked[cid] = stored
+                self._checked_bytes += len(stored)
 
     def _homes_of(self, txn: lmdb.Transaction, keys: list[int], cid: bytes,
                   olders: dict[bytes, bytes], fixed: bool) -> tuple[dict[bytes, bytes], int]:
@@ -725,7 +759,9 @@ class Ingest:
             self._store_orphans_whole()
             self._sync_packs()
             for w in self.writers:
-                w.verify(self.store.dctx, self.store.run_split, self._base)
+                w.verify(self.store.dctx, self.store.run_split, self._base, self._checked)
+            self._checked = {}  # verified: their bytes need not be held any more
+            self._checked_bytes = 0
             self.sealed = True
 
     def _sync_packs(self) -> None:

@@ -21,7 +21,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zstandard
@@ -205,8 +205,13 @@ class PackWriter:
 
     def verify(self, dctx: zstandard.ZstdDecompressor,
                run: Callable[[Callable[[list], None], list], None] | None = None,
-               bases: Bases | None = None) -> None:
-        """Re-read every record this writer appended and check it decompresses to its id."""
+               bases: Bases | None = None, checked: Mapping[bytes, bytes] | None = None
+               ) -> None:
+        """Re-read every record this writer appended and check it decompresses to its id.
+
+        ``checked``: payloads already decompressed and found to give their chunk's bytes
+        (``Ingest._keep_checked``); a record whose header and payload are those bytes is not
+        decompressed again."""
         if not self.written:
             return
         with translate("re-read pack", self.path):
@@ -224,7 +229,11 @@ class PackWriter:
                 head = fmt.decode_record_header(rec[: fmt.HEADER_SIZE])
                 if isinstance(head, str) or head[0] != cid:
                     raise ChunkCorrupt(chunk=cid.hex(), why=f"re-read after write: {head!r:.60}")
-                decode_payload(cid, rec[fmt.HEADER_SIZE :], loc.codec, loc.plain_len, d, bases)
+                payload = rec[fmt.HEADER_SIZE :]
+                if checked is not None and head == (cid, loc.plain_len, loc.stored_len,
+                                                    loc.codec) and checked.get(cid) == payload:
+                    continue
+                decode_payload(cid, payload, loc.codec, loc.plain_len, d, bases)
 
         if run is None:
             check(jobs)
