@@ -7,7 +7,7 @@ a traceback (QA, eighteenth session).
 A finished command leaves through ``_leave``, without the interpreter's teardown: freeing every
 object and module one by one took 15-30 ms after an import had closed its store (the heap of
 chunk lists, bases and page keys), about a twelfth of a later checkpoint's whole import
-(docs/performance.md, thirty-first session). Nothing is lost by it: the verb has closed what it
+(docs/performance.md, thirtieth session). Nothing is lost by it: the verb has closed what it
 opened, the exit handlers still run, and the output is flushed first.
 """
 

@@ -576,7 +576,7 @@ def test_a_base_of_a_few_bytes_makes_a_frame_that_decodes(base_len):
 
 
 def test_a_disk_image_of_a_few_bytes_grown_is_imported(tmp_path):
-    """QA (thirty-first session): a disk image of 1 byte imported again at 2 bytes failed with a
+    """QA (thirtieth session): a disk image of 1 byte imported again at 2 bytes failed with a
     traceback (its old version, 1 byte, was given to zstd as a prefix); each size in turn is
     imported, read back and checked clean."""
     store, disk = tmp_path / "store", tmp_path / "disk.raw"

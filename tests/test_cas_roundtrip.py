@@ -597,7 +597,7 @@ def test_a_huge_sparse_file_costs_its_data_not_its_size(tmp_path, monkeypatch, c
 
 def test_an_incremental_save_of_a_huge_sparse_disk_costs_what_changed(tmp_path):
     """An incremental ingest (a VM save: base + changed ranges) of a sparse 1 TiB disk with one
-    changed block: it took 10 s and 392 MiB, one slot per 64 KiB of the disk (thirty-first
+    changed block: it took 10 s and 392 MiB, one slot per 64 KiB of the disk (thirtieth
     session). The base's slots are now found in its entries: a few MiB at most, and the
     manifest is the one a full import makes."""
     import tracemalloc

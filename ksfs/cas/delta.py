@@ -95,8 +95,8 @@ def compress(data: bytes, base: bytes) -> bytes:
     """
     zstd = _zstd()
     if len(base) < _PREFIX_MIN:
-        # zstd takes no prefix this short (a disk image of a few bytes grown by one: QA, thirty-
-        # first session), and it could save nothing: a plain frame, which decodes the same
+        # zstd takes no prefix this short (a disk image of a few bytes grown by one: QA,
+        # thirtieth session), and it could save nothing: a plain frame, which decodes the same
         return zstd.compress(data, options=_options(len(base), len(data)))
     prefix = zstd.ZstdDict(base, is_raw=True).as_prefix
     return zstd.ZstdCompressor(options=_options(len(base), len(data)),

@@ -463,7 +463,7 @@ class Ingest:
         bytes whose BLAKE3 is ``cid``), keep it for the seal. The seal then checks the record in
         the pack by comparing bytes, and decompresses only the others: that work is done here
         while the next chunks are cut and hashed, not after the last one (a tenth of a later
-        checkpoint's import was the seal's verify; docs/performance.md, thirty-first session).
+        checkpoint's import was the seal's verify; docs/performance.md, thirtieth session).
         A payload that does not decode to ``data`` is left to the seal, which names it."""
         codec, stored = payload
         if self._checked_bytes + len(stored) > CHECKED_KEPT:

@@ -22,7 +22,7 @@ class BaseSlots:
 
     A hole run is one entry however long, so an incremental save costs the disk's data and
     what changed, not one slot per 64 KiB of its size: with a slot list, one changed block of a
-    sparse 1 TiB disk took 10 s and 392 MiB (docs/performance.md, thirty-first session).
+    sparse 1 TiB disk took 10 s and 392 MiB (docs/performance.md, thirtieth session).
     """
 
     def __init__(self, info: fmt.ManifestInfo, name: str) -> None:
