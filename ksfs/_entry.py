@@ -42,11 +42,11 @@ def _leave(code: object) -> None:
     if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code <= 255 \
             or threading.active_count() > 1:
         raise SystemExit(code)
-    try:
+    atexit._run_exitfuncs()  # logging's flush, a test's coverage hook: what Python would run
+    try:  # after them: what they print is output too
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
     except (OSError, ValueError):
         raise SystemExit(code) from None
-    atexit._run_exitfuncs()  # logging's flush, a test's coverage hook: what Python would run
     os._exit(code)

@@ -58,12 +58,14 @@ def test_a_finished_command_leaves_without_teardown_but_loses_nothing(tmp_path) 
     src.write_bytes(bytes(range(256)) * 4096)  # 1 MiB through a pipe: nothing left in a buffer
     before = ("import atexit, sys\n"
               "atexit.register(lambda: print('exit handler ran', file=sys.stderr))\n"
+              "atexit.register(lambda: print('and wrote this', end=''))\n"
               "class Noisy:\n"
               "    def __del__(self): print('torn down', file=sys.stderr)\n"
               "kept = Noisy()\n")
     res = _entry(store, "import", "s", "c1", str(src), before=before)
     assert res.returncode == 0, res
     assert res.stderr == "exit handler ran\n", res.stderr
+    assert res.stdout.endswith("\nc1\nand wrote this"), res.stdout  # buffered, flushed
     res = subprocess.run([sys.executable, "-c",
                           f"import sys\nfrom ksfs._entry import main\nsys.argv = ['ksfs', "
                           f"'--store', {store!r}, 'cat', 's', 'c1', 'f.bin']\nmain()\n"],
