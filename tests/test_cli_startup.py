@@ -3,6 +3,7 @@ faster); every other command is still found by name, listed by --help and seen b
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -45,8 +46,10 @@ def _entry(store: str, *args: str, before: str = "") -> subprocess.CompletedProc
     interpreter, with ``before`` run first in it."""
     code = (f"{before}\nimport sys\nfrom ksfs._entry import main\n"
             f"sys.argv = ['ksfs', '--store', {store!r}, *{list(args)!r}]\nmain()\n")
+    # standard output buffered, as wherever PYTHONUNBUFFERED is not set
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=env)
 
 
 def test_a_finished_command_leaves_without_teardown_but_loses_nothing(tmp_path) -> None:
