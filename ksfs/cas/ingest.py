@@ -184,7 +184,7 @@ class Ingest:
         # chunk -> the payload a worker decompressed and found equal to the chunk's bytes right
         # after making it (``_keep_checked``): the seal's verify then only compares what the
         # pack holds with these bytes, while CHECKED_KEPT allows
-        self._checked: dict[bytes, bytes] = {}
+        self._checked: dict[bytes, tuple[int, bytes]] = {}  # chunk -> (codec, payload)
         self._checked_bytes = 0
         # a local base -> its old version's bases and whether it is a fixed chunk
         self._plain_olders: dict[bytes, tuple[list[bytes], bool]] = {}
@@ -481,7 +481,7 @@ class Ingest:
             return
         if plain == data:
             with self._mutex_bases:
-                self._checked[cid] = stored
+                self._checked[cid] = (codec, stored)
                 self._checked_bytes += len(stored)
 
     def _homes_of(self, txn: lmdb.Transaction, keys: list[int], cid: bytes,

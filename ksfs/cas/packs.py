@@ -205,13 +205,14 @@ class PackWriter:
 
     def verify(self, dctx: zstandard.ZstdDecompressor,
                run: Callable[[Callable[[list], None], list], None] | None = None,
-               bases: Bases | None = None, checked: Mapping[bytes, bytes] | None = None
+               bases: Bases | None = None,
+               checked: Mapping[bytes, tuple[int, bytes]] | None = None
                ) -> None:
         """Re-read every record this writer appended and check it decompresses to its id.
 
-        ``checked``: payloads already decompressed and found to give their chunk's bytes
-        (``Ingest._keep_checked``); a record whose header and payload are those bytes is not
-        decompressed again."""
+        ``checked``: (codec, payload) of chunks already decompressed and found to give their
+        bytes (``Ingest._keep_checked``); a record whose header, codec and payload are those is
+        not decompressed again."""
         if not self.written:
             return
         with translate("re-read pack", self.path):
@@ -231,7 +232,8 @@ class PackWriter:
                     raise ChunkCorrupt(chunk=cid.hex(), why=f"re-read after write: {head!r:.60}")
                 payload = rec[fmt.HEADER_SIZE :]
                 if checked is not None and head == (cid, loc.plain_len, loc.stored_len,
-                                                    loc.codec) and checked.get(cid) == payload:
+                                                    loc.codec) and \
+                        checked.get(cid) == (loc.codec, payload):
                     continue
                 decode_payload(cid, payload, loc.codec, loc.plain_len, d, bases)
 
