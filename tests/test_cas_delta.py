@@ -437,18 +437,17 @@ def test_old_versions_are_found_by_byte_distance_across_zero_runs():
     """The reference merges a zero run into one hole entry; the new file has a chunk per 64 KiB
     of it. Chunks after the run still map to their own old versions, from the nearer anchor."""
     a, b, c, d, x = (bytes([i]) * 32 for i in range(1, 6))
-    ref = delta.Reference([(a, 1000), (None, 5 * K64), (b, 3000), (c, 2000), (d, 500)],
-                          fixed=False)
+    ref = delta.Reference([(a, 1000), (None, 5 * K64), (b, 3000), (c, 2000), (d, 500)])
     offsets = [0, 1000] + [1000 + i * K64 for i in range(1, 5)] + [1000 + 5 * K64]
     offsets += [offsets[-1] + 3000, offsets[-1] + 5000]
     ids = [a] + [None] * 5 + [x, x + b"2", d]  # b and c rewritten, d kept
-    got = delta.Reference.candidates(ref, offsets, ids, K64)
+    got = delta.Reference.candidates(ref, offsets, ids)
     assert got[6] == b and got[7] == c
     assert got[1:6] == [None] * 5 and got[0] is None and got[8] is None
     # an id held twice in the old file anchors nothing
-    twice = delta.Reference([(a, 100), (b, 100), (a, 100), (c, 100)], fixed=False)
-    assert twice.candidates([0, 100], [a, x], K64) == [None, None]
-    assert twice.candidates([0, 100], [b, x], K64) == [None, a]
+    twice = delta.Reference([(a, 100), (b, 100), (a, 100), (c, 100)])
+    assert twice.candidates([0, 100], [a, x]) == [None, None]
+    assert twice.candidates([0, 100], [b, x]) == [None, a]
 
 
 def test_a_delta_is_kept_only_when_a_tenth_smaller_than_the_chunk_alone(stores):

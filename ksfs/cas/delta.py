@@ -119,25 +119,20 @@ def worth_it(stored_len: int, alone_len: int) -> bool:
 class Reference:
     """The chunk ids of an earlier version of a file, to find each new chunk's old version.
 
-    Fixed chunking: one id per 64 KiB slot, the old version is the slot at the same offset.
-    ``by_offset``: the entries of a manifest as they are (a hole run is one entry, however
-    long), the old version the chunk at the same offset, found by bisection: a file's
+    ``by_offset`` (fixed chunking): the old version is the chunk at the same offset, found in
+    the manifest's entries by bisection (a hole run is one entry, however long): a file's
     manifest costs its entries here, not one slot per 64 KiB of its size. Otherwise the old
     version is the old chunk at the same distance from the nearest anchor (a chunk both
     versions hold, found by id) in bytes, not in entries: a run of zero chunks is one hole
     entry in the old manifest but many chunks in the new file.
     """
 
-    def __init__(self, entries: Sequence[fmt.Entry], fixed: bool, by_offset: bool = False
-                 ) -> None:
-        self.fixed = fixed
+    def __init__(self, entries: Sequence[fmt.Entry], by_offset: bool = False) -> None:
         self.by_offset = by_offset
         self.ids = [cid for cid, _ in entries]
         self.starts: list[int] = []
         self.size = 0
         self.offset_of: dict[bytes, int] = {}  # anchor id -> old offset, ids seen once only
-        if fixed:
-            return
         pos = 0
         seen_twice: set[bytes] = set()
         for cid, length in entries:
@@ -154,14 +149,12 @@ class Reference:
         for cid in seen_twice:  # an id in two places says nothing about where a chunk was
             del self.offset_of[cid]
 
-    def candidates(self, offsets: Sequence[int], ids: Sequence[bytes | None],
-                   fixed_size: int) -> list[bytes | None]:
+    def candidates(self, offsets: Sequence[int], ids: Sequence[bytes | None]
+                   ) -> list[bytes | None]:
         """For a run of consecutive chunks of the new file, the old version of each (or None).
 
         ``offsets`` and ``ids`` are the run's chunks in file order (None for a hole).
         """
-        if self.fixed:
-            return [self._at(off // fixed_size) for off in offsets]
         if self.by_offset:
             return [self._covering(off) for off in offsets]
         n = len(ids)
@@ -186,14 +179,11 @@ class Reference:
                 out[k] = self._covering(anchor[near] + offsets[k] - offsets[near])
         return out
 
-    def _at(self, k: int) -> bytes | None:
-        return self.ids[k] if 0 <= k < len(self.ids) else None
-
     def _covering(self, old_offset: int) -> bytes | None:
         """The id of the old chunk holding byte old_offset (None: a hole, or outside)."""
         if old_offset < 0 or old_offset >= self.size:
             return None
-        return self._at(bisect.bisect_right(self.starts, old_offset) - 1)
+        return self.ids[bisect.bisect_right(self.starts, old_offset) - 1]
 
 
 # A manifest saved again names mostly the chunks the one before named, in the same order: stored

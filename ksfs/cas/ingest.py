@@ -274,7 +274,7 @@ class Ingest:
             total = sum(e - s for s, e in changed_spans(ranges, size))
             patcher = Patcher(self.store, src, slots, keep=self._keep_base)
             batches = patcher.batches(ranges)
-            ref = delta.Reference(slots.entries, fixed=False, by_offset=True)
+            ref = delta.Reference(slots.entries, by_offset=True)
         replaced: dict[int, fmt.Entry] = {}  # slot -> its new entry (incremental)
         if ref is not None:
             self._load_hints(base or like)
@@ -348,7 +348,7 @@ class Ingest:
         # A 64 KiB chunk's old version is the old one at its offset: found in the manifest's
         # entries by bisection, not in a slot list as long as the file (a sparse 10 TiB disk
         # image would take 160 million slots)
-        return delta.Reference(info.entries, fixed=False, by_offset=chunking == "fixed")
+        return delta.Reference(info.entries, by_offset=chunking == "fixed")
 
     def _slots_from_base(self, base: str, size: int, changed: list[tuple[int, int]]
                          ) -> tuple[BaseSlots, list[tuple[int, int]]]:
@@ -402,7 +402,7 @@ class Ingest:
         ids: list[bytes | None] = []
         for _, data in part:
             ids.append(None if data == _zero(len(data)) else fmt.chunk_id(data))
-        olds = ref.candidates([off for off, _ in part], ids, FIXED_SIZE) if ref else None
+        olds = ref.candidates([off for off, _ in part], ids) if ref else None
         out = []
         bases: dict[bytes, tuple[bytes, int] | None] = {}  # this part's base reads
         with self.store.env.begin(db=self.store.db["chunks"]) as txn:
