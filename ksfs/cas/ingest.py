@@ -43,7 +43,13 @@ from ksfs.cas.chunking import (
     open_source,
 )
 from ksfs.cas.flatten import release
-from ksfs.cas.packs import TARGET_PACK_BYTES, PackWriter, decode_payload, encode_alone
+from ksfs.cas.packs import (
+    TARGET_PACK_BYTES,
+    PackWriter,
+    decode_payload,
+    decompress_payload,
+    encode_alone,
+)
 from ksfs.cas.pagecut import chunk_pages, iter_pages, stream_start
 from ksfs.cas.patching import BaseSlots, Patcher
 from ksfs.cas.store import list_packs_dir
@@ -469,15 +475,9 @@ class Ingest:
         if self._checked_bytes + len(stored) > CHECKED_KEPT:
             return
         try:
-            if codec == fmt.CODEC_ZSTD:
-                plain = self.store.dctx.decompress(stored, max_output_size=len(data))
-            elif codec in fmt.DELTA_CODECS:
-                # the payload names the bases in the order they were joined (delta_payload)
-                frame = stored[fmt.delta_bases(stored, codec)[1]:]
-                plain = delta.decompress(cid, frame, b"".join(bases.values()), len(data))
-            else:
-                plain = stored
-        except (zstandard.ZstdError, ChunkCorrupt):
+            plain = decompress_payload(cid, stored, codec, len(data), self.store.dctx,
+                                       bases.__getitem__)
+        except ChunkCorrupt:
             return
         if plain == data:
             with self._mutex_bases:

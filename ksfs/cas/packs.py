@@ -62,10 +62,25 @@ def decode_payload(cid: bytes, payload: bytes | memoryview, codec: int, plain_le
     unreadable too, reported as this chunk's damage naming the base. ``index_base``: the bases
     the index names for this chunk, which the record must name too (GC keeps the index's).
     """
-    named = fmt.delta_bases(payload, codec) if codec in fmt.DELTA_CODECS else None
-    if index_base is not None and (named is None or named[0] != index_base):
-        raise ChunkCorrupt(chunk=cid.hex(), why="its record names another base than the index")
+    if index_base is not None:
+        named = fmt.delta_bases(payload, codec) if codec in fmt.DELTA_CODECS else None
+        if named is None or named[0] != index_base:
+            raise ChunkCorrupt(chunk=cid.hex(),
+                               why="its record names another base than the index")
+    plain = decompress_payload(cid, payload, codec, plain_len, dctx, bases)
+    if len(plain) != plain_len:
+        raise ChunkCorrupt(chunk=cid.hex(), why="its plain length differs from the index")
+    if fmt.chunk_id(plain) != cid:
+        raise ChunkCorrupt(chunk=cid.hex(), why="its bytes do not hash to its id")
+    return plain
+
+
+def decompress_payload(cid: bytes, payload: bytes | memoryview, codec: int, plain_len: int,
+                       dctx: zstandard.ZstdDecompressor, bases: Bases | None = None) -> bytes:
+    """A record's payload decompressed, not yet checked against its id (``decode_payload``
+    does that); ChunkCorrupt where it cannot be decompressed."""
     if codec in fmt.DELTA_CODECS:
+        named = fmt.delta_bases(payload, codec)
         if bases is None or named is None:
             raise ChunkCorrupt(chunk=cid.hex(), why="a delta record without its base")
         ids, start = named
@@ -85,10 +100,6 @@ def decode_payload(cid: bytes, payload: bytes | memoryview, codec: int, plain_le
             raise ChunkCorrupt(chunk=cid.hex(), why=f"zstd cannot decompress it: {exc}") from None
     else:
         plain = bytes(payload)
-    if len(plain) != plain_len:
-        raise ChunkCorrupt(chunk=cid.hex(), why="its plain length differs from the index")
-    if fmt.chunk_id(plain) != cid:
-        raise ChunkCorrupt(chunk=cid.hex(), why="its bytes do not hash to its id")
     return plain
 
 
