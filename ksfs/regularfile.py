@@ -83,13 +83,11 @@ def read_store_file(path: str | os.PathLike, store: str | os.PathLike) -> bytes:
     # (the file's kind before fdopen: that refuses a directory itself, with an error naming
     # the descriptor, "[Errno 21] Is a directory: 3": issue #2 review)
     try:
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreDamaged(path=store, why=_why_file(Path(path)))
     except BaseException:
         os.close(fd)
         raise
-    if not regular:
-        os.close(fd)
-        raise StoreDamaged(path=store, why=_why_file(Path(path)))
     with os.fdopen(fd, "rb") as f:
         return f.read()
 
