@@ -41,14 +41,15 @@ def test_other_commands_are_found_listed_and_documented() -> None:
     assert res.exit_code == 2 and "No such command 'nosuch'" in res.output
 
 
-def _entry(store: str, *args: str, before: str = "") -> subprocess.CompletedProcess:
+def _entry(store: str, *args: str, before: str = "", text: bool = True
+           ) -> subprocess.CompletedProcess:
     """Run the ``ksfs`` command's entry point (the installed script's code) in a fresh
     interpreter, with ``before`` run first in it."""
     code = (f"{before}\nimport sys\nfrom ksfs._entry import main\n"
             f"sys.argv = ['ksfs', '--store', {store!r}, *{list(args)!r}]\nmain()\n")
     # standard output buffered, as wherever PYTHONUNBUFFERED is not set
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=text,
                           timeout=60, env=env)
 
 
@@ -69,10 +70,7 @@ def test_a_finished_command_leaves_without_teardown_but_loses_nothing(tmp_path) 
     assert res.returncode == 0, res
     assert res.stderr == "exit handler ran\n", res.stderr
     assert res.stdout.endswith("\nc1\nand wrote this"), res.stdout  # buffered, flushed
-    res = subprocess.run([sys.executable, "-c",
-                          f"import sys\nfrom ksfs._entry import main\nsys.argv = ['ksfs', "
-                          f"'--store', {store!r}, 'cat', 's', 'c1', 'f.bin']\nmain()\n"],
-                         capture_output=True, timeout=60)
+    res = _entry(store, "cat", "s", "c1", "f.bin", text=False)
     assert (res.returncode, res.stdout) == (0, src.read_bytes()), res.returncode
     missing = _entry(store, "cat", "s", "nosuch", "f.bin", before=before)
     assert missing.returncode == 3 and missing.stderr.endswith("exit handler ran\n"), missing
