@@ -133,7 +133,8 @@ def test_memory_versions_are_deltas_read_back_and_cost_a_fraction(stores):
             later["alone"] += g.stored
     for f, image in zip(made, images, strict=True):
         read_back(with_like, f.manifest, image, rng)
-    # every changed page costs a 32 KiB page group alone, about itself as a delta
+    # every changed page costs its whole page group (pagecut.GROUP_PAGES pages) alone, about itself
+    # as a delta
     assert later["like"] < 0.5 * later["alone"], later
     deltas = [loc for f in made[1:] for loc in locations(with_like, f.manifest).values()
               if loc.codec == fmt.CODEC_DELTA]
@@ -448,6 +449,20 @@ def test_old_versions_are_found_by_byte_distance_across_zero_runs():
     twice = delta.Reference([(a, 100), (b, 100), (a, 100), (c, 100)])
     assert twice.candidates([0, 100], [a, x]) == [None, None]
     assert twice.candidates([0, 100], [b, x]) == [None, a]
+
+
+def test_a_chunk_that_grew_finds_its_old_version_from_the_anchor_after_it():
+    """Measured back from the anchor after it, a chunk's end lines up with its old version's
+    end: a page group whose zero pages took data is longer than before, and its start, measured
+    back, lies in the old chunk before its own (which holds none of its pages)."""
+    a, b, c, d, x, y = (bytes([i]) * 32 for i in range(1, 7))
+    ref = delta.Reference([(a, 5000), (b, 1000), (c, 5000), (d, 1000)])
+    # b grew from 1000 to 3000 bytes (x), c is kept: c anchors x, and a is too far to
+    assert ref.candidates([0, 3000], [x, c]) == [b, None]
+    # two changed chunks before the anchor: each maps back by the bytes between it and c
+    assert ref.candidates([0, 4000, 7000], [y, x, c]) == [a, b, None]
+    # from an anchor before, starts line up as they did
+    assert ref.candidates([0, 5000, 8000], [a, x, y]) == [None, b, c]
 
 
 def test_a_delta_is_kept_only_when_a_tenth_smaller_than_the_chunk_alone(stores):

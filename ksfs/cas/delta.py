@@ -1,6 +1,6 @@
 """Delta chunks: a new version of a chunk compressed against the old version as zstd dictionary.
 
-A memory image saved again differs from the last one in a few pages per 32 KiB group, and a disk
+A memory image saved again differs from the last one in a few pages per 128 KiB group, and a disk
 cluster rewritten by the guest often in a few 4 KiB blocks; stored alone, each such chunk costs
 its whole compressed size again. Compressed with the previous version's plain bytes as a raw
 zstd dictionary, the unchanged pages become back-references costing a few bytes.
@@ -172,11 +172,14 @@ class Reference:
                 after = k
                 continue
             b = before[k]
-            near = b if after is None or (b is not None and
-                                          offsets[k] - offsets[b] <= offsets[after] - offsets[k]
-                                          ) else after
-            if near is not None:
-                out[k] = self._covering(anchor[near] + offsets[k] - offsets[near])
+            if b is not None and (after is None or
+                                  offsets[k] - offsets[b] <= offsets[after] - offsets[k]):
+                out[k] = self._covering(anchor[b] + offsets[k] - offsets[b])
+            elif after is not None:
+                # Measured back from the anchor after it, what lines up is the chunk's end, not
+                # its start: a chunk that grew (zero pages that took data) would otherwise start
+                # inside the old chunk before its own and find none of its pages there.
+                out[k] = self._covering(anchor[after] - (offsets[after] - offsets[k + 1]) - 1)
         return out
 
     def _covering(self, old_offset: int) -> bytes | None:
