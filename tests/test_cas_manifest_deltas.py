@@ -17,6 +17,7 @@ import pytest
 
 from ksfs.cas import ChunkStore, delta
 from ksfs.cas import format as fmt
+from ksfs.cas.pagecut import GROUP_PAGES
 from ksfs.errors import ManifestCorrupt
 from tests.cas_helpers import put
 from tests.cli_helpers import KSFS, ksfs
@@ -29,13 +30,23 @@ def stored_value(store: ChunkStore, manifest: str) -> bytes | None:
         return None if value is None else bytes(value)
 
 
+PAGES = 4096  # 16 MiB of guest RAM per save
+# Pages each save changes, at random places: 60, but no more than 60 per 512 page groups (15
+# for 32-page groups). Each change makes its group's chunk, and so its manifest entry, new; with
+# this share a save names mostly the chunks the one before named, as a guest's saves do, and
+# its manifest is a delta that pays for its hop (delta.MANIFEST_KEEP_RATIO) even three versions
+# on. 60 changes on fewer, larger groups change most entries: with 32-page groups the third
+# save's manifest named 103 chunks of its 129 that the first did not, and was kept plain.
+CHANGES = min(60, 60 * (PAGES // GROUP_PAGES) // 512)
+
+
 @pytest.fixture
 def chain(tmp_path):
     """A store holding four saves of one guest's memory, each imported like the one before."""
     rng = random.Random(5)
-    pages = [guest_pages(rng, 4096)]
+    pages = [guest_pages(rng, PAGES)]
     for _ in range(3):
-        pages.append(evolve(rng, pages[-1], changes=60))
+        pages.append(evolve(rng, pages[-1], changes=CHANGES))
     images = [memory_image(p) for p in pages]
     with ChunkStore.open(tmp_path / "s", create=True) as store:
         made, prev = [], None
@@ -131,9 +142,9 @@ def test_a_delta_on_a_missing_base_or_on_a_delta_is_refused():
 
 def test_ksfs_gc_says_it_stored_manifests_again_when_their_base_went(tmp_path):
     rng = random.Random(9)
-    pages = [guest_pages(rng, 4096)]
-    pages += [evolve(rng, pages[0], changes=60)]
-    pages += [evolve(rng, pages[1], changes=60)]
+    pages = [guest_pages(rng, PAGES)]
+    pages += [evolve(rng, pages[0], changes=CHANGES)]
+    pages += [evolve(rng, pages[1], changes=CHANGES)]
     store = tmp_path / "store"
     for i, p in enumerate(pages):
         path = tmp_path / f"c{i}" / "memory"

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from ksfs.cas import format as fmt
 from ksfs.cas import pagecut
 from ksfs.cas import reader as reader_module
+from ksfs.cas.chunking import FIXED_SIZE
 from ksfs.errors import ChunkCorrupt
 from tests import test_cas_delta
 from tests.cas_helpers import BytesSource, flip, put, record
@@ -37,7 +38,8 @@ def one_digest_part(monkeypatch):
 
     monkeypatch.setattr(ingest, "DIGEST_PARTS", 1)
 
-GROUP = 8  # pages per page group (pagecut.GROUP_PAGES)
+GROUP = pagecut.GROUP_PAGES  # pages per page group
+CLUSTER = FIXED_SIZE // PAGE  # pages per disk cluster
 # A copy finds its source as it is stored only if that was stored before it: with one digest
 # part per batch (the fixture above) chunks are stored in file order, so each test's source
 # group comes before its copies (groups 1 and 3 of 16, and so on).
@@ -99,11 +101,19 @@ def test_a_group_that_copies_another_new_group_is_a_delta_on_it(stores):
 def test_a_disk_cluster_written_back_is_a_delta_on_the_memory_that_holds_it(stores):
     rng = random.Random(5)
     store = stores("pages")
-    v0 = guest(rng)
-    disk0 = b"".join(rng.randbytes(PAGE) for _ in range(4 * 16))  # four 64 KiB clusters
-    fresh = [rng.randbytes(PAGE) for _ in range(2 * GROUP)]
-    v1 = with_group(with_group(v0, 1, fresh[:GROUP]), 5, fresh[GROUP:])
-    disk1 = disk0[: 16 * PAGE] + b"".join(fresh) + disk0[32 * PAGE :]  # cluster 1 written back
+    # Cluster 1 is written back from fresh memory groups 1 and 5, half of it from each (from
+    # groups 1, 5, 9 and so on, the same share from each, where a group holds under half of it)
+    spread = max(2, -(-CLUSTER // GROUP))
+    v0 = guest(rng, max(16, 4 * spread))
+    disk0 = b"".join(rng.randbytes(PAGE) for _ in range(4 * CLUSTER))  # four 64 KiB clusters
+    fresh = [[rng.randbytes(PAGE) for _ in range(GROUP)] for _ in range(spread)]
+    v1 = v0
+    for n, group in enumerate(fresh):
+        v1 = with_group(v1, 1 + 4 * n, group)
+    share = -(-CLUSTER // spread)
+    cluster1 = b"".join(page for group in fresh for page in group[:share])[: FIXED_SIZE]
+    disk1 = disk0[:FIXED_SIZE] + cluster1 + disk0[2 * FIXED_SIZE :]
+    assert len(disk1) == len(disk0)
     img0, img1 = memory_image(v0), memory_image(v1)
     with store.ingest() as ing:
         m0 = ing.add_file(BytesSource(img0), chunking="cdc")
@@ -122,7 +132,8 @@ def test_a_disk_cluster_written_back_is_a_delta_on_the_memory_that_holds_it(stor
     memory_chunks = {cid for cid, _ in store.load_manifest(m1.manifest).entries}
     assert loc.codec in fmt.DELTA_CODECS and set(loc.base_ids) & memory_chunks
     assert all(store.lookup(b).codec not in fmt.DELTA_CODECS for b in loc.base_ids)
-    assert loc.stored_len < 0.6 * 16 * PAGE  # half its pages are in the base
+    # under what a base holding half its pages would leave (its pages are all in its bases)
+    assert loc.stored_len < 0.6 * FIXED_SIZE
     read_back(store, d1.manifest, disk1, rng)
     read_back(store, m1.manifest, img1, rng)
     assert store.check(read_data=True).ok

@@ -33,6 +33,7 @@ from tests.cas_helpers import BytesSource, record
 
 KSFS = [sys.executable, "-m", "ksfs.cli"]
 PAGE = 4096
+GROUP_PAGES = pagecut.GROUP_PAGES  # the pages of one group, whatever the cutter is tuned to
 QEVM = b"QEVM\0\0\0\x03"
 RECORD_MAX = 8 + 1 + 255 + PAGE  # the longest page record: header, block id, page
 
@@ -77,17 +78,18 @@ def one_group(n: int, zero: bool, rng: random.Random) -> bytes:
 
 
 def one_group_mixed(n: int, rng: random.Random) -> bytes:
-    """Records for the 8 pages of group 0 in any order, data and zero mixed."""
-    recs = [record(rng.randrange(8) * PAGE, None if rng.random() < 0.5 else rng.randbytes(64) * 64,
-                   first=(i == 0)) for i in range(n)]
+    """Records for the GROUP_PAGES pages of group 0 in any order, data and zero mixed."""
+    recs = [record(rng.randrange(GROUP_PAGES) * PAGE,
+                   None if rng.random() < 0.5 else rng.randbytes(64) * 64, first=(i == 0))
+            for i in range(n)]
     return QEVM + b"".join(recs) + struct.pack(">Q", 0x10) + rng.randbytes(5000)
 
 
 def aligned_zero_group_again(n: int, data_first: bool, rng: random.Random) -> bytes:
-    """The 8 zero-page records of group 1 over and over (the cutter's bulk zero-group match
-    takes each repetition whole), after a data page of that group or not."""
-    first = record(PAGE * 8, rng.randbytes(PAGE) if data_first else None, first=True)
-    group = b"".join(record(PAGE * (8 + i), None) for i in range(8))
+    """The GROUP_PAGES zero-page records of group 1 over and over (the cutter's bulk zero-group
+    match takes each repetition whole), after a data page of that group or not."""
+    first = record(PAGE * GROUP_PAGES, rng.randbytes(PAGE) if data_first else None, first=True)
+    group = b"".join(record(PAGE * (GROUP_PAGES + i), None) for i in range(GROUP_PAGES))
     return QEVM + first + group * n
 
 
@@ -95,9 +97,11 @@ SHAPES: dict[str, Callable[[random.Random], bytes]] = {
     "data pages of one address": lambda rng: one_group(700, False, rng),
     "zero pages of one address": lambda rng: one_group(400_000, True, rng),
     "pages of one group in any order": lambda rng: one_group_mixed(1500, rng),
-    "an aligned zero group again and again": lambda rng: aligned_zero_group_again(40_000, False,
-                                                                                  rng),
-    "... after a data page of it": lambda rng: aligned_zero_group_again(40_000, True, rng),
+    # 320,000 zero-page records (some 2.9 MB) whatever the group size
+    "an aligned zero group again and again": lambda rng: aligned_zero_group_again(
+        320_000 // GROUP_PAGES, False, rng),
+    "... after a data page of it": lambda rng: aligned_zero_group_again(
+        320_000 // GROUP_PAGES, True, rng),
     "a libvirt header past the file": lambda rng: libvirt_header(0xFFFFFF00) + rng.randbytes(
         3 << 20),
     "a libvirt header of 3 MiB": lambda rng: libvirt_header(3 << 20) + rng.randbytes(3 << 20)
@@ -147,7 +151,7 @@ def test_streams_that_stay_in_few_groups_are_cut_under_the_cap(seed, n, groups, 
     recs = []
     for i in range(n):
         page = None if rng.random() < zero_share else rng.randbytes(64) * 64
-        recs.append(record(rng.randrange(groups * 8) * PAGE, page, first=(i == 0)))
+        recs.append(record(rng.randrange(groups * GROUP_PAGES) * PAGE, page, first=(i == 0)))
         if rng.random() < 0.01:
             recs.append(rng.randbytes(rng.randrange(1, 3000)))  # stray bytes
     data = QEVM + b"".join(recs) + struct.pack(">Q", 0x10) + rng.randbytes(rng.randrange(9000))

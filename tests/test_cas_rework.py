@@ -10,42 +10,69 @@
 from __future__ import annotations
 
 import random
+import struct
 
 import pytest
 
 from ksfs.cas import ChunkStore, hints, rework
 from ksfs.cas import format as fmt
+from ksfs.cas.chunking import BATCH_BYTES
 from ksfs.cas.ingest import Ingest
-from tests.cas_helpers import put
+from ksfs.cas.pagecut import GROUP_PAGES, PAGE, iter_pages, stream_start
+from tests.cas_helpers import F_CONT, F_PAGE, BytesSource, put
 from tests.test_cas_delta import memory_image, read_back
 
-PAGE = 4096
 PAIRS = 24
+GROUP = GROUP_PAGES  # pages per page group: one chunk each
+STEP = 2 * GROUP  # the pairs' groups lie every other group, so no two pairs share one
+# A pair's page is page 2, 3 or 5 of its group (``n % GROUP``: the same in groups of fewer pages)
 
 
-DATA_PAGES = 4608  # 18 MiB: the copies lie two 8 MiB batches on, so they are cut and stored
-# after the workers are done with the changed groups (chunking.BATCH_BYTES, Ingest._pipeline)
+def group_aligned(pages: int) -> int:
+    return -(-pages // GROUP) * GROUP
+
+
+# The changed groups' page records end in this batch (a data page's record is 8 bytes and the
+# page): the copies lie two 8 MiB batches (chunking.BATCH_BYTES) on from it, and a quarter
+# batch more, so they are cut and stored after the workers are done with the changed groups
+# (Ingest._pipeline: batch k is submitted once batch k - 2's results are in)
+CHANGED_BATCH = PAIRS * STEP * (PAGE + 8) // BATCH_BYTES
+DATA_PAGES = group_aligned((CHANGED_BATCH + 2) * BATCH_BYTES // PAGE + BATCH_BYTES // 4 // PAGE)
+# (18 MiB for 8- and 32-page groups: 4608 pages)
 
 
 def saves(rng: random.Random) -> list[bytes]:
     """Two saves: the second rewrites one page of each of PAIRS page groups near the start and
     writes the same page, among fresh ones, into a group that was free, near the end."""
     pages: dict[int, bytes | None] = {a * PAGE: rng.randbytes(PAGE) for a in range(DATA_PAGES)}
-    pages.update({a * PAGE: None for a in range(DATA_PAGES, DATA_PAGES + 512)})
+    pages.update({a * PAGE: None for a in range(DATA_PAGES, DATA_PAGES + PAIRS * STEP)})
     second = dict(pages)
     for k in range(PAIRS):
-        changed, copy = 16 * k, DATA_PAGES + 16 * k  # group starts, 8 pages each
+        changed, copy = STEP * k, DATA_PAGES + STEP * k  # group starts, GROUP pages each
         page = rng.randbytes(PAGE)
-        second[(changed + 3) * PAGE] = page
-        for a in range(copy, copy + 8):
-            second[a * PAGE] = page if a == copy + 5 else rng.randbytes(PAGE)
+        second[(changed + 3 % GROUP) * PAGE] = page
+        for a in range(copy, copy + GROUP):
+            second[a * PAGE] = page if a == copy + 5 % GROUP else rng.randbytes(PAGE)
     return [memory_image(pages), memory_image(second)]
+
+
+def batch_of(image: bytes, page: int) -> int:
+    """The number of the page cutter's batch (as the ingest's pipeline counts them, the libvirt
+    header's the first) that holds the record of data page ``page`` of a memory image."""
+    at = image.index(struct.pack(">Q", page * PAGE | F_PAGE | F_CONT))
+    for n, batch in enumerate(iter_pages(BytesSource(image), stream_start(image))):
+        if batch[-1][0] + len(batch[-1][1]) > at:
+            return n
+    raise AssertionError(f"no record of page {page}")
 
 
 def test_a_delta_made_before_the_plain_chunk_that_holds_its_new_page_is_made_again_on_it(
         tmp_path, monkeypatch):
     rng = random.Random(4)
     images = saves(rng)
+    # what DATA_PAGES is for: the first copy lies two batches past the last changed group
+    last_changed = STEP * (PAIRS - 1) + 3 % GROUP
+    assert batch_of(images[1], DATA_PAGES) >= batch_of(images[1], last_changed) + 2
     with ChunkStore.open(tmp_path / "s", create=True) as store:
         made = [put(store, images[0], "cdc")]
         made.append(put(store, images[1], "cdc", like=made[0].manifest))
@@ -86,14 +113,15 @@ def test_of_two_plain_chunks_holding_a_page_one_becomes_a_delta_on_the_other(
         tmp_path, monkeypatch):
     """Fresh groups in pairs, each pair sharing one page: one of each pair names the other."""
     rng = random.Random(6)
-    pages: dict[int, bytes | None] = {a * PAGE: rng.randbytes(PAGE) for a in range(256)}
-    pages.update({a * PAGE: None for a in range(256, 1024)})
+    data = group_aligned(256)  # 1 MiB of data, then the free groups the pairs are written to
+    pages: dict[int, bytes | None] = {a * PAGE: rng.randbytes(PAGE) for a in range(data)}
+    pages.update({a * PAGE: None for a in range(data, data + 2 * PAIRS * STEP)})
     second = dict(pages)
     for k in range(PAIRS):
         page = rng.randbytes(PAGE)
-        for start in (256 + 16 * k, 640 + 16 * k):
-            for a in range(start, start + 8):
-                second[a * PAGE] = page if a == start + 2 else rng.randbytes(PAGE)
+        for start in (data + STEP * k, data + PAIRS * STEP + STEP * k):  # group starts
+            for a in range(start, start + GROUP):
+                second[a * PAGE] = page if a == start + 2 % GROUP else rng.randbytes(PAGE)
     no_homes_while_digesting(monkeypatch)
     with ChunkStore.open(tmp_path / "s", create=True) as store:
         first = put(store, memory_image(pages), "cdc")
@@ -116,12 +144,13 @@ def test_a_page_two_deltas_hold_is_stored_once_in_a_shared_page_chunk(
     no manifest names holds the page, and both are deltas on it too. GC keeps it while they
     live and frees it with them."""
     rng = random.Random(8)
-    pages: dict[int, bytes | None] = {a * PAGE: rng.randbytes(PAGE) for a in range(1024)}
+    half = PAIRS * STEP  # the pairs' first groups lie in the first half, their second in the other
+    pages: dict[int, bytes | None] = {a * PAGE: rng.randbytes(PAGE) for a in range(2 * half)}
     second = dict(pages)
     for k in range(PAIRS):
         page = rng.randbytes(PAGE)
-        second[(16 * k + 3) * PAGE] = page
-        second[(512 + 16 * k + 5) * PAGE] = page
+        second[(STEP * k + 3 % GROUP) * PAGE] = page
+        second[(half + STEP * k + 5 % GROUP) * PAGE] = page
     images = [memory_image(pages), memory_image(second)]
     if not share:
         monkeypatch.setattr(rework, "share_pages", lambda ing, redo: {})

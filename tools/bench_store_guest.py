@@ -33,6 +33,8 @@ from pathlib import Path
 
 import zstandard
 
+from ksfs.cas.pagecut import GROUP_PAGES  # the floor's breakdown counts changed groups
+
 ROOT = Path(__file__).resolve().parent.parent
 KSFS = [str(ROOT / ".venv" / "bin" / "ksfs")]
 PAGE = 4096
@@ -347,11 +349,11 @@ def guest_floor(corpus: Path, names: list[str]) -> dict:
                     s = pages[k]
                     zp.feed(buf[s:s + PAGE] if s >= 0 else zero_page)
                     changed += 1
-                    groups.add((k[0], k[1] // (8 * PAGE)))
+                    groups.add((k[0], k[1] // (GROUP_PAGES * PAGE)))
             for s, e in other:
                 zo.feed(buf[s:e])
             row["memory_pages"] = changed
-            row["memory_groups_32k"] = len(groups)
+            row["memory_groups"] = len(groups)
             row["memory_page_bytes"] = zp.done()
             row["memory_other_bytes"] = zo.done()
             row["memory_other_raw"] = facts["other_bytes"]
@@ -437,12 +439,13 @@ def print_breakdown(b: dict, floor: dict) -> None:
     later = per[1:]
     if later:
         pages = sum(r["memory_pages"] for r in later)
-        groups = sum(r["memory_groups_32k"] for r in later)
+        groups = sum(r["memory_groups"] for r in later)
         other = sum(r["memory_other_bytes"] for r in later)
         d4 = sum(r["disk"] for r in later)
         d64 = sum(r["disk_64k"] for r in later)
-        print(f"  after the first: {pages} changed pages in {groups} 32 KiB page groups "
-              f"({groups * 8} pages, {groups * 8 / max(pages, 1):.1f}x the changed ones); "
+        print(f"  after the first: {pages} changed pages in {groups} page groups of "
+              f"{GROUP_PAGES} ({groups * GROUP_PAGES} pages, "
+              f"{groups * GROUP_PAGES / max(pages, 1):.1f}x the changed ones); "
               f"non-RAM state {other / 1024:.0f} KiB zstd of the memory floor")
         print(f"  disk: {sum(r['disk_blocks'] for r in later)} changed 4 KiB blocks "
               f"({d4 / 1024:.0f} KiB zstd) in {sum(r['disk_64k_clusters'] for r in later)} "

@@ -6,7 +6,8 @@ CONTINUE flag is absent, then either one byte (a zero page) or the 4 KiB page. Z
 records 9 bytes long, so every page turning zero or back shifts all later offsets; plain CDC
 re-stores some 20 KiB around each changed page. This cutter instead makes one chunk of the records
 of each aligned group of GROUP_PAGES guest pages holding data, and merges runs of zero-page groups
-(and any bytes between records) into one chunk, so a changed page costs about one group (32 KiB).
+(and any bytes between records) into one chunk. A changed page makes its group's chunk new, and
+a delta on the group's old version (ksfs/cas/delta.py) brings that down to about the page.
 
 It only decides where chunks end: any byte sequence is cut into chunks that cover it exactly, so a
 stream it misreads is stored correctly, only less compactly. When it cannot find page records it
@@ -29,10 +30,14 @@ from collections.abc import Iterator
 from ksfs.cas.chunking import BATCH_BYTES, Batch, HoleRun, Source, iter_cdc, read_exact
 
 PAGE = 4096
-GROUP_PAGES = 8  # 32 KiB of guest RAM per chunk: tuned by tools/bench-store (4 and 16 lose)
+# 128 KiB of guest RAM per chunk. Tuned by tools/bench-store on checkpoints of a real guest: with
+# deltas on the old version, larger groups cost little more per changed page, and each chunk fewer
+# costs its index entry, record header and per-chunk work (8 stored 2% more and imported 15-20%
+# slower; docs/performance.md, thirty-first session).
+GROUP_PAGES = 32
 PENDING_MAX = 64 * 1024  # merged zero-page groups and stray bytes never exceed this
-# No chunk is longer. Well-formed streams never reach it: their chunks are a group (8 records,
-# about 32 KiB), a pending run (under PENDING_MAX + RESYNC) or a libvirt header (92 bytes and a
+# No chunk is longer. Well-formed streams never reach it: their chunks are a group (32 records,
+# about 128 KiB), a pending run (under PENDING_MAX + RESYNC) or a libvirt header (92 bytes and a
 # data area libvirt pads to some 64 KiB). 1 MiB is far under the 64 MiB the store reads back
 # (format.MAX_STORED_LEN) and an eighth of a batch, so what a batch carries over stays small.
 CHUNK_MAX = 1024 * 1024
@@ -41,6 +46,11 @@ CHUNK_MAX = 1024 * 1024
 HEADER_DATA_MAX = 64 << 20
 LIBVIRT_HEADER = 92
 RESYNC = 8192  # bytes searched for page records again after something else
+RECORD_MAX = 8 + 1 + 255 + PAGE  # the longest page record: header, id string, page
+# What a search for records again may read past where it starts: a record found up to RESYNC on
+# must be followed by a second one. A buffer ending sooner waits for the next, or where the
+# batches end would decide whether a stream's records are found again.
+RESYNC_AHEAD = RESYNC + 2 * RECORD_MAX
 F_ZERO, F_PAGE, F_CONT = 0x02, 0x08, 0x20
 PAGE_FLAGS = {F_ZERO, F_PAGE, F_ZERO | F_CONT, F_PAGE | F_CONT}
 LIBVIRT_MAGIC = b"LibvirtQemudSave"
@@ -137,9 +147,10 @@ def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
     """Cut buf; return (chunks, bytes consumed, offset where page records stopped or None).
 
     Unconsumed bytes (a group that may continue in the next buffer) are carried over. The walk
-    keeps ``p - chunk_start <= CHUNK_MAX``: a group or zero run only grows past PENDING_MAX
-    where records stay in one group, and there ``split_group`` cuts it at a record boundary. So
-    no chunk, and no carry (but the few KiB kept to see a whole record), is longer than the cap.
+    keeps ``p - chunk_start <= CHUNK_MAX``: a pending run is cut at PENDING_MAX, and a group
+    grows past its GROUP_PAGES records (about 128 KiB) only where records keep coming back to it,
+    and there ``split_group`` cuts it at a record boundary. So no chunk, and no carry (but the
+    few KiB kept to see a whole record), is longer than the cap.
     """
     out: Batch = []
     chunk_start = 0  # start of the pending run (zero groups, stray bytes) or current group
@@ -225,7 +236,7 @@ def _cut(buf: bytes, base: int, final: bool) -> tuple[Batch, int, int | None]:
             if rec is None:
                 nxt = _resync(buf, p, p + RESYNC)
                 if nxt is None:
-                    if not final and len(buf) - p < RESYNC + PAGE:
+                    if not final and len(buf) - p < RESYNC_AHEAD:
                         break  # maybe records resume in the next buffer
                     if group is not None:
                         close_group(p)
