@@ -162,6 +162,9 @@ class _SlowControl:
                 time.sleep(seconds)
                 return "pong"
 
+            def settle_checkpoint_changes(self) -> None:  # no mount here to wait for
+                pass
+
         self.stop = threading.Event()
 
         async def serve() -> None:

@@ -200,6 +200,9 @@ def _dispatch(keeper: Any, raw: bytes, sink: progress.Sink | None = None) -> dic
     try:
         with progress.reporting(sink):
             reply = _dispatch_verb(keeper, raw)
+        # the names the verb published or deleted are gone from the kernel's cache before it
+        # answers: `ksfs rm` and then `ls` never shows the old name
+        keeper.settle_checkpoint_changes()
     finally:
         _verb_warnings.reset(token)
     if said:

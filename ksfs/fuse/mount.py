@@ -25,6 +25,7 @@ import trio
 
 from ksfs.errors import Busy, DaemonError, NotPermitted
 from ksfs.fuse import faults
+from ksfs.fuse.forgetting import NameForgetter
 from ksfs.fuse.ops import Operations
 from ksfs.fuse.tree import CheckpointTree
 
@@ -242,13 +243,14 @@ def run_mount(
         # Names of sessions and checkpoints are cached by the kernel for a second
         # (nodes.SHORT): drop one at once when this process publishes or deletes a checkpoint
         # (checkpoint None: removes the session), so a name deleted and taken again never shows
-        # the old one's files. Async: callers may be inside a FUSE request.
+        # the old one's files. On a thread of its own: callers may be inside a FUSE request
+        # (ksfs/fuse/forgetting.py); the control socket waits for it after a verb.
         if checkpoint is None:
             parents, name = tree.known_inodes(("sessions",)), session
         else:
             parents, name = tree.known_inodes(("sessions", session, "checkpoints")), checkpoint
         for parent in parents:
-            pyfuse3.invalidate_entry_async(parent, os.fsencode(name), ignore_enoent=True)
+            forgetter.forget(parent, os.fsencode(name))
 
     if not os.path.isdir(mnt):
         raise DaemonError(f"cannot mount on {mnt}: it is not a directory")
@@ -257,17 +259,20 @@ def run_mount(
         pyfuse3.init(ops, mnt, mount_options(allow_other, debug))
     except RuntimeError as exc:  # libfuse says only that mounting failed; its reason is on stderr
         raise DaemonError(f"cannot mount on {mnt}: {exc}") from exc
-    stop_listening = keeper.on_checkpoint_change(forget_entry)
+    forgetter = NameForgetter()
+    stop_listening = keeper.on_checkpoint_change(forget_entry, settle=forgetter.settle)
     try:
         trio.run(_serve, mnt, ready, [refresh_stored_blocks, _trim_heap, *extra_tasks],
                  before_stop, stop_now)
     except BaseException:
+        stop_listening()
+        forgetter.close()
         # Unmounted too: a mount whose daemon is gone answers every request with ENOTCONN
         # and stays in the way of the next mount (as root libfuse detaches it lazily).
         pyfuse3.close(unmount=is_mounted(mnt))
         raise
-    finally:
-        stop_listening()
+    stop_listening()
+    forgetter.close()
     pyfuse3.close(unmount=is_mounted(mnt))
 
 

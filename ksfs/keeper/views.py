@@ -99,16 +99,36 @@ class Views:
         self._event_logs_lock = threading.Lock()
         self._holders = ChunkHolders(self.store, self.ledger)
         self._checkpoint_listeners: list[Callable[[str, str | None], None]] = []
+        self._checkpoint_settlers: list[Callable[[], object]] = []
         self._fs_rejected: set[tuple] = set()  # (session, checkpoint, lineage, seq) told once
         self.activity = Activity()
 
-    def on_checkpoint_change(self, listener: Callable[[str, str | None], None]
+    def on_checkpoint_change(self, listener: Callable[[str, str | None], None],
+                             settle: Callable[[], object] | None = None
                              ) -> Callable[[], None]:
         """Call ``listener(session, checkpoint)`` after this keeper publishes or deletes a
         checkpoint, and ``listener(session, None)`` after it removes a session (the mount drops
-        the kernel's cached entry for that name at once); returns what stops it."""
+        the kernel's cached entry for that name at once); ``settle`` waits until what the
+        listener started is done (``settle_checkpoint_changes``). Returns what stops both."""
         self._checkpoint_listeners.append(listener)
-        return lambda: self._checkpoint_listeners.remove(listener)
+        if settle is not None:
+            self._checkpoint_settlers.append(settle)
+
+        def stop() -> None:
+            self._checkpoint_listeners.remove(listener)
+            if settle is not None:
+                self._checkpoint_settlers.remove(settle)
+        return stop
+
+    def settle_checkpoint_changes(self) -> None:
+        """Wait until the listeners are done with the changes told so far: called after a verb
+        asked for through the daemon's control socket, outside every lock the verb took, so its
+        caller sees the names it changed as they are now."""
+        for settle in list(self._checkpoint_settlers):
+            try:
+                settle()
+            except Exception:  # the verb is done: its answer must not fail for this
+                log.exception("waiting for the checkpoint listeners failed")
 
     def checkpoint_changed(self, session: str, checkpoint: str | None) -> None:
         """Tell the listeners that ``checkpoint`` of ``session`` was published or deleted
