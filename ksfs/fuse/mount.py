@@ -264,16 +264,12 @@ def run_mount(
     try:
         trio.run(_serve, mnt, ready, [refresh_stored_blocks, _trim_heap, *extra_tasks],
                  before_stop, stop_now)
-    except BaseException:
+    finally:
         stop_listening()
-        forgetter.close()
-        # Unmounted too: a mount whose daemon is gone answers every request with ENOTCONN
-        # and stays in the way of the next mount (as root libfuse detaches it lazily).
+        forgetter.close()  # its notifies need the FUSE session, which close destroys
+        # Unmounted on a failure too: a mount whose daemon is gone answers every request with
+        # ENOTCONN and stays in the way of the next mount (as root libfuse detaches it lazily).
         pyfuse3.close(unmount=is_mounted(mnt))
-        raise
-    stop_listening()
-    forgetter.close()
-    pyfuse3.close(unmount=is_mounted(mnt))
 
 
 def acquire_daemon_lock(store_path: Path | str, mountpoint: str) -> int:
