@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from ksfs.vm.files import qemu_lock_held
 from tests.cli_helpers import guest_dir, ksfs, remove_sessions, virsh
 
 pytestmark = pytest.mark.vm
@@ -221,22 +221,49 @@ def test_encrypted_qcow2_is_refused_up_front(env) -> None:
 
 def qemu_holding(drives: list[str]) -> subprocess.Popen:
     """A QEMU, stopped before its first instruction (-S: no CPU spent), that has its drives
-    open with its image locks taken, as a running machine has."""
+    open with its image locks taken, as a running machine has.
+
+    Ready when its QMP monitor answers a command: QEMU dispatches commands from its main
+    loop, which runs only once every device is realized. A drive's first lock byte is no
+    such sign: QEMU takes the write lock about 10 ms after it (a CI run caught that gap)."""
+    sock = f"ksfs-test-qmp-{uuid.uuid4().hex}"  # abstract: nothing on disk to clean up
     cmd = ["qemu-system-x86_64", "-S", "-display", "none", "-machine", "pc,accel=tcg",
-           "-m", "32", "-monitor", "none", "-serial", "none", "-nodefaults"]
+           "-m", "32", "-monitor", "none", "-serial", "none", "-nodefaults",
+           "-qmp", f"unix:{sock},abstract=on,server=on,wait=off"]
     for drive in drives:
         cmd += ["-drive", f"{drive},if=virtio"]
     qemu = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    first = drives[0].split(",")[0].split("=", 1)[1]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if qemu.poll() is not None:
-            raise AssertionError(f"qemu exited: {qemu.stderr.read()}")
-        if qemu_lock_held(first, 100):  # CONSISTENT_READ, which every opened drive takes
-            return qemu
-        time.sleep(0.1)
-    qemu.kill()
-    raise AssertionError("qemu never locked its drives")
+    try:
+        qmp_answers(qemu, sock)
+    except BaseException:
+        qemu.kill()
+        qemu.wait()
+        raise
+    return qemu
+
+
+def qmp_answers(qemu: subprocess.Popen, sock: str, timeout: float = 30) -> None:
+    """Wait until ``qemu``'s QMP monitor at the abstract socket ``sock`` has answered
+    ``qmp_capabilities``."""
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_UNIX) as conn:
+        while True:
+            try:
+                conn.connect("\0" + sock)
+                break
+            except (ConnectionRefusedError, FileNotFoundError):
+                if qemu.poll() is not None:
+                    raise AssertionError(f"qemu exited: {qemu.stderr.read()}") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError("qemu never opened its QMP socket") from None
+                time.sleep(0.02)
+        conn.settimeout(max(deadline - time.monotonic(), 1))
+        lines = conn.makefile("rwb")
+        assert b'"QMP"' in lines.readline()  # the greeting
+        lines.write(b'{"execute": "qmp_capabilities"}\n')
+        lines.flush()
+        while b'"return"' not in (line := lines.readline()):
+            assert line, "qemu closed its QMP socket"
 
 
 def test_a_disk_a_running_qemu_writes_is_refused_not_copied_torn(env) -> None:
