@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -244,3 +245,48 @@ def _try_umount_as_nobody(base: Path) -> None:
     finally:
         res = ksfs(store, "umount", str(mnt))
     assert res.returncode == 0 and not os.path.ismount(mnt), res
+
+
+READY_ORDER = r"""
+import os, signal, sys, time
+import trio
+from ksfs.fuse.mount import run_mount
+from ksfs.keeper import Keeper
+
+store, mnt, told = sys.argv[1:]
+
+def say(what):
+    with open(told, "a") as f:
+        f.write(what + "\n")
+
+async def slow_service(task_status=trio.TASK_STATUS_IGNORED):
+    await trio.sleep(0.5)  # longer than the mount takes to be in place
+    say("service started")
+    task_status.started()
+    await trio.sleep_forever()
+
+def ready():
+    say("ready")
+    os.kill(os.getpid(), signal.SIGTERM)  # unmounts
+
+with Keeper(store, create=True) as keeper:
+    run_mount(keeper, mnt, ready=ready, services=[slow_service])
+say("unmounted")
+"""
+
+
+def test_ready_waits_for_the_services_to_start(tmp_path: Path) -> None:
+    """A review (33rd session) found the control socket started with start_soon: `ksfs mount`
+    could say ready before the socket listened, and a verb sent at once found no daemon. The
+    mount's ready now waits for every service (the control socket) to say it started."""
+    store, mnt, told = tmp_path / "store", tmp_path / "mnt", tmp_path / "told"
+    mnt.mkdir()
+    try:
+        res = subprocess.run([sys.executable, "-c", READY_ORDER, str(store), str(mnt), str(told)],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert told.read_text().splitlines() == ["service started", "ready", "unmounted"]
+        assert not os.path.ismount(mnt)
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", str(mnt)], check=False)

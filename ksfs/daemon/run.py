@@ -53,7 +53,8 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
                 recover()
             except KsfsError as exc:
                 log.error("recovery at start failed: %s", exc)
-        tasks = [functools.partial(serve_control, keeper, store_path / "daemon.sock")]
+        control = functools.partial(serve_control, keeper, store_path / "daemon.sock")
+        tasks = []
         url = upstream_url(store_path, upstream)
         if url:
             from ksfs.daemon.gateways import serve_gateways
@@ -98,7 +99,8 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
 
         try:
             run_mount(keeper, mountpoint, foreground=True, allow_other=allow_other, ready=ready,
-                      extra_tasks=tasks, before_stop=drain_gateway, stop_now=stop_gateway_now)
+                      extra_tasks=tasks, before_stop=drain_gateway, stop_now=stop_gateway_now,
+                      services=[control])
         except BaseExceptionGroup as group:  # a task of the mount's nursery failed
             raise _first_failure(group) from group
         except Exception as exc:

@@ -182,6 +182,7 @@ async def _serve(
     extra_tasks: Iterable[Callable[[], Awaitable[Any]]],
     before_stop: Callable[[], Awaitable[Any]] | None = None,
     stop_now: Callable[[], Awaitable[Any]] | None = None,
+    services: Iterable[Callable[..., Awaitable[Any]]] = (),
 ) -> None:
     stopping = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -204,6 +205,11 @@ async def _serve(
         # this stat is cancelled too, and waiting for the thread would hang the daemon.
         await trio.to_thread.run_sync(os.stat, mountpoint, abandon_on_cancel=True)
         raise_readahead(mountpoint)
+        # Ready means usable: a control socket started with start_soon bound its path on a
+        # worker thread and listened a scheduling pass later, so a client told "ready" could
+        # find no listener yet and take the daemon for absent (found in review).
+        for service in services:
+            await nursery.start(service)
         if ready is not None:
             ready()
 
@@ -219,12 +225,14 @@ def run_mount(
     tree: CheckpointTree | None = None,
     before_stop: Callable[[], Awaitable[Any]] | None = None,
     stop_now: Callable[[], Awaitable[Any]] | None = None,
+    services: Iterable[Callable[..., Awaitable[Any]]] = (),
 ) -> None:
     """Mount ``keeper``'s tree on ``mountpoint`` and serve it until unmounted or signalled.
 
-    ``ready`` is called once, when the mount is in place; ``extra_tasks`` run in the same trio
-    nursery and are cancelled when the mount ends, after ``before_stop`` (awaited once the
-    mount is gone) returns; ``stop_now`` is awaited on a signal that comes while
+    ``ready`` is called once, when the mount is in place and each of ``services`` (tasks taking
+    trio's ``task_status``) has said it started; ``services`` and ``extra_tasks`` run in the
+    same trio nursery and are cancelled when the mount ends, after ``before_stop`` (awaited
+    once the mount is gone) returns; ``stop_now`` is awaited on a signal that comes while
     ``before_stop`` runs, and should make it return at once. ``foreground`` is the caller's
     business (see the module docstring); it is accepted so the CLI can pass its flag through.
     """
@@ -263,7 +271,7 @@ def run_mount(
     stop_listening = keeper.on_checkpoint_change(forget_entry, settle=forgetter.settle)
     try:
         trio.run(_serve, mnt, ready, [refresh_stored_blocks, _trim_heap, *extra_tasks],
-                 before_stop, stop_now)
+                 before_stop, stop_now, services)
     finally:
         stop_listening()
         forgetter.close()  # its notifies need the FUSE session, which close destroys
