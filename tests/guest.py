@@ -95,6 +95,20 @@ def counters(log: Path, start: int = 0) -> list[int]:
     return [int(m.group(1)) for m in COUNTER.finditer(text)]
 
 
+def settled_size(log: Path, quiet: float = 0.5, timeout: float = 30) -> int:
+    """The size of ``log`` once it has not grown for ``quiet`` seconds: a console's bytes reach
+    its file through virtlogd's pipe, so some the guest printed before a pause may land after
+    the pause returns."""
+    deadline = time.monotonic() + timeout
+    size, since = log.stat().st_size, time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, f"{log} kept growing for {timeout:.0f} s"
+        time.sleep(0.05)
+        if (now := log.stat().st_size) != size:
+            size, since = now, time.monotonic()
+    return size
+
+
 def wait_for_counter(log: Path, at_least: int = 1, start: int = 0,
                      timeout: float = BOOT_TIMEOUT, count: int = 1) -> list[int]:
     """Wait until ``count`` counters were printed after ``start`` and the last is >= at_least."""

@@ -112,7 +112,7 @@ async def test_a_header_key_in_flight_for_another_request_is_refused_at_once(
     """QA (eleventh session): the second request waited for the first's purchase and, when
     that failed, got its upstream error instead of 422."""
     port = await nursery.start(gw.serve_session, "s1")
-    provider.delay, provider.error = 1.0, 500
+    provider.delay, provider.error = 4.0, 500
     got: dict[str, object] = {}
 
     async def first() -> None:
@@ -120,8 +120,10 @@ async def test_a_header_key_in_flight_for_another_request_is_refused_at_once(
 
     async with trio.open_nursery() as inner:
         inner.start_soon(first)
-        await trio.sleep(0.3)  # the first is being bought
-        with trio.fail_after(0.6):  # before the first's answer comes
+        with trio.fail_after(10):
+            while provider.active == 0:  # the first is being bought (a fixed sleep raced)
+                await trio.sleep(0.01)
+        with trio.fail_after(3):  # before the first's answer comes
             got["second"] = await call(port, chat_body("two"), key="k")
     assert got["second"].status_code == 422
     assert got["second"].json()["error"]["type"] == "idempotency_key_reused"

@@ -401,7 +401,8 @@ async def test_a_follower_of_a_stream_that_fails_is_not_told_it_was_a_replay(
     dropped) nothing was bought to replay, yet its headers said it was a replay."""
     gw = Gateway(store, ledger, provider.url, api_key=MARKER_KEY, timeout=30)
     port = await nursery.start(gw.serve_session, "s1")
-    provider.chunk_delay, provider.stream_end = 0.3, end
+    # a second between events: the follower, started 0.4 s in, joins long before the end
+    provider.chunk_delay, provider.stream_end = 1.0, end
     body = chat_body(f"doomed to {end}", stream=True)
     got: dict[str, tuple[bytes, dict]] = {}
 

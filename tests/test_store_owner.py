@@ -20,7 +20,7 @@ import pytest
 
 from ksfs.cas import ChunkStore
 from ksfs.cas.store import PRIVATE
-from tests.cli_helpers import ksfs
+from tests.cli_helpers import KSFS, ksfs
 
 NOBODY = 65534
 
@@ -64,22 +64,35 @@ def test_the_store_lock_is_the_owners_and_a_wait_on_it_is_said(tmp_path: Path) -
     os.chmod(store / "lock", 0o644)  # as stores made before the rule have it
     ksfs(store, None, "check")  # taking the lock again closes it
     assert mode(store / "lock") == 0o600
+    # The holder lets go when told, once the import has said it waits: a fixed hold raced an
+    # import slow to start, which then found the lock free and said nothing (review).
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import fcntl, os, sys, time
+        import fcntl, os, sys
         fd = os.open({str(store / "lock")!r}, os.O_RDWR)
         fcntl.flock(fd, fcntl.LOCK_EX)
         print("held", flush=True)
-        time.sleep(3)
-    """)], stdout=subprocess.PIPE, text=True)
+        sys.stdin.read()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    importer = None
     try:
         assert holder.stdout.readline().strip() == "held"
-        res = ksfs(store, None, "import", "s", "c2", str(src))
-        assert "is locked by a gc; waiting for it" in res.stderr, res.stderr
-        assert res.stderr.startswith("ksfs: warning: "), res.stderr
-        assert holder.poll() is not None  # it waited for the holder, then went on
+        importer = subprocess.Popen(KSFS + ["--store", str(store), "import", "s", "c2", str(src)],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        said = importer.stderr.readline()
+        assert said.startswith("ksfs: warning: "), said
+        assert "is locked by a gc; waiting for it" in said, said
+        assert importer.poll() is None  # it waits for the holder
+        holder.stdin.close()
+        holder.wait(30)
+        out, err = importer.communicate(timeout=120)
+        assert importer.returncode == 0, said + err
     finally:
         holder.kill()
         holder.wait()
+        if importer is not None and importer.poll() is None:
+            importer.kill()
+            importer.wait()
     assert ksfs(store, None, "cat", "s", "c2", "notes.txt").stdout == src.read_text()
 
 

@@ -19,6 +19,7 @@ from guest import (
     counters,
     guest_config,
     require_libvirt,
+    settled_size,
     transcript,
     undefine_quietly,
     unique_domain,
@@ -127,7 +128,7 @@ def test_adopted_domain_saves_restores_and_forks(adopted) -> None:
     # restore to c1: the counter goes back to c1's
     wait_for_counter(log, at_least=last + 8)
     ctl.pause(name)
-    offset = log.stat().st_size
+    offset = settled_size(log)  # what the old run printed before the pause landed
     ctl.restore("mine", name, FileReader(copies / "c1.mem"), {"vda": FileReader(c1)},
                 checkpoint="c1")
     assert ctl.state(name) == "paused"

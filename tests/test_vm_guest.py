@@ -20,6 +20,7 @@ from guest import (
     counters,
     guest_config,
     require_libvirt,
+    settled_size,
     transcript,
     undefine_quietly,
     unique_domain,
@@ -155,7 +156,7 @@ def test_restore_continues_from_the_checkpoint_not_from_now(
     cp1, _ = c1
     before = wait_for_counter(booted.log, at_least=cp1.last_seq + 12)[-1]
     booted.ctl.pause(booted.domain)  # so nothing the old run prints lands after ``offset``
-    offset = booted.log.stat().st_size
+    offset = settled_size(booted.log)  # (what it printed before the pause still on its way)
     mem, disk = FileReader(cp1.memory), FileReader(cp1.disk)
     try:
         res = booted.ctl.restore(booted.session, booted.domain, mem, {"vda": disk},
