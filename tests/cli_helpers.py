@@ -129,3 +129,15 @@ def transcript(path: Path) -> list[dict]:
         except ValueError:
             pass
     return out
+
+
+def flock_waited_on(fd: int) -> bool:
+    """Whether a process waits for the flock held on ``fd``'s file (a ``->`` line of
+    /proc/locks naming its inode)."""
+    inode = os.fstat(fd).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 6 and fields[1] == "->" and fields[2] == "FLOCK" and \
+                fields[6].rsplit(":", 1)[-1] == str(inode):
+            return True
+    return False

@@ -301,7 +301,7 @@ def test_a_command_stopped_while_the_daemon_runs_its_verb_says_the_daemon_finish
     """QA (seventeenth session): SIGTERM of a command whose verb the mount daemon ran said
     "terminated" alone, while the daemon went on and finished it (a whole restore)."""
     from ksfs.keeper.locks import session_lock
-    from tests.cli_helpers import daemon_mount
+    from tests.cli_helpers import daemon_mount, flock_waited_on
     from tests.cli_helpers import ksfs as ksfs_with
 
     env = dict(os.environ, KSFS_GUEST="")
@@ -309,15 +309,18 @@ def test_a_command_stopped_while_the_daemon_runs_its_verb_says_the_daemon_finish
     src.write_bytes(b"kept\n")
     with daemon_mount(tmp_path, env) as (store, mnt):
         ksfs_with(store, env, "import", "s", "c", str(src))
-        with session_lock(store, "s"):  # the daemon's rm waits for it
+        with session_lock(store, "s") as held:  # the daemon's rm waits for it
             proc = subprocess.Popen(KSFS + ["--store", str(store), "rm", "s", "c"], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             try:
+                # The daemon waiting on the lock proves the request reached it (a socket in
+                # the command's files, which an earlier version waited for, comes before the
+                # connect and the send).
                 deadline = time.monotonic() + 60
-                while not any(link.startswith("socket:") for link in fd_links(proc.pid)):
+                while not flock_waited_on(held):
                     assert proc.poll() is None and time.monotonic() < deadline
                     time.sleep(0.02)
-                time.sleep(0.5)  # connected and its request sent
+                assert any(link.startswith("socket:") for link in fd_links(proc.pid))
                 proc.send_signal(signal.SIGTERM)
                 _, err = proc.communicate(timeout=60)
             finally:

@@ -66,6 +66,10 @@ def test_call_open_during_save_is_replayed_after_restore(setup) -> None:
     mnt, up, store, env = setup["mnt"], setup["up"], setup["store"], setup["env"]
     s = f"gw-{setup['tag']}"
     sess = mnt / "sessions" / s
+    # 8 s: the save below freezes the guest up to 3 s of live copy after the mkdir, and 4.5 s
+    # after it under load; at 5 s the answer could come first, and nothing would be replayed.
+    # (Under the 12 s the guest's wget waits, so its own retry never joins the purchase.)
+    up.delay = 8.0
     os.mkdir(sess)
     # The guest's first call arrives upstream and stays open (the upstream is slow)...
     wait(lambda: calls_asked(up, 0) == 1, "the guest's first model call")
@@ -93,6 +97,7 @@ def test_call_open_during_save_is_replayed_after_restore(setup) -> None:
         if p.is_file() and p.stat().st_size < 256 << 20 and p.suffix != ".save":
             assert marker not in p.read_bytes(), p
     ksfs(store, env, "resume", s)
+    up.delay = 5.0
 
 
 def test_fork_guest_talks_to_its_own_session(setup) -> None:

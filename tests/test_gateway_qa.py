@@ -540,7 +540,10 @@ async def test_the_daemon_serves_a_gateway_whose_port_was_busy_once_it_is_free(g
     port = squatter.getsockname()[1]
     try:
         nursery.start_soon(serve_gateways, Targets({"s1": (port, "tok")}), gw)
-        await trio.sleep(0.8)  # the first attempt and the first retry find the port taken
+        with trio.fail_after(10):  # the first attempt finds the port taken, and says so
+            while not (gw.usage("s1").get("server") or {}).get("problem"):
+                await trio.sleep(0.02)
+        await trio.sleep(0.5)  # and a retry or two
         assert "s1" not in gw.ports
         said = gw.usage("s1").get("server")
     finally:
@@ -786,7 +789,9 @@ async def test_a_call_held_back_whose_guest_hung_up_is_never_bought(
                                  timeout=0.6) as c:
         with pytest.raises(httpx.TimeoutException):
             await c.post(CHAT, json=body)
-    await trio.sleep(0.3)
+    with trio.fail_after(10):  # the gateway has seen the hang-up and let the request go
+        while gw.open_requests:
+            await trio.sleep(0.01)
     with other.env.begin(write=True) as txn:  # the other gateway's call ends, uncounted
         from ksfs.ledger.keys import lineage_bytes
         assert txn.delete(lineage_bytes(lineage) + b"k" * 32 + purchase, db=other._pending)

@@ -368,7 +368,10 @@ async def test_a_duplicate_of_a_stream_in_flight_follows_it(store, ledger, provi
 
     async with trio.open_nursery() as n:
         n.start_soon(one, "buyer")
-        await trio.sleep(0.6)
+        with trio.fail_after(10):
+            while not provider.requests:  # the buyer's purchase is under way (not a sleep)
+                await trio.sleep(0.01)
+        await trio.sleep(0.3)  # and has streamed something
         n.start_soon(one, "retry")
     assert provider.count() == 1
     assert got["retry"][1] == got["buyer"][1] and data_events(got["retry"][1])[-1] == "[DONE]"
@@ -484,10 +487,10 @@ async def test_a_stream_the_gateway_stops_under_is_counted(store, ledger, provid
                 await call(port, chat_body("stopped under", stream=True))
 
         n.start_soon(doomed)
-        with trio.fail_after(10):
-            while not provider.requests:
+        with trio.fail_after(10):  # some words are out, and the gateway has them
+            while not any(call.status == 200 and call.chunks for call in gw._inflight.values()):
                 await trio.sleep(0.01)
-        await trio.sleep(1.0)  # some words are out
+        await trio.sleep(0.5)
         n.cancel_scope.cancel()
     (cut,) = events(ledger, "s1", "gateway.call")
     assert (cut.body["error"], cut.body["stored"], cut.body["usage_known"]) == (

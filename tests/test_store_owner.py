@@ -20,7 +20,7 @@ import pytest
 
 from ksfs.cas import ChunkStore
 from ksfs.cas.store import PRIVATE
-from tests.cli_helpers import KSFS, ksfs
+from tests.cli_helpers import KSFS, flock_waited_on, ksfs
 
 NOBODY = 65534
 
@@ -159,9 +159,11 @@ def test_a_removed_sessions_lock_file_goes_and_waiters_take_a_new_one(tmp_path: 
     held = threading.Event()
 
     def remover() -> None:
-        with session_lock(store, "s"):
+        with session_lock(store, "s") as fd:
             held.set()
-            time.sleep(0.3)
+            deadline = time.monotonic() + 30  # until the waiter waits on this file
+            while not flock_waited_on(fd) and time.monotonic() < deadline:
+                time.sleep(0.01)
             order.append("removed")
             drop_session_lock(store, "s")
             time.sleep(0.2)
