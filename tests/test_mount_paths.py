@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from ksfs.cli.mount_cmds import _wait_for_release
 from tests.cli_helpers import KSFS, alive
 
 ENV = dict(os.environ, KSFS_GUEST="")
@@ -116,19 +117,6 @@ def test_a_store_path_too_long_for_a_unix_socket_mounts_and_serves_verbs(tmp_pat
     assert res.returncode == 0 and not os.path.ismount(mnt), res
 
 
-def daemon_lock_held(store: Path) -> bool:
-    import fcntl
-
-    fd = os.open(store / "daemon.lock", os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # (a lock taken here goes with it)
-    return False
-
-
 def test_a_daemon_task_that_fails_after_the_mount_takes_the_mount_down_and_says_why(
         tmp_path: Path) -> None:
     """QA (fifteenth session): a task of the daemon failing once FUSE was mounted (there, the
@@ -155,8 +143,7 @@ def test_a_daemon_task_that_fails_after_the_mount_takes_the_mount_down_and_says_
             time.sleep(0.1)
         assert not os.path.ismount(mnt)
         # and the daemon gone: it unmounts before it says why and lets go of the store
-        while daemon_lock_held(store) and time.monotonic() < deadline + 20:
-            time.sleep(0.1)
+        assert _wait_for_release(store / "daemon.lock", 30), "the daemon still holds the store"
         (store / "daemon.sock").rmdir()
         res = ksfs(store, "mount", str(mnt))  # nothing left in the way
         assert res.returncode == 0, res.stderr
