@@ -34,8 +34,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ksfs.vm")
 
-# A connection unused this long is asked whether libvirtd still answers before it is used.
-CONN_CHECK_S = 1.0
+# A connection not heard from for this long is asked whether libvirtd still answers before it
+# is used (one cheap round trip). Counted from the last answer, not the last use: a caller that
+# uses the connection every half second would otherwise never have it checked, and its first
+# verb after a libvirtd restart failed ("Broken pipe"). A restart takes longer than this.
+CONN_CHECK_S = 0.25
 
 _STATES = {
     libvirt.VIR_DOMAIN_NOSTATE: "nostate",
@@ -88,6 +91,7 @@ class DomainController:
             # (QA: the first verb after a libvirtd restart, through a running mount).
             try:
                 self._conn.getLibVersion()
+                self._checked = now
             except libvirt.libvirtError:
                 self.close()
         if self._conn is None or not self._conn.isAlive():
@@ -97,7 +101,7 @@ class DomainController:
                 raise VMError(f"cannot connect to libvirt at {self.uri}: "
                               f"{exc.get_error_message()} (is libvirtd running? "
                               f"tools/start-libvirt starts it)") from exc
-        self._checked = now
+            self._checked = now
         return self._conn
 
     def close(self) -> None:
