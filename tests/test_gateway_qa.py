@@ -516,7 +516,7 @@ async def test_slow_or_idle_clients_are_timed_out_and_counted_against_a_limit(
 
 
 class Targets:
-    """The keeper's face serve_gateways uses: the sessions to serve, with port and token."""
+    """The keeper's face GatewaySupervisor uses: the sessions to serve, with port and token."""
 
     def __init__(self, targets: dict[str, tuple[int, str]]) -> None:
         self.targets = targets
@@ -532,17 +532,16 @@ async def test_the_daemon_serves_a_gateway_whose_port_was_busy_once_it_is_free(g
     the session's usage says why it is not served meanwhile."""
     import socket
 
-    from ksfs.daemon.gateways import serve_gateways
+    from ksfs.daemon.gateways import GatewaySupervisor
 
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()
     port = squatter.getsockname()[1]
     try:
-        nursery.start_soon(serve_gateways, Targets({"s1": (port, "tok")}), gw)
-        with trio.fail_after(10):  # the first attempt finds the port taken, and says so
-            while not (gw.usage("s1").get("server") or {}).get("problem"):
-                await trio.sleep(0.02)
+        # started once the first attempt found the port taken, and said so
+        await nursery.start(GatewaySupervisor(Targets({"s1": (port, "tok")}), gw).run)
+        assert (gw.usage("s1").get("server") or {}).get("problem")
         await trio.sleep(0.5)  # and a retry or two
         assert "s1" not in gw.ports
         said = gw.usage("s1").get("server")
@@ -558,6 +557,47 @@ async def test_the_daemon_serves_a_gateway_whose_port_was_busy_once_it_is_free(g
     assert f"port {port} could not be bound" in said["problem"], said
     assert "trying again in" in said["problem"]
     assert gw.usage("s1")["server"] == {"listening": True, "port": port, "problem": None}
+
+
+async def test_a_new_sessions_gateway_listens_when_the_verb_asks(gw, provider, nursery,
+                                                                 monkeypatch):
+    """Thirty-fourth session: the gateway of a session made while mounted started on the
+    supervisor's next poll, so a fork's guest could run before its gateway listened. The
+    supervisor is started with its first sessions listening, and a verb's thread that asks
+    (``listening_now``, the keeper's gateway_watcher) returns once the new one listens. The
+    poll is made too long to help here."""
+    import socket
+
+    from ksfs.daemon import gateways
+    from ksfs.daemon.gateways import GatewaySupervisor
+
+    monkeypatch.setattr(gateways, "POLL_S", 600.0)
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    first, second = free_port(), free_port()
+    targets = Targets({"s1": (first, "tok1")})
+    supervisor = GatewaySupervisor(targets, gw)
+    supervisor.listening_now()  # not started yet: returns at once
+    await nursery.start(supervisor.run)
+    assert gw.ports == {"s1": first}  # listening when started, not a poll later
+    targets.targets["s2"] = (second, "tok2")
+    with trio.fail_after(10):
+        await trio.to_thread.run_sync(supervisor.listening_now)
+    assert gw.ports.get("s2") == second, gw.ports
+    r = await call(second, chat_body("served at once", model="test-model"),
+                   headers={"authorization": "Bearer tok2"})
+    assert r.status_code == 200
+    supervisor.listening_now()  # on trio's own thread: returns, does not deadlock
+    del targets.targets["s1"]  # a removed session's server is stopped by the next pass
+    with trio.fail_after(10):
+        await trio.to_thread.run_sync(supervisor.listening_now)
+        while "s1" in gw.ports:  # (cancelled by the pass; its server takes a moment to close)
+            await trio.sleep(0.02)
+    assert gw.ports == {"s2": second}
 
 
 # --- F12: a second signal under a stream -------------------------------------------------------

@@ -54,14 +54,17 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
             except KsfsError as exc:
                 log.error("recovery at start failed: %s", exc)
         control = functools.partial(serve_control, keeper, store_path / "daemon.sock")
-        tasks = []
+        services = [control]
         url = upstream_url(store_path, upstream)
         if url:
-            from ksfs.daemon.gateways import serve_gateways
+            from ksfs.daemon.gateways import GatewaySupervisor
             from ksfs.gateway import Gateway
 
             keeper.gateway = Gateway(keeper.store, keeper.ledger, url)
-            tasks.append(functools.partial(serve_gateways, keeper, keeper.gateway))
+            # A service: the mount is ready once every machine session's gateway listens.
+            supervisor = GatewaySupervisor(keeper, keeper.gateway)
+            keeper.gateway_watcher = supervisor.listening_now
+            services.append(supervisor.run)
             log.info("gateway in front of %s", url)
 
         def ready() -> None:
@@ -99,8 +102,8 @@ def daemon_main(store: str, mountpoint: str, allow_other: bool = False,
 
         try:
             run_mount(keeper, mountpoint, foreground=True, allow_other=allow_other, ready=ready,
-                      extra_tasks=tasks, before_stop=drain_gateway, stop_now=stop_gateway_now,
-                      services=[control])
+                      before_stop=drain_gateway, stop_now=stop_gateway_now,
+                      services=services)
         except BaseExceptionGroup as group:  # a task of the mount's nursery failed
             raise _first_failure(group) from group
         except Exception as exc:

@@ -7,6 +7,7 @@ same methods. The keeper never imports pyfuse3 or click, and reaches libvirt onl
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ksfs.keeper.branching import RestoreVerbs
@@ -32,6 +33,9 @@ class Keeper(OfflineVerbs, MachineVerbs, RestoreVerbs, Recovery, GuestLink, Diff
         self._init_views()
         self._vm = None
         self.gateway = None  # set by the daemon when it runs one
+        # Set by a daemon that serves gateways: returns once the gateway of every machine
+        # session in the ledger listens (GuestLink.gateway_listens).
+        self.gateway_watcher: Callable[[], None] | None = None
 
     def close(self) -> None:
         self._holders.close()  # a count in progress must not read a closed store

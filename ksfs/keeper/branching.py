@@ -375,6 +375,7 @@ class RestoreVerbs:
                                  fw_cfg=self.guest_facts(rec))
                     self._reconcile_to(new, target)
                     crash_point("fork.resume")
+                    self.gateway_listens()
                     self.vm.resume(domain)
             except BaseException as exc:
                 # The parent's log has this fork's fork.created; say it came to nothing.

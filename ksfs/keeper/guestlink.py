@@ -15,6 +15,7 @@ secret can still act as the session.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from ksfs.regularfile import is_store_dir, read_store_file, require_store_dir
 
 GUEST_GATEWAY_HOST = "10.0.2.2"  # the host's loopback as QEMU user networking shows it
 TOKENS_DIR = "guest-tokens"
+log = logging.getLogger("ksfs.keeper")
 
 
 class GuestLink:
@@ -111,6 +113,19 @@ class GuestLink:
             return
         with contextlib.suppress(FileNotFoundError):
             (tokens / lineage).unlink()
+
+    def gateway_listens(self) -> None:
+        """Before a new session's guest first runs (session new, fork): with a daemon serving
+        gateways, return once its gateway listens, so the guest's first call is not refused
+        (its server used to start on the daemon's next poll, up to half a second later). A
+        watcher that fails is said and passed by: the poll still starts the server."""
+        watcher = getattr(self, "gateway_watcher", None)
+        if watcher is None:
+            return
+        try:
+            watcher()
+        except Exception as exc:  # (the guest runs anyway: its calls are retried)
+            log.warning("could not wait for the new session's gateway to listen: %s", exc)
 
     def gateway_targets(self) -> dict[str, tuple[int, str]]:
         """session -> (port, token) of every live machine session (for the daemon)."""

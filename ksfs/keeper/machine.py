@@ -386,6 +386,7 @@ class MachineVerbs:
             with self.store.env.begin(write=True) as txn:
                 rec = self.ledger.create_session(txn, name, domain=domain, config=config)
             with self._undone_on_failure(name, domain):
+                self.gateway_listens()
                 progress.report("defining and starting the machine")
                 self.vm.create(
                     name, domain, spec["kernel"], spec["initrd"], plan,
