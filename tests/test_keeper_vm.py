@@ -145,7 +145,7 @@ def test_incremental_save_reads_about_what_the_guest_wrote(env, agent: str) -> N
     save(store, agent, e)
     assert_disks_private(store / "vm" / agent)  # the disk session new copied, the overlays
     mark = written_bytes(f"ksfs-{agent}")
-    time.sleep(3)
+    guest_writes(store, agent, 6)  # (transcript lines made durable: bytes on its disk)
     save(store, agent, e)
     written = written_bytes(f"ksfs-{agent}") - mark
     events = events_of(store, agent, e)

@@ -176,7 +176,7 @@ def test_a_repack_the_disk_cuts_short_removes_its_pack_and_says_what_it_needs(
 @pytest.mark.vm
 def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
-    from guest import ensure_guest, require_libvirt
+    from guest import ensure_guest, guest_writes, require_libvirt
 
     require_libvirt()
     guest = ensure_guest()
@@ -188,7 +188,7 @@ def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
         try:
             res = ksfs(store, "session", "new", name, env=env)
             assert res.returncode == 0, res.stderr
-            time.sleep(3)
+            guest_writes(store, name, 3)  # (booted and working, not a fixed sleep)
             res = ksfs(store, "save", name, "first", env=env)
             assert res.returncode == 0, res.stderr
             # Fill the filesystem, leaving less than the next memory image needs.
