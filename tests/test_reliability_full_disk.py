@@ -230,6 +230,13 @@ def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
             last = events(store, name, env=env)[-1]
             assert last["type"] == "restore.failed" and last["body"]["checkpoint"] == "first"
             assert "no space" in last["body"]["reason"]
+            # and the machine the restore paused for its save-first runs again (CI, once,
+            # thirty-fourth session: recover later found it "left paused by an interrupted
+            # verb", not reproduced in 9 runs since; said with the restore's words if again)
+            reason = subprocess.run(["virsh", "-c", "qemu:///system", "domstate", "--reason",
+                                     domain], capture_output=True, text=True).stdout.strip()
+            assert reason.startswith("running") or reason == "paused (I/O error)", \
+                (reason, res.stderr)
             # No room at all: QEMU pauses the guest at its next write. recover leaves it so
             # (resumed, it paused again at once: QA) and says why; `ksfs resume` once mended.
             more = fs / "filler2"
@@ -242,6 +249,9 @@ def test_save_on_a_full_disk_keeps_the_guest_running() -> None:
                     ["virsh", "-c", "qemu:///system", "domstate", "--reason", domain],
                     capture_output=True, text=True).stdout.strip() != "paused (I/O error)":
                 time.sleep(0.5)
+            reason = subprocess.run(["virsh", "-c", "qemu:///system", "domstate", "--reason",
+                                     domain], capture_output=True, text=True).stdout.strip()
+            assert reason == "paused (I/O error)", reason
             res = ksfs(store, "recover", "--json", env=env)
             report = json.loads(res.stdout)
             said = [a for r in report if r["session"] == name for a in r["actions"]]
