@@ -54,7 +54,11 @@ class GCResult:
     packs_removed: list[int] = field(default_factory=list)
     packs_repacked: list[int] = field(default_factory=list)
     packs_written: list[int] = field(default_factory=list)
-    disk_bytes_reclaimed: int = 0  # pack file bytes given back to the filesystem
+    # pack file bytes given back to the filesystem, net: the packs removed, cut or repacked,
+    # less the packs this gc wrote (QA, thirty-fourth session: a repack said it gave back the
+    # old pack's whole size, though a new pack held its live part)
+    disk_bytes_reclaimed: int = 0
+    disk_bytes_written: int = 0  # the packs this gc wrote (repacks, flattened deltas)
     skipped_packs: dict[int, str] = field(default_factory=dict)  # not repacked: damage found
     # packs whose size figure disagreed with their file and the records the index places in
     # them, and was set to agree: pack number -> (figure before, figure now). A pack cut short
@@ -159,7 +163,16 @@ def _collect(store: ChunkStore, live: set[bytes], threshold: float) -> GCResult:
         crash_point("gc.sweep")
     _drop_orphans(store, res)
     _repack(store, threshold, res)
+    res.disk_bytes_written = sum(_pack_file_size(store, no) for no in res.packs_written)
+    res.disk_bytes_reclaimed = max(0, res.disk_bytes_reclaimed - res.disk_bytes_written)
     return res
+
+
+def _pack_file_size(store: ChunkStore, no: int) -> int:
+    try:
+        return os.lstat(os.path.join(store.packs_dir, fmt.pack_name(no))).st_size
+    except FileNotFoundError:  # (a pack written and removed again by this gc)
+        return 0
 
 
 def _rebase_manifests(txn, mdb, live: set[bytes]) -> int:

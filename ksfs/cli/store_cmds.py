@@ -291,6 +291,10 @@ def gc(ctx, as_json: bool) -> None:
     """Free chunks no checkpoint uses, repack sparse packs, and drop the gateway's stored
     responses that no session can replay any more.
 
+    The disk it says it gave back (disk_bytes_reclaimed) is net: the pack bytes it removed,
+    less those of the packs it wrote (disk_bytes_written) to hold the live chunks of the
+    packs it repacked.
+
     Example: ksfs gc --json
     """
     keeper = ctx.open_keeper()
