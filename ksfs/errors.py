@@ -339,8 +339,22 @@ def from_foreign(exc: BaseException, where: object = "the store",
             if free is not None and free < NEARLY_FULL_BYTES:
                 return NoSpace(path=where, why=f"{what}: {text} with {free} bytes left on its "
                                "file system (LMDB reports a write a full disk cut short as EIO)")
-        if type(exc).__name__ in _LMDB_DAMAGE:
-            return IntegrityError(f"the index of {where} is damaged ({text}); its packs are "
+        if type(exc).__name__ in _LMDB_DAMAGE or _damage_said(exc, text):
+            return IntegrityError(f"the index of {where} is damaged ({text.rstrip('.')}); "
+                                  "its packs are "
                                   "untouched: restore the index from a backup")
         return KsfsError(f"{what} failed in the LMDB index at {where}: {text}")
     return None  # (a ledger record that no longer decodes is damage raised by ledger.keys)
+
+
+def _damage_said(exc: BaseException, text: str) -> bool:
+    """LMDB errors of a general class whose words say damage (QA, thirty-fourth session: one
+    flipped byte each, both exit 1 with LMDB's words). A meta page whose format number is
+    garbage is "LMDB data format vN is not supported" (a plain lmdb.Error). A read that meets a
+    damaged page fails the transaction, and py-lmdb's cursor then reports MDB_BAD_TXN: from a
+    read (mdb_get, mdb_cursor_get) that is damage, as no ksfs read goes on after a failure;
+    from a write it can be a bug, and stays a plain error."""
+    if "LMDB data format" in text and "not supported" in text:
+        return True
+    return type(exc).__name__ == "BadTxnError" and text.startswith(
+        ("mdb_get:", "mdb_cursor_get:", "mdb_stat:", "mdb_cursor_count:"))

@@ -570,7 +570,8 @@ def test_a_missing_compiled_chunker_is_one_line(store: Path, tmp_path: Path) -> 
 
 
 def test_check_json_names_a_damaged_chunks_pack_and_offset(store: Path, tmp_path: Path) -> None:
-    """QA: `check --json` named a damaged chunk's pack only inside its sentence."""
+    """QA: `check --json` named a damaged chunk's pack only inside its sentence; and (QA,
+    thirty-fourth session) the pack had no line of its own, as a pack cut short has."""
     from ksfs.cas import ChunkStore
 
     src = tmp_path / "disk.raw"
@@ -591,6 +592,16 @@ def test_check_json_names_a_damaged_chunks_pack_and_offset(store: Path, tmp_path
         found = [f for f in json.loads(res.stdout)["findings"] if f["kind"] == "damaged_chunk"]
         assert found == [{"kind": "damaged_chunk", "chunk": cid.hex(), "pack": loc.pack,
                           "offset": loc.offset, "why": found[0]["why"]}], found
+        # and its pack has a finding of its own (QA, thirty-fourth session)
+        report = json.loads(res.stdout)
+        held = [f for f in report["findings"] if f["kind"] == "pack_holding_damage"]
+        assert held == [{"kind": "pack_holding_damage", "pack": loc.pack, "chunks": 1,
+                         "file": f"packs/{loc.pack:08d}.pack"}], held
+        assert len(report["problems"]) == len(report["findings"])
+    text = ksfs(store, "check", check=False).stdout.decode().splitlines()
+    assert text[0] == (f"pack {loc.pack} (packs/{loc.pack:08d}.pack): holds 1 damaged or "
+                       "missing chunk(s), each named on a line of its own"), text
+    assert text[1].startswith(f"chunk {cid.hex()}: damaged"), text
 
 
 def test_check_during_an_import_says_its_packs_are_in_use(store: Path, tmp_path: Path) -> None:

@@ -166,6 +166,39 @@ def test_an_index_cut_short_is_refused_at_open_not_sigbus(made: tuple[Path, Path
         one_line(ksfs(store, *verb), 6, "cut short", str(data))
 
 
+def test_a_flipped_byte_in_any_index_page_is_exit_6_or_nothing(made: tuple[Path, Path]) -> None:
+    """QA (thirty-fourth session): one flipped byte in a B-tree page's flags was exit 1 with
+    LMDB's MDB_BAD_TXN, and one in the meta page's format number exit 1 with "LMDB data format
+    v91 is not supported". Each page's flags (and both meta pages' format numbers) damaged in
+    turn, on a copy: `check` exits 0 (a free page) or 6, with one line, never 1; and `check
+    --json` then prints a report whose finding is the index (it printed nothing)."""
+    store, _ = made
+    data = store / "index" / "data.mdb"
+    clean = data.read_bytes()
+    # page header: pgno (8), pad (2), flags (2); a meta page's format number after its magic
+    spots = [p * 4096 + 10 for p in range(2, len(clean) // 4096)] + [20, 4096 + 20]
+    said_damage = 0
+    try:
+        for at in spots:
+            damaged = bytearray(clean)
+            damaged[at] ^= 0x5A
+            data.write_bytes(damaged)
+            res = ksfs(store, "check")
+            if res.returncode != 0:
+                one_line(res, 6, "damaged")
+                said_damage += 1
+                # a script's `check --json` still gets its report, the index the finding
+                res = ksfs(store, "check", "--json")
+                err = one_line(res, 6, "damaged")
+                report = json.loads(res.stdout)
+                assert report["ok"] is False, report
+                assert report["problems"] == [err.removeprefix("ksfs: error: ")], report
+    finally:
+        data.write_bytes(clean)
+    assert said_damage >= 3, said_damage  # (the meta pages, and the pages in use)
+    assert ksfs(store, "check", "--read-data").returncode == 0
+
+
 # --- 3: a pack cut short ---------------------------------------------------------------------
 
 

@@ -248,9 +248,18 @@ def check(ctx, read_data: bool, as_json: bool) -> None:
 
     Example: ksfs check --read-data
     """
-    keeper = ctx.open_keeper()
-    with steps_on_terminal("check"):
-        report = keeper.check(read_data=read_data)
+    try:
+        keeper = ctx.open_keeper()
+        with steps_on_terminal("check"):
+            report = keeper.check(read_data=read_data)
+    except IntegrityError as exc:
+        if as_json:  # a script still gets its report: the index itself is the finding
+            emit_json({"ok": False, "problems": [str(exc)],
+                       "findings": [{"kind": "damaged_index", "why": str(exc)}],
+                       "summary": "store DAMAGED: its index cannot be read",
+                       "chunks_checked": 0, "manifests_checked": 0, "packs_checked": 0,
+                       "data_read": False})
+        raise  # (and said on stderr, exit 6, as for every command)
     problems = report.lines()
     if as_json:
         emit_json({"ok": report.ok, "problems": problems, "findings": report.findings(),
