@@ -111,6 +111,33 @@ def fill(fs: Path) -> Path:
     return filler
 
 
+def test_an_import_the_full_disk_cuts_off_in_its_first_record_leaves_no_tail(
+        tmp_path: Path) -> None:
+    """QA (thirty-fourth session): on a disk with no byte free, an import appending to the
+    store's open pack had its first record cut short; that part stayed in the pack (4,028
+    bytes, "uncommitted_pack_bytes") until a gc. A failed import gives back everything it
+    wrote at once."""
+    rnd = random.Random(11)
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.write_bytes(rnd.randbytes(1 << 20))
+    second.write_bytes(rnd.randbytes(2 << 20))
+    with small_fs("20m") as fs:
+        store = fs / "store"
+        assert ksfs(store, "import", "s", "c1", str(first)).returncode == 0
+        packs = sorted((store / "packs").iterdir())
+        sizes = {p.name: p.stat().st_size for p in packs}
+        with open(fs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:  # every byte: the next record's write is cut short, not refused
+                f.write(bytes(4096))
+        res = ksfs(store, "import", "s", "c2", str(second))
+        assert res.returncode == 9 and "no space left" in res.stderr, res.stderr
+        assert {p.name: p.stat().st_size for p in (store / "packs").iterdir()} == sizes
+        stats = json.loads(ksfs(store, "stats", "--json").stdout)
+        assert stats["uncommitted_pack_bytes"] == 0, stats
+        (fs / "filler").unlink()
+        assert_clean(store)
+
+
 def test_gc_on_a_full_disk_is_no_space_and_changes_nothing(tmp_path: Path) -> None:
     rnd = random.Random(11)
     shared = rnd.randbytes(2 << 20)
