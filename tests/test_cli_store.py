@@ -669,3 +669,37 @@ def test_a_path_that_cannot_be_looked_at_is_one_line(store: Path, tmp_path: Path
         assert len(lines) == 1 and lines[0].startswith("ksfs: error: ") and words in lines[0], \
             lines
     assert not store.exists()
+
+
+def test_recover_takes_back_a_session_only_a_killed_import_made(store: Path,
+                                                                tmp_path: Path) -> None:
+    """QA (thirty-fourth session): an import killed (-9) into a new session left the session
+    ("no checkpoint") and its checkpoint.begin open, where one that fails in its own process
+    takes the session back. `ksfs recover` now does that for it; a session with a checkpoint
+    keeps it, its killed import's begin marked failed."""
+    src = tmp_path / "memory"
+    src.write_bytes(random.Random(5).randbytes(300_000))
+    ksfs(store, "import", "kept", "c1", str(src))
+    crash = dict(os.environ, KSFS_CRASH_AT="pack.write")
+    new = tmp_path / "new" / "memory"
+    new.parent.mkdir()
+    new.write_bytes(random.Random(6).randbytes(300_000))  # (new bytes: a pack is written)
+    for session in ("fresh", "kept"):
+        res = ksfs(store, "import", session, "c2", str(new), check=False, env=crash)
+        assert res.returncode == -signal.SIGKILL, res.stderr
+    assert b"fresh" in ksfs(store, "session", "list").stdout  # (what the QA saw)
+    report = json.loads(ksfs(store, "recover", "--json").stdout)
+    by = {r["session"]: r["actions"] for r in report}
+    assert by["fresh"] == ["checkpoint c2 begun at seq 1 marked failed",
+                           "made by an import that never finished, and holding nothing: "
+                           "removed"], report
+    assert by["kept"] == ["checkpoint c2 begun at seq 3 marked failed"], report
+    listed = ksfs(store, "session", "list", "--json").stdout
+    assert [s["session"] for s in json.loads(listed)] == ["kept"], listed
+    res = ksfs(store, "events", "fresh", check=False)
+    assert res.returncode == 3, res.stderr
+    assert ksfs(store, "cat", "kept", "c1", "memory").stdout == src.read_bytes()
+    ksfs(store, "check", "--read-data")
+    assert json.loads(ksfs(store, "recover", "--json").stdout) == []  # nothing more to do
+    # the name is free again, for an import that finishes
+    ksfs(store, "import", "fresh", "c1", str(src))

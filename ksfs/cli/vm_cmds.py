@@ -364,11 +364,12 @@ def _doing(doing: dict | None) -> str:
 def recover(ctx, as_json) -> None:
     """Finish or roll back what a dead daemon or host left half done, and re-adopt machines.
 
-    Interrupted checkpoints are marked failed (none was ever visible); an interrupted restore
-    is finished when the machine already holds its checkpoint, else marked failed (and run
-    again when the machine is gone); a machine found shut off or crashed has its disks saved,
-    then comes back from its last checkpoint; forks that never started are rolled back, and
-    those that did are reconciled and run. Each session touched gets a `recover` event. Exits
+    Interrupted checkpoints are marked failed (none was ever visible), and a session a killed
+    import made and nothing filled is removed, as a failed import removes it; an interrupted
+    restore is finished when the machine already holds its checkpoint, else marked failed (and
+    run again when the machine is gone); a machine found shut off or crashed has its disks
+    saved, then comes back from its last checkpoint; forks that never started are rolled back,
+    and those that did are reconciled and run. Each session touched gets a `recover` event. Exits
     10 when some session could not be recovered. The mount runs this at start.
 
     Example: ksfs recover --json

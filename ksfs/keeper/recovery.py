@@ -1,14 +1,15 @@
 """``recover``: after the daemon or the host died, finish or roll back what was half done.
 
 For every live session: a ``checkpoint.begin`` with no ``published``/``failed`` after it gets a
-``checkpoint.failed`` (its record never committed, so nothing is half visible; the frozen layers
-it left stay in the chain and the next save reads them as changed). A ``restore.begin`` with no
-end gets ``restore.done`` when the machine already holds the target (the kill came after the
-controller's part), else ``restore.failed``, and if the machine is gone the restore is run
-again. A fork whose machine never came up is rolled back, one whose machine came up but was
-never defined is defined. A machine that is shut off is started again from the session's last
-checkpoint when it has one, else booted. One ``recover`` event per session that needed anything
-says what was done. The daemon runs this at start.
+``checkpoint.failed`` (its record never committed, so nothing is half visible; the frozen layers it
+left stay in the chain and the next save reads them as changed), and an offline session that a
+killed import made and nothing else used is removed, as the import would have removed it. A
+``restore.begin`` with no end gets ``restore.done`` when the machine already holds the target (the
+kill came after the controller's part), else ``restore.failed``, and if the machine is gone the
+restore is run again. A fork whose machine never came up is rolled back, one whose machine came up
+but was never defined is defined. A machine that is shut off is started again from the session's
+last checkpoint when it has one, else booted. One ``recover`` event per session that needed
+anything says what was done. The daemon runs this at start.
 """
 
 from __future__ import annotations
@@ -64,6 +65,18 @@ class Recovery:
             elif ev.type in OPENERS["restore.begin"]:
                 open_.pop(("restore", ev.body.get("checkpoint")), None)
         return sorted(open_.values(), key=lambda e: e.seq)
+
+    def _made_by_a_killed_import(self, rec: Any) -> bool:
+        """An offline session a killed import made (kill -9, a host crash) and nothing used
+        since: no checkpoint, and its log only that import's begin and failure. An import
+        that fails in its own process takes such a session back (QA, thirty-fourth session:
+        after a kill -9 `session list` still showed it, "no checkpoint")."""
+        if rec.parent is not None or self.ledger.checkpoint_names(rec.name):
+            return False
+        kinds = [(ev.type, ev.body.get("source")) for ev in self.ledger.events(rec.name)]
+        return bool(kinds) and kinds[0][0] == "session.created" and all(
+            kind in (("checkpoint.begin", "import"), ("checkpoint.failed", None))
+            for kind in kinds[1:]) and ("checkpoint.begin", "import") in kinds
 
     def recover(self) -> list[dict[str, Any]]:
         """What was done, per session that needed anything; ``failed`` marks a session that
@@ -181,6 +194,10 @@ class Recovery:
                                    f"(the session went on after it: {went_on.type} at seq "
                                    f"{went_on.seq})")
         if not rec.domain:
+            if self._made_by_a_killed_import(rec):
+                self._forget_new_session(rec.name)
+                actions.append("made by an import that never finished, and holding nothing: "
+                               "removed")
             return actions
         # under the session lock: no verb of it is running
         # before a detached disk's layer looks like a leftover
