@@ -6,6 +6,7 @@ machine verbs' own steps are tested in test_keeper_vm.py and test_mount_vm.py)."
 from __future__ import annotations
 
 import io
+import os
 import random
 import threading
 import time
@@ -252,6 +253,14 @@ def test_check_and_gc_show_their_steps_on_a_terminal(tmp_path: Path) -> None:
     # piped: the report alone
     res = ksfs(store, None, "check", "--read-data")
     assert res.stderr == "" and res.stdout.startswith("store clean")
+    # a terminal that cannot redraw a line (TERM=dumb, an Emacs shell) gets no escapes: QA,
+    # thirty-fourth session, the import's bar hid and showed its cursor there
+    dumb = dict(os.environ, TERM="dumb")
+    for args in (("check", "--read-data"), ("import", "s", "c", str(tmp_path / "memory"))):
+        rc, out, terminal = ksfs_on_terminal(store, dumb, *args)
+        assert rc == 0 and "\x1b" not in terminal, (args, terminal)
+    rc, out, terminal = ksfs_on_terminal(store, None, "import", "s", "d", str(tmp_path / "memory"))
+    assert rc == 0 and "\x1b[?25l" in terminal  # (the same import draws its bar elsewhere)
 
 
 @pytest.mark.parametrize("with_steps", [False, True])

@@ -31,6 +31,15 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.0f}" if n >= 10 << 20 else f"{n / (1 << 20):.1f}"
 
 
+def drawing_terminal() -> bool:
+    """Whether stderr is a terminal that redraws a line: not piped, closed or replaced, and not
+    TERM=dumb (QA, thirty-fourth session: an Emacs shell got the bar's cursor escapes)."""
+    try:
+        return bool(sys.stderr.isatty()) and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):  # a closed or replaced stderr
+        return False
+
+
 class StepLine:
     def __init__(self, label: str, out: TextIO | None = None) -> None:
         self.label = label
@@ -42,10 +51,7 @@ class StepLine:
 
     @classmethod
     def for_terminal(cls, label: str) -> StepLine | None:
-        try:
-            return cls(label) if sys.stderr.isatty() else None
-        except (AttributeError, ValueError):  # a closed or replaced stderr
-            return None
+        return cls(label) if drawing_terminal() else None
 
     def __call__(self, step: str, done: int | None = None, total: int | None = None) -> None:
         if not self.throttle.due(step):

@@ -23,8 +23,11 @@ from ksfs.errors import ChunkMissing, IntegrityError, KsfsError
 
 def progress_bar(label: str):
     """A callback(done, total) drawing a bar on a terminal; None when stderr is piped (or
-    closed: QA, `ksfs import ... 2>&-` failed with exit 1 and no word)."""
-    if sys.stderr is None or not sys.stderr.isatty():
+    closed: QA, `ksfs import ... 2>&-` failed with exit 1 and no word) or a terminal that
+    cannot redraw a line (TERM=dumb)."""
+    from ksfs.cli.stepline import drawing_terminal
+
+    if sys.stderr is None or not drawing_terminal():
         return None, lambda: None
     state: dict = {}
 
@@ -47,8 +50,8 @@ def progress_bar(label: str):
 @main.command("import")
 @click.argument("session")
 @click.argument("checkpoint")
-@click.argument("files", nargs=-1, type=click.Path(dir_okay=False, readable=False))
-@click.option("--disk", "disks", multiple=True, type=click.Path(dir_okay=False, readable=False),
+@click.argument("files", nargs=-1, type=click.Path(readable=False))
+@click.option("--disk", "disks", multiple=True, type=click.Path(readable=False),
               help="A file to chunk as a disk image (fixed 64 KiB), whatever its name.")
 @click.option("--json", "as_json", is_flag=True, help="Print the checkpoint record as JSON.")
 @pass_ctx

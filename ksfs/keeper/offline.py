@@ -143,7 +143,8 @@ def import_paths(session: str, checkpoint: str | None, files: Iterable[str | os.
             raise BadName(name=p.name, why="a checkpoint directory shows its own entry by "
                           f"that name (reserved: {', '.join(CHECKPOINT_RESERVED_NAMES)})")
         if not _is_regular_file(p):
-            raise BadInput(f"{p} is not a regular file: only regular files are imported")
+            what = "a directory" if p.is_dir() else "not a regular file"
+            raise BadInput(f"{p} is {what}: only regular files are imported")
         _require_readable(p)
         if _claims_empty_but_is_not(p):
             raise BadInput(f"{p} says it is empty but has content (a /proc or /sys file?): "
