@@ -73,7 +73,12 @@ class Recovery:
         after a kill -9 `session list` still showed it, "no checkpoint")."""
         if rec.parent is not None or self.ledger.checkpoint_names(rec.name):
             return False
-        kinds = [(ev.type, ev.body.get("source")) for ev in self.ledger.events(rec.name)]
+        # only the events of these types are decoded: a long log of anything else is not
+        events = list(self.ledger.events_of(
+            rec.name, ("session.created", "checkpoint.begin", "checkpoint.failed")))
+        if len(events) != self.ledger.last_seq(rec.name) + 1:  # (seqs from 0, gapless)
+            return False  # something else happened in it
+        kinds = [(ev.type, ev.body.get("source")) for ev in events]
         return bool(kinds) and kinds[0][0] == "session.created" and all(
             kind in (("checkpoint.begin", "import"), ("checkpoint.failed", None))
             for kind in kinds[1:]) and ("checkpoint.begin", "import") in kinds
