@@ -217,9 +217,8 @@ def stats(ctx, as_json: bool) -> None:
     bytes the store's chunks take in its packs, compressed, with their record headers (a
     deleted checkpoint's count until gc). --json adds manifests, pack_bytes (the committed
     bytes of the packs counted in packs: stored bytes and the dead records gc has yet to
-    repack), uncommitted_pack_bytes (bytes in pack files that no commit counts: a running
-    import's, or a killed one's, which gc gives back) and index_bytes (the size of the index's
-    file, index/data.mdb: the store on disk is about pack_bytes + index_bytes).
+    repack) and uncommitted_pack_bytes (bytes in pack files that no commit counts: a running
+    import's, or a killed one's, which gc gives back).
 
     Example: ksfs stats --json | jq .dedup_ratio
     """

@@ -398,12 +398,6 @@ class OfflineVerbs:
         # (none without logical bytes: 0.0 for a store whose checkpoints all went before a gc
         # read as if nothing deduplicated)
         figures["dedup_ratio"] = round(logical / stored, 2) if stored and logical else None
-        # What the index's file takes on disk beside the packs (QA, thirty-fourth session: a
-        # store of many small files took four times its stored_bytes, most of it index).
-        try:
-            figures["index_bytes"] = os.stat(Path(self.store.index_path) / "data.mdb").st_size
-        except OSError:
-            figures["index_bytes"] = None
         return figures
 
 
