@@ -92,6 +92,50 @@ def test_a_checkpoint_of_a_session_made_again_is_not_the_old_directory(tmp_path)
         assert new_dir != old_dir and [e.name for e in tree.listdir(new_dir)][0] == "new"
 
 
+def test_directories_a_shell_sits_in_act_on_nothing_once_their_session_is_made_again(
+        tmp_path):
+    """QA (thirty-fourth session): with a shell in a removed session's checkpoints/ and the
+    session made again under its name, mkdir there saved the new session's machine, rmdir
+    deleted its checkpoint and ls listed its checkpoints; in a deleted checkpoint's forks/,
+    mkdir forked its namesake; `echo x > resume` in the old session directory was refused in
+    the new session's log. Each is ENOENT now, and the new session is left as it was."""
+    (tmp_path / "f").write_bytes(b"f")
+    with Keeper(tmp_path / "store", create=True) as k:
+        k.import_files("r", "c", [tmp_path / "f"])
+        tree = CheckpointTree(k)
+        old_session = walk(tree, "sessions", "r")
+        old_cps = walk(tree, "sessions", "r", "checkpoints")
+        old_forks = walk(tree, "sessions", "r", "checkpoints", "c", "forks")
+        k.remove_session("r")
+        k.import_files("r", "c", [tmp_path / "f"])
+        k.import_files("r", "d", [tmp_path / "f"])
+        new = k.ledger.session("r")
+        before = k.ledger.last_seq("r")
+        for act in (lambda: tree.listdir(old_cps), lambda: tree.lookup(old_cps, "c"),
+                    lambda: tree.mkdir(old_cps, "x"), lambda: tree.rmdir(old_cps, "c"),
+                    lambda: tree.mkdir(old_forks, "f2"), lambda: tree.listdir(old_forks),
+                    lambda: tree.refuse(old_session, "resume", "create")):
+            with pytest.raises(NoSuchFile):
+                act()
+        assert k.ledger.last_seq("r") == before  # no event, nothing saved or deleted
+        assert k.ledger.session("r").lineage == new.lineage
+        assert k.ledger.checkpoint_names("r") == ["c", "d"]
+        assert "f2" not in k.session_names()
+        # the same within one session: a checkpoint deleted and taken again by its name
+        k.delete_checkpoint("r", "d")
+        held = walk(tree, "sessions", "r", "checkpoints", "c", "forks")
+        k.delete_checkpoint("r", "c")
+        k.import_files("r", "c", [tmp_path / "f"])
+        with pytest.raises(NoSuchFile):
+            tree.mkdir(held, "f3")
+        assert "f3" not in k.session_names()
+        # and the directories of today's session still work
+        cps = walk(tree, "sessions", "r", "checkpoints")
+        assert [e.name for e in tree.listdir(cps)] == ["c"]
+        tree.rmdir(cps, "c")
+        assert k.ledger.checkpoint_names("r") == []
+
+
 def test_listing_is_lazy_and_offsets_stable(keeper):
     tree = CheckpointTree(keeper)
     cps = walk(tree, "sessions", "many", "checkpoints")

@@ -85,17 +85,15 @@ class SessionDir(Dir):
         self.lineage = rec.lineage
         self.mtime = rec.created
 
+    def require_current(self) -> None:
+        _require_lineage(self.keeper, self.session, self.lineage)
+
     def children(self) -> list[tuple[str, Node]]:
         # Checked on every listing and lookup: a shell sitting in a session removed since (or
         # made again under its name: a new lineage) finds it gone, ENOENT, as a removed
         # directory reads (QA: its files' attributes failed one by one, each an ERROR with
         # a traceback in the log).
-        try:
-            rec = self.keeper.ledger.session(self.session)
-        except NoSuchSession:
-            rec = None
-        if rec is None or rec.lineage != self.lineage:
-            raise NoSuchFile(what="session (removed)", name=self.session)
+        self.require_current()
         k, s, lin = self.keeper, self.session, self.lineage
 
         def dyn(name: str, content: Callable[[], bytes], cls: type = DynamicFile) -> Node:
@@ -128,7 +126,13 @@ class CheckpointsDir(Dir):
     def _dir(self, name: str, seq: int, created: float) -> CheckpointDir:
         return CheckpointDir(self.keeper, self.lineage, self.session, name, seq, created)
 
+    def require_current(self) -> None:
+        # (QA, thirty-fourth session: in a removed session's checkpoints/, with the session
+        # made again, mkdir saved the new one's machine and rmdir deleted its checkpoint)
+        _require_lineage(self.keeper, self.session, self.lineage)
+
     def children(self) -> list[tuple[str, Node]]:
+        self.require_current()
         ledger = self.keeper.ledger
         if hasattr(ledger, "checkpoint_summaries"):
             return [(s.name, self._dir(s.name, s.seq, s.created))
@@ -136,6 +140,7 @@ class CheckpointsDir(Dir):
         return [(n, self.lookup(n)) for n in ledger.checkpoint_names(self.session)]
 
     def lookup(self, name: str) -> Node:
+        self.require_current()
         try:
             rec = self.keeper.ledger.checkpoint(self.session, name)
         except NoSuchCheckpoint:
@@ -145,6 +150,7 @@ class CheckpointsDir(Dir):
         return node
 
     def mkdir(self, name: str) -> Node:
+        self.require_current()
         validate_name(name, "checkpoint name", new=True)
         if name in self.keeper.ledger.checkpoint_names(self.session):
             raise AlreadyExists(what="checkpoint", name=f"{self.session}/{name}")
@@ -154,6 +160,7 @@ class CheckpointsDir(Dir):
         return node
 
     def rmdir(self, name: str) -> None:
+        self.require_current()
         validate_name(name, "checkpoint name")
         self.keeper.delete_checkpoint(self.session, name)
 
@@ -204,6 +211,12 @@ class CheckpointDir(Dir):
             raise NoSuchCheckpoint(session=self.session, checkpoint=self.name)
         return rec
 
+    def require_current(self) -> None:
+        try:
+            self._published()
+        except NoSuchCheckpoint:
+            raise NoSuchFile(what="checkpoint (deleted)", name=self.name) from None
+
     def children(self) -> list[tuple[str, Node]]:
         # Checked on every listing and lookup: a shell sitting in a checkpoint deleted since
         # finds it empty, as a removed directory reads, not the files it had.
@@ -241,7 +254,11 @@ class ForksDir(Dir):
         self.cp = cp
         self.mtime = cp.mtime
 
+    def require_current(self) -> None:
+        self.cp.require_current()
+
     def children(self) -> list[tuple[str, Node]]:
+        self.require_current()
         out: list[tuple[str, Node]] = []
         for rec in self.keeper.ledger.sessions(include_removed=True):
             p = rec.parent
@@ -255,6 +272,9 @@ class ForksDir(Dir):
         return out
 
     def mkdir(self, name: str) -> Node:
+        # this checkpoint, not a later one by its name (QA, thirty-fourth session: a shell in
+        # a deleted checkpoint's forks/ forked its namesake, in its session or a new one's)
+        self.require_current()
         validate_name(name, "session name", new=True)
         if name in self.keeper.session_names():
             raise AlreadyExists(what="session", name=name)
@@ -278,3 +298,13 @@ class ForkDir(Dir):
 
     def describe(self) -> str:
         return f"the fork {self.child!r}"
+
+
+def _require_lineage(keeper: Any, session: str, lineage: str) -> None:
+    """NoSuchFile unless ``session`` is still the session of ``lineage``."""
+    try:
+        rec = keeper.ledger.session(session)
+    except NoSuchSession:
+        rec = None
+    if rec is None or rec.lineage != lineage:
+        raise NoSuchFile(what="session (removed)", name=session)

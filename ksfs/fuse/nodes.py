@@ -136,6 +136,11 @@ class Dir(Node):
                 return node
         raise NoSuchFile(what="entry", name=name)
 
+    def require_current(self) -> None:
+        """NoSuchFile (ENOENT) when what this directory shows is gone: removed, or its name
+        taken again by another (a session of a new lineage, a checkpoint of a later seq). A
+        directory a shell still sits in must then act on nothing, not on the namesake."""
+
     def mkdir(self, name: str) -> Node:
         raise NotPermitted(f"nothing can be created in {self.describe()}")
 

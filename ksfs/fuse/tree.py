@@ -498,6 +498,7 @@ class CheckpointTree:
 
     def mkdir(self, parent: int, name: str) -> Entry:
         pdir = self._dir(parent)
+        pdir.require_current()  # (gone: ENOENT, and no event in a namesake's log)
         session, file = self._session_file(parent, name)
         if isinstance(pdir, SessionsDir) and name in self._safe_session_names():
             session = name  # mkdir of an existing session names that session
@@ -513,12 +514,18 @@ class CheckpointTree:
 
     def rmdir(self, parent: int, name: str) -> None:
         pdir = self._dir(parent)
+        pdir.require_current()
         session, file = self._session_file(parent, name)
         self._rejecting(session, file, name, lambda: pdir.rmdir(name))
 
     def refuse(self, parent: int, name: str, verb: str) -> None:
-        """Refuse a verb the tree never allows (create, mknod, unlink, rename...) with EPERM."""
-        self.node(parent)
+        """Refuse a verb the tree never allows (create, mknod, unlink, rename...) with EPERM;
+        ENOENT in a directory whose session or checkpoint is gone (QA, thirty-fourth session:
+        `echo x > resume` in a removed session's directory was refused in the log of the
+        session made again under its name)."""
+        parent_node = self.node(parent)
+        if isinstance(parent_node, Dir):
+            parent_node.require_current()
         session, file = self._session_file(parent, name)
 
         def no() -> None:
