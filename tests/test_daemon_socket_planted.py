@@ -174,6 +174,21 @@ def test_a_daemon_that_hangs_up_is_a_daemon_error(store: Path, fake_daemon) -> N
     assert checkpoints(store) == before
 
 
+def test_a_daemon_that_closes_without_answering_may_have_done_the_verb(store: Path,
+                                                                        fake_daemon) -> None:
+    """QA (thirty-fourth session): a daemon killed (-9) during a save had published the
+    checkpoint, and the command said only that the daemon "closed the control socket without
+    answering" (exit 13), as if nothing were done. A verb that changes something now says it
+    may have been done; one that only reads does not."""
+    fake_daemon(b"")  # the request read, then the connection closed with no reply
+    res = ksfs(store, *SAVE)
+    one_line(res, 13, "closed the control socket without answering when asked to save",
+             "may have been done", "ksfs events")
+    res = ksfs(store, "status", "s")
+    one_line(res, 13, "closed the control socket without answering when asked to status")
+    assert "may have been done" not in res.stderr
+
+
 @pytest.fixture
 def decoy(tmp_path: Path) -> Iterator[socket.socket]:
     """Another listening socket (libvirtd's, in the QA's case), outside the store."""

@@ -167,7 +167,12 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
             raise
         except OSError as exc:  # reset or hung up on: no answer, said as one (F13)
             raise DaemonError(f"the daemon's control socket {path} broke off when asked to "
-                              f"{what}: {exc.strerror or exc}") from None
+                              f"{what}: {exc.strerror or exc}{_maybe_done(verb, what)}"
+                              ) from None
+        except DaemonError as exc:  # closed with no answer (the daemon died, kill -9)
+            # (QA, thirty-fourth session: a save the daemon published just before it died was
+            # said as failed, and nothing said it might have been done)
+            raise DaemonError(f"{exc} when asked to {what}{_maybe_done(verb, what)}") from None
         why = _not_a_reply(reply)
         if why:
             raise _NotAReply(why)
@@ -192,6 +197,14 @@ def call_daemon(store_path: str | Path, verb: str, timeout: float = 600.0,
     if not reply["ok"]:
         raise RemoteError(reply)
     return reply.get("result")
+
+
+def _maybe_done(verb: str, what: str) -> str:
+    """What a verb that got no answer may still have done (nothing, for one that only reads)."""
+    if verb in READING_VERBS:
+        return ""
+    return (f"; the {what} may have been done before it stopped (`ksfs events SESSION` says "
+            "whether it was)")
 
 
 def _is_int(value: Any) -> bool:
