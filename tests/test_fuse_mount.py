@@ -248,6 +248,10 @@ def test_bad_input_gets_its_errno_and_event(mnt, keeper):
     assert refused(os.chmod, s1 / "resume", 0o600) in (errno.EROFS, errno.EPERM)
     assert refused(os.utime, s1 / "resume") in (errno.EROFS, errno.EPERM)
     assert (s1 / "resume").read_text() == said
+    # and the event does not call the writable resume "read-only" (QA, thirty-fourth session)
+    why = [e["body"]["why"] for e in rejected(mnt, "s1", since) if e["body"]["file"] == "resume"
+           and e["body"].get("change") == "attributes"]
+    assert why and all("only a checkpoint's name may be written into it" in w for w in why), why
 
     assert tree_of(mnt) == before
     got = rejected(mnt, "s1", since)

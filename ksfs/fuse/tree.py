@@ -542,6 +542,9 @@ class CheckpointTree:
         session = parts[1] if len(parts) >= 2 and parts[0] == "sessions" else None
 
         def no() -> None:
+            if isinstance(node, ResumeFile):  # (writable, so "read-only" misled: QA)
+                raise ReadOnly(what=f"{'/'.join(parts)}'s size, mode, owner and times (only "
+                                    "a checkpoint's name may be written into it)")
             raise ReadOnly(what="/".join(parts) or "the mount's root")
 
         # (a chmod or touch of resume is not a write of it: what reading resume says stays)
