@@ -132,6 +132,13 @@ def test_directories_a_shell_sits_in_act_on_nothing_once_their_session_is_made_a
         # and the directories of today's session still work
         cps = walk(tree, "sessions", "r", "checkpoints")
         assert [e.name for e in tree.listdir(cps)] == ["c"]
+        # the verb checks the session it was meant for again under the session's lock (the
+        # directory's look and the verb are two steps: a session made again between them)
+        from ksfs.errors import NoSuchSession
+
+        with pytest.raises(NoSuchSession):
+            k.delete_checkpoint("r", "c", lineage="0" * 32)
+        assert k.ledger.checkpoint_names("r") == ["c"]
         tree.rmdir(cps, "c")
         assert k.ledger.checkpoint_names("r") == []
 

@@ -154,7 +154,7 @@ class CheckpointsDir(Dir):
         validate_name(name, "checkpoint name", new=True)
         if name in self.keeper.ledger.checkpoint_names(self.session):
             raise AlreadyExists(what="checkpoint", name=f"{self.session}/{name}")
-        rec = self.keeper.save(self.session, name)
+        rec = self.keeper.save(self.session, name, lineage=self.lineage)  # (and under its lock)
         node = self._dir(rec.name, rec.seq, rec.created)
         node.record = rec
         return node
@@ -162,7 +162,7 @@ class CheckpointsDir(Dir):
     def rmdir(self, name: str) -> None:
         self.require_current()
         validate_name(name, "checkpoint name")
-        self.keeper.delete_checkpoint(self.session, name)
+        self.keeper.delete_checkpoint(self.session, name, lineage=self.lineage)
 
     def describe(self) -> str:
         return f"sessions/{self.session}/checkpoints/"
@@ -279,7 +279,8 @@ class ForksDir(Dir):
         if name in self.keeper.session_names():
             raise AlreadyExists(what="session", name=name)
         self.cp.load()
-        self.keeper.fork(self.cp.session, self.cp.name, name)
+        self.keeper.fork(self.cp.session, self.cp.name, name, lineage=self.cp.lineage,
+                         seq=self.cp.seq)
         return ForkDir(self.keeper, self.keeper.ledger.session(name), self.cp.session)
 
     def describe(self) -> str:

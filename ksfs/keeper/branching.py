@@ -18,7 +18,14 @@ from typing import Any
 
 from ksfs import progress
 from ksfs.crashpoints import crash_point
-from ksfs.errors import AlreadyExists, BadInput, KsfsError, NotFound, NotPermitted
+from ksfs.errors import (
+    AlreadyExists,
+    BadInput,
+    KsfsError,
+    NoSuchCheckpoint,
+    NotFound,
+    NotPermitted,
+)
 from ksfs.keeper.locks import new_session_lock, session_lock
 from ksfs.keeper.machine import MEMORY_FILE, checkpoint_label, domain_name_for, stored_disks
 from ksfs.keeper.offline import _reason, _tell
@@ -329,8 +336,12 @@ class RestoreVerbs:
         except KsfsError:
             return False
 
-    def fork(self, session: str, checkpoint: str, new: str) -> SessionRecord:
-        """A new session running from ``checkpoint`` in its own domain; the parent runs on."""
+    def fork(self, session: str, checkpoint: str, new: str, lineage: str | None = None,
+             seq: int | None = None) -> SessionRecord:
+        """A new session running from ``checkpoint`` in its own domain; the parent runs on.
+        ``lineage`` and ``seq``: the checkpoint the caller means (a mount's directory);
+        NoSuchCheckpoint when the one by that name is another now (deleted and taken again, or
+        its session made again), checked under the parent's lock."""
         validate_name(session, "session name")
         validate_name(checkpoint, "checkpoint name")
         validate_name(new, "session name", new=True)
@@ -353,6 +364,9 @@ class RestoreVerbs:
                 self.activity.doing(session, "fork", checkpoint=checkpoint, session_new=new):
             parent = self.ledger.session(session)
             target = self.ledger.checkpoint(session, checkpoint)
+            if (lineage is not None and parent.lineage != lineage) or \
+                    (seq is not None and target.seq != seq):
+                raise NoSuchCheckpoint(session=session, checkpoint=checkpoint)
             xml_disks = self._xml_disks(target)
             if self.vm.exists(domain):
                 raise AlreadyExists(what="libvirt domain", name=domain)

@@ -25,6 +25,7 @@ from ksfs.errors import (
     BadInput,
     BadName,
     KsfsError,
+    NoSuchSession,
     NotFound,
     NotPermitted,
     NotRunning,
@@ -271,6 +272,18 @@ class MachineVerbs:
             uri = os.environ.get("KSFS_LIBVIRT_URI", "qemu:///system")
             self._vm = _controller(uri, self.store_path / "vm")
         return self._vm
+
+    def _still(self, session: str, lineage: str | None, rec: SessionRecord | None = None
+               ) -> SessionRecord:
+        """The session's record, read again under its lock when the caller named a lineage;
+        NoSuchSession when ``session`` is now another session of that name (removed and made
+        again meanwhile: QA, thirty-fourth session)."""
+        if lineage is None:
+            return rec if rec is not None else self.ledger.session(session)
+        now = self.ledger.session(session)
+        if now.lineage != lineage:
+            raise NoSuchSession(session=session)
+        return now
 
     def _machine(self, session: str) -> SessionRecord:
         rec = self.ledger.session(session)
@@ -740,11 +753,13 @@ class MachineVerbs:
 
     # --- save -----------------------------------------------------------------------------------
 
-    def save(self, session: str, name: str | None = None, live: bool = True
-             ) -> CheckpointRecord:
+    def save(self, session: str, name: str | None = None, live: bool = True,
+             lineage: str | None = None) -> CheckpointRecord:
         """An atomic checkpoint of the running machine; see docs/architecture.md. ``live``:
         copy memory while the guest runs (short pause); False pauses it for the whole copy
-        (a guest dirtying memory faster than the copy, or one that must not run meanwhile)."""
+        (a guest dirtying memory faster than the copy, or one that must not run meanwhile).
+        ``lineage``: the session the caller means (a mount's directory): NoSuchSession when
+        the session by that name is another now, checked under its lock."""
         if not isinstance(live, bool):
             raise BadInput(f"live must be true or false, not {live!r}")
         validate_name(session, "session name")
@@ -753,6 +768,7 @@ class MachineVerbs:
         rec = self._machine(session)
         with session_lock(self.store_path, session), \
                 self.activity.doing(session, "save", checkpoint=name):
+            rec = self._still(session, lineage, rec)
             # A restore killed after libvirt took its files (no daemon ran recover since):
             # finished first, so the log says where the machine came from and the save builds
             # on its chain.

@@ -291,12 +291,17 @@ class OfflineVerbs:
         except Exception:  # the store itself may be what failed; the raise above says why
             pass
 
-    def delete_checkpoint(self, session: str, checkpoint: str) -> dict[str, Any]:
-        """Delete a checkpoint's record (its chunks wait for gc); what was deleted."""
+    def delete_checkpoint(self, session: str, checkpoint: str, lineage: str | None = None
+                          ) -> dict[str, Any]:
+        """Delete a checkpoint's record (its chunks wait for gc); what was deleted.
+        ``lineage``: the session the caller means (a mount's directory); NoSuchSession when
+        the session by that name is another now, checked under its lock."""
         validate_name(session, "session name")
         validate_name(checkpoint, "checkpoint name")
         self.ledger.checkpoint(session, checkpoint)  # unknown: say so before a lock file is made
         with session_lock(self.store_path, session):
+            if lineage is not None and self.ledger.session(session).lineage != lineage:
+                raise NoSuchSession(session=session)
             self.ledger.checkpoint(session, checkpoint)  # and again, stable under the lock
             with self.store.env.begin(write=True) as txn:
                 ev = self.ledger.delete_checkpoint(txn, session, checkpoint)
