@@ -106,6 +106,7 @@ def test_directories_a_shell_sits_in_act_on_nothing_once_their_session_is_made_a
         old_session = walk(tree, "sessions", "r")
         old_cps = walk(tree, "sessions", "r", "checkpoints")
         old_forks = walk(tree, "sessions", "r", "checkpoints", "c", "forks")
+        held_fh, _ = tree.open(walk(tree, "sessions", "r", "resume"), os.O_WRONLY | os.O_TRUNC)
         k.remove_session("r")
         k.import_files("r", "c", [tmp_path / "f"])
         k.import_files("r", "d", [tmp_path / "f"])
@@ -114,9 +115,11 @@ def test_directories_a_shell_sits_in_act_on_nothing_once_their_session_is_made_a
         for act in (lambda: tree.listdir(old_cps), lambda: tree.lookup(old_cps, "c"),
                     lambda: tree.mkdir(old_cps, "x"), lambda: tree.rmdir(old_cps, "c"),
                     lambda: tree.mkdir(old_forks, "f2"), lambda: tree.listdir(old_forks),
-                    lambda: tree.refuse(old_session, "resume", "create")):
+                    lambda: tree.refuse(old_session, "resume", "create"),
+                    lambda: tree.write(held_fh, 0, b"c\n")):  # (a descriptor held across)
             with pytest.raises(NoSuchFile):
                 act()
+        tree.release(held_fh)
         assert k.ledger.last_seq("r") == before  # no event, nothing saved or deleted
         assert k.ledger.session("r").lineage == new.lineage
         assert k.ledger.checkpoint_names("r") == ["c", "d"]

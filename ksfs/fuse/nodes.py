@@ -34,6 +34,7 @@ from ksfs.errors import (
     KsfsError,
     NoSuchCheckpoint,
     NoSuchFile,
+    NotFound,
     NotPermitted,
 )
 from ksfs.lru import LRU
@@ -184,6 +185,17 @@ class DynamicFile(Node):
 
 class ResumeFile(DynamicFile):
     mode = RESUME_MODE
+
+    def require_current(self) -> None:
+        """NoSuchFile (ENOENT) when the session this file was opened in is gone or another
+        now by its name (a descriptor held across a removal): nothing is restored, and no
+        event goes in the namesake's log."""
+        try:
+            lineage = self.keeper.ledger.session(self.session).lineage
+        except NotFound:
+            lineage = None
+        if lineage != self.key[1]:
+            raise NoSuchFile(what="session (removed)", name=self.session)
 
     def restore(self, data: bytes) -> None:
         """Restore the session to the checkpoint named in ``data`` (one trailing newline off)."""

@@ -639,6 +639,7 @@ class CheckpointTree:
     def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self.handle(fh)
         if isinstance(handle, ResumeHandle):
+            handle.node.require_current()
             with handle.lock:
                 if handle.refusal is not None:
                     raise handle.refusal
@@ -673,6 +674,7 @@ class CheckpointTree:
         with handle.lock:
             name = handle.pending()
             if name is not None:
+                handle.node.require_current()
                 self._resume_step(handle, lambda: handle.node.restore(name), name)
 
     def release(self, fh: int) -> None:
