@@ -600,6 +600,30 @@ async def test_a_new_sessions_gateway_listens_when_the_verb_asks(gw, provider, n
     assert gw.ports == {"s2": second}
 
 
+async def test_a_server_that_ends_is_started_again_without_stopping_the_supervisor(nursery):
+    """Review (thirty-fourth session): the supervisor's start of a session's server now waits
+    for its first bind, and a server that ended and was started again said "started" a second
+    time, which trio refuses (RuntimeError): the supervisor, and the mount with it, would
+    have stopped. A server that ends is started again, as before."""
+    from ksfs.daemon.gateways import GatewaySupervisor
+
+    class EndingGateway:
+        def __init__(self) -> None:
+            self.starts = 0
+
+        async def serve_session(self, session, port, token,
+                                task_status=trio.TASK_STATUS_IGNORED):
+            self.starts += 1
+            task_status.started(port)
+            await trio.sleep(0.05)  # then ends, with no error
+
+    gateway = EndingGateway()
+    await nursery.start(GatewaySupervisor(Targets({"s1": (1, "tok")}), gateway).run)
+    with trio.fail_after(10):
+        while gateway.starts < 3:
+            await trio.sleep(0.05)
+
+
 # --- F12: a second signal under a stream -------------------------------------------------------
 
 

@@ -102,7 +102,7 @@ async def _serve_one(gateway: Any, session: str, port: int, token: str,
 
 
 async def _serve_until_mended(gateway: Any, session: str, port: int, token: str,
-                              first_tried: Callable[[], None]) -> None:
+                              first_tried: Callable[[], None] | None) -> None:
     delay, attempt = RETRY_FIRST_S, 0
     while True:
         attempt += 1
@@ -113,8 +113,9 @@ async def _serve_until_mended(gateway: Any, session: str, port: int, token: str,
                     await nursery.start(functools.partial(gateway.serve_session, session,
                                                           port=port, token=token))
                 finally:
-                    if attempt == 1:
-                        first_tried()
+                    if first_tried is not None:  # once: the attempt count starts again
+                        first_tried()  # after a bind, and trio's started() takes one call
+                        first_tried = None
                 if attempt > 1:
                     log.info("gateway for session %s listening on port %s after %d attempts",
                              session, port, attempt)
