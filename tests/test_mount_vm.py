@@ -105,7 +105,10 @@ def test_lifecycle_through_the_mount(mounted) -> None:
     save_steps = ["taking the snapshot", "copying the machine's memory", "storing the memory",
                   "storing disk ", "publishing the checkpoint"]
     assert steps and all(any(step.startswith(k) for k in save_steps) for step in steps), steps
-    assert any(d["total"] and 0 <= d["done"] <= d["total"] for d in seen), seen
+    # and a step with figures, if the poll caught one, has sane ones (the poll may catch none
+    # on a fast host: CI, thirty-fourth session, saw only "taking the snapshot"; the figures
+    # themselves are checked from the steps a terminal is shown, below and in test_keeper_vm)
+    assert all(0 <= d["done"] <= d["total"] for d in seen if d["total"]), seen
     assert json.loads((sess / "status").read_text())["doing"] is None  # done: nothing in hand
     # `ksfs status` says the same through the daemon (its seq may have moved on meanwhile)
     said = json.loads(ksfs(mounted["store"], mounted["env"], "status", s, "--json").stdout)
