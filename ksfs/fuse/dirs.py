@@ -18,6 +18,7 @@ from ksfs.fuse.nodes import (
     RecordFile,
     ResumeFile,
     StoredFile,
+    require_lineage,
 )
 from ksfs.model import CheckpointRecord, validate_name
 
@@ -86,7 +87,7 @@ class SessionDir(Dir):
         self.mtime = rec.created
 
     def require_current(self) -> None:
-        _require_lineage(self.keeper, self.session, self.lineage)
+        require_lineage(self.keeper, self.session, self.lineage)
 
     def children(self) -> list[tuple[str, Node]]:
         # Checked on every listing and lookup: a shell sitting in a session removed since (or
@@ -129,7 +130,7 @@ class CheckpointsDir(Dir):
     def require_current(self) -> None:
         # (QA, thirty-fourth session: in a removed session's checkpoints/, with the session
         # made again, mkdir saved the new one's machine and rmdir deleted its checkpoint)
-        _require_lineage(self.keeper, self.session, self.lineage)
+        require_lineage(self.keeper, self.session, self.lineage)
 
     def children(self) -> list[tuple[str, Node]]:
         self.require_current()
@@ -300,12 +301,3 @@ class ForkDir(Dir):
     def describe(self) -> str:
         return f"the fork {self.child!r}"
 
-
-def _require_lineage(keeper: Any, session: str, lineage: str) -> None:
-    """NoSuchFile unless ``session`` is still the session of ``lineage``."""
-    try:
-        rec = keeper.ledger.session(session)
-    except NoSuchSession:
-        rec = None
-    if rec is None or rec.lineage != lineage:
-        raise NoSuchFile(what="session (removed)", name=session)

@@ -34,7 +34,7 @@ from ksfs.errors import (
     KsfsError,
     NoSuchCheckpoint,
     NoSuchFile,
-    NotFound,
+    NoSuchSession,
     NotPermitted,
 )
 from ksfs.lru import LRU
@@ -152,6 +152,17 @@ class Dir(Node):
         return "/".join(str(k) for k in self.key)
 
 
+def require_lineage(keeper: Any, session: str, lineage: str) -> None:
+    """NoSuchFile (ENOENT) unless ``session`` is still the session of ``lineage``: not
+    removed, nor made again under its name (a node of the old one acts on nothing)."""
+    try:
+        rec = keeper.ledger.session(session)
+    except NoSuchSession:
+        rec = None
+    if rec is None or rec.lineage != lineage:
+        raise NoSuchFile(what="session (removed)", name=session)
+
+
 # --- files ------------------------------------------------------------------------------------
 
 
@@ -190,12 +201,7 @@ class ResumeFile(DynamicFile):
         """NoSuchFile (ENOENT) when the session this file was opened in is gone or another
         now by its name (a descriptor held across a removal): nothing is restored, and no
         event goes in the namesake's log."""
-        try:
-            lineage = self.keeper.ledger.session(self.session).lineage
-        except NotFound:
-            lineage = None
-        if lineage != self.key[1]:
-            raise NoSuchFile(what="session (removed)", name=self.session)
+        require_lineage(self.keeper, self.session, self.key[1])
 
     def restore(self, data: bytes) -> None:
         """Restore the session to the checkpoint named in ``data`` (one trailing newline off)."""

@@ -25,7 +25,6 @@ from ksfs.errors import (
     BadInput,
     BadName,
     KsfsError,
-    NoSuchSession,
     NotFound,
     NotPermitted,
     NotRunning,
@@ -272,18 +271,6 @@ class MachineVerbs:
             uri = os.environ.get("KSFS_LIBVIRT_URI", "qemu:///system")
             self._vm = _controller(uri, self.store_path / "vm")
         return self._vm
-
-    def _still(self, session: str, lineage: str | None, rec: SessionRecord | None = None
-               ) -> SessionRecord:
-        """The session's record, read again under its lock when the caller named a lineage;
-        NoSuchSession when ``session`` is now another session of that name (removed and made
-        again meanwhile: QA, thirty-fourth session)."""
-        if lineage is None:
-            return rec if rec is not None else self.ledger.session(session)
-        now = self.ledger.session(session)
-        if now.lineage != lineage:
-            raise NoSuchSession(session=session)
-        return now
 
     def _machine(self, session: str) -> SessionRecord:
         rec = self.ledger.session(session)
@@ -768,7 +755,7 @@ class MachineVerbs:
         rec = self._machine(session)
         with session_lock(self.store_path, session), \
                 self.activity.doing(session, "save", checkpoint=name):
-            rec = self._still(session, lineage, rec)
+            self._require_lineage(session, lineage)
             # A restore killed after libvirt took its files (no daemon ran recover since):
             # finished first, so the log says where the machine came from and the save builds
             # on its chain.

@@ -291,6 +291,13 @@ class OfflineVerbs:
         except Exception:  # the store itself may be what failed; the raise above says why
             pass
 
+    def _require_lineage(self, session: str, lineage: str | None) -> None:
+        """Under the session's lock, for a caller that names the session it means (a mount's
+        directory): NoSuchSession when ``session`` is now another session of that name,
+        removed and made again meanwhile (QA, thirty-fourth session). None: no check."""
+        if lineage is not None and self.ledger.session(session).lineage != lineage:
+            raise NoSuchSession(session=session)
+
     def delete_checkpoint(self, session: str, checkpoint: str, lineage: str | None = None
                           ) -> dict[str, Any]:
         """Delete a checkpoint's record (its chunks wait for gc); what was deleted.
@@ -300,8 +307,7 @@ class OfflineVerbs:
         validate_name(checkpoint, "checkpoint name")
         self.ledger.checkpoint(session, checkpoint)  # unknown: say so before a lock file is made
         with session_lock(self.store_path, session):
-            if lineage is not None and self.ledger.session(session).lineage != lineage:
-                raise NoSuchSession(session=session)
+            self._require_lineage(session, lineage)
             self.ledger.checkpoint(session, checkpoint)  # and again, stable under the lock
             with self.store.env.begin(write=True) as txn:
                 ev = self.ledger.delete_checkpoint(txn, session, checkpoint)
